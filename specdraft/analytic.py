@@ -1,0 +1,64 @@
+"""Analytic throughput model of speculative decoding.
+
+Assume each draft token is accepted independently with probability alpha (Leviathan et al.,
+"Fast Inference from Transformers via Speculative Decoding", ICML 2023, Sec. 3.1). With draft
+length k, the number of tokens one step emits (accepted drafts plus the recovered/bonus token) is
+
+    E[tokens | k] = (1 - alpha^(k + 1)) / (1 - alpha)                      (Leviathan eq. 1)
+
+and one step costs k draft steps plus one target forward over k + 1 tokens
+
+    T_step(k) = k * T_draft + T_target(k + 1)
+
+(Yan, Agarwal, Venkataraman, "Decoding Speculative Decoding", NAACL 2025, Sec. 3: throughput is
+E[tokens] / T_step; unlike Leviathan's c = T_draft / T_target, T_target depends on k here, which on
+a CPU is far from constant). Plain decoding is k = 0: one token per T_target(1).
+"""
+
+from __future__ import annotations
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """E[tokens per step] = (1 - alpha^(k+1)) / (1 - alpha); equals k + 1 at alpha = 1."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def alpha_from_mean_accepted(mean_tokens: float, k: int, tol: float = 1e-6) -> float:
+    """Invert :func:`expected_tokens`: the alpha whose E[tokens | k] equals ``mean_tokens``.
+
+    ``mean_tokens`` is the mean accepted length *with* the bonus token (1 <= m <= k + 1).
+    """
+    if k <= 0 or mean_tokens <= 1.0:
+        return 0.0
+    if mean_tokens >= k + 1:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    while hi - lo > tol:  # expected_tokens is increasing in alpha
+        mid = (lo + hi) / 2
+        if expected_tokens(mid, k) < mean_tokens:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def step_time(k: int, t_draft: float, t_target: "callable") -> float:
+    """T_step(k) = k * T_draft + T_target(k + 1); ``t_target(n)`` is a forward over n tokens."""
+    return k * t_draft + t_target(k + 1)
+
+
+def throughput(alpha: float, k: int, t_draft: float, t_target: "callable") -> float:
+    """Predicted tokens per second per row: E[tokens | k] / T_step(k)."""
+    return expected_tokens(alpha, k) / step_time(k, t_draft, t_target)
+
+
+def speedup(alpha: float, k: int, t_draft: float, t_target: "callable") -> float:
+    """Predicted speedup over plain decoding (k = 0) with the same target."""
+    return throughput(alpha, k, t_draft, t_target) / throughput(alpha, 0, t_draft, t_target)
+
+
+def best_k(alpha: float, t_draft: float, t_target: "callable", k_max: int = 8) -> int:
+    """The draft length in 0..k_max with the highest predicted throughput (0 = do not speculate)."""
+    return max(range(k_max + 1), key=lambda k: throughput(alpha, k, t_draft, t_target))

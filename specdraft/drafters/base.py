@@ -1,0 +1,111 @@
+"""The drafter protocol: propose k tokens (with q when the drafter has one); observe acceptance.
+
+A drafter keeps per-batch state in a :class:`DraftState` (a cache, counters); the engine creates it,
+compacts it when rows leave and appends to it when rows join, exactly as it does the target's cache.
+New drafters are new files implementing :class:`Drafter`; the loop never special-cases them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from specdraft.verify import SamplingParams
+
+
+@dataclass
+class Proposal:
+    """What a drafter proposes for one step.
+
+    Attributes:
+        tokens: ``(B, k)`` draft tokens (junk past ``num_valid``).
+        probs: ``(B, k, V)`` the draft distribution q each token was sampled from (processed with
+            the same temperature / top-k / top-p as p), or None for drafters without one. Greedy
+            runs never need it.
+        num_valid: ``(B,)`` how many tokens each row really proposes (None = all k). A drafter
+            with nothing to say for a row (an n-gram with no match) proposes 0 there.
+    """
+
+    tokens: torch.Tensor
+    probs: torch.Tensor | None = None
+    num_valid: torch.Tensor | None = None
+
+
+@dataclass
+class DraftContext:
+    """What the engine tells a drafter about the batch before it proposes.
+
+    Attributes:
+        tokens: ``(B, S)`` committed token buffer (prompt + output) per row.
+        lengths: ``(B,)`` committed tokens per row; the last committed token is at ``lengths - 1``.
+        params: sampling parameters per row.
+        generators: one per row (the request's own randomness).
+        target_hidden: hidden states the engine asked the target for at its last forward
+            (``{layer: (B, T, C)}``), for feature-level drafters; empty otherwise.
+    """
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    params: list[SamplingParams]
+    generators: list[torch.Generator | None]
+    target_hidden: dict | None = None
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(p.greedy for p in self.params)
+
+
+class DraftState:
+    """Per-batch drafter state. Stateless drafters use this as is."""
+
+    def __init__(self, batch_size: int):
+        self.batch_size = batch_size
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.batch_size = len(rows)
+
+    def append(self, other: "DraftState") -> None:
+        self.batch_size += other.batch_size
+
+
+class Drafter(Protocol):
+    """Proposes draft tokens. ``name`` is shown in statistics and reports."""
+
+    name: str
+    vocab_size: int | None
+
+    def new_state(self, batch_size: int, capacity: int) -> DraftState:
+        """State for ``batch_size`` new rows whose positions stay below ``capacity``."""
+        ...
+
+    def propose(self, state: DraftState, ctx: DraftContext, k: int) -> Proposal:
+        """Propose up to k tokens per row following ``ctx.tokens[b, : ctx.lengths[b]]``."""
+        ...
+
+    def observe(self, state: DraftState, num_accepted: torch.Tensor) -> None:
+        """Told after verification how many of the proposed tokens each row accepted."""
+        ...
+
+
+def choose_tokens(logits: torch.Tensor, ctx: DraftContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Pick one draft token per row from ``(B, V)`` logits: argmax when every row is greedy,
+    else sample each sampling row from q (processed like p) and return q too.
+
+    Returns:
+        tokens ``(B,)`` and q ``(B, V)`` (None when all rows are greedy).
+    """
+    if ctx.all_greedy:
+        return logits.argmax(-1), None
+    from specdraft.verify import logits_to_probs, sample
+
+    tokens = logits.argmax(-1)
+    q = torch.zeros_like(logits, dtype=torch.float32)
+    for b, (params, gen) in enumerate(zip(ctx.params, ctx.generators)):
+        if params.greedy:
+            q[b, tokens[b]] = 1.0
+        else:
+            q[b] = logits_to_probs(logits[b], params)
+            tokens[b] = sample(q[b], gen)
+    return tokens, q

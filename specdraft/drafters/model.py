@@ -1,0 +1,86 @@
+"""Drafting with a model: an independent small LM, or the target's own layers (layer-pruned).
+
+The draft runs k autoregressive steps over its own cache. After verification it keeps what was
+accepted: it fed the last committed token and d_1..d_{k-1}, so with n accepted its cache is valid
+for ``L + min(n, k - 1)`` tokens (L = committed length before the step). Everything committed
+beyond that (the recovered/bonus token, and d_k when all k were accepted) is fed at the start of
+the next proposal, right-padded across rows. Rollback is that length change, never a copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdraft.drafters.base import DraftContext, DraftState, Proposal, choose_tokens
+from specdraft.models.runtime import Runtime
+
+
+class ModelDraftState(DraftState):
+    """The draft's cache and how many committed tokens of each row it holds (``fed``)."""
+
+    def __init__(self, runtime: Runtime, batch_size: int, capacity: int):
+        super().__init__(batch_size)
+        self.kv = runtime.new_state(batch_size, capacity)
+        self.fed = torch.zeros(batch_size, dtype=torch.int64)  # (B,)
+        self.base = torch.zeros(batch_size, dtype=torch.int64)  # (B,) L at the last proposal
+        self.k = 0
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        super().select_rows(rows)
+        self.kv.select_rows(rows)
+        self.fed, self.base = self.fed[rows], self.base[rows]
+
+    def append(self, other: "ModelDraftState") -> None:
+        super().append(other)
+        self.kv.append(other.kv)
+        self.fed = torch.cat([self.fed, other.fed])
+        self.base = torch.cat([self.base, other.base])
+
+
+class ModelDrafter:
+    """A draft model driven through the runtime protocol.
+
+    Args:
+        runtime: the draft's runtime (a small model, or a layer subset of the target).
+        name: shown in statistics, e.g. ``prune:0,1,2,29``.
+    """
+
+    def __init__(self, runtime: Runtime, name: str):
+        self.runtime = runtime
+        self.name = name
+        self.vocab_size = runtime.vocab_size
+
+    def new_state(self, batch_size: int, capacity: int) -> ModelDraftState:
+        return ModelDraftState(self.runtime, batch_size, capacity)
+
+    def propose(self, state: ModelDraftState, ctx: DraftContext, k: int) -> Proposal:
+        B = ctx.lengths.shape[0]
+        L = ctx.lengths
+        # 1. catch up on committed tokens the draft has not seen (>= 1: the last one never is)
+        pending = L - state.fed  # (B,)
+        P = int(pending.max())
+        offs = torch.arange(P)
+        positions = state.fed.unsqueeze(1) + offs  # (B, P); right padding lands past L - 1
+        tokens = ctx.tokens.gather(1, positions.clamp(max=ctx.tokens.shape[1] - 1))
+        last = (pending - 1).unsqueeze(1)  # (B, 1) index of each row's last real token
+        logits = self.runtime.forward(state.kv, tokens, positions, logits_index=last).logits[:, 0]
+
+        # 2. k autoregressive steps; d_i is fed at position L - 1 + i
+        draft = torch.empty(B, k, dtype=torch.int64)
+        probs = None
+        for i in range(k):
+            draft[:, i], q = choose_tokens(logits, ctx)
+            if q is not None:
+                if probs is None:
+                    probs = torch.zeros(B, k, q.shape[-1])
+                probs[:, i] = q
+            if i + 1 < k:
+                pos = (L + i).unsqueeze(1)  # (B, 1)
+                logits = self.runtime.forward(state.kv, draft[:, i : i + 1], pos).logits[:, 0]
+        state.fed = L.clone()
+        state.base = L.clone()
+        state.k = k
+        return Proposal(tokens=draft, probs=probs)
+
+    def observe(self, state: ModelDraftState, num_accepted: torch.Tensor) -> None:
+        state.fed = state.base + torch.clamp(num_accepted, max=max(state.k - 1, 0))

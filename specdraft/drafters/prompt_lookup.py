@@ -1,0 +1,52 @@
+"""Prompt lookup decoding (Saxena 2023; transformers' ``prompt_lookup_num_tokens``).
+
+Find the most recent earlier occurrence of the context's trailing n-gram (n from ``max_ngram``
+down to ``min_ngram``) and propose the tokens that followed it. No model, no distribution: q is a
+point mass, so sampling verification checks the draft against a sample from p.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdraft.drafters.base import DraftContext, DraftState, Proposal
+
+
+class PromptLookupDrafter:
+    """n-gram drafter over the row's own context (prompt and output so far)."""
+
+    name = "prompt-lookup"
+    vocab_size = None
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def new_state(self, batch_size: int, capacity: int) -> DraftState:
+        return DraftState(batch_size)
+
+    def _lookup(self, seq: torch.Tensor, k: int) -> torch.Tensor:
+        """Continuation (up to k tokens) of the latest earlier match of seq's trailing n-gram."""
+        L = seq.shape[0]
+        for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
+            windows = seq[: L - 1].unfold(0, n, 1)  # (L - n, n): every n-gram that has a successor
+            hits = (windows == seq[L - n :]).all(-1).nonzero().flatten()
+            if hits.numel():
+                start = int(hits[-1]) + n
+                return seq[start : start + k]
+        return seq[:0]
+
+    def propose(self, state: DraftState, ctx: DraftContext, k: int) -> Proposal:
+        B = ctx.tokens.shape[0]
+        tokens = torch.zeros(B, k, dtype=torch.int64)
+        num_valid = torch.zeros(B, dtype=torch.int64)
+        for b in range(B):
+            cont = self._lookup(ctx.tokens[b, : int(ctx.lengths[b])], k)
+            tokens[b, : cont.shape[0]] = cont
+            num_valid[b] = cont.shape[0]
+        return Proposal(tokens=tokens, probs=None, num_valid=num_valid)
+
+    def observe(self, state: DraftState, num_accepted: torch.Tensor) -> None:
+        pass

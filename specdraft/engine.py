@@ -1,0 +1,295 @@
+"""The decoding loop: prefill -> propose -> score -> verify -> commit/rollback, as step events.
+
+One :class:`Engine` holds a batch of rows (requests) over a target runtime and an optional
+drafter. Each :meth:`Engine.step` runs one speculative step for every active row and returns what
+each row emitted as :class:`StepEvent` s. Requests can join (:meth:`Engine.add`, prefilled on their
+own, then appended to the batch) and leave (finished, or :meth:`Engine.cancel`) between steps, which
+is what the server's continuous batching needs. :func:`generate` is the simple driver.
+
+Invariant per row: the target's cache holds every committed token but the last (``L - 1`` of
+``L``). A step feeds ``[last committed, d_1 .. d_k]`` at positions ``L - 1 .. L - 1 + k``: one
+forward over k + 1 tokens gives the target's distribution after each prefix. After n are accepted,
+the cache is valid up to position ``L - 1 + n``, which is exactly the new ``L' - 1`` (the
+recovered/bonus token is the new unfed last token): rollback costs nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from specdraft.drafters.base import DraftContext, Drafter
+from specdraft.errors import SpecdraftError
+from specdraft.models.runtime import Runtime
+from specdraft.policy import FixedK, KPolicy
+from specdraft.stats import SpecStats
+from specdraft.verify import SamplingParams, logits_to_probs, verify_greedy, verify_sampling
+
+_ids = itertools.count()
+
+
+@dataclass
+class Request:
+    """One sequence to continue.
+
+    Attributes:
+        prompt: token ids (non-empty).
+        max_new_tokens: upper bound on generated tokens (>= 1).
+        params: sampling parameters; the row's ``torch.Generator`` is seeded from ``params.seed``.
+        eos_ids: generation stops after emitting any of these.
+        id: set by the engine when the request is added.
+    """
+
+    prompt: list[int]
+    max_new_tokens: int = 128
+    params: SamplingParams = field(default_factory=SamplingParams)
+    eos_ids: tuple[int, ...] = ()
+    id: int = -1
+
+
+@dataclass
+class StepEvent:
+    """What one row emitted in one step.
+
+    Attributes:
+        request_id: the row's request.
+        tokens: output tokens this step (accepted drafts, then the recovered/bonus token).
+        from_draft: per token, whether it was a draft token the target accepted.
+        finished: no more tokens will come for this request.
+        finish_reason: ``"stop"`` (EOS), ``"length"`` (max_new_tokens) or ``"cancelled"``.
+    """
+
+    request_id: int
+    tokens: list[int]
+    from_draft: list[bool]
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+class Engine:
+    """A batch of rows decoded together with speculative decoding.
+
+    Args:
+        target: the model whose output is reproduced exactly.
+        drafter: proposes draft tokens; None (or k = 0) is plain autoregressive decoding.
+        policy: chooses the draft length k at each step.
+        hidden_layers: target hidden states to hand to the drafter (feature-level drafters).
+    """
+
+    def __init__(
+        self,
+        target: Runtime,
+        drafter: Drafter | None = None,
+        policy: KPolicy | None = None,
+        *,
+        hidden_layers: tuple[int, ...] = (),
+    ):
+        if drafter is not None and drafter.vocab_size not in (None, target.vocab_size):
+            raise SpecdraftError(
+                f"draft vocabulary ({drafter.vocab_size}) differs from the target's ({target.vocab_size}): "
+                "a draft must share the target's tokenizer"
+            )
+        self.target = target
+        self.drafter = drafter
+        self.policy = policy or FixedK(0 if drafter is None else 5)
+        self.hidden_layers = hidden_layers
+        self.stats = SpecStats()
+        self.requests: list[Request] = []
+        self.generators: list[torch.Generator] = []
+        self.generated = torch.zeros(0, dtype=torch.int64)  # (B,)
+        self.lengths = torch.zeros(0, dtype=torch.int64)  # (B,) committed tokens
+        self.tokens = torch.zeros(0, 0, dtype=torch.int64)  # (B, S) committed token buffer
+        self.kv = None
+        self.draft_state = None
+        self.target_hidden: dict = {}
+
+    # ------------------------------------------------------------------ batch membership
+    @property
+    def active(self) -> int:
+        return len(self.requests)
+
+    def _k_reserve(self) -> int:
+        return getattr(self.policy, "k_max", getattr(self.policy, "k", 8)) + 2
+
+    def add(self, requests: list[Request]) -> list[int]:
+        """Prefill new requests together and append them to the batch; returns their ids."""
+        if not requests:
+            return []
+        for r in requests:
+            if not r.prompt:
+                raise SpecdraftError("empty prompt: give at least one token")
+            if r.max_new_tokens < 1:
+                raise SpecdraftError(f"max_new_tokens must be >= 1, got {r.max_new_tokens}")
+            if len(r.prompt) + r.max_new_tokens > self.target.max_context:
+                raise SpecdraftError(
+                    f"prompt ({len(r.prompt)} tokens) + max_new_tokens ({r.max_new_tokens}) exceeds the "
+                    f"target's context window ({self.target.max_context})"
+                )
+        t0 = time.perf_counter()
+        n = len(requests)
+        capacity = max(len(r.prompt) + r.max_new_tokens for r in requests) + self._k_reserve()
+        capacity = max(capacity, self.tokens.shape[1])
+        lengths = torch.tensor([len(r.prompt) for r in requests])
+        tokens = torch.zeros(n, capacity, dtype=torch.int64)
+        for i, r in enumerate(requests):
+            tokens[i, : len(r.prompt)] = torch.tensor(r.prompt)
+        kv = self.target.new_state(n, capacity)
+        P = int(lengths.max()) - 1
+        if P > 0:  # the last prompt token is fed by the first step
+            positions = torch.arange(P).expand(n, P)  # right padding past each row's end is harmless
+            self.target.forward(kv, tokens[:, :P], positions, logits_index=(lengths - 2).clamp(min=0).unsqueeze(1))
+        draft_state = self.drafter.new_state(n, capacity) if self.drafter is not None else None
+
+        for r in requests:
+            r.id = next(_ids)
+            g = torch.Generator()
+            g.manual_seed(r.params.seed if r.params.seed is not None else int(torch.randint(2**62, ())))
+            self.generators.append(g)
+        if self.kv is None:
+            self.kv, self.draft_state, self.tokens = kv, draft_state, tokens
+        else:
+            self._grow(capacity)
+            self.kv.append(kv)
+            if draft_state is not None:
+                self.draft_state.append(draft_state)
+            self.tokens = torch.cat([self.tokens, tokens])
+        self.requests += requests
+        self.lengths = torch.cat([self.lengths, lengths])
+        self.generated = torch.cat([self.generated, torch.zeros(n, dtype=torch.int64)])
+        spent = time.perf_counter() - t0
+        self.stats.prefill_time += spent
+        self.stats.total_time += spent
+        return [r.id for r in requests]
+
+    def _grow(self, capacity: int) -> None:
+        if capacity > self.tokens.shape[1]:
+            grown = torch.zeros(self.tokens.shape[0], capacity, dtype=torch.int64)
+            grown[:, : self.tokens.shape[1]] = self.tokens
+            self.tokens = grown
+
+    def _keep(self, keep: list[int]) -> None:
+        rows = torch.tensor(keep, dtype=torch.int64)
+        self.requests = [self.requests[i] for i in keep]
+        self.generators = [self.generators[i] for i in keep]
+        self.lengths, self.generated, self.tokens = self.lengths[rows], self.generated[rows], self.tokens[rows]
+        if keep:
+            self.kv.select_rows(rows)
+            if self.draft_state is not None:
+                self.draft_state.select_rows(rows)
+        else:
+            self.kv = self.draft_state = None
+            self.tokens = torch.zeros(0, 0, dtype=torch.int64)
+
+    def cancel(self, request_id: int) -> StepEvent | None:
+        """Drop a request between steps (client gone, stop string hit); frees its cache row."""
+        for i, r in enumerate(self.requests):
+            if r.id == request_id:
+                self._keep([j for j in range(self.active) if j != i])
+                return StepEvent(request_id, [], [], finished=True, finish_reason="cancelled")
+        return None
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[StepEvent]:
+        """One speculative step for every active row."""
+        if not self.active:
+            return []
+        B = self.active
+        params = [r.params for r in self.requests]
+        all_greedy = all(p.greedy for p in params)
+        L = self.lengths
+        k = self.policy.choose() if self.drafter is not None else 0
+
+        # 1. propose
+        t0 = time.perf_counter()
+        draft_tokens = torch.zeros(B, 0, dtype=torch.int64)
+        draft_probs, num_valid = None, torch.zeros(B, dtype=torch.int64)
+        if k > 0:
+            ctx = DraftContext(self.tokens, L, params, self.generators, self.target_hidden)
+            prop = self.drafter.propose(self.draft_state, ctx, k)
+            draft_tokens, draft_probs = prop.tokens, prop.probs
+            num_valid = prop.num_valid if prop.num_valid is not None else torch.full((B,), k)
+            k = int(num_valid.max())  # trim columns nobody proposed
+            draft_tokens = draft_tokens[:, :k]
+            draft_probs = draft_probs[:, :k] if draft_probs is not None else None
+        t1 = time.perf_counter()
+
+        # 2. score [last committed, d_1..d_k] at positions L-1 .. L-1+k
+        last = self.tokens.gather(1, (L - 1).unsqueeze(1))  # (B, 1)
+        inp = torch.cat([last, draft_tokens], dim=1)  # (B, k + 1)
+        positions = (L - 1).unsqueeze(1) + torch.arange(k + 1)  # (B, k + 1)
+        out = self.target.forward(self.kv, inp, positions, hidden_layers=self.hidden_layers)
+        self.target_hidden = out.hidden
+        t2 = time.perf_counter()
+
+        # 3. verify
+        nv = num_valid if k else None
+        if all_greedy:
+            verdict = verify_greedy(draft_tokens, out.logits, nv)
+        else:
+            verdict = self._verify_mixed(draft_tokens, draft_probs, out.logits, params, nv)
+        n = verdict.num_accepted  # (B,)
+
+        # 4. commit: truncate at EOS and max_new_tokens, write into the token buffer
+        events, finished = [], []
+        emitted = torch.zeros(B, dtype=torch.int64)
+        for b, r in enumerate(self.requests):
+            toks = verdict.tokens[b, : int(n[b]) + 1].tolist()
+            room = r.max_new_tokens - int(self.generated[b])
+            toks = toks[:room]
+            reason = "length" if len(toks) == room else None
+            for j, t in enumerate(toks):
+                if t in r.eos_ids:
+                    toks, reason = toks[: j + 1], "stop"
+                    break
+            emitted[b] = len(toks)
+            self.tokens[b, int(L[b]) : int(L[b]) + len(toks)] = torch.tensor(toks, dtype=torch.int64)
+            from_draft = [j < int(n[b]) for j in range(len(toks))]
+            events.append(StepEvent(r.id, toks, from_draft, reason is not None, reason))
+            if reason is not None:
+                finished.append(b)
+        self.lengths = L + emitted
+        self.generated = self.generated + emitted
+        if k > 0:
+            self.drafter.observe(self.draft_state, n)
+        t3 = time.perf_counter()
+
+        self.stats.draft_time += t1 - t0
+        self.stats.target_time += t2 - t1
+        self.stats.observe(num_valid if k else torch.zeros(B, dtype=torch.int64), n, emitted)
+        self.policy.update(k, num_valid if k else torch.zeros(B, dtype=torch.int64), n, t1 - t0, t2 - t1)
+        if finished:
+            self._keep([b for b in range(B) if b not in finished])
+        self.stats.total_time += t3 - t0
+        return events
+
+    def _verify_mixed(self, draft_tokens, draft_probs, logits, params, num_valid):
+        """Sampling verification with per-row parameters; greedy rows use argmax matching."""
+        B = logits.shape[0]
+        p = torch.stack([logits_to_probs(logits[b], params[b]) for b in range(B)])  # (B, k + 1, V)
+        greedy_rows = [b for b in range(B) if params[b].greedy]
+        if greedy_rows:  # argmax as a point mass: sampling from it is the argmax
+            idx = torch.tensor(greedy_rows)
+            p[idx] = torch.nn.functional.one_hot(logits[idx].argmax(-1), p.shape[-1]).float()
+            if draft_probs is not None:
+                draft_probs = draft_probs.clone()
+                draft_probs[idx] = torch.nn.functional.one_hot(draft_tokens[idx], p.shape[-1]).float()
+        return verify_sampling(draft_tokens, draft_probs, p, self.generators, num_valid)
+
+
+def generate(engine: Engine, requests: list[Request]) -> Iterator[StepEvent]:
+    """Decode ``requests`` together until all finish, yielding step events as they come.
+
+    If the caller stops iterating early, the remaining rows are dropped so the engine is reusable.
+    """
+    ids = set(engine.add(requests))
+    try:
+        while any(r.id in ids for r in engine.requests):
+            yield from engine.step()
+    finally:
+        for r in list(engine.requests):
+            if r.id in ids:
+                engine.cancel(r.id)

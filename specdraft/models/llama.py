@@ -1,0 +1,279 @@
+"""A compact Llama-family forward (SmolLM2, Llama 1/2/3, Mistral, Qwen2-style q/k/v biases).
+
+Weights are taken from a transformers model once (q/k/v and gate/up fused into one matmul each),
+and a :class:`LlamaRuntime` runs any subset of the layers over a preallocated, position-indexed
+KV cache. Keeping a subset of layers is how the layer-pruned "shallow and wide" self-draft is
+built: it shares every tensor with the target and owns only its cache.
+
+Shapes: B batch rows, T new tokens, S cache slots, C hidden size, H query heads, G key/value
+heads, D head dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specdraft.errors import SpecdraftError
+from specdraft.models.runtime import ForwardOutput
+
+LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer, fused for fewer, larger matmuls."""
+
+    attn_norm: torch.Tensor  # (C,)
+    wqkv: torch.Tensor  # ((H + 2G) * D, C)
+    bqkv: torch.Tensor | None  # ((H + 2G) * D,) Qwen2 only
+    wo: torch.Tensor  # (C, H * D)
+    mlp_norm: torch.Tensor  # (C,)
+    w_gate_up: torch.Tensor  # (2 * I, C)
+    w_down: torch.Tensor  # (C, I)
+
+
+@dataclass
+class LlamaWeights:
+    """All weights of a Llama-family model plus the few config numbers the forward needs."""
+
+    embed: torch.Tensor  # (V, C)
+    layers: list[LayerWeights]
+    norm: torch.Tensor  # (C,)
+    lm_head: torch.Tensor  # (V, C); shares storage with embed when tied
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    eps: float
+    inv_freq: torch.Tensor  # (D/2,) float32, after any RoPE scaling
+    rope_scale: float  # the "attention_scaling" factor some RoPE types apply to cos/sin
+    max_context: int
+
+    @classmethod
+    def from_hf(cls, model, dtype: torch.dtype = torch.bfloat16) -> "LlamaWeights":
+        """Extract (and fuse) the weights of a transformers Llama-family causal LM."""
+        cfg = model.config
+        if cfg.model_type not in LLAMA_FAMILY:
+            raise SpecdraftError(
+                f"compact runtime supports {', '.join(LLAMA_FAMILY)}, not {cfg.model_type!r}; "
+                "use the transformers adapter (runtime='hf')"
+            )
+        inner = model.model
+
+        def w(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to(dtype).contiguous()
+
+        layers = []
+        for layer in inner.layers:
+            at, mlp = layer.self_attn, layer.mlp
+            bias = None
+            if getattr(at.q_proj, "bias", None) is not None:
+                bias = w(torch.cat([at.q_proj.bias, at.k_proj.bias, at.v_proj.bias]))
+            layers.append(
+                LayerWeights(
+                    attn_norm=w(layer.input_layernorm.weight),
+                    wqkv=w(torch.cat([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight])),
+                    bqkv=bias,
+                    wo=w(at.o_proj.weight),
+                    mlp_norm=w(layer.post_attention_layernorm.weight),
+                    w_gate_up=w(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+                    w_down=w(mlp.down_proj.weight),
+                )
+            )
+        embed = w(inner.embed_tokens.weight)
+        head = model.lm_head.weight
+        tied = head.data_ptr() == inner.embed_tokens.weight.data_ptr()
+        rotary = inner.rotary_emb
+        return cls(
+            embed=embed,
+            layers=layers,
+            norm=w(inner.norm.weight),
+            lm_head=embed if tied else w(head),
+            n_heads=cfg.num_attention_heads,
+            n_kv_heads=cfg.num_key_value_heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+            eps=cfg.rms_norm_eps,
+            inv_freq=rotary.inv_freq.detach().float().clone(),
+            rope_scale=float(getattr(rotary, "attention_scaling", 1.0)),
+            max_context=cfg.max_position_embeddings,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.embed.shape[1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+
+class LlamaKV:
+    """Preallocated per-layer key/value cache, ``(B, G, S, D)`` per layer and kind.
+
+    Nothing here tracks lengths: the loop decides which positions are valid, and the forward's
+    causal rule (a query at position p sees slots 0..p) ignores anything stale beyond.
+    """
+
+    def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, capacity: int, head_dim: int, dtype):
+        shape = (batch_size, n_kv_heads, capacity, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(n_layers)]
+
+    @property
+    def batch_size(self) -> int:
+        return self.k[0].shape[0] if self.k else 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[2] if self.k else 0
+
+    def ensure_capacity(self, capacity: int) -> None:
+        """Grow the slot dimension (a copy; happens rarely, e.g. when a long request joins)."""
+        if capacity <= self.capacity:
+            return
+        for cache in (self.k, self.v):
+            for i, t in enumerate(cache):
+                grown = t.new_zeros(t.shape[0], t.shape[1], capacity, t.shape[3])
+                grown[:, :, : t.shape[2]] = t
+                cache[i] = grown
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (in that order): how finished requests leave a batch."""
+        self.k = [t.index_select(0, rows) for t in self.k]
+        self.v = [t.index_select(0, rows) for t in self.v]
+
+    def append(self, other: "LlamaKV") -> None:
+        """Append another state's rows: how new requests join a batch after their prefill."""
+        cap = max(self.capacity, other.capacity)
+        self.ensure_capacity(cap)
+        other.ensure_capacity(cap)
+        self.k = [torch.cat([a, b]) for a, b in zip(self.k, other.k)]
+        self.v = [torch.cat([a, b]) for a, b in zip(self.v, other.v)]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as transformers' Llama computes it: statistics in float32, weight in model dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LlamaRuntime:
+    """A Llama-family model (or a subset of its layers) over :class:`LlamaKV`.
+
+    Args:
+        weights: extracted weights, shared between runtimes built from the same target.
+        layer_ids: which decoder layers to run, in order; ``None`` keeps all (the target).
+            A subset gives the untrained layer-pruned self-draft.
+    """
+
+    def __init__(self, weights: LlamaWeights, layer_ids: list[int] | None = None):
+        n = len(weights.layers)
+        self.layer_ids = list(range(n)) if layer_ids is None else list(layer_ids)
+        bad = [i for i in self.layer_ids if not 0 <= i < n]
+        if bad or not self.layer_ids:
+            raise SpecdraftError(f"layer ids {self.layer_ids} invalid for a {n}-layer model")
+        self.w = weights
+        self.layers = [weights.layers[i] for i in self.layer_ids]
+        self.vocab_size = weights.vocab_size
+        self.max_context = weights.max_context
+        self.dtype = weights.dtype
+        self._rope_len = 0
+        self._cos = self._sin = None
+
+    def __repr__(self) -> str:
+        return f"LlamaRuntime(layers={len(self.layers)}/{len(self.w.layers)}, dtype={self.dtype})"
+
+    def new_state(self, batch_size: int, capacity: int) -> LlamaKV:
+        w = self.w
+        return LlamaKV(len(self.layers), batch_size, w.n_kv_heads, capacity, w.head_dim, w.dtype)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        need = int(positions.max()) + 1
+        if need > self._rope_len:
+            n = max(need, 2 * self._rope_len, 1024)
+            t = torch.arange(n, dtype=torch.float32)
+            freqs = torch.outer(t, self.w.inv_freq)  # (n, D/2)
+            emb = torch.cat((freqs, freqs), dim=-1)  # (n, D)
+            self._cos = (emb.cos() * self.w.rope_scale).to(self.dtype)
+            self._sin = (emb.sin() * self.w.rope_scale).to(self.dtype)
+            self._rope_len = n
+        # (B, 1, T, D): broadcast over heads
+        return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        state: LlamaKV,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        hidden_layers: tuple[int, ...] = (),
+        attn_mask: torch.Tensor | None = None,
+        logits_index: torch.Tensor | None = None,
+    ) -> ForwardOutput:
+        w = self.w
+        B, T = tokens.shape
+        H, G, D = w.n_heads, w.n_kv_heads, w.head_dim
+        if int(positions.max()) >= state.capacity:
+            raise SpecdraftError(f"position {int(positions.max())} beyond cache capacity {state.capacity}")
+
+        # Where do the new keys go? One contiguous run shared by all rows (batch 1, or equal
+        # lengths) is a slice write; ragged rows scatter by position.
+        start = int(positions[0, 0])
+        contiguous = bool((positions == start + torch.arange(T)).all())
+        S = int(positions.max()) + 1 if attn_mask is None else attn_mask.shape[-1]
+        if attn_mask is not None:
+            mask = attn_mask.unsqueeze(1)  # (B, 1, T, S)
+        elif contiguous and T == 1:
+            mask = None  # the single query sees every slot 0..S-1
+        else:
+            mask = (torch.arange(S) <= positions.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, S)
+        if not contiguous:
+            rows = torch.arange(B).view(B, 1, 1)
+            heads = torch.arange(G).view(1, G, 1)
+            slots = positions.unsqueeze(1)  # (B, 1, T)
+
+        cos, sin = self._rope(positions)
+        x = w.embed[tokens]  # (B, T, C)
+        wanted = set(hidden_layers)
+        hidden: dict[int, torch.Tensor] = {}
+        for li, (layer, k_cache, v_cache) in enumerate(zip(self.layers, state.k, state.v)):
+            h = rms_norm(x, layer.attn_norm, w.eps)
+            qkv = F.linear(h, layer.wqkv, layer.bqkv)  # (B, T, (H + 2G) * D)
+            q, k, v = qkv.view(B, T, H + 2 * G, D).transpose(1, 2).split((H, G, G), dim=1)
+            q = q * cos + rotate_half(q) * sin  # (B, H, T, D)
+            k = k * cos + rotate_half(k) * sin  # (B, G, T, D)
+            if contiguous:
+                k_cache[:, :, start : start + T] = k
+                v_cache[:, :, start : start + T] = v
+            else:
+                k_cache.index_put_((rows, heads, slots), k)
+                v_cache.index_put_((rows, heads, slots), v)
+            att = F.scaled_dot_product_attention(
+                q, k_cache[:, :, :S], v_cache[:, :, :S], attn_mask=mask, enable_gqa=G != H
+            )  # (B, H, T, D)
+            x = x + F.linear(att.transpose(1, 2).reshape(B, T, H * D), layer.wo)
+            h = rms_norm(x, layer.mlp_norm, w.eps)
+            gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.w_down)
+            if li in wanted:
+                hidden[li] = x
+        x = rms_norm(x, w.norm, w.eps)
+        if -1 in wanted:
+            hidden[-1] = x
+        if logits_index is not None:
+            x = x.gather(1, logits_index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+        logits = F.linear(x, w.lm_head).float()  # (B, T, V)
+        return ForwardOutput(logits=logits, hidden=hidden)

@@ -1,0 +1,91 @@
+"""The model runtime protocol: the only thing the decoding loop knows about a model.
+
+A runtime owns weights; a :class:`KVState` owns one batch's cache. The loop calls
+
+    out = runtime.forward(state, tokens, positions)        # tokens, positions: (B, T)
+
+which writes the new keys/values at ``positions`` and returns logits for every input position.
+Rollback is free: a cache entry at position p is only ever read by queries at positions >= p, and
+every position a later query can see is rewritten before it is read. So the loop never copies the
+cache; it simply feeds the next tokens at the positions it wants to (re)write.
+
+Two implementations live in this package: :class:`specdraft.models.llama.LlamaRuntime`, a compact
+Llama-family forward with a preallocated position-indexed cache (batch >= 1, ragged rows), and
+:class:`specdraft.models.hf.HFRuntime`, an adapter over any transformers causal LM (batch 1,
+cache cropping). A quantized or llama.cpp-backed runtime would be a third.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class ForwardOutput:
+    """What a forward returns.
+
+    Attributes:
+        logits: ``(B, T, V)`` float logits, one row per input position (or per ``logits_index``).
+        hidden: requested hidden states, ``{layer: (B, T, C)}``; layer ``i`` is the residual
+            stream after decoder layer ``i`` (``-1``: after the final norm).
+    """
+
+    logits: torch.Tensor
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class KVState(Protocol):
+    """One batch's cache. ``batch_size`` rows; rows can be selected (compacted) or appended."""
+
+    batch_size: int
+
+    def select_rows(self, rows: torch.Tensor) -> None: ...
+
+    def append(self, other: "KVState") -> None: ...
+
+
+@runtime_checkable
+class Runtime(Protocol):
+    """A causal LM that the loop can drive.
+
+    Attributes:
+        vocab_size: number of logits per position.
+        max_context: the largest position + 1 this model supports.
+        dtype: compute dtype.
+    """
+
+    vocab_size: int
+    max_context: int
+    dtype: torch.dtype
+
+    def new_state(self, batch_size: int, capacity: int) -> KVState:
+        """A cache for ``batch_size`` rows that can hold positions ``< capacity``."""
+        ...
+
+    def forward(
+        self,
+        state: KVState,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        hidden_layers: tuple[int, ...] = (),
+        attn_mask: torch.Tensor | None = None,
+        logits_index: torch.Tensor | None = None,
+    ) -> ForwardOutput:
+        """Run the model over new tokens.
+
+        Args:
+            state: the batch's cache; keys/values of the new tokens are written at ``positions``.
+            tokens: ``(B, T)`` token ids.
+            positions: ``(B, T)`` absolute positions (RoPE and cache slot). Rows may differ
+                (ragged batches); padding is right-padding at positions past the row's real tokens.
+            hidden_layers: which layers' hidden states to return.
+            attn_mask: optional ``(B, T, S)`` bool mask (True = may attend) over cache slots
+                ``0..S-1``, replacing the default causal rule ``key_pos <= query_pos`` (tree
+                verification).
+            logits_index: optional ``(B, n)`` indices into T: compute logits only there.
+        """
+        ...

@@ -1,0 +1,172 @@
+"""Verification: draft tokens, draft probabilities (or none) and target logits in, a verdict out.
+
+Vocabulary (as vLLM's rejection sampler defines it):
+
+- *draft tokens*: the k tokens the drafter proposed for a row.
+- *accepted*: the longest prefix of the draft tokens that verification keeps.
+- *recovered* token: when draft token i is rejected, the token emitted in its place.
+- *bonus* token: when all k are accepted, one more token sampled from the target at position k.
+- *output* tokens: accepted + (recovered or bonus); always ``accepted + 1`` tokens per step.
+
+Distributions follow the papers: ``p`` is the target's, ``q`` the draft's. Both are processed the
+same way (temperature, top-k, top-p) before they are compared.
+
+Nothing here calls a model, so stub logits test it directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdraft.errors import SpecdraftError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen.
+
+    Attributes:
+        temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+        top_k: keep only the k most likely tokens (0 = off).
+        top_p: keep the smallest set of tokens whose probability reaches top_p (1.0 = off).
+        seed: seeds the row's own ``torch.Generator``; None draws a fresh seed.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise SpecdraftError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise SpecdraftError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise SpecdraftError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, top-k and top-p, then softmax, over the last dim (any leading shape)."""
+    logits = logits.float() / max(params.temperature, 1e-5)
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        # drop a token when the mass before it already reaches top_p (the first always stays)
+        drop_sorted = (cum - sorted_logits.softmax(-1)) >= params.top_p
+        drop = drop_sorted.scatter(-1, idx, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One sample per row of ``probs`` (..., V) -> (...)."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    out = torch.multinomial(flat, 1, generator=generator)
+    return out.view(probs.shape[:-1])
+
+
+@dataclass
+class Verdict:
+    """The result of verifying one step for a batch.
+
+    Attributes:
+        num_accepted: ``(B,)`` accepted draft tokens per row (0..k).
+        tokens: ``(B, k + 1)``; row b's output tokens are ``tokens[b, : num_accepted[b] + 1]``
+            (accepted drafts, then the recovered or bonus token). Entries past that are junk.
+    """
+
+    num_accepted: torch.Tensor
+    tokens: torch.Tensor
+
+
+def _first_rejection(accept: torch.Tensor, num_valid: torch.Tensor | None) -> torch.Tensor:
+    """Length of the all-True prefix of ``accept`` (B, k), capped at ``num_valid``."""
+    n = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)  # (B,)
+    return n if num_valid is None else torch.minimum(n, num_valid)
+
+
+def verify_greedy(
+    draft_tokens: torch.Tensor, target_logits: torch.Tensor, num_valid: torch.Tensor | None = None
+) -> Verdict:
+    """Accept the longest prefix equal to the target's argmax.
+
+    Args:
+        draft_tokens: ``(B, k)``.
+        target_logits: ``(B, k + 1, V)``; position i scores the token after draft token i - 1.
+        num_valid: ``(B,)`` how many draft tokens each row really proposed (None = all k).
+    """
+    target_tokens = target_logits.argmax(-1)  # (B, k + 1)
+    n = _first_rejection(draft_tokens == target_tokens[:, :-1], num_valid)
+    # accepted drafts equal the target's choice, so the target's argmax row is the output
+    return Verdict(num_accepted=n, tokens=target_tokens)
+
+
+def verify_sampling(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    generators: list[torch.Generator | None],
+    num_valid: torch.Tensor | None = None,
+) -> Verdict:
+    """Lossless speculative sampling (Leviathan et al. 2023; Chen et al. 2023).
+
+    Accept draft token x_i with probability ``min(1, p_i(x_i) / q_i(x_i))``. At the first
+    rejection emit a recovered token from ``norm(max(p_i - q_i, 0))``; when all k are accepted emit
+    a bonus token from ``p_k``. The emitted sequence is then distributed exactly as sampling from p.
+
+    A draft without a distribution (``draft_probs=None``, e.g. n-gram lookup) is a point mass: it is
+    verified by exact match against a sample from p, which is the same rule with ``q = one_hot(x)``.
+
+    Args:
+        draft_tokens: ``(B, k)``.
+        draft_probs: ``(B, k, V)`` q, processed like p, or None.
+        target_probs: ``(B, k + 1, V)`` p after temperature / top-k / top-p.
+        generators: one per row (each request owns its randomness).
+        num_valid: ``(B,)`` real proposals per row; positions past it are never accepted.
+    """
+    B, k = draft_tokens.shape
+    if k == 0:
+        tokens = torch.stack([sample(target_probs[b], generators[b]) for b in range(B)])
+        return Verdict(num_accepted=torch.zeros(B, dtype=torch.int64), tokens=tokens)
+    if draft_probs is None:
+        # sample x_i ~ p_i at every position; accept while draft == sample; the first sample
+        # that differs is the recovered token, sample k is the bonus.
+        tokens = torch.stack([sample(target_probs[b], generators[b]) for b in range(B)])  # (B, k + 1)
+        n = _first_rejection(draft_tokens == tokens[:, :-1], num_valid)
+        return Verdict(num_accepted=n, tokens=tokens)
+
+    p = target_probs[:, :-1]  # (B, k, V)
+    p_x = p.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # (B, k)
+    q_x = draft_probs.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # (B, k)
+    u = torch.stack([torch.rand(k, generator=generators[b]) for b in range(B)])  # (B, k)
+    # u < p/q  <=>  u * q < p  (q_x > 0 since x was sampled from q; this form avoids dividing)
+    n = _first_rejection(u * q_x < p_x, num_valid)
+
+    tokens = torch.empty(B, k + 1, dtype=torch.int64)
+    tokens[:, :k] = draft_tokens
+    rows = torch.arange(B)
+    at = n.clamp(max=k)  # where the recovered/bonus token goes
+    p_at = target_probs[rows, at]  # (B, V)
+    q_at = torch.zeros_like(p_at)
+    rejected = n < k
+    if num_valid is not None:
+        # a row that proposed fewer than k tokens and accepted all of them samples from p there
+        rejected = rejected & (n < num_valid)
+    q_at[rejected] = draft_probs[rows[rejected], at[rejected]]
+    residual = (p_at - q_at).clamp_min(0)  # (B, V); equals p_at where q_at is zero (bonus)
+    mass = residual.sum(-1, keepdim=True)
+    # p == q exactly leaves no residual mass; any sample from p is then correct
+    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_at)
+    for b in range(B):
+        tokens[b, at[b]] = sample(residual[b], generators[b])
+    return Verdict(num_accepted=n, tokens=tokens)
