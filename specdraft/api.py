@@ -1,0 +1,299 @@
+"""Python API: load a target and a drafter by name, generate text, stream step events.
+
+    from specdraft import api
+    pipe = api.load("smollm2-135m", draft="prune:0,1,2,29")
+    result = pipe.generate("What is speculative decoding?", max_new_tokens=64, k=5)
+    print(result.text); print(result.stats.summary())
+    for delta in pipe.stream("Tell me a joke"):
+        print(delta.text, end="")
+
+Draft specs (``--draft`` on the CLI):
+
+- ``none``: plain autoregressive decoding.
+- ``default``: the project's default drafter for the target (see :data:`DEFAULT_DRAFT`).
+- ``prune:0,1,2,29``: the target's own layers 0, 1, 2 and 29 at full width, with its embedding and
+  LM head: the untrained "shallow and wide" layer-pruned self-draft.
+- ``lookup`` or ``lookup:N``: prompt lookup with n-grams up to N (default 3).
+- ``self``: the target drafting for itself (every draft accepted; for testing).
+- anything else: a model alias or path, loaded as an independent draft model.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from specdraft.drafters.base import Drafter
+from specdraft.drafters.model import ModelDrafter
+from specdraft.drafters.prompt_lookup import PromptLookupDrafter
+from specdraft.engine import Engine, Request, StepEvent, generate
+from specdraft.errors import SpecdraftError
+from specdraft.models.hf import HFRuntime
+from specdraft.models.llama import LLAMA_FAMILY, LlamaRuntime, LlamaWeights
+from specdraft.models.loading import DEFAULT_TARGET, LoadedModel, load_model
+from specdraft.models.runtime import Runtime
+from specdraft.policy import KPolicy, make_policy
+from specdraft.stats import SpecStats
+from specdraft.verify import SamplingParams
+
+DEFAULT_DRAFT = "lookup"
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU has native bf16 matmul (AVX512-BF16 or AMX); elsewhere bf16 is emulated."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    """``bf16`` / ``fp32`` / ``auto`` (bf16 where the CPU computes it natively, else fp32)."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    if name not in DTYPES:
+        raise SpecdraftError(f"unknown dtype {name!r}: use bf16, fp32 or auto")
+    return DTYPES[name]
+
+
+def set_threads(threads: int | None) -> None:
+    """Set torch's intra-op thread count (None: leave torch's default)."""
+    if threads is not None:
+        if threads < 1:
+            raise SpecdraftError(f"threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+
+
+def make_runtime(loaded: LoadedModel, kind: str = "auto") -> Runtime:
+    """The compact runtime for Llama-family models, the transformers adapter otherwise."""
+    model_type = loaded.model.config.model_type
+    if kind == "compact" or (kind == "auto" and model_type in LLAMA_FAMILY):
+        dtype = next(loaded.model.parameters()).dtype
+        return LlamaRuntime(LlamaWeights.from_hf(loaded.model, dtype))
+    if kind in ("auto", "hf"):
+        return HFRuntime(loaded.model)
+    raise SpecdraftError(f"unknown runtime {kind!r}: use auto, compact or hf")
+
+
+def _same_tokenizer(a, b) -> bool:
+    return len(a) == len(b) and a.get_vocab() == b.get_vocab()
+
+
+@dataclass
+class Pipeline:
+    """A loaded target, its runtime and a drafter, ready to generate.
+
+    Attributes:
+        target: the loaded target model and tokenizer.
+        runtime: the target's runtime.
+        drafter: the drafter, or None for plain decoding.
+        draft_spec: the spec the drafter was built from.
+    """
+
+    target: LoadedModel
+    runtime: Runtime
+    drafter: Drafter | None
+    draft_spec: str = "none"
+    _weights: LlamaWeights | None = field(default=None, repr=False)
+
+    @property
+    def tokenizer(self):
+        return self.target.tokenizer
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        ids = set()
+        tok = self.tokenizer
+        if tok.eos_token_id is not None:
+            ids.add(tok.eos_token_id)
+        eos = getattr(self.target.model.generation_config, "eos_token_id", None)
+        if eos is not None:
+            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+        return tuple(sorted(ids))
+
+    def encode(self, prompt: str | list[dict], chat: bool | None = None) -> list[int]:
+        """Prompt text (or chat messages) to token ids; instruct models get their chat template."""
+        tok = self.tokenizer
+        if isinstance(prompt, str) and not prompt.strip():
+            raise SpecdraftError("empty prompt")
+        use_chat = self.target.is_chat() if chat is None else chat
+        if isinstance(prompt, list) or use_chat:
+            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            return list(ids)
+        return tok(prompt, add_special_tokens=True)["input_ids"]
+
+    def engine(self, k: int | str | KPolicy = 5, hidden_layers: tuple[int, ...] = ()) -> Engine:
+        policy = k if hasattr(k, "choose") else make_policy(k)
+        return Engine(self.runtime, self.drafter, policy, hidden_layers=hidden_layers)
+
+    def stream(
+        self,
+        prompt: str | list[dict] | list[int],
+        *,
+        max_new_tokens: int = 128,
+        k: int | str | KPolicy = 5,
+        params: SamplingParams = SamplingParams(),
+        stop: list[str] | None = None,
+        chat: bool | None = None,
+        engine: Engine | None = None,
+    ) -> Iterator["TextDelta"]:
+        """Stream text deltas for one prompt (a list of ints is taken as token ids)."""
+        ids = prompt if (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)) else self.encode(prompt, chat)
+        engine = engine or self.engine(k)
+        detok = Detokenizer(self.tokenizer, stop or [])
+        request = Request(ids, max_new_tokens, params, self.eos_ids)
+        events = generate(engine, [request])
+        try:
+            for ev in events:
+                text, hit_stop = detok.push(ev.tokens, ev.finished)
+                if hit_stop:
+                    yield TextDelta(text, ev.tokens, ev.from_draft, True, "stop")
+                    return
+                yield TextDelta(text, ev.tokens, ev.from_draft, ev.finished, ev.finish_reason)
+        finally:
+            events.close()
+
+    def generate(self, prompt, **kwargs) -> "GenerationResult":
+        """Generate for one prompt and return text, tokens and statistics."""
+        engine = kwargs.pop("engine", None) or self.engine(kwargs.pop("k", 5))
+        parts, tokens, from_draft, reason = [], [], [], None
+        for d in self.stream(prompt, engine=engine, **kwargs):
+            parts.append(d.text)
+            tokens += d.tokens
+            from_draft += d.from_draft
+            reason = d.finish_reason or reason
+        return GenerationResult("".join(parts), tokens, from_draft, engine.stats, reason)
+
+
+@dataclass
+class TextDelta:
+    """A piece of streamed output: new text and the tokens behind it."""
+
+    text: str
+    tokens: list[int]
+    from_draft: list[bool]
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    from_draft: list[bool]
+    stats: SpecStats
+    finish_reason: str | None
+
+
+class Detokenizer:
+    """Incremental detokenization with stop strings.
+
+    Decodes the whole output each time (outputs are short next to the model cost) and releases only
+    text that can no longer be the start of a stop string or an incomplete UTF-8 character.
+    """
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.tokens: list[int] = []
+        self.sent = 0
+
+    def push(self, tokens: list[int], final: bool) -> tuple[str, bool]:
+        """Add tokens; return (new text to release, whether a stop string was hit)."""
+        self.tokens += tokens
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        for s in self.stop:
+            i = text.find(s, max(self.sent - len(s), 0))
+            if i != -1:
+                out = text[self.sent : i]
+                self.sent = i
+                return out, True
+        hold = 0
+        if not final:
+            if text.endswith("\ufffd"):
+                return "", False
+            hold = max((len(s) - 1 for s in self.stop), default=0)
+        end = max(len(text) - hold, self.sent)
+        out, self.sent = text[self.sent : end], end
+        return out, False
+
+
+def make_drafter(spec: str, pipe_target: LoadedModel, runtime: Runtime, dtype: torch.dtype) -> Drafter | None:
+    """Build a drafter from a spec string (see the module docstring)."""
+    spec = (spec or "default").strip()
+    if spec == "default":
+        spec = DEFAULT_DRAFT
+    if spec == "none":
+        return None
+    if spec == "self":
+        return ModelDrafter(runtime, "self")
+    if spec == "lookup" or spec.startswith("lookup:"):
+        n = spec.split(":", 1)[1] if ":" in spec else "3"
+        if not n.isdigit() or int(n) < 1:
+            raise SpecdraftError(f"bad lookup spec {spec!r}: use lookup or lookup:N with N >= 1")
+        return PromptLookupDrafter(max_ngram=int(n))
+    if spec.startswith("prune:"):
+        if not isinstance(runtime, LlamaRuntime):
+            raise SpecdraftError("layer-pruned drafts need a Llama-family target (compact runtime)")
+        try:
+            layers = [int(x) for x in spec.split(":", 1)[1].split(",") if x.strip()]
+        except ValueError:
+            raise SpecdraftError(f"bad prune spec {spec!r}: use prune:0,1,2,29") from None
+        return ModelDrafter(LlamaRuntime(runtime.w, layers), spec)
+    draft = load_model(spec, dtype)
+    if not _same_tokenizer(draft.tokenizer, pipe_target.tokenizer):
+        raise SpecdraftError(
+            f"draft {spec!r} has a different tokenizer/vocabulary than the target; "
+            "speculative decoding needs the same tokenizer"
+        )
+    return ModelDrafter(make_runtime(draft), spec)
+
+
+def load(
+    target: str = DEFAULT_TARGET,
+    draft: str = "default",
+    *,
+    dtype: str | torch.dtype = "auto",
+    runtime: str = "auto",
+    threads: int | None = None,
+) -> Pipeline:
+    """Load a target and build a drafter for it.
+
+    Args:
+        target: model alias (``smollm2-135m``, ``gemma3-270m``), transformers directory or GGUF path.
+        draft: draft spec (module docstring).
+        dtype: ``bf16``, ``fp32`` or ``auto``.
+        runtime: ``auto`` (compact for Llama-family, else transformers), ``compact`` or ``hf``.
+        threads: torch intra-op threads.
+    """
+    set_threads(threads)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    dt = resolve_dtype(dtype)
+    loaded = load_model(target, dt)
+    rt = make_runtime(loaded, runtime)
+    drafter = make_drafter(draft, loaded, rt, dt)
+    return Pipeline(loaded, rt, drafter, draft)
+
+
+def run_batch(pipe: Pipeline, prompts: list[list[int]], *, max_new_tokens: int, k=5, params=SamplingParams()) -> tuple[list[list[int]], SpecStats]:
+    """Decode several prompts together (ragged batch); returns tokens per prompt and the stats."""
+    engine = pipe.engine(k)
+    reqs = [Request(p, max_new_tokens, params, pipe.eos_ids) for p in prompts]
+    out: dict[int, list[int]] = {}
+    for ev in generate(engine, reqs):
+        out.setdefault(ev.request_id, []).extend(ev.tokens)
+    return [out.get(r.id, []) for r in reqs], engine.stats
+
+
+__all__ = ["Pipeline", "load", "make_drafter", "make_runtime", "run_batch", "StepEvent", "SamplingParams"]

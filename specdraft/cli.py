@@ -1,0 +1,50 @@
+"""The ``specdraft`` command: one table from subcommand to the module that implements it.
+
+Each module in :mod:`specdraft.commands` defines ``add_arguments(parser)`` and ``run(args) -> int``
+and a one-line ``HELP``. Errors a user can cause (:class:`SpecdraftError`) print as one line on
+stderr with exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from specdraft.errors import SpecdraftError
+
+COMMANDS = {
+    "generate": "specdraft.commands.generate",
+    "demo": "specdraft.commands.demo",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdraft", description="Speculative decoding: run it, measure it, design drafts.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, module_name in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except SpecdraftError as e:
+        print(f"specdraft {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"specdraft {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""``specdraft generate``: stream a completion with speculative decoding and print statistics."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from specdraft.commands import add_model_arguments, add_sampling_arguments, sampling_from_args
+from specdraft.errors import SpecdraftError
+
+HELP = "generate text for a prompt with speculative decoding"
+
+DRAFT_COLOUR, RESET = "\033[32m", "\033[0m"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", help="prompt text ('-' reads stdin)")
+    add_model_arguments(p)
+    add_sampling_arguments(p)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.add_argument("--color", action="store_true", help="colour tokens that came from the draft")
+    p.add_argument("--json", action="store_true", help="print the result and statistics as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    from specdraft import api
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt.strip():
+        raise SpecdraftError("empty prompt")
+    params = sampling_from_args(args)
+    pipe = api.load(args.target, args.draft, dtype=args.dtype, runtime=args.runtime, threads=args.threads)
+    engine = pipe.engine(args.k)
+    chat = False if args.no_chat else None
+    text, tokens = [], []
+    for d in pipe.stream(prompt, max_new_tokens=args.max_new_tokens, params=params, stop=args.stop, chat=chat, engine=engine):
+        text.append(d.text)
+        tokens += d.tokens
+        if args.json:
+            continue
+        if args.color and any(d.from_draft):
+            sys.stdout.write(_coloured(pipe.tokenizer, d))
+        else:
+            sys.stdout.write(d.text)
+        sys.stdout.flush()
+    if args.json:
+        print(json.dumps({"text": "".join(text), "tokens": tokens, "stats": engine.stats.as_dict()}))
+    else:
+        print()
+        print(engine.stats.summary(), file=sys.stderr)
+    return 0
+
+
+def _coloured(tokenizer, delta) -> str:
+    """Colour the draft-accepted part of a step; falls back to plain text if pieces don't line up."""
+    pieces = [tokenizer.decode([t], skip_special_tokens=True) for t in delta.tokens]
+    if "".join(pieces) != delta.text:
+        return delta.text
+    return "".join(f"{DRAFT_COLOUR}{s}{RESET}" if fd else s for s, fd in zip(pieces, delta.from_draft))
