@@ -17,6 +17,7 @@ from specdraft.errors import SpecdraftError
 COMMANDS = {
     "generate": "specdraft.commands.generate",
     "demo": "specdraft.commands.demo",
+    "bench": "specdraft.commands.bench",
 }
 
 

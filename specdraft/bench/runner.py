@@ -1,0 +1,429 @@
+"""Spec-Bench-style evaluation: speculative vs plain decoding of the same target, interleaved.
+
+For every prompt, in one process and in this order: plain decoding with the engine (k = 0), then
+speculative decoding with the drafter, then (with ``--baselines hf``) transformers ``generate``
+plain, assisted and prompt lookup. Running the methods back to back on each prompt, after one
+warm-up of each, means a slow phase of a shared machine hits all of them, so their ratios hold
+even when absolute times drift.
+
+Conventions
+-----------
+- tokens/s: generated tokens / wall seconds of the call that produced them, prefill included
+  (what a user waits for). Totals are sums of tokens over sums of seconds, never a mean of rates.
+- speedup: speculative tokens/s / plain tokens/s over the same prompts.
+- mean accepted tokens: output tokens per target forward with the bonus token (plain = 1.0), as
+  :class:`specdraft.stats.SpecStats` defines it; acceptance: accepted / drafted tokens.
+- equality (greedy only): each prompt's speculative output against the plain run with
+  :func:`specdraft.lossless.classify`: ``identical``, ``tie-divergent`` (first difference at a
+  near-tie of the plain run; bf16 only) or ``divergent``. fp32 uses tolerance 0: any difference is
+  divergent. When outputs differ the plain turn is re-run once recording its logit margins. Sampling
+  runs are not classified (the counts are None).
+- multi-turn questions: the second turn is asked after the method's *own* first answer, through the
+  chat template; a prompt's tokens and seconds add up over its turns. If the first turns differ, the
+  prompt's class is the first turn's (the second turns had different contexts).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from specdraft import lossless
+from specdraft.api import Pipeline
+from specdraft.bench.prompts import BenchPrompt, fit_context
+from specdraft.engine import Engine, Request, generate
+from specdraft.errors import SpecdraftError
+from specdraft.policy import KPolicy, make_policy
+from specdraft.stats import SpecStats
+from specdraft.verify import SamplingParams
+
+ENGINE_METHODS = ("plain", "spec")
+CLASSES = (lossless.IDENTICAL, lossless.TIE_DIVERGENT, lossless.DIVERGENT)
+WARMUP_TOKENS = 8
+DRAFT_RESERVE = 18  # room past max_new_tokens for a step's draft tokens (policies cap k at 16)
+
+
+@dataclass
+class BenchOptions:
+    """How to run a benchmark.
+
+    Attributes:
+        k: draft length: an integer >= 1, ``auto`` (cost-aware) or ``heuristic``.
+        max_new_tokens: generation budget per turn.
+        params: sampling parameters (temperature 0 = greedy); a sampling run seeds prompt i with
+            ``seed + i`` (seed 0 when unset), the same for every method.
+        baselines: ``("hf",)`` adds the transformers baselines.
+        long_prompts: ``truncate`` (cut the middle) or ``skip`` prompts longer than the budget.
+        max_prompt_tokens: cap on prompt tokens (None: the context window allows).
+        tolerance: near-tie margin for the equality check; None: 0 in fp32, else
+            :data:`specdraft.lossless.DEFAULT_TOLERANCE`.
+        progress: show a progress bar on stderr.
+        warmup: run every method once before measuring.
+    """
+
+    k: str | int = 5
+    max_new_tokens: int = 128
+    params: SamplingParams = field(default_factory=SamplingParams)
+    baselines: tuple[str, ...] = ()
+    long_prompts: str = "truncate"
+    max_prompt_tokens: int | None = None
+    tolerance: float | None = None
+    progress: bool = True
+    warmup: bool = True
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise SpecdraftError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.long_prompts not in ("truncate", "skip"):
+            raise SpecdraftError(f"unknown long-prompt mode {self.long_prompts!r}: use truncate or skip")
+        unknown = [b for b in self.baselines if b != "hf"]
+        if unknown:
+            raise SpecdraftError(f"unknown baseline {', '.join(unknown)}: use --baselines hf")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise SpecdraftError(f"--max-prompt-tokens must be >= 1, got {self.max_prompt_tokens}")
+
+    @property
+    def fixed_k(self) -> int | None:
+        s = str(self.k).strip()
+        return int(s) if s.isdigit() else None
+
+
+@dataclass
+class MethodRun:
+    """One method's answer to one prompt (all its turns)."""
+
+    turns: list[list[int]] = field(default_factory=list)  # output tokens per turn
+    prompt_ids: list[list[int]] = field(default_factory=list)  # fed prompt ids per turn
+    seconds: float = 0.0
+    stats: SpecStats | None = None
+    notes: list[str] = field(default_factory=list)
+    dropped: int = 0
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(t) for t in self.turns)
+
+
+@dataclass
+class BenchResult:
+    """What :func:`run_bench` measured; :meth:`as_dict` is the ``--json`` document."""
+
+    config: dict
+    overall: dict
+    categories: dict[str, dict]
+    prompts: list[dict]
+    skipped: list[dict]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# ------------------------------------------------------------------------------------ decoding
+def _encode_turn(pipe: Pipeline, history: list[dict]) -> list[int]:
+    """Chat models get the chat template; others a plain concatenation of the conversation."""
+    if pipe.target.is_chat():
+        return pipe.encode(history, chat=True)
+    return pipe.encode("\n\n".join(m["content"] for m in history), chat=False)
+
+
+def _converse(pipe: Pipeline, prompt: BenchPrompt, decode: Callable[[list[int]], list[int]], budget: int, mode: str) -> MethodRun:
+    """Ask the turns of ``prompt`` in order, each after the method's own previous answers."""
+    run = MethodRun()
+    history: list[dict] = []
+    for t, text in enumerate(prompt.turns):
+        history.append({"role": "user", "content": text})
+        fitted = fit_context(_encode_turn(pipe, history), budget, mode)
+        if fitted.message:
+            run.notes.append(f"turn {t + 1} {fitted.message}")
+        if fitted.ids is None:
+            break
+        run.dropped += fitted.dropped
+        t0 = time.perf_counter()
+        out = decode(fitted.ids)
+        run.seconds += time.perf_counter() - t0
+        run.turns.append(out)
+        run.prompt_ids.append(fitted.ids)
+        answer = pipe.tokenizer.decode(out, skip_special_tokens=True).strip()
+        history.append({"role": "assistant", "content": answer})
+    return run
+
+
+def _engine_decoder(engine: Engine, max_new_tokens: int, params: SamplingParams, eos_ids) -> Callable[[list[int]], list[int]]:
+    def decode(ids: list[int]) -> list[int]:
+        out: list[int] = []
+        for ev in generate(engine, [Request(list(ids), max_new_tokens, params, eos_ids)]):
+            out += ev.tokens
+        return out
+
+    return decode
+
+
+def _classify(pipe: Pipeline, plain: MethodRun, spec: MethodRun, max_new_tokens: int, tol: float) -> tuple[str, int | None]:
+    """The prompt's equality class and the first differing output index (of the first differing turn)."""
+    for ids, p_out, s_out in zip(plain.prompt_ids, plain.turns, spec.turns):
+        if p_out == s_out:
+            continue
+        ref, margins = lossless.plain_greedy_margins(pipe.runtime, ids, max_new_tokens, pipe.eos_ids)
+        return lossless.classify(s_out, ref, margins, tol), lossless.first_difference(s_out, ref)
+    if len(plain.turns) != len(spec.turns):  # one skipped its second turn: its context grew longer
+        return lossless.DIVERGENT, None
+    return lossless.IDENTICAL, None
+
+
+# ------------------------------------------------------------------------------------ aggregation
+@dataclass
+class _Tally:
+    """Sums over prompts, turned into the figures of one table row."""
+
+    prompts: int = 0
+    tokens: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    stats: SpecStats = field(default_factory=SpecStats)
+    classes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CLASSES, 0))
+    classified: bool = True
+
+    def add(self, row: dict, runs: dict[str, MethodRun], spec_stats: SpecStats) -> None:
+        self.prompts += 1
+        for method, run in runs.items():
+            self.tokens[method] = self.tokens.get(method, 0) + run.new_tokens
+            self.seconds[method] = self.seconds.get(method, 0.0) + run.seconds
+        self.stats.merge(spec_stats)
+        if row["equality"] is None:
+            self.classified = False
+        else:
+            self.classes[row["equality"]] += 1
+
+    def rate(self, method: str) -> float | None:
+        if method not in self.seconds:
+            return None
+        return self.tokens[method] / self.seconds[method] if self.seconds[method] > 0 else 0.0
+
+    def summary(self) -> dict:
+        spec, plain = self.rate("spec"), self.rate("plain")
+        out = {
+            "prompts": self.prompts,
+            "tokens_per_s": _r(spec),
+            "plain_tokens_per_s": _r(plain),
+            "speedup": _r(spec / plain if spec and plain else None),
+            "mean_accepted_tokens": _r(self.stats.mean_accepted_length),
+            "acceptance_rate": _r(self.stats.acceptance_rate),
+            "new_tokens": self.tokens.get("spec", 0),
+            "plain_new_tokens": self.tokens.get("plain", 0),
+            "seconds": _r(self.seconds.get("spec")),
+            "plain_seconds": _r(self.seconds.get("plain")),
+            "draft_time_s": _r(self.stats.draft_time),
+            "target_time_s": _r(self.stats.target_time),
+            "prefill_time_s": _r(self.stats.prefill_time),
+            "per_position_acceptance": [round(x, 4) for x in self.stats.per_position_acceptance()],
+        }
+        for cls in CLASSES:
+            out[cls.replace("-", "_")] = self.classes[cls] if self.classified else None
+        for method in ("hf_plain", "hf_assisted", "hf_prompt_lookup"):
+            rate = self.rate(method)
+            if rate is not None:
+                out[f"{method}_tokens_per_s"] = _r(rate)
+                out[f"{method}_new_tokens"] = self.tokens[method]
+                out[f"speedup_vs_{method}"] = _r(spec / rate if spec and rate else None)
+        return out
+
+
+def _r(x: float | None, nd: int = 4) -> float | None:
+    return None if x is None else round(float(x), nd)
+
+
+# ------------------------------------------------------------------------------------ the run
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="bench", unit="prompt", file=sys.stderr, dynamic_ncols=True)
+
+
+def run_bench(pipe: Pipeline, prompts: list[BenchPrompt], options: BenchOptions, log: Callable[[str], None] | None = None) -> BenchResult:
+    """Benchmark ``pipe``'s drafter against plain decoding (and transformers) on ``prompts``.
+
+    Args:
+        pipe: target and drafter (the drafter must not be None).
+        prompts: the questions, e.g. from :func:`specdraft.bench.prompts.load_prompts`.
+        options: k, budget, sampling, baselines, long-prompt handling.
+        log: where notes go (truncated or skipped prompts); default stderr.
+
+    Returns:
+        Per-prompt rows, per-category and overall figures (module docstring for definitions).
+    """
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    if pipe.drafter is None:
+        raise SpecdraftError("bench compares speculative with plain decoding: give a draft (--draft), not none")
+    if options.fixed_k == 0:
+        raise SpecdraftError("bench compares speculative with plain decoding: use --k >= 1, auto or heuristic")
+    if not prompts:
+        raise SpecdraftError("no prompts to benchmark")
+    policy: KPolicy = make_policy(options.k)  # one policy for the whole run: an adaptive one keeps learning
+    params = options.params
+    dtype = pipe.runtime.dtype
+    tol = options.tolerance if options.tolerance is not None else (0.0 if dtype == torch.float32 else lossless.DEFAULT_TOLERANCE)
+    budget = pipe.runtime.max_context - options.max_new_tokens - DRAFT_RESERVE
+    if options.max_prompt_tokens is not None:
+        budget = min(budget, options.max_prompt_tokens)
+    if budget < 2:
+        raise SpecdraftError(f"--max-new-tokens {options.max_new_tokens} leaves no room for a prompt in the context window ({pipe.runtime.max_context})")
+
+    hf = None
+    if "hf" in options.baselines:
+        from specdraft.bench.hf_baselines import build_hf_baselines
+
+        hf = build_hf_baselines(pipe, options.fixed_k)
+        if "hf_assisted" not in hf.methods:
+            log(f"note: no transformers assisted baseline: {hf.assistant_note}")
+        else:
+            log(f"note: transformers assistant: {hf.assistant_note}")
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+
+    def decoders(i: int, max_new: int) -> dict[str, tuple[Callable, Engine | None]]:
+        p = params if params.greedy else SamplingParams(params.temperature, params.top_k, params.top_p, (params.seed or 0) + i)
+        plain = Engine(pipe.runtime, None)
+        spec = Engine(pipe.runtime, pipe.drafter, policy)
+        out = {
+            "plain": (_engine_decoder(plain, max_new, p, pipe.eos_ids), plain),
+            "spec": (_engine_decoder(spec, max_new, p, pipe.eos_ids), spec),
+        }
+        for method in hf.methods if hf else ():
+            out[method] = ((lambda ids, m=method: hf.run(m, ids, max_new, p)), None)
+        return out
+
+    if options.warmup:
+        ids = fit_context(_encode_turn(pipe, [{"role": "user", "content": prompts[0].turns[0]}]), min(budget, 64), "truncate").ids
+        for decode, _ in decoders(0, min(WARMUP_TOKENS, options.max_new_tokens)).values():
+            decode(ids)
+
+    overall, categories = _Tally(), {}
+    rows, skipped = [], []
+    bar = _progress(len(prompts), options.progress)
+    try:
+        for i, prompt in enumerate(prompts):
+            runs: dict[str, MethodRun] = {}
+            spec_stats = SpecStats()
+            for method, (decode, engine) in decoders(i, options.max_new_tokens).items():
+                runs[method] = _converse(pipe, prompt, decode, budget, options.long_prompts)
+                if method == "spec":
+                    spec_stats = engine.stats
+            notes = runs["plain"].notes
+            for note in notes:
+                log(f"prompt {prompt.id} ({prompt.category}): {note}")
+            if not runs["plain"].turns:
+                skipped.append({"id": prompt.id, "category": prompt.category, "reason": "; ".join(notes)})
+                if bar is not None:
+                    bar.update(1)
+                continue
+            row = _row(pipe, prompt, runs, spec_stats, options, tol)
+            rows.append(row)
+            overall.add(row, runs, spec_stats)
+            categories.setdefault(prompt.category, _Tally()).add(row, runs, spec_stats)
+            if bar is not None:
+                o = overall.summary()
+                bar.set_postfix_str(
+                    f"spec {o['tokens_per_s']:.1f} tok/s, plain {o['plain_tokens_per_s']:.1f} tok/s, "
+                    f"accepted {o['mean_accepted_tokens']:.2f}, acceptance {o['acceptance_rate']:.0%}",
+                    refresh=False,
+                )
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    if not rows:
+        raise SpecdraftError("every prompt was skipped: none fits the context window (use --long-prompts truncate)")
+
+    config = {
+        "target": pipe.target.name,
+        "draft": pipe.draft_spec,
+        "k": str(options.k),
+        "max_new_tokens": options.max_new_tokens,
+        "temperature": params.temperature,
+        "top_k": params.top_k,
+        "top_p": params.top_p,
+        "seed": params.seed,
+        "dtype": str(dtype).replace("torch.", ""),
+        "threads": torch.get_num_threads(),
+        "runtime": repr(pipe.runtime),
+        "baselines": list(options.baselines),
+        "hf_assistant": hf.assistant_note if hf else None,
+        "long_prompts": options.long_prompts,
+        "prompt_budget_tokens": budget,
+        "equality_tolerance": tol if params.greedy else None,
+        "torch": torch.__version__,
+    }
+    return BenchResult(
+        config=config,
+        overall=overall.summary(),
+        categories={c: t.summary() for c, t in categories.items()},
+        prompts=rows,
+        skipped=skipped,
+    )
+
+
+def _row(pipe: Pipeline, prompt: BenchPrompt, runs: dict[str, MethodRun], spec_stats: SpecStats, options: BenchOptions, tol: float) -> dict:
+    plain, spec = runs["plain"], runs["spec"]
+    equality, first_diff = (None, None)
+    if options.params.greedy:
+        equality, first_diff = _classify(pipe, plain, spec, options.max_new_tokens, tol)
+    row = {
+        "id": prompt.id,
+        "category": prompt.category,
+        "turns": len(plain.turns),
+        "prompt_tokens": sum(len(ids) for ids in spec.prompt_ids),
+        "truncated_tokens": plain.dropped,
+        "new_tokens": spec.new_tokens,
+        "seconds": _r(spec.seconds),
+        "tokens_per_s": _r(spec.new_tokens / spec.seconds if spec.seconds else 0.0),
+        "plain_new_tokens": plain.new_tokens,
+        "plain_seconds": _r(plain.seconds),
+        "plain_tokens_per_s": _r(plain.new_tokens / plain.seconds if plain.seconds else 0.0),
+        "mean_accepted_tokens": _r(spec_stats.mean_accepted_length),
+        "acceptance_rate": _r(spec_stats.acceptance_rate),
+        "equality": equality,
+        "first_difference": first_diff,
+        "notes": plain.notes,
+    }
+    row["speedup"] = _r(row["tokens_per_s"] / row["plain_tokens_per_s"] if row["plain_tokens_per_s"] else None)
+    for method in ("hf_plain", "hf_assisted", "hf_prompt_lookup"):
+        if method in runs:
+            run = runs[method]
+            row[f"{method}_new_tokens"] = run.new_tokens
+            row[f"{method}_tokens_per_s"] = _r(run.new_tokens / run.seconds if run.seconds else 0.0)
+    return row
+
+
+# ------------------------------------------------------------------------------------ output
+def markdown_table(result: BenchResult | dict) -> str:
+    """The per-category and overall figures as a markdown table."""
+    d = result.as_dict() if isinstance(result, BenchResult) else result
+    hf_cols = [(m, label) for m, label in (("hf_plain", "HF plain"), ("hf_assisted", "HF assisted"), ("hf_prompt_lookup", "HF lookup")) if f"{m}_tokens_per_s" in d["overall"]]
+    head = ["category", "prompts", "spec tok/s", "plain tok/s", "speedup", "accepted/step", "acceptance", "identical/tie/div"]
+    head += [f"{label} tok/s" for _, label in hf_cols]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+
+    def fmt(x, spec="{:.1f}"):
+        return "-" if x is None else spec.format(x)
+
+    for name, s in [*d["categories"].items(), ("**overall**", d["overall"])]:
+        eq = "n/a" if s["identical"] is None else f"{s['identical']}/{s['tie_divergent']}/{s['divergent']}"
+        cells = [
+            name,
+            str(s["prompts"]),
+            fmt(s["tokens_per_s"]),
+            fmt(s["plain_tokens_per_s"]),
+            fmt(s["speedup"], "{:.2f}x"),
+            fmt(s["mean_accepted_tokens"], "{:.2f}"),
+            fmt(s["acceptance_rate"], "{:.0%}"),
+            eq,
+        ]
+        cells += [fmt(s.get(f"{m}_tokens_per_s")) for m, _ in hf_cols]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
