@@ -1,0 +1,39 @@
+"""``specdraft serve``: an OpenAI-compatible HTTP server with speculative decoding."""
+
+from __future__ import annotations
+
+import argparse
+
+from specdraft.commands import add_model_arguments
+
+HELP = "serve /v1/completions and /v1/chat/completions (OpenAI API) with speculative decoding"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed on stderr)")
+    p.add_argument("--max-batch", type=int, default=16, help="requests decoded together (1 for non-Llama targets)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a batch row before 429")
+    p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
+    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: --target)")
+    p.add_argument("--shutdown-grace", type=float, default=5.0, help="seconds in-flight requests may finish after SIGTERM")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def run(args: argparse.Namespace) -> int:
+    from specdraft import api
+    from specdraft.policy import make_policy
+    from specdraft.server import ServerConfig, create_app, run_server
+
+    make_policy(args.k)  # a bad --k fails before the model loads
+    config = ServerConfig(
+        model_name=args.served_model_name or args.target,
+        k=args.k,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        default_max_tokens=args.default_max_tokens,
+        shutdown_grace=args.shutdown_grace,
+    )
+    pipe = api.load(args.target, args.draft, dtype=args.dtype, runtime=args.runtime, threads=args.threads)
+    return run_server(create_app(pipe, config), args.host, args.port, args.log_level)

@@ -1,0 +1,391 @@
+"""The HTTP layer: FastAPI routes over the scheduler, SSE streaming, errors, and running uvicorn.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming and not),
+``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+
+Status codes: 400 for any bad request (malformed JSON, missing or mistyped field, unsupported
+option, prompt or ``max_tokens`` beyond the context window: code ``context_length_exceeded``), 404
+for an unknown model or route, 413 for a body over ``max_body_bytes``, 429 (with ``Retry-After``)
+when ``max_batch`` requests are decoding and ``max_queue`` are waiting, 503 while shutting down.
+Every error body is OpenAI's ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import socket
+import sys
+import threading
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specdraft.api import Pipeline
+from specdraft.errors import SpecdraftError
+from specdraft.policy import make_policy
+from specdraft.server import protocol as P
+from specdraft.server.metrics import Metrics
+from specdraft.server.scheduler import Job, Output, Scheduler
+from specdraft.verify import SamplingParams
+
+log = logging.getLogger("specdraft.server")
+
+
+@dataclass
+class ServerConfig:
+    """How the server runs.
+
+    Attributes:
+        model_name: the id clients pass as ``model`` and ``/v1/models`` lists.
+        k: the server's draft-length policy: an integer, ``auto`` or ``heuristic`` (``--k``).
+        max_batch: requests decoded together (1 for targets without batched runtime).
+        max_queue: requests allowed to wait for a batch row before 429.
+        default_max_tokens: ``max_tokens`` when a request gives none (bounded by the context).
+        max_body_bytes: larger request bodies get 413.
+        shutdown_grace: seconds in-flight requests may keep decoding after SIGTERM before they
+            end with ``finish_reason: "abort"``.
+    """
+
+    model_name: str
+    k: str = "5"
+    max_batch: int = 16
+    max_queue: int = 64
+    default_max_tokens: int = 256
+    max_body_bytes: int = 4 * 1024 * 1024
+    shutdown_grace: float = 5.0
+
+    def __post_init__(self):
+        if self.max_batch < 1:
+            raise SpecdraftError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.max_queue < 0:
+            raise SpecdraftError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.default_max_tokens < 1:
+            raise SpecdraftError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if self.shutdown_grace < 0:
+            raise SpecdraftError(f"shutdown_grace must be >= 0, got {self.shutdown_grace}")
+
+
+_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+
+
+class _CountRequests:
+    """ASGI middleware counting /v1 requests by endpoint and status (streams pass untouched)."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def send_and_note(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            endpoint = scope["path"] if scope["path"] in _ENDPOINTS else "other"
+            self.metrics.http_requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+
+def create_app(pipe: Pipeline, config: ServerConfig) -> FastAPI:
+    """The ASGI app; its lifespan starts and stops the scheduler thread."""
+    metrics = Metrics()
+    scheduler = Scheduler(pipe, make_policy(config.k), max_batch=config.max_batch, max_queue=config.max_queue, metrics=metrics)
+    created = P.now()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        scheduler.start()
+        try:
+            yield
+        finally:
+            scheduler.stop()
+
+    app = FastAPI(title="specdraft", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.scheduler, app.state.metrics, app.state.config = scheduler, metrics, config
+    app.add_middleware(_CountRequests, metrics=metrics)
+
+    @app.exception_handler(P.APIError)
+    async def api_error(request: Request, e: P.APIError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        err = P.APIError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None)
+        return JSONResponse(err.body(), status_code=e.status_code, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):
+        log.exception("unhandled error in %s", request.url.path)
+        err = P.APIError(500, f"internal error: {type(e).__name__}", type="server_error")
+        return JSONResponse(err.body(), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        running, waiting = scheduler.load()
+        body = {
+            "status": "ok" if scheduler.accepting else "unavailable",
+            "model": config.model_name,
+            "running": running,
+            "waiting": waiting,
+            "max_batch": scheduler.max_batch,
+            "max_queue": scheduler.max_queue,
+        }
+        return JSONResponse(body, status_code=200 if scheduler.accepting else 503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {
+            "id": config.model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "specdraft",
+            "max_model_len": pipe.runtime.max_context,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = P.parse_request(P.CompletionRequest, await _read_body(request, config.max_body_bytes))
+        req.check_supported()
+        prompt = req.single_prompt()
+        ids = _check_ids(prompt, pipe) if isinstance(prompt, list) else _encode(pipe, prompt, chat=False)
+        return await _serve(request, req, ids, req.max_tokens, _Renderer("cmpl", config.model_name, chat=False))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = P.parse_request(P.ChatCompletionRequest, await _read_body(request, config.max_body_bytes))
+        req.check_supported()
+        if not pipe.target.is_chat():
+            raise P.APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+        messages = [m.as_template_message() for m in req.messages]
+        ids = _encode(pipe, messages, chat=True)
+        return await _serve(request, req, ids, req.requested_max_tokens, _Renderer("chatcmpl", config.model_name, chat=True))
+
+    async def _serve(request: Request, req, ids: list[int], max_tokens: int | None, renderer: "_Renderer"):
+        if req.model is not None and req.model != config.model_name:
+            raise P.APIError(404, f"the model `{req.model}` does not exist; this server serves `{config.model_name}`", param="model", code="model_not_found")
+        max_tokens = _check_context(len(ids), max_tokens, pipe.runtime.max_context, config.default_max_tokens)
+        params = SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_k=max(req.top_k or 0, 0),
+            top_p=1.0 if req.top_p is None else req.top_p,
+            seed=req.seed,
+        )
+        job = Job(ids, max_tokens, params, req.stop_list, req.k_cap, asyncio.get_running_loop(), asyncio.Queue())
+        scheduler.submit(job)
+        if req.stream:
+            return StreamingResponse(
+                _stream(job, renderer, scheduler, req.include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        return await _collect(request, job, renderer, scheduler)
+
+    return app
+
+
+# --------------------------------------------------------------------------------------- helpers
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise P.APIError(413, f"request body over {limit} bytes", code="request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise P.APIError(413, f"request body over {limit} bytes", code="request_too_large")
+    return bytes(body)
+
+
+def _encode(pipe: Pipeline, prompt, chat: bool) -> list[int]:
+    try:
+        ids = pipe.encode(prompt, chat=chat)
+    except SpecdraftError as e:
+        raise P.APIError(400, str(e), param="messages" if chat else "prompt") from None
+    except Exception as e:  # noqa: BLE001 - a template or tokenizer refusing this input
+        raise P.APIError(400, f"cannot encode the prompt: {e}", param="messages" if chat else "prompt") from None
+    if not ids:
+        raise P.APIError(400, "the prompt encodes to no tokens", param="prompt")
+    return ids
+
+
+def _check_ids(ids: list[int], pipe: Pipeline) -> list[int]:
+    vocab = pipe.runtime.vocab_size
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise P.APIError(400, f"token id {bad[0]} outside the vocabulary (0..{vocab - 1})", param="prompt")
+    return ids
+
+
+def _check_context(prompt_len: int, max_tokens: int | None, context: int, default: int) -> int:
+    """Resolve ``max_tokens``; prompt + max_tokens must fit the context window."""
+    if prompt_len >= context:
+        raise P.APIError(
+            400,
+            f"this model's maximum context length is {context} tokens; the prompt has {prompt_len}",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+    if max_tokens is None:
+        return min(default, context - prompt_len)
+    if prompt_len + max_tokens > context:
+        raise P.APIError(
+            400,
+            f"this model's maximum context length is {context} tokens; you requested {prompt_len + max_tokens} "
+            f"({prompt_len} in the prompt, {max_tokens} for the completion)",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return max_tokens
+
+
+class _Renderer:
+    """Builds OpenAI response bodies and stream chunks for one request."""
+
+    def __init__(self, prefix: str, model: str, chat: bool):
+        self.id, self.model, self.chat, self.created = P.new_id(prefix), model, chat, P.now()
+
+    def first(self) -> list[dict]:
+        if not self.chat:
+            return []
+        return [P.chat_chunk(self.id, self.model, self.created, {"role": "assistant", "content": ""}, None)]
+
+    def chunks(self, out: Output) -> list[dict]:
+        if not self.chat:
+            return [P.completion_chunk(self.id, self.model, self.created, out.text, out.finish_reason)]
+        chunks = []
+        if out.text:
+            chunks.append(P.chat_chunk(self.id, self.model, self.created, {"content": out.text}, None))
+        if out.finish_reason:
+            chunks.append(P.chat_chunk(self.id, self.model, self.created, {}, out.finish_reason))
+        return chunks
+
+    def usage_chunk(self, job: Job) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        usage = P.usage(len(job.prompt), job.completion_tokens)
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [], "usage": usage}
+
+    def response(self, text: str, job: Job) -> dict:
+        build = P.chat_response if self.chat else P.completion_response
+        return build(self.id, self.model, self.created, text, job.finish_reason, len(job.prompt), job.completion_tokens)
+
+
+def _sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _stream(job: Job, renderer: _Renderer, scheduler: Scheduler, include_usage: bool):
+    """SSE body: chunks as outputs arrive, then usage (if asked) and ``[DONE]``.
+
+    When the client disconnects, the response task is cancelled here and the ``finally`` drops the
+    job, which frees its cache row.
+    """
+    try:
+        for chunk in renderer.first():
+            yield _sse(chunk)
+        while True:
+            out: Output = await job.queue.get()
+            if out.error is not None:
+                yield _sse(out.error.body())
+                break
+            for chunk in renderer.chunks(out):
+                yield _sse(chunk)
+            if out.finish_reason is not None:
+                break
+        if include_usage:
+            yield _sse(renderer.usage_chunk(job))
+        yield _sse("[DONE]")
+    finally:
+        scheduler.cancel(job)
+
+
+async def _collect(request: Request, job: Job, renderer: _Renderer, scheduler: Scheduler, poll_s: float = 0.5):
+    """Non-streaming: wait for the whole output, checking now and then that the client is still there."""
+    parts: list[str] = []
+    getter: asyncio.Future | None = None
+    try:
+        while True:
+            getter = getter or asyncio.ensure_future(job.queue.get())
+            done, _ = await asyncio.wait({getter}, timeout=poll_s)
+            if not done:
+                if await request.is_disconnected():
+                    return Response(status_code=499)  # nobody reads it; the finally frees the row
+                continue
+            out: Output = getter.result()
+            getter = None
+            if out.error is not None:
+                raise out.error
+            parts.append(out.text)
+            if out.finish_reason is not None:
+                return JSONResponse(renderer.response("".join(parts), job))
+    finally:
+        if getter is not None:
+            getter.cancel()
+        scheduler.cancel(job)
+
+
+# ------------------------------------------------------------------------------------ running it
+class _GracefulServer(uvicorn.Server):
+    """uvicorn with a graceful SIGTERM: stop accepting, let rows finish within the grace period,
+    abort the rest with ``finish_reason: "abort"``; uvicorn then closes the connections."""
+
+    def __init__(self, config: uvicorn.Config, scheduler: Scheduler, grace: float):
+        super().__init__(config)
+        self.scheduler, self.grace = scheduler, grace
+
+    def handle_exit(self, sig, frame):
+        # a signal handler must not take locks the interrupted code may hold: hand off
+        threading.Thread(target=self.scheduler.begin_shutdown, args=(self.grace,), daemon=True).start()
+        super().handle_exit(sig, frame)
+
+
+def run_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> int:
+    """Listen on ``host:port`` (0: any free port) and serve until SIGTERM/SIGINT; returns 0."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise SpecdraftError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.listen(2048)
+    bound = sock.getsockname()[1]
+    cfg: ServerConfig = app.state.config
+    sched: Scheduler = app.state.scheduler
+    print(
+        f"specdraft serve: listening on http://{host}:{bound} (model {cfg.model_name}, k {cfg.k}, "
+        f"max batch {sched.max_batch}, max queue {sched.max_queue})",
+        file=sys.stderr,
+        flush=True,
+    )
+    config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=int(cfg.shutdown_grace) + 10)
+    server = _GracefulServer(config, sched, cfg.shutdown_grace)
+    # uvicorn re-raises the signal it caught once it has shut down; with the default SIGTERM
+    # action that would kill the process (exit -15) after a clean shutdown. Absorb it instead.
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        sock.close()
+    return 0

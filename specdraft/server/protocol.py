@@ -1,0 +1,243 @@
+"""The OpenAI wire format: request models (validated with pydantic), response bodies, errors.
+
+Requests are parsed from the raw body with ``model_validate_json`` in strict mode, so ``"5"`` is
+not an integer and ``true`` is not a number, as the OpenAI API behaves. Unknown fields are ignored
+(clients send fields this server has no use for, like ``user``); known fields the server cannot
+honour (``n > 1``, ``logprobs``, penalties) are refused with 400 instead of being silently dropped.
+
+Extensions beyond the OpenAI API:
+
+- ``top_k`` (int, 0 or -1 = off), as vLLM and llama.cpp accept it.
+- ``speculation``: ``"off"`` (plain decoding for this request) or
+  ``{"num_speculative_tokens": N}`` (at most N draft tokens per step for this request; an upper
+  bound on the server's own choice, see :mod:`specdraft.server.scheduler`).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_STOP_STRINGS = 16
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body ``{"error": {message, type, param, code}}``.
+
+    Args:
+        status: HTTP status code.
+        message: one human-readable line.
+        type: OpenAI error type (``invalid_request_error``, ``rate_limit_error``, ...).
+        param: the request field at fault, if any.
+        code: a machine-readable code (``context_length_exceeded``, ``model_not_found``, ...).
+        headers: extra response headers (``Retry-After``).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# ---------------------------------------------------------------------------------------- requests
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    include_usage: bool = False
+
+
+class Speculation(BaseModel):
+    """Per-request speculation settings (extension)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    num_speculative_tokens: int = Field(ge=0, le=64)
+
+
+class _GenerationRequest(BaseModel):
+    """Fields shared by completions and chat completions. ``None`` means "the default"."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    speculation: Literal["off"] | Speculation | None = None
+    logprobs: bool | int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def check_supported(self) -> None:
+        """Refuse options this server does not implement (rather than ignoring them)."""
+        if self.n not in (None, 1):
+            raise APIError(400, "only n=1 is supported", param="n")
+        if self.logprobs not in (None, False, 0):
+            raise APIError(400, "logprobs are not supported", param="logprobs")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise APIError(400, f"{name} is not supported", param=name)
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+
+    @property
+    def stop_list(self) -> list[str]:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stop) > MAX_STOP_STRINGS:
+            raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings", param="stop")
+        return [s for s in stop if s]
+
+    @property
+    def k_cap(self) -> int | None:
+        """Upper bound on this request's draft length; None = the server's policy decides."""
+        if self.speculation == "off":
+            return 0
+        return None if self.speculation is None else self.speculation.num_speculative_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_GenerationRequest):
+    """``POST /v1/completions``: ``prompt`` is text or token ids (one prompt per request)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if self.best_of not in (None, 1):
+            raise APIError(400, "only best_of=1 is supported", param="best_of")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+
+    def single_prompt(self) -> str | list[int]:
+        """The prompt as text or token ids; a list of prompts must hold exactly one."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise APIError(400, "only one prompt per request is supported", param="prompt")
+            p = p[0]
+        if not p or (isinstance(p, str) and not p.strip()):
+            raise APIError(400, "prompt is empty", param="prompt")
+        return p
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def as_template_message(self) -> dict:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """``POST /v1/chat/completions``; ``max_completion_tokens`` is the newer name of ``max_tokens``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools:
+            raise APIError(400, "tools are not supported", param="tools")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def parse_request(model: type[BaseModel], body: bytes) -> BaseModel:
+    """Validate a JSON body; malformed JSON and bad fields become a 400 naming the field."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        err = max(e.errors(), key=lambda x: len(x["loc"]))  # the deepest error is the most specific
+        if err["type"] == "json_invalid":
+            raise APIError(400, f"malformed JSON body: {err['msg']}", code="invalid_json") from None
+        param = ".".join(str(x) for x in err["loc"] if not _is_union_tag(x)) or None
+        where = f"{param}: " if param else "request body: "
+        raise APIError(400, f"{where}{err['msg']}", param=param, code=err["type"]) from None
+
+
+def _is_union_tag(loc_part) -> bool:
+    """Pydantic names the union member in error locations (``str``, ``list[str]``, ``Speculation``)."""
+    if not isinstance(loc_part, str):
+        return False
+    return "[" in loc_part or loc_part[:1].isupper() or loc_part in {"str", "int", "float", "bool", "list", "dict"}
+
+
+# --------------------------------------------------------------------------------------- responses
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None) -> dict:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None) -> dict:
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
+
+
+def completion_response(rid, model, created, text, finish_reason, prompt_tokens, completion_tokens) -> dict:
+    body = completion_chunk(rid, model, created, text, finish_reason)
+    body["usage"] = usage(prompt_tokens, completion_tokens)
+    return body
+
+
+def chat_response(rid, model, created, text, finish_reason, prompt_tokens, completion_tokens) -> dict:
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish_reason}
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,379 @@
+"""Continuous batching: one thread owns one :class:`~specdraft.engine.Engine` and feeds it requests.
+
+HTTP handlers run on the asyncio event loop; they :meth:`Scheduler.submit` a :class:`Job` and
+read its :class:`Output` s from the job's ``asyncio.Queue``. The scheduler thread loops:
+
+    take cancellations -> admit waiting jobs into free rows (engine.add) -> engine.step()
+    -> detokenize each row's tokens, apply stop strings -> post outputs (call_soon_threadsafe)
+
+Rows that finish leave the engine by themselves; a stop string, a client that went away, or a
+shutdown removes a row with ``engine.cancel``, which frees its cache row at once.
+
+Per-request draft length. The engine has one policy for the batch, so per-request settings are
+caps on the server's choice: the batch drafts ``k = min(policy k, max cap over rows)`` tokens and
+each row then keeps at most its own cap of them (:class:`RowCappedDrafter` lowers the row's
+``num_valid``, exactly as an n-gram drafter with no match does). A row with cap 0
+(``"speculation": "off"``) accepts no draft token: every token it gets is the target's own choice
+at the first position, which is plain decoding, so it stays exact. Rows with a smaller cap still
+pay for drafting the batch's k (their drafted tokens are simply ignored).
+
+Isolation: any exception while admitting or delivering to one job fails that job only (its row is
+cancelled); an exception inside ``engine.step`` fails the rows of that batch, and the scheduler
+starts a fresh engine, so later requests are served normally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specdraft.api import Detokenizer, Pipeline
+from specdraft.drafters.base import DraftContext, DraftState, Drafter, Proposal
+from specdraft.engine import Engine, Request
+from specdraft.errors import SpecdraftError
+from specdraft.policy import KPolicy
+from specdraft.server.metrics import Metrics
+from specdraft.server.protocol import APIError
+from specdraft.stats import SpecStats
+from specdraft.verify import SamplingParams
+
+log = logging.getLogger("specdraft.server")
+
+
+@dataclass
+class Output:
+    """New text for a request; ``finish_reason`` set on its last output.
+
+    Attributes:
+        text: text released since the previous output (may be empty on the last one).
+        num_tokens: generated tokens behind this output.
+        finish_reason: ``stop``, ``length``, ``cancelled`` or ``abort`` (server shutdown); None
+            while generation continues.
+        error: set when the request failed inside the scheduler.
+    """
+
+    text: str
+    num_tokens: int
+    finish_reason: str | None = None
+    error: APIError | None = None
+
+
+@dataclass
+class Job:
+    """One request's generation, shared by its handler (event loop) and the scheduler thread.
+
+    Attributes:
+        prompt: token ids.
+        max_tokens: generated tokens at most.
+        params: sampling parameters.
+        stop: stop strings (the text before the first one is returned).
+        k_cap: at most this many draft tokens per step; None: the server's policy decides.
+        loop, queue: where outputs are posted.
+    """
+
+    prompt: list[int]
+    max_tokens: int
+    params: SamplingParams
+    stop: list[str]
+    k_cap: int | None
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    arrival: float = field(default_factory=time.monotonic)
+    row_id: int = -1
+    detok: Detokenizer | None = None
+    completion_tokens: int = 0
+    first_token_at: float | None = None
+    last_output_at: float | None = None
+    finish_reason: str | None = None
+    done: bool = False
+
+    def post(self, item: Output) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is gone (process exiting): nobody is listening
+            pass
+
+
+class RowCappedDrafter:
+    """Wraps a drafter so each row keeps at most ``caps[row]`` of the proposed tokens."""
+
+    def __init__(self, inner: Drafter):
+        self.inner = inner
+        self.name = inner.name
+        self.vocab_size = inner.vocab_size
+        self.caps: torch.Tensor | None = None  # (B,) set by the scheduler before each step
+
+    def new_state(self, batch_size: int, capacity: int) -> DraftState:
+        return self.inner.new_state(batch_size, capacity)
+
+    def propose(self, state: DraftState, ctx: DraftContext, k: int) -> Proposal:
+        prop = self.inner.propose(state, ctx, k)
+        if self.caps is None:
+            return prop
+        num_valid = prop.num_valid if prop.num_valid is not None else torch.full((prop.tokens.shape[0],), k)
+        return Proposal(prop.tokens, prop.probs, torch.minimum(num_valid, self.caps.clamp(max=k)))
+
+    def observe(self, state: DraftState, num_accepted: torch.Tensor) -> None:
+        self.inner.observe(state, num_accepted)
+
+
+class CappedPolicy:
+    """The server's policy, with its k bounded by ``cap`` (the largest per-row cap in the batch)."""
+
+    def __init__(self, inner: KPolicy):
+        self.inner = inner
+        self.cap: int | None = None
+        # the engine reserves cache room for the largest k a policy can choose
+        self.k_max = getattr(inner, "k_max", getattr(inner, "k", 8))
+
+    def choose(self) -> int:
+        k = self.inner.choose()
+        return k if self.cap is None else min(k, self.cap)
+
+    def update(self, k, num_drafted, num_accepted, draft_time, target_time) -> None:
+        self.inner.update(k, num_drafted, num_accepted, draft_time, target_time)
+
+    def __repr__(self) -> str:
+        return f"CappedPolicy({self.inner!r})"
+
+
+def supports_batches(pipe: Pipeline) -> bool:
+    """Whether the target (and the drafter) can hold more than one row (the HF adapter cannot)."""
+    try:
+        pipe.runtime.new_state(2, 8)
+        if pipe.drafter is not None:
+            pipe.drafter.new_state(2, 8)
+    except SpecdraftError:
+        return False
+    return True
+
+
+class Scheduler:
+    """Owns the engine; decodes every admitted job in one batch.
+
+    Args:
+        pipe: the loaded target and drafter.
+        policy: the server's draft-length policy (per-request caps apply on top).
+        max_batch: rows decoded together (forced to 1 when the runtime cannot batch).
+        max_queue: jobs allowed to wait for a row; beyond ``max_batch + max_queue`` jobs in the
+            system, :meth:`submit` answers 429.
+        metrics: where counters go.
+    """
+
+    def __init__(self, pipe: Pipeline, policy: KPolicy, *, max_batch: int, max_queue: int, metrics: Metrics):
+        if max_batch < 1 or max_queue < 0:
+            raise SpecdraftError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} and {max_queue}")
+        self.pipe = pipe
+        self.batch_capable = supports_batches(pipe)
+        self.max_batch = max_batch if self.batch_capable else 1
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self.drafter = RowCappedDrafter(pipe.drafter) if pipe.drafter is not None else None
+        self.policy = CappedPolicy(policy)
+        self.engine = self._new_engine()
+        self._rows: dict[int, Job] = {}  # engine request id -> job (scheduler thread only)
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._cancels: list[Job] = []
+        self._in_system = 0  # submitted and not done
+        self._draining = False
+        self._abort_at: float | None = None
+        self._thread: threading.Thread | None = None
+
+    def _new_engine(self) -> Engine:
+        return Engine(self.pipe.runtime, self.drafter, self.policy)
+
+    # ------------------------------------------------------------------ event loop side
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="specdraft-scheduler", daemon=True)
+            self._thread.start()
+
+    @property
+    def accepting(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._draining
+
+    def load(self) -> tuple[int, int]:
+        """(running, waiting) jobs."""
+        with self._cond:
+            return self._in_system - len(self._waiting), len(self._waiting)
+
+    def submit(self, job: Job) -> None:
+        """Queue a job, or raise 429 when the system is full and 503 when shutting down."""
+        with self._cond:
+            if not self.accepting:
+                raise APIError(503, "the server is shutting down", type="server_error", code="unavailable")
+            if self._in_system >= self.max_batch + self.max_queue:
+                raise APIError(
+                    429,
+                    f"server busy: {self.max_batch} requests decoding and {self.max_queue} waiting; retry later",
+                    type="rate_limit_error",
+                    code="rate_limit_exceeded",
+                    headers={"Retry-After": "1"},
+                )
+            self._in_system += 1
+            self._waiting.append(job)
+            self.metrics.waiting.set(len(self._waiting))
+            self._cond.notify()
+
+    def cancel(self, job: Job) -> None:
+        """The client is gone: drop the job (no-op when it already finished)."""
+        with self._cond:
+            if job.done:
+                return
+            if job in self._waiting:
+                self._waiting.remove(job)
+                self._mark_done(job, "cancelled")
+                return
+            self._cancels.append(job)
+            self._cond.notify()
+
+    def begin_shutdown(self, grace: float) -> None:
+        """Stop accepting; rows still running after ``grace`` seconds end with ``abort``."""
+        with self._cond:
+            self._draining = True
+            abort_at = time.monotonic() + max(grace, 0.0)
+            self._abort_at = abort_at if self._abort_at is None else min(self._abort_at, abort_at)
+            self._cond.notify()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort whatever is left and join the thread."""
+        self.begin_shutdown(0.0)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ scheduler thread
+    def _mark_done(self, job: Job, reason: str) -> None:
+        """Bookkeeping for a job that ended (call with ``self._cond`` held)."""
+        job.done, job.finish_reason = True, reason
+        self._in_system -= 1
+        self.metrics.request_finished.labels(finished_reason=reason).inc()
+        self.metrics.waiting.set(len(self._waiting))
+        self.metrics.running.set(self._in_system - len(self._waiting))
+
+    def _finish(self, job: Job, reason: str, text: str = "", error: APIError | None = None) -> None:
+        if self._rows.pop(job.row_id, None) is not None:
+            self.engine.cancel(job.row_id)  # frees the cache row
+        with self._cond:
+            if job.done:
+                return
+            self._mark_done(job, reason)
+        if job.first_token_at is not None:
+            self.metrics.e2e.observe(time.monotonic() - job.arrival)
+        job.post(Output(text, 0, reason, error))
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._waiting or self._cancels or self._rows or self._draining):
+                    self._cond.wait()
+                if self._draining and self._abort_at is not None and not (self._rows or self._waiting):
+                    break
+                cancels, self._cancels = self._cancels, []
+                free = self.max_batch - len(self._rows)
+                admit = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+                abort = self._draining and time.monotonic() >= self._abort_at
+                if abort:
+                    admit += list(self._waiting)
+                    self._waiting.clear()
+            for job in cancels:
+                self._finish(job, "cancelled")
+            if abort:
+                for job in admit + list(self._rows.values()):
+                    self._finish(job, "abort")
+                continue
+            if admit:
+                self._admit(admit)
+            if self._rows:
+                self._step()
+
+    def _admit(self, jobs: list[Job]) -> None:
+        """Prefill new jobs together; if that fails, one by one, so one bad job fails alone."""
+        requests = [Request(j.prompt, j.max_tokens, j.params, self.pipe.eos_ids) for j in jobs]
+        try:
+            self.engine.add(requests)
+            pairs = list(zip(jobs, requests))
+        except Exception:
+            log.exception("batched prefill failed; admitting one by one")
+            pairs = []
+            for job, req in zip(jobs, requests):
+                try:
+                    self.engine.add([req])
+                    pairs.append((job, req))
+                except SpecdraftError as e:
+                    self._fail(job, APIError(400, str(e)))
+                except Exception as e:  # noqa: BLE001 - isolate the request, keep serving
+                    log.exception("prefill failed for one request")
+                    self._fail(job, APIError(500, f"internal error during prefill: {e}", type="server_error"))
+        for job, req in pairs:
+            job.row_id = req.id
+            job.detok = Detokenizer(self.pipe.tokenizer, job.stop)
+            job.last_output_at = job.arrival
+            self._rows[req.id] = job
+            self.metrics.prompt_tokens.inc(len(job.prompt))
+        with self._cond:
+            self.metrics.waiting.set(len(self._waiting))
+            self.metrics.running.set(self._in_system - len(self._waiting))
+
+    def _fail(self, job: Job, error: APIError) -> None:
+        self._finish(job, "error", error=error)
+
+    def _step(self) -> None:
+        rows = [self._rows[r.id] for r in self.engine.requests]
+        caps = [self.policy.k_max if j.k_cap is None else min(j.k_cap, self.policy.k_max) for j in rows]
+        self.policy.cap = max(caps)
+        if self.drafter is not None:
+            self.drafter.caps = torch.tensor(caps)
+        try:
+            events = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - fail this batch, keep the server up
+            log.exception("engine step failed; failing the %d requests of this batch", len(rows))
+            self._rows.clear()
+            self.engine = self._new_engine()
+            for job in rows:
+                self._fail(job, APIError(500, f"internal error while decoding: {e}", type="server_error"))
+            return
+        stats, self.engine.stats = self.engine.stats, SpecStats()
+        self.metrics.observe_step(stats)
+        now = time.monotonic()
+        for ev in events:
+            job = self._rows.get(ev.request_id)
+            if job is None:
+                continue
+            try:
+                self._deliver(job, ev, now)
+            except Exception as e:  # noqa: BLE001
+                log.exception("delivering output failed for one request")
+                self._fail(job, APIError(500, f"internal error: {e}", type="server_error"))
+
+    def _deliver(self, job: Job, ev, now: float) -> None:
+        job.completion_tokens += len(ev.tokens)
+        self.metrics.generation_tokens.inc(len(ev.tokens))
+        if ev.tokens:
+            if job.first_token_at is None:
+                job.first_token_at = now
+                self.metrics.ttft.observe(now - job.arrival)
+            else:
+                self.metrics.itl.observe(now - job.last_output_at)
+            job.last_output_at = now
+        text, hit_stop = job.detok.push(ev.tokens, ev.finished)
+        reason = "stop" if hit_stop else ev.finish_reason if ev.finished else None
+        if reason is None:
+            if text:
+                job.post(Output(text, len(ev.tokens)))
+            return
+        self._rows.pop(job.row_id, None)
+        if not ev.finished:  # a stop string ended it; the engine still holds the row
+            self.engine.cancel(job.row_id)
+        with self._cond:
+            if job.done:
+                return
+            self._mark_done(job, reason)
+        self.metrics.e2e.observe(now - job.arrival)
+        job.post(Output(text, len(ev.tokens), reason))
