@@ -18,6 +18,7 @@ COMMANDS = {
     "generate": "specdraft.commands.generate",
     "demo": "specdraft.commands.demo",
     "bench": "specdraft.commands.bench",
+    "serve": "specdraft.commands.serve",
 }
 
 
