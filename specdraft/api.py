@@ -40,7 +40,15 @@ from specdraft.stats import SpecStats
 from specdraft.verify import SamplingParams
 
 DEFAULT_DRAFT = "lookup"
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    # int8 weights and per-row int8 activations (fbgemm), float32 elsewhere: the fast CPU
+    # runtime where bf16 is not native. Compact runtime only.
+    "int8": torch.qint8,
+}
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -54,13 +62,13 @@ def cpu_has_fast_bf16() -> bool:
 
 
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
-    """``bf16`` / ``fp32`` / ``auto`` (bf16 where the CPU computes it natively, else fp32)."""
+    """``bf16`` / ``fp32`` / ``int8`` / ``auto`` (bf16 where the CPU computes it natively, else fp32)."""
     if isinstance(name, torch.dtype):
         return name
     if name == "auto":
         return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
     if name not in DTYPES:
-        raise SpecdraftError(f"unknown dtype {name!r}: use bf16, fp32 or auto")
+        raise SpecdraftError(f"unknown dtype {name!r}: use bf16, fp32, int8 or auto")
     return DTYPES[name]
 
 
@@ -72,12 +80,16 @@ def set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-def make_runtime(loaded: LoadedModel, kind: str = "auto") -> Runtime:
-    """The compact runtime for Llama-family models, the transformers adapter otherwise."""
+def make_runtime(loaded: LoadedModel, kind: str = "auto", dtype: torch.dtype | None = None) -> Runtime:
+    """The compact runtime for Llama-family models, the transformers adapter otherwise.
+
+    ``dtype`` overrides the loaded model's dtype for the compact runtime (``torch.qint8``: int8).
+    """
     model_type = loaded.model.config.model_type
     if kind == "compact" or (kind == "auto" and model_type in LLAMA_FAMILY):
-        dtype = next(loaded.model.parameters()).dtype
-        return LlamaRuntime(LlamaWeights.from_hf(loaded.model, dtype))
+        return LlamaRuntime(LlamaWeights.from_hf(loaded.model, dtype or next(loaded.model.parameters()).dtype))
+    if dtype == torch.qint8:
+        raise SpecdraftError(f"int8 needs the compact runtime (Llama family), not {model_type!r}")
     if kind in ("auto", "hf"):
         return HFRuntime(loaded.model)
     raise SpecdraftError(f"unknown runtime {kind!r}: use auto, compact or hf")
@@ -251,13 +263,13 @@ def make_drafter(spec: str, pipe_target: LoadedModel, runtime: Runtime, dtype: t
         except ValueError:
             raise SpecdraftError(f"bad prune spec {spec!r}: use prune:0,1,2,29") from None
         return ModelDrafter(LlamaRuntime(runtime.w, layers), spec)
-    draft = load_model(spec, dtype)
+    draft = load_model(spec, torch.float32 if dtype == torch.qint8 else dtype)
     if not _same_tokenizer(draft.tokenizer, pipe_target.tokenizer):
         raise SpecdraftError(
             f"draft {spec!r} has a different tokenizer/vocabulary than the target; "
             "speculative decoding needs the same tokenizer"
         )
-    return ModelDrafter(make_runtime(draft), spec)
+    return ModelDrafter(make_runtime(draft, dtype=dtype), spec)
 
 
 def load(
@@ -280,8 +292,8 @@ def load(
     set_threads(threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     dt = resolve_dtype(dtype)
-    loaded = load_model(target, dt)
-    rt = make_runtime(loaded, runtime)
+    loaded = load_model(target, torch.float32 if dt == torch.qint8 else dt)
+    rt = make_runtime(loaded, runtime, dt)
     drafter = make_drafter(draft, loaded, rt, dt)
     return Pipeline(loaded, rt, drafter, draft)
 

@@ -33,6 +33,11 @@ class LayerWeights:
     mlp_norm: torch.Tensor  # (C,)
     w_gate_up: torch.Tensor  # (2 * I, C)
     w_down: torch.Tensor  # (C, I)
+    # int8 runtime only: fbgemm-packed weights of the four matmuls (None: dense matmuls)
+    q_qkv: object = None
+    q_o: object = None
+    q_gate_up: object = None
+    q_down: object = None
 
 
 @dataclass
@@ -50,10 +55,19 @@ class LlamaWeights:
     inv_freq: torch.Tensor  # (D/2,) float32, after any RoPE scaling
     rope_scale: float  # the "attention_scaling" factor some RoPE types apply to cos/sin
     max_context: int
+    q_head: object = None  # int8 runtime: packed LM head
 
     @classmethod
     def from_hf(cls, model, dtype: torch.dtype = torch.bfloat16) -> "LlamaWeights":
-        """Extract (and fuse) the weights of a transformers Llama-family causal LM."""
+        """Extract (and fuse) the weights of a transformers Llama-family causal LM.
+
+        Args:
+            model: a transformers Llama/Mistral/Qwen2 causal LM.
+            dtype: ``torch.bfloat16`` or ``torch.float32`` for dense weights, or ``torch.qint8``
+                for the int8 runtime (see :func:`int8_linear`): activations stay float32.
+        """
+        if dtype == torch.qint8:
+            return cls.from_hf(model, torch.float32).quantize_int8()
         cfg = model.config
         if cfg.model_type not in LLAMA_FAMILY:
             raise SpecdraftError(
@@ -99,6 +113,18 @@ class LlamaWeights:
             rope_scale=float(getattr(rotary, "attention_scaling", 1.0)),
             max_context=cfg.max_position_embeddings,
         )
+
+    def quantize_int8(self) -> "LlamaWeights":
+        """Pack every matmul (and the LM head) for :func:`int8_linear`; dense copies stay for reference."""
+        for layer in self.layers:
+            layer.q_qkv, layer.q_o = pack_int8(layer.wqkv), pack_int8(layer.wo)
+            layer.q_gate_up, layer.q_down = pack_int8(layer.w_gate_up), pack_int8(layer.w_down)
+        self.q_head = pack_int8(self.lm_head)
+        return self
+
+    @property
+    def precision(self) -> str:
+        return "int8" if self.q_head is not None else {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(self.dtype, str(self.dtype))
 
     @property
     def vocab_size(self) -> int:
@@ -164,6 +190,45 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def pack_int8(w: torch.Tensor):
+    """Per-output-channel symmetric int8 weights, prepacked for fbgemm."""
+    w = w.float()
+    scale = (w.abs().amax(1) / 127).clamp(min=1e-12).double()
+    zero = torch.zeros(w.shape[0], dtype=torch.int64)
+    return torch.ops.quantized.linear_prepack(torch.quantize_per_channel(w, scale, zero, 0, torch.qint8), None)
+
+
+_CALIBRATION: dict[int, torch.Tensor] = {}
+
+
+def int8_linear(x: torch.Tensor, packed, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T`` with int8 weights and per-row int8 activations (fbgemm), batch-invariant.
+
+    fbgemm's dynamic linear quantizes activations with ONE scale for the whole input, so a row's
+    result would depend on the other rows (and a (k+1)-token verification would disagree with a
+    1-token forward). Each row is therefore scaled to max |x| = 1 first, and a calibration row
+    ``[-1, 1, 0, ...]`` pins the tensor's range to exactly [-1, 1]: the quantization parameters no
+    longer depend on the batch, the integer matmul is exact, and every row's output is
+    bit-identical whatever else is in the batch. Per-row scaling is also more accurate.
+    """
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])  # (M, K)
+    cal = _CALIBRATION.get(shape[-1])
+    if cal is None:
+        cal = torch.zeros(1, shape[-1])
+        cal[0, 0], cal[0, 1] = -1.0, 1.0
+        _CALIBRATION[shape[-1]] = cal
+    s = x2.abs().amax(-1, keepdim=True).clamp(min=1e-12)  # (M, 1)
+    out = torch.ops.quantized.linear_dynamic(torch.cat([x2 / s, cal]), packed, True)[:-1] * s  # (M, N)
+    if bias is not None:
+        out = out + bias
+    return out.view(*shape[:-1], out.shape[-1])
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed) -> torch.Tensor:
+    return F.linear(x, w, b) if packed is None else int8_linear(x, packed, b)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -193,7 +258,7 @@ class LlamaRuntime:
         self._cos = self._sin = None
 
     def __repr__(self) -> str:
-        return f"LlamaRuntime(layers={len(self.layers)}/{len(self.w.layers)}, dtype={self.dtype})"
+        return f"LlamaRuntime(layers={len(self.layers)}/{len(self.w.layers)}, {self.w.precision})"
 
     def new_state(self, batch_size: int, capacity: int) -> LlamaKV:
         w = self.w
@@ -251,7 +316,7 @@ class LlamaRuntime:
         hidden: dict[int, torch.Tensor] = {}
         for li, (layer, k_cache, v_cache) in enumerate(zip(self.layers, state.k, state.v)):
             h = rms_norm(x, layer.attn_norm, w.eps)
-            qkv = F.linear(h, layer.wqkv, layer.bqkv)  # (B, T, (H + 2G) * D)
+            qkv = linear(h, layer.wqkv, layer.bqkv, layer.q_qkv)  # (B, T, (H + 2G) * D)
             q, k, v = qkv.view(B, T, H + 2 * G, D).transpose(1, 2).split((H, G, G), dim=1)
             q = q * cos + rotate_half(q) * sin  # (B, H, T, D)
             k = k * cos + rotate_half(k) * sin  # (B, G, T, D)
@@ -264,10 +329,10 @@ class LlamaRuntime:
             att = F.scaled_dot_product_attention(
                 q, k_cache[:, :, :S], v_cache[:, :, :S], attn_mask=mask, enable_gqa=G != H
             )  # (B, H, T, D)
-            x = x + F.linear(att.transpose(1, 2).reshape(B, T, H * D), layer.wo)
+            x = x + linear(att.transpose(1, 2).reshape(B, T, H * D), layer.wo, None, layer.q_o)
             h = rms_norm(x, layer.mlp_norm, w.eps)
-            gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.w_down)
+            gate, up = linear(h, layer.w_gate_up, None, layer.q_gate_up).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, layer.w_down, None, layer.q_down)
             if li in wanted:
                 hidden[li] = x
         x = rms_norm(x, w.norm, w.eps)
@@ -275,5 +340,5 @@ class LlamaRuntime:
             hidden[-1] = x
         if logits_index is not None:
             x = x.gather(1, logits_index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
-        logits = F.linear(x, w.lm_head).float()  # (B, T, V)
+        logits = linear(x, w.lm_head, None, w.q_head).float()  # (B, T, V)
         return ForwardOutput(logits=logits, hidden=hidden)
