@@ -190,7 +190,7 @@ def create_app(pipe: Pipeline, config: ServerConfig) -> FastAPI:
             top_p=1.0 if req.top_p is None else req.top_p,
             seed=req.seed,
         )
-        job = Job(ids, max_tokens, params, req.stop_list, req.k_cap, asyncio.get_running_loop(), asyncio.Queue())
+        job = Job(ids, max_tokens, params, req.stop_list, req.k_cap, asyncio.get_running_loop(), asyncio.Queue(), bool(req.ignore_eos))
         scheduler.submit(job)
         if req.stream:
             return StreamingResponse(

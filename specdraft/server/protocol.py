@@ -8,6 +8,8 @@ honour (``n > 1``, ``logprobs``, penalties) are refused with 400 instead of bein
 Extensions beyond the OpenAI API:
 
 - ``top_k`` (int, 0 or -1 = off), as vLLM and llama.cpp accept it.
+- ``ignore_eos`` (bool), as vLLM accepts it: keep generating past EOS up to ``max_tokens``
+  (benchmarks use it for outputs of a fixed length).
 - ``speculation``: ``"off"`` (plain decoding for this request) or
   ``{"num_speculative_tokens": N}`` (at most N draft tokens per step for this request; an upper
   bound on the server's own choice, see :mod:`specdraft.server.scheduler`).
@@ -82,6 +84,7 @@ class _GenerationRequest(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     speculation: Literal["off"] | Speculation | None = None
+    ignore_eos: bool | None = False
     logprobs: bool | int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

@@ -74,6 +74,7 @@ class Job:
         params: sampling parameters.
         stop: stop strings (the text before the first one is returned).
         k_cap: at most this many draft tokens per step; None: the server's policy decides.
+        ignore_eos: generate past EOS until ``max_tokens``.
         loop, queue: where outputs are posted.
     """
 
@@ -84,6 +85,7 @@ class Job:
     k_cap: int | None
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    ignore_eos: bool = False
     arrival: float = field(default_factory=time.monotonic)
     row_id: int = -1
     detok: Detokenizer | None = None
@@ -295,7 +297,7 @@ class Scheduler:
 
     def _admit(self, jobs: list[Job]) -> None:
         """Prefill new jobs together; if that fails, one by one, so one bad job fails alone."""
-        requests = [Request(j.prompt, j.max_tokens, j.params, self.pipe.eos_ids) for j in jobs]
+        requests = [Request(j.prompt, j.max_tokens, j.params, () if j.ignore_eos else self.pipe.eos_ids) for j in jobs]
         try:
             self.engine.add(requests)
             pairs = list(zip(jobs, requests))

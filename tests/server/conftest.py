@@ -1,0 +1,102 @@
+"""Fixtures: the real server as a subprocess on a free loopback port, and in-process references.
+
+Every server runs the tiny random Llama (byte-level tokenizer) saved with ``save_pretrained``, one
+torch thread, so a whole module's server starts in seconds and decodes quickly on a shared CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from specdraft.models.tiny import tiny_llama, tiny_tokenizer
+
+CONTEXT = 4096  # the tiny model's context window in these tests (long enough to disconnect mid-way)
+REPO = Path(__file__).resolve().parents[2]
+
+
+class ServerProcess:
+    """``python -m specdraft.cli serve ...`` on port 0; the bound port is read from its stderr."""
+
+    def __init__(self, args: list[str], log_path: Path, start_timeout: float = 180.0):
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, "-m", "specdraft.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--threads", "1"]
+        self.proc = subprocess.Popen(cmd + args, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.url = self._wait_ready(start_timeout)
+
+    def _wait_ready(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        url = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            if url is None:
+                m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", self.output())
+                url = m.group(1) if m else None
+            if url is not None:
+                try:
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        return url
+                except httpx.TransportError:
+                    pass
+            time.sleep(0.1)
+        self.proc.kill()
+        raise RuntimeError(f"server not ready after {timeout} s:\n{self.output()}")
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        """SIGTERM and wait; returns the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        finally:
+            self.log.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-target")
+    tiny_llama(max_position_embeddings=CONTEXT).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_dir):
+    """The target alone, in this process: plain decoding, batch 1 (what every output must equal)."""
+    from specdraft import api
+
+    threads = torch.get_num_threads()
+    pipe = api.load(str(tiny_dir), draft="none", threads=1)
+    yield pipe
+    torch.set_num_threads(threads)
+
+
+def start_server(tmp_path_factory, tiny_dir, *args: str) -> ServerProcess:
+    log = tmp_path_factory.mktemp("server-log") / "server.log"
+    return ServerProcess(["--target", str(tiny_dir), "--log-level", "warning", *args], log)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_dir):
+    """A batching server: layer-pruned self-draft (layer 0 of 2), k = 3, up to 64 rows."""
+    srv = start_server(tmp_path_factory, tiny_dir, "--draft", "prune:0", "--k", "3", "--max-batch", "64", "--max-queue", "64")
+    yield srv
+    assert srv.terminate() == 0, srv.output()
