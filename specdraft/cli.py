@@ -18,6 +18,7 @@ COMMANDS = {
     "generate": "specdraft.commands.generate",
     "demo": "specdraft.commands.demo",
     "bench": "specdraft.commands.bench",
+    "profile": "specdraft.commands.profile",
     "serve": "specdraft.commands.serve",
 }
 

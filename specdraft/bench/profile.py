@@ -1,0 +1,379 @@
+"""Latency profiler: T_target(b, n), T_draft(b), and where a draft step's time goes.
+
+The analytic model (:mod:`specdraft.analytic`) predicts throughput from two latencies:
+
+- ``T_target(b, n)``: one target forward over ``n`` new tokens for each of ``b`` rows whose cache
+  already holds ``context`` tokens (n = k + 1 when verifying k drafts; n = 1 is a plain step);
+- ``T_draft(b)``: one draft step, i.e. one draft token for each of ``b`` rows at that context.
+
+How they are measured: the context is prefilled once per batch size (random token ids; the
+position-indexed cache makes every timed forward rewrite the same slots, so nothing grows), then
+after ``warmup`` untimed rounds, ``repeats`` rounds each time every (b, n) configuration once, in
+turn (A B C A B C ...), so a slow phase of a shared machine hits all of them alike. The figure is
+the median of the rounds. The torch thread count is recorded with the result.
+
+Breakdown of a batch-1 draft step (:func:`draft_breakdown`): one forward of the draft runs under
+``torch.profiler`` and each top-level ATen op is put in a bucket by its place in the compact
+runtime's sequence: every layer runs exactly four matmuls (q/k/v, output projection, gate/up, down)
+and the LM head is the last one, so
+
+- ``overhead``: ops before the embedding lookup (position checks, RoPE table, masks);
+- ``embedding``: the embedding lookup;
+- ``attention``: input norm, q/k/v projection, RoPE, cache write, scaled-dot-product attention,
+  output projection (ops up to the second matmul of a layer);
+- ``mlp``: residual add, norm, gate/up projection, SiLU, down projection;
+- ``lm_head``: final norm and the vocabulary projection;
+- ``python``: wall time between ops (interpreter and dispatch), i.e. the profiled wall time minus
+  the ops' time.
+
+The shares are scaled to the unprofiled median ``T_draft(1)`` (the profiler's own overhead
+inflates every op). Runtimes that are not the compact one get the buckets ``matmul``,
+``attention``, ``other`` and ``python`` by op name; drafters without a model (prompt lookup) get
+one bucket, ``lookup``.
+
+Use from Python (the study imports this)::
+
+    from specdraft import api
+    from specdraft.bench.profile import profile_pipeline, profile_latency, LatencyProfile
+    pipe = api.load("smollm2-135m", draft="prune:0,1,2,29", dtype="fp32", threads=1)
+    prof = profile_pipeline(pipe, batch_sizes=(1, 2, 4, 8), new_tokens=range(1, 10), context=200)
+    prof.target_time(n=4, batch=2)   # seconds, interpolated over the measured n
+    prof.draft_time(batch=1)         # seconds per draft step
+    prof.save("runs/profile.json"); LatencyProfile.load("runs/profile.json")
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from specdraft.drafters.base import DraftContext
+from specdraft.errors import SpecdraftError
+from specdraft.models.llama import LlamaRuntime
+from specdraft.models.runtime import Runtime
+from specdraft.verify import SamplingParams
+
+BUCKETS = ("overhead", "embedding", "attention", "mlp", "lm_head", "python")
+
+
+@dataclass
+class LatencyProfile:
+    """Measured latencies of one target (and draft) on this machine.
+
+    Attributes:
+        target: target name.
+        draft: draft name ("none" when no drafter was profiled).
+        dtype: parameter dtype of the target, e.g. ``float32``.
+        threads: torch intra-op threads during the measurement.
+        context: tokens already in the cache when each timed forward runs.
+        repeats: timed rounds per configuration (the figures are their medians).
+        warmup: untimed rounds before those.
+        t_target: ``{batch: {new_tokens: median seconds}}`` of one target forward.
+        t_draft: ``{batch: median seconds}`` of one draft step (one token per row); empty without a
+            drafter.
+        draft_breakdown: ``{bucket: seconds}`` of one batch-1 draft step (module docstring); sums to
+            ``t_draft[1]``.
+        breakdown_method: how the breakdown was attributed.
+        cpu: the CPU model.
+        torch_version: torch version.
+    """
+
+    target: str
+    draft: str
+    dtype: str
+    threads: int
+    context: int
+    repeats: int
+    warmup: int
+    t_target: dict[int, dict[int, float]]
+    t_draft: dict[int, float] = field(default_factory=dict)
+    draft_breakdown: dict[str, float] = field(default_factory=dict)
+    breakdown_method: str = ""
+    cpu: str = ""
+    torch_version: str = torch.__version__
+
+    def target_time(self, n: int, batch: int = 1) -> float:
+        """T_target(batch, n) in seconds; linear interpolation (or extrapolation) over measured n."""
+        row = self._row(self.t_target, batch, "target")
+        if n in row:
+            return row[n]
+        known = sorted(row)
+        if len(known) == 1:
+            return row[known[0]]
+        lo = max([m for m in known if m < n], default=known[0])
+        hi = min([m for m in known if m > n], default=known[-1])
+        if lo == hi:  # outside the measured range: extend the nearest segment
+            lo, hi = (known[0], known[1]) if n < known[0] else (known[-2], known[-1])
+        return max(row[lo] + (row[hi] - row[lo]) * (n - lo) / (hi - lo), 0.0)
+
+    def draft_time(self, batch: int = 1) -> float:
+        """T_draft(batch): seconds per draft step."""
+        if not self.t_draft:
+            raise SpecdraftError("this profile has no draft measurements")
+        if batch in self.t_draft:
+            return self.t_draft[batch]
+        raise SpecdraftError(f"no draft measurement for batch {batch}; measured: {sorted(self.t_draft)}")
+
+    def _row(self, table: dict, batch: int, what: str) -> dict:
+        if batch not in table:
+            raise SpecdraftError(f"no {what} measurement for batch {batch}; measured: {sorted(table)}")
+        return table[batch]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        """Write as JSON (dict keys become strings; :meth:`load` turns them back)."""
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(self.as_dict(), indent=2))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LatencyProfile":
+        d = dict(d)
+        d["t_target"] = {int(b): {int(n): float(t) for n, t in row.items()} for b, row in d["t_target"].items()}
+        d["t_draft"] = {int(b): float(t) for b, t in d.get("t_draft", {}).items()}
+        return cls(**d)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "LatencyProfile":
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SpecdraftError(f"cannot read latency profile {path}: {e}") from None
+
+    def table(self) -> str:
+        """A markdown table: T_target(b, n) and T_draft(b) in milliseconds, then the breakdown."""
+        ns = sorted({n for row in self.t_target.values() for n in row})
+        head = ["batch"] + [f"T_target n={n}" for n in ns] + (["T_draft"] if self.t_draft else [])
+        lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+        for b in sorted(self.t_target):
+            cells = [str(b)] + [f"{self.t_target[b][n] * 1e3:.2f}" if n in self.t_target[b] else "-" for n in ns]
+            if self.t_draft:
+                cells.append(f"{self.t_draft[b] * 1e3:.2f}" if b in self.t_draft else "-")
+            lines.append("| " + " | ".join(cells) + " |")
+        text = "\n".join(lines) + f"\n\nmilliseconds, median of {self.repeats}; context {self.context}; {self.threads} threads; {self.dtype}"
+        if self.draft_breakdown:
+            total = sum(self.draft_breakdown.values()) or 1.0
+            parts = ", ".join(f"{k} {v * 1e3:.2f} ms ({v / total:.0%})" for k, v in self.draft_breakdown.items())
+            text += f"\ndraft step ({self.draft}, batch 1): {parts}"
+        return text
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+# ------------------------------------------------------------------------------------ timing
+def _prefilled(runtime: Runtime, batch: int, context: int, capacity: int, seed: int = 0):
+    """A state of ``batch`` rows holding ``context`` random tokens."""
+    g = torch.Generator().manual_seed(seed)
+    state = runtime.new_state(batch, capacity)
+    if context > 0:
+        tokens = torch.randint(runtime.vocab_size, (batch, context), generator=g)
+        positions = torch.arange(context).expand(batch, context)
+        runtime.forward(state, tokens, positions, logits_index=torch.full((batch, 1), context - 1))
+    return state
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _draft_step(drafter, batch: int, context: int, vocab: int):
+    """A callable running one draft step (one token per row) at ``context``, and its name."""
+    runtime = getattr(drafter, "runtime", None)
+    if runtime is not None:  # a model draft: one forward of one token per row, then the argmax
+        state = _prefilled(runtime, batch, context, context + 2, seed=1)
+        tok = torch.zeros(batch, 1, dtype=torch.int64)
+        pos = torch.full((batch, 1), context)
+        return lambda: runtime.forward(state, tok, pos).logits[:, -1].argmax(-1)
+    # a drafter without a model: propose one token from a random context
+    g = torch.Generator().manual_seed(2)
+    ctx = DraftContext(
+        tokens=torch.randint(vocab, (batch, context + 1), generator=g),
+        lengths=torch.full((batch,), context),
+        params=[SamplingParams()] * batch,
+        generators=[None] * batch,
+    )
+    state = drafter.new_state(batch, context + 2)
+    return lambda: drafter.propose(state, ctx, 1)
+
+
+def profile_latency(
+    target: Runtime,
+    drafter=None,
+    *,
+    batch_sizes: Iterable[int] = (1,),
+    new_tokens: Iterable[int] = range(1, 10),
+    context: int = 200,
+    repeats: int = 9,
+    warmup: int = 2,
+    breakdown: bool = True,
+    target_name: str = "target",
+    draft_name: str | None = None,
+) -> LatencyProfile:
+    """Measure T_target(b, n) and T_draft(b) (module docstring).
+
+    Args:
+        target: the target runtime.
+        drafter: a drafter (``drafter.runtime`` is timed for model drafts; other drafters time
+            one ``propose`` of one token); None measures the target only.
+        batch_sizes: rows b.
+        new_tokens: tokens n per target forward (k + 1 for draft length k).
+        context: tokens in the cache before each timed forward.
+        repeats: timed rounds (medians are taken over them); >= 1.
+        warmup: untimed rounds first.
+        breakdown: also profile where a batch-1 draft step's time goes.
+        target_name, draft_name: recorded in the result.
+
+    Returns:
+        A :class:`LatencyProfile`.
+    """
+    batch_sizes, new_tokens = sorted(set(batch_sizes)), sorted(set(new_tokens))
+    if not batch_sizes or min(batch_sizes) < 1 or not new_tokens or min(new_tokens) < 1:
+        raise SpecdraftError("batch sizes and new-token counts must be >= 1")
+    if repeats < 1 or warmup < 0 or context < 1:
+        raise SpecdraftError("need repeats >= 1, warmup >= 0 and context >= 1")
+    if context + max(new_tokens) > target.max_context:
+        raise SpecdraftError(f"context {context} + {max(new_tokens)} new tokens exceeds the target's window ({target.max_context})")
+
+    jobs = []  # (kind, batch, n, fn)
+    for b in batch_sizes:
+        state = _prefilled(target, b, context, context + max(new_tokens) + 1)
+        for n in new_tokens:
+            tokens = torch.zeros(b, n, dtype=torch.int64)
+            positions = context + torch.arange(n).expand(b, n)
+            jobs.append(("target", b, n, lambda s=state, t=tokens, p=positions: target.forward(s, t, p)))
+        if drafter is not None:
+            jobs.append(("draft", b, 1, _draft_step(drafter, b, context, target.vocab_size)))
+
+    samples: dict[tuple, list[float]] = {(kind, b, n): [] for kind, b, n, _ in jobs}
+    for r in range(warmup + repeats):
+        for kind, b, n, fn in jobs:
+            t = _timed(fn)
+            if r >= warmup:
+                samples[(kind, b, n)].append(t)
+
+    t_target: dict[int, dict[int, float]] = {}
+    t_draft: dict[int, float] = {}
+    for (kind, b, n), ts in samples.items():
+        if kind == "target":
+            t_target.setdefault(b, {})[n] = statistics.median(ts)
+        else:
+            t_draft[b] = statistics.median(ts)
+
+    parts, method = {}, ""
+    if drafter is not None and breakdown:
+        parts, method = draft_breakdown(drafter, context, target.vocab_size)
+        total = sum(parts.values())
+        if total > 0:  # scale the profiled shares to the unprofiled median
+            parts = {k: v / total * t_draft[min(t_draft)] for k, v in parts.items()}
+
+    dtype = getattr(target, "dtype", None)
+    return LatencyProfile(
+        target=target_name,
+        draft=draft_name or (getattr(drafter, "name", "draft") if drafter is not None else "none"),
+        dtype=str(dtype).replace("torch.", ""),
+        threads=torch.get_num_threads(),
+        context=context,
+        repeats=repeats,
+        warmup=warmup,
+        t_target=t_target,
+        t_draft=t_draft,
+        draft_breakdown=parts,
+        breakdown_method=method,
+        cpu=cpu_name(),
+    )
+
+
+def profile_pipeline(pipe, **kwargs) -> LatencyProfile:
+    """:func:`profile_latency` for a loaded :class:`specdraft.api.Pipeline` (names filled in)."""
+    kwargs.setdefault("target_name", pipe.target.name)
+    kwargs.setdefault("draft_name", pipe.draft_spec)
+    return profile_latency(pipe.runtime, pipe.drafter, **kwargs)
+
+
+# ------------------------------------------------------------------------------------ breakdown
+def draft_breakdown(drafter, context: int = 200, vocab: int | None = None, rounds: int = 5) -> tuple[dict[str, float], str]:
+    """Profiled seconds per bucket of one batch-1 draft step, summed over ``rounds`` steps.
+
+    Returns:
+        ``({bucket: seconds}, method)``; the seconds include the profiler's overhead, so use the
+        shares (:func:`profile_latency` rescales them to the measured step time).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    runtime = getattr(drafter, "runtime", None)
+    step = _draft_step(drafter, 1, context, vocab or getattr(runtime, "vocab_size", 2))
+    step()  # warm
+    totals: dict[str, float] = {}
+    method = ""
+    for _ in range(rounds):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step()
+        events = sorted((e for e in prof.events() if e.cpu_parent is None), key=lambda e: e.time_range.start)
+        if runtime is None:
+            buckets, method = {"lookup": sum(e.cpu_time_total for e in events)}, "n-gram lookup (no model)"
+        elif isinstance(runtime, LlamaRuntime):
+            buckets, method = _llama_buckets(events, len(runtime.layers))
+        else:
+            buckets, method = _name_buckets(events)
+        if events:  # wall time the ops do not cover: the interpreter between them
+            wall = events[-1].time_range.end - events[0].time_range.start
+            buckets["python"] = max(wall - sum(e.cpu_time_total for e in events), 0.0)
+        for k, v in buckets.items():
+            totals[k] = totals.get(k, 0.0) + v * 1e-6  # profiler times are microseconds
+    return totals, method
+
+
+def _llama_buckets(events, n_layers: int) -> tuple[dict[str, float], str]:
+    """Attribute ops by their place in the compact forward (module docstring)."""
+    linears = [i for i, e in enumerate(events) if e.name == "aten::linear"]
+    if len(linears) != 4 * n_layers + 1:
+        return _name_buckets(events)
+    # the embedding lookup is the last index op before the first matmul (RoPE tables come first)
+    lookups = [i for i in range(linears[0]) if events[i].name in ("aten::index", "aten::embedding")]
+    embed_at = lookups[-1] if lookups else -1
+    out = dict.fromkeys(BUCKETS[:-1], 0.0)
+    m = 0  # matmuls before this op; a non-matmul op belongs with the next matmul
+    for i, e in enumerate(events):
+        if i < embed_at:
+            bucket = "overhead"
+        elif i == embed_at:
+            bucket = "embedding"
+        elif m >= 4 * n_layers:
+            bucket = "lm_head"  # final norm, the LM head matmul, the float cast
+        else:
+            bucket = "attention" if m % 4 in (0, 1) else "mlp"
+        if e.name == "aten::linear":
+            m += 1
+        out[bucket] += e.cpu_time_total
+    return out, "compact-runtime op sequence (torch.profiler)"
+
+
+def _name_buckets(events) -> tuple[dict[str, float], str]:
+    out = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
+    for e in events:
+        if e.name in ("aten::linear", "aten::matmul", "aten::mm", "aten::addmm", "aten::bmm"):
+            out["matmul"] += e.cpu_time_total
+        elif "attention" in e.name:
+            out["attention"] += e.cpu_time_total
+        else:
+            out["other"] += e.cpu_time_total
+    return out, "ATen op names (torch.profiler)"
