@@ -185,9 +185,9 @@ class LlamaKV:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as transformers' Llama computes it: statistics in float32, weight in model dtype."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)  # one fused kernel
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
 def pack_int8(w: torch.Tensor):
@@ -198,7 +198,7 @@ def pack_int8(w: torch.Tensor):
     return torch.ops.quantized.linear_prepack(torch.quantize_per_channel(w, scale, zero, 0, torch.qint8), None)
 
 
-_CALIBRATION: dict[int, torch.Tensor] = {}
+_BUFFERS: dict[tuple[int, int], torch.Tensor] = {}
 
 
 def int8_linear(x: torch.Tensor, packed, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -213,13 +213,15 @@ def int8_linear(x: torch.Tensor, packed, bias: torch.Tensor | None = None) -> to
     """
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])  # (M, K)
-    cal = _CALIBRATION.get(shape[-1])
-    if cal is None:
-        cal = torch.zeros(1, shape[-1])
-        cal[0, 0], cal[0, 1] = -1.0, 1.0
-        _CALIBRATION[shape[-1]] = cal
-    s = x2.abs().amax(-1, keepdim=True).clamp(min=1e-12)  # (M, 1)
-    out = torch.ops.quantized.linear_dynamic(torch.cat([x2 / s, cal]), packed, True)[:-1] * s  # (M, N)
+    M, K = x2.shape
+    buf = _BUFFERS.get((M, K))
+    if buf is None:  # rows 0..M-1: the scaled input; row M: the calibration row
+        buf = torch.zeros(M + 1, K)
+        buf[M, 0], buf[M, 1] = -1.0, 1.0
+        _BUFFERS[(M, K)] = buf
+    s = torch.linalg.vector_norm(x2, float("inf"), dim=-1, keepdim=True).clamp_(min=1e-12)  # (M, 1)
+    torch.div(x2, s, out=buf[:M])
+    out = torch.ops.quantized.linear_dynamic(buf, packed, True)[:M].mul_(s)  # (M, N)
     if bias is not None:
         out = out + bias
     return out.view(*shape[:-1], out.shape[-1])
@@ -317,9 +319,9 @@ class LlamaRuntime:
         for li, (layer, k_cache, v_cache) in enumerate(zip(self.layers, state.k, state.v)):
             h = rms_norm(x, layer.attn_norm, w.eps)
             qkv = linear(h, layer.wqkv, layer.bqkv, layer.q_qkv)  # (B, T, (H + 2G) * D)
-            q, k, v = qkv.view(B, T, H + 2 * G, D).transpose(1, 2).split((H, G, G), dim=1)
-            q = q * cos + rotate_half(q) * sin  # (B, H, T, D)
-            k = k * cos + rotate_half(k) * sin  # (B, G, T, D)
+            qk, v = qkv.view(B, T, H + 2 * G, D).transpose(1, 2).split((H + G, G), dim=1)
+            qk = qk * cos + rotate_half(qk) * sin  # (B, H + G, T, D): RoPE on queries and keys at once
+            q, k = qk.split((H, G), dim=1)
             if contiguous:
                 k_cache[:, :, start : start + T] = k
                 v_cache[:, :, start : start + T] = v
