@@ -62,8 +62,13 @@ class HFRuntime:
         start = int(positions[0, 0])
         if state.cache is None:
             state.cache = DynamicCache(config=self.model.config)
+            # sliding-window layers (Gemma 3) drop states past the window unless told to keep them
+            # until the next crop; without this a rollback past the window cannot be undone
+            state.cache.activate_past_recording()
         if start < state.length:
-            state.cache.crop(start)  # rollback: forget everything from the first position fed
+            # rollback: forget everything from the first position fed. transformers 5.2x's crop
+            # takes a negative count of positions to remove (a positive length raises)
+            state.cache.crop(start - state.length)
         elif start > state.length:
             raise SpecdraftError(f"positions skip from {state.length} to {start}")
         T = tokens.shape[1]
