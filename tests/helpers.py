@@ -1,0 +1,41 @@
+"""Small helpers shared by the tests (import as ``from tests.helpers import ...``)."""
+
+from __future__ import annotations
+
+import torch
+
+from specdraft.engine import Engine, Request, generate
+from specdraft.models.llama import LlamaRuntime, LlamaWeights
+from specdraft.verify import SamplingParams
+
+
+def compact(model, dtype: torch.dtype = torch.float32, layers: list[int] | None = None) -> LlamaRuntime:
+    """The compact runtime over a transformers Llama."""
+    return LlamaRuntime(LlamaWeights.from_hf(model, dtype), layers)
+
+
+def random_prompts(lengths: list[int], vocab: int = 254, seed: int = 0) -> list[list[int]]:
+    """Prompts of the given lengths with ids below ``vocab`` (254 keeps clear of the tiny EOS)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def decode(
+    engine: Engine,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    params: SamplingParams | list[SamplingParams] = SamplingParams(),
+    eos_ids: tuple[int, ...] = (),
+) -> list[list[int]]:
+    """Run ``prompts`` together through ``engine`` to the end; output tokens per prompt, in order."""
+    plist = params if isinstance(params, list) else [params] * len(prompts)
+    reqs = [Request(list(p), max_new_tokens, pp, eos_ids) for p, pp in zip(prompts, plist)]
+    out: dict[int, list[int]] = {}
+    for ev in generate(engine, reqs):
+        out.setdefault(ev.request_id, []).extend(ev.tokens)
+    return [out.get(r.id, []) for r in reqs]
+
+
+def plain_greedy(runtime, prompt: list[int], max_new_tokens: int, eos_ids: tuple[int, ...] = ()) -> list[int]:
+    """The reference: plain greedy decoding of one prompt (batch 1, no drafter)."""
+    return decode(Engine(runtime), [prompt], max_new_tokens, eos_ids=eos_ids)[0]
