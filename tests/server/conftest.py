@@ -89,14 +89,20 @@ def reference(tiny_dir):
     torch.set_num_threads(threads)
 
 
-def start_server(tmp_path_factory, tiny_dir, *args: str) -> ServerProcess:
-    log = tmp_path_factory.mktemp("server-log") / "server.log"
-    return ServerProcess(["--target", str(tiny_dir), "--log-level", "warning", *args], log)
+@pytest.fixture(scope="session")
+def launch(tmp_path_factory, tiny_dir):
+    """``launch(*serve_args)`` starts a server on the tiny target; the caller terminates it."""
+
+    def start(*args: str) -> ServerProcess:
+        log = tmp_path_factory.mktemp("server-log") / "server.log"
+        return ServerProcess(["--target", str(tiny_dir), "--log-level", "warning", *args], log)
+
+    return start
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_dir):
+@pytest.fixture(scope="session")
+def server(launch):
     """A batching server: layer-pruned self-draft (layer 0 of 2), k = 3, up to 64 rows."""
-    srv = start_server(tmp_path_factory, tiny_dir, "--draft", "prune:0", "--k", "3", "--max-batch", "64", "--max-queue", "64")
+    srv = launch("--draft", "prune:0", "--k", "3", "--max-batch", "64", "--max-queue", "64")
     yield srv
     assert srv.terminate() == 0, srv.output()

@@ -1,0 +1,195 @@
+"""The scheduler in-process (no HTTP): per-row draft caps, failure isolation, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from specdraft import api
+from specdraft.drafters.base import DraftContext, DraftState, Proposal
+from specdraft.policy import FixedK
+from specdraft.server.metrics import Metrics
+from specdraft.server.protocol import APIError
+from specdraft.server.scheduler import CappedPolicy, Job, Output, RowCappedDrafter, Scheduler
+from specdraft.verify import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_dir, reference):  # `reference` first: it pins torch to one thread
+    return api.load(str(tiny_dir), draft="prune:0", threads=1)
+
+
+@pytest.fixture
+def scheduler(pipe):
+    s = Scheduler(pipe, FixedK(3), max_batch=8, max_queue=8, metrics=Metrics())
+    s.start()
+    yield s
+    s.stop()
+
+
+def new_job(prompt: list[int], max_tokens: int = 16, **kw) -> Job:
+    return Job(prompt, max_tokens, SamplingParams(), [], None, asyncio.get_running_loop(), asyncio.Queue(), **kw)
+
+
+async def drain(job: Job) -> tuple[str, str | None, APIError | None]:
+    parts = []
+    while True:
+        out: Output = await asyncio.wait_for(job.queue.get(), 60)
+        parts.append(out.text)
+        if out.finish_reason is not None:
+            return "".join(parts), out.finish_reason, out.error
+
+
+def alone(reference, prompt: list[int], max_tokens: int = 16) -> tuple[str, str | None]:
+    r = reference.generate(prompt, max_new_tokens=max_tokens, k=0, params=SamplingParams())
+    return r.text, r.finish_reason
+
+
+class _FixedDrafter:
+    """Proposes token 7 everywhere, for all k positions."""
+
+    name, vocab_size = "fixed", None
+
+    def new_state(self, batch_size, capacity):
+        return DraftState(batch_size)
+
+    def propose(self, state, ctx, k):
+        return Proposal(torch.full((ctx.lengths.shape[0], k), 7))
+
+    def observe(self, state, num_accepted):
+        pass
+
+
+def test_row_caps_lower_num_valid_per_row():
+    d = RowCappedDrafter(_FixedDrafter())
+    d.caps = torch.tensor([0, 2, 5])
+    ctx = DraftContext(torch.zeros(3, 4, dtype=torch.int64), torch.tensor([2, 3, 4]), [SamplingParams()] * 3, [None] * 3)
+    prop = d.propose(d.new_state(3, 8), ctx, 3)
+    assert prop.num_valid.tolist() == [0, 2, 3]
+    assert prop.tokens.shape == (3, 3)
+
+
+def test_capped_policy_takes_the_smaller_k_and_keeps_the_reserve():
+    p = CappedPolicy(FixedK(5))
+    assert p.k_max == 5 and p.choose() == 5
+    p.cap = 2
+    assert p.choose() == 2
+    p.cap = 0
+    assert p.choose() == 0
+
+
+def test_mixed_caps_in_one_batch_equal_each_request_alone(scheduler, pipe, reference):
+    prompts = [pipe.encode(f"row {i} " + "ab" * i, chat=False) for i in range(6)]
+    caps = [None, 0, 1, 2, 0, None]
+
+    async def main():
+        jobs = [new_job(p, 24) for p in prompts]
+        for j, c in zip(jobs, caps):
+            j.k_cap = c
+            scheduler.submit(j)
+        return await asyncio.gather(*(drain(j) for j in jobs))
+
+    for p, (text, reason, err) in zip(prompts, asyncio.run(main())):
+        assert err is None
+        assert (text, reason) == alone(reference, p, 24)
+
+
+def test_a_failing_step_fails_its_batch_and_the_next_request_is_served(scheduler, pipe, reference):
+    prompt = pipe.encode("after the crash", chat=False)
+
+    def boom():
+        raise RuntimeError("simulated kernel failure")
+
+    async def main():
+        scheduler.engine.step = boom  # this engine instance only; the scheduler replaces it
+        first = await drain_submitted(new_job(pipe.encode("doomed", chat=False)))
+        second = await drain_submitted(new_job(prompt))
+        return first, second
+
+    async def drain_submitted(job):
+        scheduler.submit(job)
+        return await drain(job)
+
+    (_, reason, err), (text, reason2, err2) = asyncio.run(main())
+    assert reason == "error" and err.status == 500 and "simulated kernel failure" in err.message
+    assert err2 is None and (text, reason2) == alone(reference, prompt)
+    assert scheduler.load() == (0, 0)
+
+
+def test_one_request_failing_in_delivery_leaves_its_batch_mate_alone(scheduler, pipe, reference):
+    good, bad = pipe.encode("the good one", chat=False), pipe.encode("the bad one", chat=False)
+    deliver = scheduler._deliver
+
+    def flaky(job, ev, now):
+        if job.prompt == bad and job.completion_tokens >= 3:
+            raise ValueError("detokenizer exploded")
+        return deliver(job, ev, now)
+
+    scheduler._deliver = flaky
+
+    async def main():
+        jobs = [new_job(good, 30), new_job(bad, 30)]
+        for j in jobs:
+            scheduler.submit(j)
+        return await asyncio.gather(*(drain(j) for j in jobs))
+
+    (text, reason, err), (_, bad_reason, bad_err) = asyncio.run(main())
+    assert err is None and (text, reason) == alone(reference, good, 30)
+    assert bad_reason == "error" and bad_err.status == 500
+    assert scheduler.engine.active == 0  # the failed row was cancelled, not left decoding
+
+
+def test_a_prompt_the_engine_refuses_fails_alone_at_prefill(scheduler, pipe, reference):
+    good = pipe.encode("fine prompt", chat=False)
+
+    async def main():
+        # an id outside the vocabulary: the prefill's embedding lookup raises (the HTTP layer
+        # refuses such ids earlier; this is the scheduler's own safety net)
+        jobs = [new_job([1, 10**6, 2]), new_job(good)]
+        for j in jobs:
+            scheduler.submit(j)
+        return await asyncio.gather(*(drain(j) for j in jobs))
+
+    (_, bad_reason, bad_err), (text, reason, err) = asyncio.run(main())
+    assert bad_reason == "error" and bad_err is not None
+    assert err is None and (text, reason) == alone(reference, good)
+
+
+def test_shutdown_aborts_running_and_waiting_jobs_then_refuses(pipe):
+    s = Scheduler(pipe, FixedK(3), max_batch=1, max_queue=4, metrics=Metrics())
+    s.start()
+
+    async def main():
+        jobs = [new_job(pipe.encode(f"job {i}", chat=False), 2000, ignore_eos=True) for i in range(3)]
+        for j in jobs:
+            s.submit(j)
+        first = await jobs[0].queue.get()  # decoding has begun
+        s.begin_shutdown(0.0)
+        rest = await asyncio.gather(*(drain(j) for j in jobs))
+        with pytest.raises(APIError) as e:
+            s.submit(new_job([1, 2, 3]))
+        return first, rest, e.value
+
+    first, rest, refused = asyncio.run(main())
+    s.stop()
+    assert first.finish_reason is None
+    assert [r[1] for r in rest] == ["abort", "abort", "abort"]
+    assert refused.status == 503
+    assert s.load() == (0, 0) and s.engine.active == 0
+
+
+def test_full_system_is_429(pipe):
+    s = Scheduler(pipe, FixedK(3), max_batch=1, max_queue=1, metrics=Metrics())  # not started: nothing drains
+
+    async def main():
+        s._thread = type("Alive", (), {"is_alive": lambda self: True})()  # accept without decoding
+        s.submit(new_job([1, 2]))
+        s.submit(new_job([1, 2]))
+        with pytest.raises(APIError) as e:
+            s.submit(new_job([1, 2]))
+        return e.value
+
+    err = asyncio.run(main())
+    assert err.status == 429 and err.headers["Retry-After"] == "1" and err.code == "rate_limit_exceeded"
