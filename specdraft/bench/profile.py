@@ -61,6 +61,7 @@ from specdraft.models.runtime import Runtime
 from specdraft.verify import SamplingParams
 
 BUCKETS = ("overhead", "embedding", "attention", "mlp", "lm_head", "python")
+MATMUL_OPS = ("aten::linear", "quantized::linear_dynamic")  # dense and int8 runtime
 
 
 @dataclass
@@ -70,7 +71,7 @@ class LatencyProfile:
     Attributes:
         target: target name.
         draft: draft name ("none" when no drafter was profiled).
-        dtype: parameter dtype of the target, e.g. ``float32``.
+        dtype: what the target computes in: ``fp32``, ``bf16`` or ``int8``.
         threads: torch intra-op threads during the measurement.
         context: tokens already in the cache when each timed forward runs.
         repeats: timed rounds per configuration (the figures are their medians).
@@ -285,11 +286,12 @@ def profile_latency(
         if total > 0:  # scale the profiled shares to the unprofiled median
             parts = {k: v / total * t_draft[min(t_draft)] for k, v in parts.items()}
 
-    dtype = getattr(target, "dtype", None)
+    from specdraft.bench.runner import runtime_precision
+
     return LatencyProfile(
         target=target_name,
         draft=draft_name or (getattr(drafter, "name", "draft") if drafter is not None else "none"),
-        dtype=str(dtype).replace("torch.", ""),
+        dtype=runtime_precision(target),
         threads=torch.get_num_threads(),
         context=context,
         repeats=repeats,
@@ -310,8 +312,8 @@ def profile_pipeline(pipe, **kwargs) -> LatencyProfile:
 
 
 # ------------------------------------------------------------------------------------ breakdown
-def draft_breakdown(drafter, context: int = 200, vocab: int | None = None, rounds: int = 5) -> tuple[dict[str, float], str]:
-    """Profiled seconds per bucket of one batch-1 draft step, summed over ``rounds`` steps.
+def draft_breakdown(drafter, context: int = 200, vocab: int | None = None, rounds: int = 7) -> tuple[dict[str, float], str]:
+    """Profiled seconds per bucket of one batch-1 draft step: per bucket the median over ``rounds`` steps.
 
     Returns:
         ``({bucket: seconds}, method)``; the seconds include the profiler's overhead, so use the
@@ -322,7 +324,7 @@ def draft_breakdown(drafter, context: int = 200, vocab: int | None = None, round
     runtime = getattr(drafter, "runtime", None)
     step = _draft_step(drafter, 1, context, vocab or getattr(runtime, "vocab_size", 2))
     step()  # warm
-    totals: dict[str, float] = {}
+    per_round: dict[str, list[float]] = {}
     method = ""
     for _ in range(rounds):
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -338,13 +340,13 @@ def draft_breakdown(drafter, context: int = 200, vocab: int | None = None, round
             wall = events[-1].time_range.end - events[0].time_range.start
             buckets["python"] = max(wall - sum(e.cpu_time_total for e in events), 0.0)
         for k, v in buckets.items():
-            totals[k] = totals.get(k, 0.0) + v * 1e-6  # profiler times are microseconds
-    return totals, method
+            per_round.setdefault(k, []).append(v * 1e-6)  # profiler times are microseconds
+    return {k: statistics.median(v) for k, v in per_round.items()}, method
 
 
 def _llama_buckets(events, n_layers: int) -> tuple[dict[str, float], str]:
     """Attribute ops by their place in the compact forward (module docstring)."""
-    linears = [i for i, e in enumerate(events) if e.name == "aten::linear"]
+    linears = [i for i, e in enumerate(events) if e.name in MATMUL_OPS]
     if len(linears) != 4 * n_layers + 1:
         return _name_buckets(events)
     # the embedding lookup is the last index op before the first matmul (RoPE tables come first)
@@ -361,7 +363,7 @@ def _llama_buckets(events, n_layers: int) -> tuple[dict[str, float], str]:
             bucket = "lm_head"  # final norm, the LM head matmul, the float cast
         else:
             bucket = "attention" if m % 4 in (0, 1) else "mlp"
-        if e.name == "aten::linear":
+        if e.name in MATMUL_OPS:
             m += 1
         out[bucket] += e.cpu_time_total
     return out, "compact-runtime op sequence (torch.profiler)"
@@ -370,7 +372,7 @@ def _llama_buckets(events, n_layers: int) -> tuple[dict[str, float], str]:
 def _name_buckets(events) -> tuple[dict[str, float], str]:
     out = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
     for e in events:
-        if e.name in ("aten::linear", "aten::matmul", "aten::mm", "aten::addmm", "aten::bmm"):
+        if e.name in MATMUL_OPS or e.name in ("aten::matmul", "aten::mm", "aten::addmm", "aten::bmm"):
             out["matmul"] += e.cpu_time_total
         elif "attention" in e.name:
             out["attention"] += e.cpu_time_total

@@ -16,7 +16,7 @@ Conventions
 - equality (greedy only): each prompt's speculative output against the plain run with
   :func:`specdraft.lossless.classify`: ``identical``, ``tie-divergent`` (first difference at a
   near-tie of the plain run; bf16 only) or ``divergent``. fp32 uses tolerance 0: any difference is
-  divergent. When outputs differ the plain turn is re-run once recording its logit margins. Sampling
+  divergent (int8 and bf16 use :data:`specdraft.lossless.DEFAULT_TOLERANCE`). When outputs differ the plain turn is re-run once recording its logit margins. Sampling
   runs are not classified (the counts are None).
 - multi-turn questions: the second turn is asked after the method's *own* first answer, through the
   chat template; a prompt's tokens and seconds add up over its turns. If the first turns differ, the
@@ -123,6 +123,14 @@ class BenchResult:
 
 
 # ------------------------------------------------------------------------------------ decoding
+def runtime_precision(runtime) -> str:
+    """``fp32``, ``bf16`` or ``int8``: what the runtime computes in."""
+    weights = getattr(runtime, "w", None)
+    if weights is not None and hasattr(weights, "precision"):
+        return weights.precision
+    return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(runtime.dtype, str(runtime.dtype).replace("torch.", ""))
+
+
 def _encode_turn(pipe: Pipeline, history: list[dict]) -> list[int]:
     """Chat models get the chat template; others a plain concatenation of the conversation."""
     if pipe.target.is_chat():
@@ -265,8 +273,8 @@ def run_bench(pipe: Pipeline, prompts: list[BenchPrompt], options: BenchOptions,
         raise SpecdraftError("no prompts to benchmark")
     policy: KPolicy = make_policy(options.k)  # one policy for the whole run: an adaptive one keeps learning
     params = options.params
-    dtype = pipe.runtime.dtype
-    tol = options.tolerance if options.tolerance is not None else (0.0 if dtype == torch.float32 else lossless.DEFAULT_TOLERANCE)
+    precision = runtime_precision(pipe.runtime)
+    tol = options.tolerance if options.tolerance is not None else (0.0 if precision == "fp32" else lossless.DEFAULT_TOLERANCE)
     budget = pipe.runtime.max_context - options.max_new_tokens - DRAFT_RESERVE
     if options.max_prompt_tokens is not None:
         budget = min(budget, options.max_prompt_tokens)
@@ -349,7 +357,8 @@ def run_bench(pipe: Pipeline, prompts: list[BenchPrompt], options: BenchOptions,
         "top_k": params.top_k,
         "top_p": params.top_p,
         "seed": params.seed,
-        "dtype": str(dtype).replace("torch.", ""),
+        "dtype": precision,
+        "hf_dtype": str(next(pipe.target.model.parameters()).dtype).replace("torch.", "") if hf else None,
         "threads": torch.get_num_threads(),
         "runtime": repr(pipe.runtime),
         "baselines": list(options.baselines),

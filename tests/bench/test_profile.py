@@ -1,0 +1,85 @@
+import json
+
+import pytest
+import torch
+
+from specdraft import api, cli
+from specdraft.bench.profile import BUCKETS, LatencyProfile, profile_latency, profile_pipeline
+from specdraft.commands.profile import int_list
+from specdraft.errors import SpecdraftError
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return api.load("tiny", "prune:0", dtype="fp32")
+
+
+def test_profile_measures_every_configuration_and_breaks_down_the_draft_step(pipe, tmp_path):
+    prof = profile_pipeline(pipe, batch_sizes=(2, 1), new_tokens=(1, 3), context=32, repeats=3, warmup=1)
+    assert prof.target == "tiny" and prof.draft == "prune:0" and prof.dtype == "fp32"
+    assert prof.threads == 1 and prof.context == 32 and prof.repeats == 3
+    assert set(prof.t_target) == {1, 2} and all(set(row) == {1, 3} for row in prof.t_target.values())
+    assert all(t > 0 for row in prof.t_target.values() for t in row.values())
+    assert set(prof.t_draft) == {1, 2} and all(t > 0 for t in prof.t_draft.values())
+    # the compact runtime's op sequence was recognised: every bucket is there and they add up
+    assert set(prof.draft_breakdown) == set(BUCKETS)
+    assert prof.breakdown_method.startswith("compact-runtime")
+    assert sum(prof.draft_breakdown.values()) == pytest.approx(prof.t_draft[1], rel=1e-6)
+    assert prof.draft_breakdown["attention"] > 0 and prof.draft_breakdown["mlp"] > 0 and prof.draft_breakdown["lm_head"] > 0
+
+    path = tmp_path / "p.json"
+    prof.save(path)
+    assert LatencyProfile.load(path) == prof
+    assert "T_target n=3" in prof.table() and "draft step (prune:0, batch 1)" in prof.table()
+
+
+def test_prompt_lookup_and_target_only():
+    lookup = api.load("tiny", "lookup", dtype="fp32")
+    prof = profile_pipeline(lookup, new_tokens=(1,), context=16, repeats=2, warmup=0)
+    assert set(prof.draft_breakdown) == {"lookup", "python"}
+    target_only = profile_latency(lookup.runtime, None, new_tokens=(1, 2), context=16, repeats=2, warmup=0)
+    assert target_only.draft == "none" and target_only.t_draft == {} and target_only.draft_breakdown == {}
+    with pytest.raises(SpecdraftError, match="no draft measurements"):
+        target_only.draft_time()
+
+
+def test_target_time_interpolates_and_extrapolates():
+    prof = LatencyProfile("t", "d", "fp32", 1, 200, 3, 1, t_target={1: {1: 1.0, 3: 3.0, 5: 4.0}}, t_draft={1: 0.5})
+    assert prof.target_time(3) == 3.0
+    assert prof.target_time(2) == pytest.approx(2.0)
+    assert prof.target_time(4) == pytest.approx(3.5)
+    assert prof.target_time(7) == pytest.approx(5.0)  # the last segment's slope
+    assert prof.draft_time(1) == 0.5
+    with pytest.raises(SpecdraftError, match="batch 4"):
+        prof.target_time(1, batch=4)
+
+
+def test_bad_arguments(pipe, tmp_path):
+    with pytest.raises(SpecdraftError, match=">= 1"):
+        profile_latency(pipe.runtime, batch_sizes=(0,))
+    with pytest.raises(SpecdraftError, match="exceeds"):
+        profile_latency(pipe.runtime, context=10_000)
+    with pytest.raises(SpecdraftError, match="cannot read"):
+        (tmp_path / "x.json").write_text("{}")
+        LatencyProfile.load(tmp_path / "x.json")
+    assert int_list("1-3,8") == [1, 2, 3, 8]
+    with pytest.raises(SpecdraftError):
+        int_list("a")
+
+
+def test_cli_writes_json(tmp_path, capsys):
+    out = tmp_path / "prof.json"
+    argv = ["profile", "--target", "tiny", "--draft", "prune:0", "--dtype", "fp32", "--batch", "1,2", "--new-tokens", "1-2",
+            "--context", "16", "--repeats", "2", "--threads", "1", "--json", str(out)]
+    assert cli.main(argv) == 0
+    d = json.loads(out.read_text())
+    assert d["t_target"].keys() == {"1", "2"} and d["threads"] == 1
+    assert "T_target n=1" in capsys.readouterr().out
