@@ -322,13 +322,17 @@ async def _collect(request: Request, job: Job, renderer: _Renderer, scheduler: S
     """Non-streaming: wait for the whole output, checking now and then that the client is still there."""
     parts: list[str] = []
     getter: asyncio.Future | None = None
+    loop = asyncio.get_running_loop()
+    next_check = loop.time() + poll_s
     try:
         while True:
             getter = getter or asyncio.ensure_future(job.queue.get())
-            done, _ = await asyncio.wait({getter}, timeout=poll_s)
-            if not done:
+            done, _ = await asyncio.wait({getter}, timeout=max(next_check - loop.time(), 0.0))
+            if loop.time() >= next_check:  # outputs may arrive faster than poll_s: check by the clock
+                next_check = loop.time() + poll_s
                 if await request.is_disconnected():
                     return Response(status_code=499)  # nobody reads it; the finally frees the row
+            if not done:
                 continue
             out: Output = getter.result()
             getter = None
