@@ -1,0 +1,53 @@
+"""Prompt lookup: the latest earlier match of the longest trailing n-gram, and what follows it."""
+
+import pytest
+import torch
+
+from specdraft.drafters.base import DraftContext
+from specdraft.drafters.prompt_lookup import PromptLookupDrafter
+from specdraft.verify import SamplingParams
+
+
+def ctx_of(rows: list[list[int]], width: int = 20) -> DraftContext:
+    """A committed-token buffer with junk (99) past each row's length."""
+    tokens = torch.full((len(rows), width), 99, dtype=torch.int64)
+    for b, r in enumerate(rows):
+        tokens[b, : len(r)] = torch.tensor(r)
+    n = len(rows)
+    return DraftContext(tokens, torch.tensor([len(r) for r in rows]), [SamplingParams()] * n, [None] * n)
+
+
+def propose(rows, k, **kw):
+    d = PromptLookupDrafter(**kw)
+    prop = d.propose(d.new_state(len(rows), 32), ctx_of(rows), k)
+    assert prop.probs is None  # no distribution: verified by exact match
+    return [prop.tokens[b, : int(prop.num_valid[b])].tolist() for b in range(len(rows))]
+
+
+def test_longest_ngram_latest_match():
+    # trailing 3-gram [1, 2, 3] occurs at 0 (followed by 9) and at 4 (followed by 7): the latest wins
+    assert propose([[1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3]], 2) == [[7, 1]]
+    # [6, 1, 2] never occurred before, but [1, 2] did: fall back to the bigram
+    assert propose([[1, 2, 8, 6, 1, 2]], 3) == [[8, 6, 1]]
+
+
+def test_shorter_than_k_near_the_end_and_no_match():
+    assert propose([[4, 5, 4]], 5) == [[5, 4]]  # only two tokens follow the match
+    assert propose([[1, 2, 3, 4]], 3) == [[]]  # nothing to look up: propose nothing
+    assert propose([[7]], 3) == [[]]
+
+
+def test_rows_are_independent_and_ignore_the_buffer_past_their_length():
+    rows = [[1, 2, 1], [3, 4, 5, 3, 4], [8, 9]]
+    assert propose(rows, 2) == [[2, 1], [5, 3], []]
+
+
+def test_min_ngram():
+    assert propose([[5, 1, 2, 8, 2]], 2) == [[8, 2]]
+    assert propose([[5, 1, 2, 8, 2]], 2, min_ngram=2) == [[]]
+
+
+def test_bad_ngram_range():
+    with pytest.raises(ValueError):
+        PromptLookupDrafter(max_ngram=1, min_ngram=2)
+    assert PromptLookupDrafter().vocab_size is None

@@ -1,0 +1,257 @@
+"""The decoding loop: greedy speculative output is token-identical to plain greedy in float32 for
+every drafter, k, policy and batch shape; EOS, budgets, cancel, rows joining, statistics."""
+
+import pytest
+import torch
+
+from specdraft.drafters.model import ModelDrafter
+from specdraft.drafters.prompt_lookup import PromptLookupDrafter
+from specdraft.engine import Engine, Request, generate
+from specdraft.errors import SpecdraftError
+from specdraft.models.hf import HFRuntime
+from specdraft.models.llama import LlamaRuntime
+from specdraft.models.tiny import tiny_llama
+from specdraft.policy import CostAwareK, FixedK, HeuristicK
+from specdraft.verify import SamplingParams
+from tests.helpers import compact, decode, plain_greedy, random_prompts
+
+N = 24  # new tokens per prompt
+# ragged: a one-token prompt (nothing to prefill), and a prompt that repeats itself (lookup hits)
+PROMPTS = random_prompts([1, 7, 13]) + [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    return [plain_greedy(tiny.target, p, N) for p in PROMPTS]
+
+
+def make_drafter(tiny, name):
+    if name == "self":  # every draft accepted
+        return ModelDrafter(tiny.target, "self")
+    if name == "other":  # an independently seeded model: (almost) nothing accepted
+        return ModelDrafter(tiny.other, "other")
+    if name == "prune":  # the target's layer 0 alone: some accepted (about a quarter)
+        return ModelDrafter(LlamaRuntime(tiny.weights, [0]), "prune:0")
+    return PromptLookupDrafter()
+
+
+DRAFTERS = ["self", "other", "prune", "lookup"]
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_greedy_batch1_equals_plain(tiny, reference, drafter, k):
+    for prompt, ref in zip(PROMPTS, reference):
+        engine = Engine(tiny.target, make_drafter(tiny, drafter), FixedK(k))
+        assert decode(engine, [prompt], N) == [ref]
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_greedy_ragged_batch_equals_plain(tiny, reference, drafter, k):
+    """Prompts of lengths 1, 7, 13 and 10 decoded together; each row accepts a different number."""
+    engine = Engine(tiny.target, make_drafter(tiny, drafter), FixedK(k))
+    assert decode(engine, PROMPTS, N) == reference
+
+
+@pytest.mark.parametrize("policy", [HeuristicK, CostAwareK], ids=["heuristic", "cost-aware"])
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_greedy_adaptive_policies_equal_plain(tiny, reference, drafter, policy):
+    engine = Engine(tiny.target, make_drafter(tiny, drafter), policy())
+    assert decode(engine, PROMPTS, N) == reference
+    engine = Engine(tiny.target, make_drafter(tiny, drafter), policy())
+    assert decode(engine, PROMPTS[2:3], N) == reference[2:3]
+
+
+def test_acceptance_matches_the_drafter_kind(tiny):
+    """The three model drafts are what the equality tests claim: all, none, some accepted."""
+    rates = {}
+    for name in ("self", "other", "prune"):
+        engine = Engine(tiny.target, make_drafter(tiny, name), FixedK(3))
+        decode(engine, PROMPTS, N)
+        rates[name] = engine.stats.acceptance_rate
+    assert rates["self"] == 1.0
+    assert rates["other"] < 0.05
+    assert 0.1 < rates["prune"] < 0.95
+
+
+@pytest.mark.parametrize("drafter", ["self", "other", "lookup"])
+def test_hf_adapter_target_equals_plain(tiny, drafter):
+    """The transformers adapter (batch 1) as target, and as the draft's runtime."""
+    target = HFRuntime(tiny.model)
+    if drafter == "self":
+        d = ModelDrafter(HFRuntime(tiny.model), "self")
+    elif drafter == "other":
+        d = ModelDrafter(HFRuntime(tiny_llama(seed=1)), "other")
+    else:
+        d = PromptLookupDrafter()
+    for prompt in PROMPTS[1:]:
+        ref = plain_greedy(target, prompt, 16)
+        for k in (1, 3):
+            assert decode(Engine(target, d, FixedK(k)), [prompt], 16) == [ref]
+    if drafter == "self":
+        engine = Engine(target, d, FixedK(3))
+        decode(engine, [PROMPTS[1]], 16)
+        assert engine.stats.acceptance_rate == 1.0
+
+
+def test_greedy_rows_stay_exact_next_to_sampling_rows(tiny, reference):
+    engine = Engine(tiny.target, make_drafter(tiny, "prune"), FixedK(3))
+    params = [SamplingParams(), SamplingParams(temperature=1.0, seed=1), SamplingParams(), SamplingParams(temperature=0.7, top_k=5, seed=2)]
+    out = decode(engine, PROMPTS, N, params)
+    assert out[0] == reference[0] and out[2] == reference[2]
+    assert all(len(o) == N for o in out)
+
+
+# ------------------------------------------------------------------------------------- stopping
+def test_eos_stops_each_row_where_plain_decoding_does(tiny, reference):
+    # pick, per row, a token from the middle of its plain output as that row's "EOS"
+    eos = tuple(sorted({ref[len(ref) // 2] for ref in reference}))
+    expected = []
+    for prompt in PROMPTS:
+        expected.append(plain_greedy(tiny.target, prompt, N, eos_ids=eos))
+    assert all(len(e) < N and e[-1] in eos for e in expected)
+    for drafter in ("self", "prune", "lookup"):
+        engine = Engine(tiny.target, make_drafter(tiny, drafter), FixedK(8))
+        reqs = [Request(p, N, eos_ids=eos) for p in PROMPTS]
+        out, reasons = {}, {}
+        for ev in generate(engine, reqs):
+            out.setdefault(ev.request_id, []).extend(ev.tokens)
+            if ev.finished:
+                reasons[ev.request_id] = ev.finish_reason
+        assert [out[r.id] for r in reqs] == expected
+        assert all(reasons[r.id] == "stop" for r in reqs)
+        assert engine.active == 0
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 10])
+def test_max_new_tokens_is_exact_even_when_a_step_accepts_more(tiny, reference, max_new):
+    engine = Engine(tiny.target, make_drafter(tiny, "self"), FixedK(8))  # 9 tokens per step
+    reqs = [Request(p, max_new) for p in PROMPTS]
+    events = list(generate(engine, reqs))
+    assert [sum((e.tokens for e in events if e.request_id == r.id), []) for r in reqs] == [ref[:max_new] for ref in reference]
+    finals = [e for e in events if e.finished]
+    assert len(finals) == len(reqs) and all(e.finish_reason == "length" for e in finals)
+    assert engine.stats.generated == max_new * len(reqs)
+
+
+def test_from_draft_marks_accepted_tokens(tiny):
+    engine = Engine(tiny.target, make_drafter(tiny, "self"), FixedK(3))
+    events = list(generate(engine, [Request(PROMPTS[1], 8)]))
+    assert [e.from_draft for e in events] == [[True, True, True, False], [True, True, True, False]]
+    engine = Engine(tiny.target, make_drafter(tiny, "other"), FixedK(3))
+    events = list(generate(engine, [Request(PROMPTS[1], 8)]))
+    assert sum(sum(e.from_draft) for e in events) == engine.stats.accepted
+
+
+# ------------------------------------------------------------------------------ batch membership
+@pytest.mark.parametrize("drafter", ["prune", "lookup"])
+def test_cancel_keeps_the_other_rows_exact(tiny, reference, drafter):
+    engine = Engine(tiny.target, make_drafter(tiny, drafter), FixedK(3))
+    ids = engine.add([Request(p, N) for p in PROMPTS])
+    out = {i: [] for i in ids}
+    for _ in range(2):
+        for ev in engine.step():
+            out[ev.request_id] += ev.tokens
+    ev = engine.cancel(ids[1])
+    assert ev.finished and ev.finish_reason == "cancelled"
+    assert engine.cancel(ids[1]) is None and engine.active == 3
+    while engine.active:
+        for ev in engine.step():
+            out[ev.request_id] += ev.tokens
+    for i, ref in zip(ids, reference):
+        if i == ids[1]:
+            assert out[i] == ref[: len(out[i])] and len(out[i]) < N
+        else:
+            assert out[i] == ref
+
+
+@pytest.mark.parametrize("drafter", ["self", "prune", "lookup", None])
+def test_rows_joining_mid_run_equal_running_alone(tiny, reference, drafter):
+    engine = Engine(tiny.target, make_drafter(tiny, drafter) if drafter else None, FixedK(3 if drafter else 0))
+    out: dict[int, list[int]] = {}
+    first = engine.add([Request(PROMPTS[2], N)])
+    for step in range(40):
+        if step == 2:
+            joined = engine.add([Request(PROMPTS[0], N), Request(PROMPTS[3], N)])  # between steps
+        if step == 4:
+            late = engine.add([Request(PROMPTS[1], N)])
+        for ev in engine.step():
+            out.setdefault(ev.request_id, []).extend(ev.tokens)
+        if not engine.active:
+            break
+    assert engine.active == 0
+    assert out[first[0]] == reference[2]
+    assert [out[i] for i in joined] == [reference[0], reference[3]]
+    assert out[late[0]] == reference[1]
+
+
+def test_engine_is_reusable_after_the_caller_stops_early(tiny, reference):
+    engine = Engine(tiny.target, make_drafter(tiny, "prune"), FixedK(3))
+    events = generate(engine, [Request(p, N) for p in PROMPTS])
+    next(events)
+    events.close()  # the caller went away
+    assert engine.active == 0
+    assert decode(engine, PROMPTS, N) == reference
+
+
+# ----------------------------------------------------------------------------------- statistics
+def test_stats_plain_decoding_is_one_token_per_forward(tiny):
+    engine = Engine(tiny.target)
+    decode(engine, PROMPTS[:2], 10)
+    s = engine.stats
+    assert s.mean_accepted_length == 1.0 and s.acceptance_rate == 0.0
+    assert s.drafted == s.accepted == 0 and s.generated == 20
+    assert s.steps == 20 and s.target_forwards == 10 and set(s.k_history) == {0}
+    assert s.per_position_acceptance() == []
+    assert s.total_time >= s.target_time + s.draft_time and s.prefill_time > 0 and s.tokens_per_s > 0
+
+
+def test_stats_count_the_bonus_token(tiny):
+    engine = Engine(tiny.target, make_drafter(tiny, "self"), FixedK(3))
+    decode(engine, PROMPTS[:2], 16)
+    s = engine.stats
+    assert s.mean_accepted_length == 4.0  # 3 accepted + the bonus token, every step
+    assert s.acceptance_rate == 1.0 and s.per_position_acceptance() == [1.0, 1.0, 1.0]
+    assert s.steps == 8 and s.target_forwards == 4 and s.drafted == 24 and s.accepted == 24 and s.generated == 32
+    assert s.draft_time > 0 and s.target_time > 0
+
+    engine = Engine(tiny.target, make_drafter(tiny, "prune"), FixedK(3))
+    out = decode(engine, PROMPTS, N)
+    s = engine.stats
+    assert s.generated == sum(map(len, out))
+    assert s.mean_accepted_length == pytest.approx((s.accepted + s.steps) / s.steps)
+    assert s.drafted_per_position[0] == s.steps and s.drafted_per_position == sorted(s.drafted_per_position, reverse=True)
+    assert s.accepted_per_position[0] >= s.accepted_per_position[1] >= s.accepted_per_position[2]
+    assert sum(s.accepted_per_position) == s.accepted
+
+
+# ------------------------------------------------------------------------------------ bad input
+def test_engine_refuses_bad_requests(tiny):
+    engine = Engine(tiny.target, make_drafter(tiny, "lookup"))
+    with pytest.raises(SpecdraftError, match="empty prompt"):
+        engine.add([Request([], 4)])
+    with pytest.raises(SpecdraftError, match="max_new_tokens"):
+        engine.add([Request([1, 2], 0)])
+    with pytest.raises(SpecdraftError, match="context window"):
+        engine.add([Request([1] * 500, 13)])  # tiny context: 512
+    assert engine.active == 0
+
+
+def test_engine_refuses_a_draft_with_another_vocabulary(tiny):
+    small = compact(tiny_llama(vocab_size=128, seed=2))
+    with pytest.raises(SpecdraftError, match="vocabulary"):
+        Engine(tiny.target, ModelDrafter(small, "small"))
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(tiny):
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
+    drafter = make_drafter(tiny, "prune")
+    alone = decode(Engine(tiny.target, drafter, FixedK(3)), [PROMPTS[1]], N, params)[0]
+    again = decode(Engine(tiny.target, drafter, FixedK(3)), [PROMPTS[1]], N, params)[0]
+    assert alone == again
+    other_seed = decode(Engine(tiny.target, drafter, FixedK(3)), [PROMPTS[1]], N, SamplingParams(temperature=1.0, top_p=0.95, seed=99))[0]
+    assert other_seed != alone
+    company = [SamplingParams(temperature=1.0, seed=5), params, SamplingParams()]
+    batched = decode(Engine(tiny.target, drafter, FixedK(3)), [PROMPTS[2], PROMPTS[1], PROMPTS[0]], N, company)
+    assert batched[1] == alone  # each request owns its generator

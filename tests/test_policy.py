@@ -1,0 +1,80 @@
+"""Draft-length policies: fixed, transformers' heuristic, and the cost-aware choice including k = 0."""
+
+import pytest
+import torch
+
+from specdraft import analytic
+from specdraft.errors import SpecdraftError
+from specdraft.policy import CostAwareK, FixedK, HeuristicK, make_policy
+
+
+def t(*xs):
+    return torch.tensor(xs)
+
+
+def test_fixed_k():
+    p = FixedK(4)
+    p.update(4, t(4), t(0), 0.1, 0.1)
+    assert p.choose() == 4
+    assert FixedK(0).choose() == 0
+    with pytest.raises(SpecdraftError):
+        FixedK(-1)
+
+
+def test_heuristic_plus_two_minus_one():
+    p = HeuristicK(k_start=5, k_max=8)
+    p.update(5, t(5, 5), t(5, 5), 0, 0)
+    assert p.choose() == 7
+    p.update(7, t(7, 7), t(7, 7), 0, 0)
+    assert p.choose() == 8  # capped at k_max
+    p.update(8, t(8, 8), t(8, 3), 0, 0)  # one row rejected
+    assert p.choose() == 7
+    for _ in range(10):
+        p.update(p.choose(), t(3), t(0), 0, 0)
+    assert p.choose() == 1  # never below 1
+    p.update(1, t(0), t(0), 0, 0)  # a row with no proposal (n-gram miss) counts as all accepted
+    assert p.choose() == 3
+    p.update(0, t(0), t(0), 0, 0)  # plain steps leave it alone
+    assert p.choose() == 3
+
+
+def feed(policy: CostAwareK, alpha: float, t_draft: float, t_target, steps: int = 30):
+    """Run the policy against a synthetic model: E[accepted] from alpha, times from the cost model."""
+    for _ in range(steps):
+        k = policy.choose()
+        if k == 0:
+            policy.update(0, t(0), t(0), 0.0, t_target(1))
+            continue
+        mean_tokens = analytic.expected_tokens(alpha, k)
+        policy.update(k, t(k), t(mean_tokens - 1), k * t_draft, t_target(k + 1))
+    return policy.choose()
+
+
+def test_cost_aware_speculates_when_it_pays_and_not_when_it_does_not():
+    flat = lambda n: 0.030 + 0.001 * n  # a forward over n tokens costs barely more than over one
+    good = feed(CostAwareK(k_max=8), alpha=0.8, t_draft=0.002, t_target=flat)
+    assert good >= 3
+    assert good == analytic.best_k(0.8, 0.002, flat, 8)
+    # a draft as slow as the target with a poor acceptance: plain decoding wins
+    assert feed(CostAwareK(k_max=8), alpha=0.2, t_draft=0.03, t_target=flat) == 0
+
+
+def test_cost_aware_probes_while_at_zero():
+    flat = lambda n: 0.03
+    p = CostAwareK(k_max=8, probe_every=4, probe_k=2)
+    feed(p, alpha=0.1, t_draft=0.03, t_target=flat)
+    ks = []
+    for _ in range(8):
+        k = p.choose()
+        ks.append(k)
+        p.update(k, t(k), t(0), k * 0.03, 0.03)
+    assert 0 in ks and 2 in ks  # plain decoding, with a probe every few steps
+
+
+def test_make_policy():
+    assert isinstance(make_policy("auto"), CostAwareK)
+    assert isinstance(make_policy("heuristic"), HeuristicK)
+    assert make_policy("5").choose() == 5 and make_policy(3).choose() == 3 and make_policy(" 0 ").choose() == 0
+    for bad in ("-1", "five", ""):
+        with pytest.raises(SpecdraftError):
+            make_policy(bad)
