@@ -64,7 +64,7 @@ class Output:
     error: APIError | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a job is "in the queue" only as itself
 class Job:
     """One request's generation, shared by its handler (event loop) and the scheduler thread.
 
@@ -183,6 +183,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._cancels: list[Job] = []
+        self._admitting: list[Job] = []
         self._in_system = 0  # submitted and not done
         self._draining = False
         self._abort_at: float | None = None
@@ -272,28 +273,45 @@ class Scheduler:
 
     def _run(self) -> None:
         while True:
-            with self._cond:
-                while not (self._waiting or self._cancels or self._rows or self._draining):
-                    self._cond.wait()
-                if self._draining and self._abort_at is not None and not (self._rows or self._waiting):
-                    break
-                cancels, self._cancels = self._cancels, []
-                free = self.max_batch - len(self._rows)
-                admit = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
-                abort = self._draining and time.monotonic() >= self._abort_at
-                if abort:
-                    admit += list(self._waiting)
-                    self._waiting.clear()
-            for job in cancels:
-                self._finish(job, "cancelled")
+            try:
+                if not self._iterate():
+                    return
+            except Exception as e:  # noqa: BLE001 - a bug here must not leave requests hanging
+                log.exception("scheduler iteration failed; failing the requests it held")
+                held = list(self._rows.values()) + self._admitting
+                self._rows.clear()
+                self._admitting = []
+                self.engine = self._new_engine()
+                for job in held:
+                    self._fail(job, APIError(500, f"internal error: {e}", type="server_error"))
+
+    def _iterate(self) -> bool:
+        """Cancellations, admissions, one step. Returns False once drained after a shutdown."""
+        with self._cond:
+            while not (self._waiting or self._cancels or self._rows or self._draining):
+                self._cond.wait()
+            if self._draining and not (self._rows or self._waiting):
+                return False
+            cancels, self._cancels = self._cancels, []
+            free = self.max_batch - len(self._rows)
+            admit = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+            abort = self._draining and time.monotonic() >= self._abort_at
             if abort:
-                for job in admit + list(self._rows.values()):
-                    self._finish(job, "abort")
-                continue
-            if admit:
-                self._admit(admit)
-            if self._rows:
-                self._step()
+                admit += list(self._waiting)
+                self._waiting.clear()
+        for job in cancels:
+            self._finish(job, "cancelled")
+        if abort:
+            for job in admit + list(self._rows.values()):
+                self._finish(job, "abort")
+            return True
+        if admit:
+            self._admitting = admit  # out of the queue, not yet rows: the guard in _run fails them
+            self._admit(admit)
+            self._admitting = []
+        if self._rows:
+            self._step()
+        return True
 
     def _admit(self, jobs: list[Job]) -> None:
         """Prefill new jobs together; if that fails, one by one, so one bad job fails alone."""

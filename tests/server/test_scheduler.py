@@ -157,6 +157,29 @@ def test_a_prompt_the_engine_refuses_fails_alone_at_prefill(scheduler, pipe, ref
     assert err is None and (text, reason) == alone(reference, good)
 
 
+def test_a_bug_in_the_loop_fails_the_held_requests_and_the_loop_goes_on(scheduler, pipe, reference):
+    good = pipe.encode("next one", chat=False)
+    admit = scheduler._admit
+
+    def broken_once(jobs):
+        scheduler._admit = admit
+        raise KeyError("bookkeeping bug")
+
+    scheduler._admit = broken_once
+
+    async def main():
+        first = new_job(pipe.encode("unlucky", chat=False))
+        scheduler.submit(first)
+        lost = await drain(first)
+        second = new_job(good)
+        scheduler.submit(second)
+        return lost, await drain(second)
+
+    (_, reason, err), (text, reason2, err2) = asyncio.run(main())
+    assert reason == "error" and err.status == 500
+    assert err2 is None and (text, reason2) == alone(reference, good)
+
+
 def test_shutdown_aborts_running_and_waiting_jobs_then_refuses(pipe):
     s = Scheduler(pipe, FixedK(3), max_batch=1, max_queue=4, metrics=Metrics())
     s.start()
