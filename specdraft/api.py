@@ -248,6 +248,10 @@ def make_drafter(spec: str, pipe_target: LoadedModel, runtime: Runtime, dtype: t
         spec = DEFAULT_DRAFT
     if spec == "none":
         return None
+    if spec == "designed" or spec.startswith("designed:"):  # specdraft.drafters.designed
+        from specdraft.drafters.designed import designed_drafter
+
+        return designed_drafter(spec, pipe_target, runtime, dtype)
     if spec == "self":
         return ModelDrafter(runtime, "self")
     if spec == "lookup" or spec.startswith("lookup:"):

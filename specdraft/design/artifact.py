@@ -1,0 +1,220 @@
+"""The designed-draft directory: what ``specdraft design`` writes and ``--draft designed:...`` loads.
+
+A directory holds::
+
+    config.json          transformers LlamaConfig of the draft (its own depth / heads / FFN width;
+                         the target's vocabulary, hidden size, RoPE and head tying)
+    model.safetensors    the draft's tensors in transformers' names (model.layers.*, model.norm.*)
+    specdraft.json       kind, head subset, target fingerprint, recipe (see :class:`DraftMeta`)
+
+The *compact* form (what ``drafts/`` commits) leaves out ``model.embed_tokens.weight`` (and
+``lm_head.weight``): the draft shares the target's embedding and LM head (they stay frozen in training), so loading restores
+them from the target and checks first that the target is the one the draft was designed for
+(vocabulary, hidden size and an embedding fingerprint). The *full* form (``--full``) also writes
+the embedding: plain ``transformers.AutoModelForCausalLM.from_pretrained(dir)`` loads it, and it
+works as ``assistant_model`` in transformers or as a draft model in other engines. Other engines
+use the full head; the head subset in ``specdraft.json`` is a specdraft inference option.
+
+Feature-conditioned drafts (``kind = "feature"``) add ``fc.weight`` (C x 2C) and read the
+target's final hidden state; they need specdraft's drafter (see :mod:`specdraft.drafters.designed`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from specdraft.errors import SpecdraftError
+
+FORMAT = 1
+META_FILE = "specdraft.json"
+WEIGHTS_FILE = "model.safetensors"
+EMBED_KEY = "model.embed_tokens.weight"
+HEAD_KEY = "lm_head.weight"
+SHARED_KEYS = (EMBED_KEY, HEAD_KEY)
+KINDS = ("layers", "feature")
+
+
+@dataclass
+class DraftMeta:
+    """What ``specdraft.json`` records about a designed draft.
+
+    Attributes:
+        kind: ``layers`` (a small Llama reading tokens) or ``feature`` (also reads the target's
+            final hidden state, EAGLE-style).
+        target: the target's name as it was given when designing.
+        vocab_size: the target's vocabulary size.
+        hidden_size: the target's hidden size.
+        embed_fingerprint: a few statistics of the target's embedding (see :func:`fingerprint`).
+        head_tokens: ids the draft's head predicts (None: the full vocabulary).
+        head_coverage: share of the target's counted output tokens inside ``head_tokens``.
+        init_layers: target layers the draft's layers were initialised from.
+        width: ``{"kv_heads", "q_per_kv", "ffn"}`` when width-pruned, else None.
+        recipe: how it was made: command, seed, data, steps, time taken, validation acceptance.
+        format: directory format version.
+    """
+
+    kind: str
+    target: str
+    vocab_size: int
+    hidden_size: int
+    embed_fingerprint: list[float]
+    head_tokens: list[int] | None = None
+    head_coverage: float | None = None
+    init_layers: list[int] = field(default_factory=list)
+    width: dict | None = None
+    recipe: dict = field(default_factory=dict)
+    format: int = FORMAT
+
+    @classmethod
+    def for_target(cls, target_model, target_name: str, kind: str = "layers", head=None, **kw) -> "DraftMeta":
+        """Meta for a draft of ``target_model``; ``head`` is a :class:`~specdraft.design.vocab.VocabSubset` or None."""
+        cfg = target_model.config
+        return cls(
+            kind=kind,
+            target=target_name,
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            embed_fingerprint=fingerprint(target_model.get_input_embeddings().weight),
+            head_tokens=head.token_ids.tolist() if head is not None else None,
+            head_coverage=round(head.coverage, 5) if head is not None else None,
+            **kw,
+        )
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise SpecdraftError(f"unknown draft kind {self.kind!r}: expected one of {', '.join(KINDS)}")
+
+
+def fingerprint(embed: torch.Tensor) -> list[float]:
+    """Mean, std and the sums of 8 fixed rows of an embedding: tells targets apart, dtype-robust."""
+    e = embed.detach().float()
+    rows = torch.linspace(0, e.shape[0] - 1, 8).long()
+    return [float(e.mean()), float(e.std())] + [float(e[r].sum()) for r in rows]
+
+
+def check_compatible(meta: DraftMeta, target_model, where: str) -> None:
+    """Raise a clear error when ``target_model`` is not the target this draft was designed for."""
+    cfg = target_model.config
+    if cfg.vocab_size != meta.vocab_size or cfg.hidden_size != meta.hidden_size:
+        raise SpecdraftError(
+            f"draft {where} was designed for a target with vocabulary {meta.vocab_size} and hidden size "
+            f"{meta.hidden_size} ({meta.target}); this target has {cfg.vocab_size} and {cfg.hidden_size}"
+        )
+    got = fingerprint(target_model.get_input_embeddings().weight)
+    scale = max(abs(x) for x in meta.embed_fingerprint) + 1e-6
+    if any(not math.isclose(a, b, rel_tol=2e-2, abs_tol=2e-2 * scale) for a, b in zip(got, meta.embed_fingerprint)):
+        raise SpecdraftError(
+            f"draft {where} shares its embedding with {meta.target}, and this target's embedding differs: "
+            "use the target it was designed for"
+        )
+
+
+def save_draft(path: str | Path, draft, meta: DraftMeta, *, full: bool = False, dtype: torch.dtype | None = None) -> Path:
+    """Write a draft directory (compact, or ``full`` with the shared embedding too).
+
+    Args:
+        path: the directory (created; existing files are replaced).
+        draft: a transformers ``LlamaForCausalLM`` (its embedding is the target's).
+        meta: recorded in ``specdraft.json``.
+        full: also write the embedding, so plain transformers can load the directory.
+        dtype: storage dtype (default: the draft's).
+    """
+    from safetensors.torch import save_file
+
+    d = Path(path)
+    d.mkdir(parents=True, exist_ok=True)
+    state = {}
+    tied = bool(draft.config.tie_word_embeddings)
+    for name, t in draft.state_dict().items():
+        if name in SHARED_KEYS and not full or (name == HEAD_KEY and tied):
+            continue  # shared with the target (a tied head is the embedding)
+        state[name] = t.detach().to(dtype or t.dtype).contiguous().clone()
+    cfg = draft.config
+    if dtype is not None:
+        cfg.dtype = str(dtype).removeprefix("torch.")
+    cfg.to_json_file(str(d / "config.json"))
+    tmp = d / f".{WEIGHTS_FILE}.tmp"
+    save_file(state, str(tmp), metadata={"format": "pt", "specdraft": "full" if full else "compact"})
+    tmp.rename(d / WEIGHTS_FILE)
+    (d / META_FILE).write_text(json.dumps(asdict(meta), indent=1))
+    return d
+
+
+def read_meta(path: str | Path) -> DraftMeta:
+    """Read ``specdraft.json``; a clear error when the directory is not a designed draft."""
+    d = Path(path)
+    f = d / META_FILE
+    if not f.is_file():
+        raise SpecdraftError(f"{d} is not a designed draft: no {META_FILE}")
+    try:
+        raw = json.loads(f.read_text())
+        if raw.get("format") != FORMAT:
+            raise SpecdraftError(f"{f}: draft format {raw.get('format')} is not supported (expected {FORMAT})")
+        return DraftMeta(**raw)
+    except (json.JSONDecodeError, TypeError) as e:
+        raise SpecdraftError(f"{f} is corrupted ({e})") from None
+
+
+def load_draft(path: str | Path, target_model, dtype: torch.dtype = torch.float32):
+    """Load a draft directory as a transformers model that shares the target's embedding.
+
+    Returns:
+        ``(draft, meta, extra)``: the ``LlamaForCausalLM`` (eval mode, frozen), its
+        :class:`DraftMeta`, and tensors that are not part of the Llama (``fc.weight`` for
+        feature-conditioned drafts).
+
+    Raises:
+        SpecdraftError: not a draft directory, an incompatible target, or corrupted weights.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig
+
+    d = Path(path)
+    meta = read_meta(d)
+    check_compatible(meta, target_model, str(d))
+    try:
+        cfg = LlamaConfig.from_json_file(str(d / "config.json"))
+        state = load_file(str(d / WEIGHTS_FILE))
+    except (OSError, SafetensorError, ValueError, json.JSONDecodeError) as e:
+        raise SpecdraftError(f"draft {d} is corrupted or incomplete ({type(e).__name__}: {e})") from None
+    extra = {k: state.pop(k) for k in list(state) if not k.startswith("model.")}
+    for k in SHARED_KEYS:
+        state.pop(k, None)  # a full export's copies; the target's own are used
+    draft = build_llama(cfg, target_model)
+    missing, unexpected = draft.load_state_dict(state, strict=False)
+    missing = [m for m in missing if m not in SHARED_KEYS]
+    if missing or unexpected:
+        raise SpecdraftError(f"draft {d} has the wrong tensors (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    bad = [k for k, t in state.items() if not torch.isfinite(t).all()]
+    if bad:
+        raise SpecdraftError(f"draft {d} is corrupted: non-finite values in {bad[0]}")
+    draft.to(dtype)
+    draft.model.embed_tokens.weight = target_model.get_input_embeddings().weight
+    if cfg.tie_word_embeddings:
+        draft.tie_weights()
+    else:
+        draft.lm_head.weight = target_model.get_output_embeddings().weight
+    draft.eval().requires_grad_(False)
+    return draft, meta, {k: v.to(dtype) for k, v in extra.items()}
+
+
+def build_llama(cfg, target_model):
+    """An (untrained) ``LlamaForCausalLM`` from ``cfg`` whose embedding and LM head are the target's
+    tensors (tied or not, as the target has them)."""
+    from transformers import LlamaForCausalLM
+
+    cfg.tie_word_embeddings = bool(target_model.config.tie_word_embeddings)
+    with torch.random.fork_rng(devices=[]):  # the random init is overwritten; keep the caller's RNG
+        draft = LlamaForCausalLM(cfg)
+    draft.model.embed_tokens.weight = target_model.get_input_embeddings().weight
+    if cfg.tie_word_embeddings:
+        draft.tie_weights()
+    else:
+        draft.lm_head.weight = target_model.get_output_embeddings().weight
+    return draft

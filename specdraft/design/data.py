@@ -1,0 +1,367 @@
+"""Training data for a draft: the target's own greedy responses to training prompts, cached.
+
+Prompts come from the training sets only (``<data>/gsm8k/train.jsonl`` questions and
+``<data>/hellaswag_prompts.jsonl`` contexts, alternating); Spec-Bench is evaluation-only and is
+never read here. A fixed slice of each file (:data:`VAL_PER_SOURCE` prompts from its end after a
+seeded shuffle) is held out for validation.
+
+The target answers each prompt (chat template, greedy) through the :class:`~specdraft.engine.Engine`
+in a continuously refilled batch. A thin recording wrapper around the target runtime keeps, for every
+response token, what distillation needs:
+
+- ``topk_idx`` / ``topk_logp``: the target's K most likely next tokens and their log-probabilities
+  (normalised over the full vocabulary, so ``1 - sum(exp(topk_logp))`` is the tail mass);
+- ``hidden`` (optional): the target's final hidden state at the position that predicts the token
+  (after the final norm), for feature-conditioned drafts.
+
+Response token j of a sequence sits at index ``prompt_len + j`` of ``tokens`` and was predicted by
+the target at position ``prompt_len + j - 1``.
+
+Sequences are written in shards (safetensors, written to a temporary name and renamed) under
+``<cache>/design/data-<key>/``, ``<key>`` hashing the target, the prompt selection and the
+recording options. A killed generation resumes: finished shards are kept and their prompts skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specdraft.engine import Engine, Request
+from specdraft.errors import SpecdraftError
+from specdraft.policy import FixedK
+
+FORMAT = 1
+VAL_PER_SOURCE = 200
+SOURCES = ("gsm8k", "hellaswag")
+
+
+# ------------------------------------------------------------------------------------ prompts
+def data_dir() -> Path:
+    """``$SPECDRAFT_DATA`` if set, else ``<repo>/../shared/data``."""
+    env = os.environ.get("SPECDRAFT_DATA")
+    return Path(env).expanduser() if env else Path(__file__).resolve().parents[3] / "shared" / "data"
+
+
+def _read_source(name: str, root: Path) -> list[str]:
+    path = root / ("gsm8k/train.jsonl" if name == "gsm8k" else "hellaswag_prompts.jsonl")
+    if not path.is_file():
+        raise SpecdraftError(f"training prompts not found: {path} (set SPECDRAFT_DATA to the data directory)")
+    key = "question" if name == "gsm8k" else "prompt"
+    out = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line)[key]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise SpecdraftError(f"{path}:{lineno}: expected a JSON object with {key!r}") from None
+            out.append(text)
+    return out
+
+
+def training_prompts(n: int, split: str = "train", seed: int = 0, root: Path | None = None) -> list[str]:
+    """``n`` training prompts, alternating gsm8k and hellaswag, in a seeded order.
+
+    Args:
+        n: how many (capped by what the split holds).
+        split: ``train``, or ``val`` (the held-out last :data:`VAL_PER_SOURCE` of each source).
+        seed: shuffles each source before the split (the split itself is the same for every seed
+            0 run; other seeds give other splits).
+        root: data directory (default :func:`data_dir`).
+    """
+    if split not in ("train", "val"):
+        raise SpecdraftError(f"unknown split {split!r}: use train or val")
+    root = root or data_dir()
+    per_source = []
+    for name in SOURCES:
+        texts = _read_source(name, root)
+        random.Random(f"{seed}-{name}").shuffle(texts)
+        per_source.append(texts[-VAL_PER_SOURCE:] if split == "val" else texts[:-VAL_PER_SOURCE])
+    mixed = [t for pair in zip(*per_source) for t in pair]
+    return mixed[:n]
+
+
+# ------------------------------------------------------------------------------------ records
+@dataclass
+class TargetData:
+    """Sequences answered by the target, with what distillation needs per response token.
+
+    Attributes:
+        tokens: per sequence ``(S,)`` int64, prompt then response.
+        prompt_lens: per sequence, how many of ``tokens`` are prompt.
+        topk_idx: per sequence ``(R, K)`` int64, R = response length.
+        topk_logp: per sequence ``(R, K)`` float32 log-probabilities.
+        hidden: per sequence ``(R, C)`` float32, or None when not recorded.
+        prompt_ids: per sequence, the index of its prompt in the prompt list.
+    """
+
+    tokens: list[torch.Tensor] = field(default_factory=list)
+    prompt_lens: list[int] = field(default_factory=list)
+    topk_idx: list[torch.Tensor] = field(default_factory=list)
+    topk_logp: list[torch.Tensor] = field(default_factory=list)
+    hidden: list[torch.Tensor] | None = None
+    prompt_ids: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_response_tokens(self) -> int:
+        return sum(t.shape[0] for t in self.topk_idx)
+
+    def extend(self, other: "TargetData") -> None:
+        self.tokens += other.tokens
+        self.prompt_lens += other.prompt_lens
+        self.topk_idx += other.topk_idx
+        self.topk_logp += other.topk_logp
+        self.prompt_ids += other.prompt_ids
+        if other.hidden is not None:
+            self.hidden = (self.hidden or []) + other.hidden
+
+    def response_tokens(self) -> torch.Tensor:
+        """All response tokens, concatenated ``(N,)``."""
+        return torch.cat([t[p:] for t, p in zip(self.tokens, self.prompt_lens)]) if self.tokens else torch.zeros(0, dtype=torch.int64)
+
+    def save(self, path: Path) -> None:
+        """One safetensors shard, written atomically."""
+        from safetensors.torch import save_file
+
+        lens = torch.tensor([t.shape[0] for t in self.tokens], dtype=torch.int64)
+        tensors = {
+            "tokens": torch.cat(self.tokens).to(torch.int32),
+            "seq_lens": lens,
+            "prompt_lens": torch.tensor(self.prompt_lens, dtype=torch.int64),
+            "prompt_ids": torch.tensor(self.prompt_ids, dtype=torch.int64),
+            "topk_idx": torch.cat(self.topk_idx).to(torch.int32),
+            "topk_logp": torch.cat(self.topk_logp).to(torch.float16),
+        }
+        if self.hidden is not None:
+            tensors["hidden"] = torch.cat(self.hidden).to(torch.float16)
+        tmp = path.with_name(f".{path.name}.tmp")
+        save_file(tensors, str(tmp))
+        tmp.rename(path)
+
+    @classmethod
+    def load(cls, path: Path) -> "TargetData":
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            t = load_file(str(path))
+            seq_lens = t["seq_lens"].tolist()
+            plens = t["prompt_lens"].tolist()
+            resp = [s - p for s, p in zip(seq_lens, plens)]
+            data = cls(
+                tokens=[x.long() for x in t["tokens"].split(seq_lens)],
+                prompt_lens=plens,
+                topk_idx=[x.long() for x in t["topk_idx"].split(resp)],
+                topk_logp=[x.float() for x in t["topk_logp"].split(resp)],
+                hidden=[x.float() for x in t["hidden"].split(resp)] if "hidden" in t else None,
+                prompt_ids=t["prompt_ids"].tolist(),
+            )
+        except (SafetensorError, KeyError, RuntimeError, ValueError, OSError) as e:
+            raise SpecdraftError(f"corrupted data shard {path} ({type(e).__name__}: {e}); delete it and rerun") from None
+        return data
+
+
+# ------------------------------------------------------------------------------------ generation
+class _Recorder:
+    """Wraps the target runtime; while ``on``, keeps top-k log-probs (and hidden) of the last position."""
+
+    def __init__(self, runtime, topk: int, hidden_layer: int | None):
+        self.runtime = runtime
+        self.vocab_size = runtime.vocab_size
+        self.max_context = runtime.max_context
+        self.dtype = runtime.dtype
+        self.topk = topk
+        self.hidden_layer = hidden_layer
+        self.on = False
+        self.last: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+
+    def new_state(self, batch_size: int, capacity: int):
+        return self.runtime.new_state(batch_size, capacity)
+
+    def forward(self, state, tokens, positions, **kw):
+        out = self.runtime.forward(state, tokens, positions, **kw)
+        if self.on:
+            logp = torch.log_softmax(out.logits[:, -1].float(), -1)  # (B, V)
+            vals, idx = logp.topk(self.topk, dim=-1)  # (B, K)
+            hid = out.hidden[self.hidden_layer][:, -1].float() if self.hidden_layer is not None else None
+            self.last = (idx, vals, hid)
+        return out
+
+
+def generate_target_data(
+    runtime,
+    prompts: list[list[int]],
+    *,
+    eos_ids: tuple[int, ...],
+    max_new_tokens: int = 192,
+    batch_size: int = 16,
+    topk: int = 32,
+    hidden_layer: int | None = None,
+    skip: set[int] | None = None,
+    shard_size: int = 32,
+    on_shard=None,
+    progress: bool = True,
+) -> TargetData:
+    """Answer ``prompts`` greedily with the target through the engine; record distillation targets.
+
+    Rows are refilled as others finish, so the batch stays full. Every ``shard_size`` finished
+    sequences are handed to ``on_shard(TargetData)`` (the cache writes them); the return value
+    holds everything generated in this call.
+
+    Args:
+        runtime: the target runtime.
+        prompts: token ids per prompt.
+        eos_ids: generation stops after any of these.
+        max_new_tokens: response length cap.
+        batch_size: rows decoded together.
+        topk: K, how many of the target's most likely tokens to keep per position.
+        hidden_layer: also keep this layer's hidden state (``-1``: after the final norm).
+        skip: prompt indices already done (a resumed run).
+        shard_size: sequences per ``on_shard`` call.
+    """
+    from tqdm import tqdm
+
+    rec = _Recorder(runtime, topk, hidden_layer)
+    hidden_layers = (hidden_layer,) if hidden_layer is not None else ()
+    engine = Engine(rec, None, FixedK(0), hidden_layers=hidden_layers)
+    todo = deque(i for i in range(len(prompts)) if not (skip and i in skip))
+    room = runtime.max_context - max_new_tokens - 4
+    live: dict[int, dict] = {}  # request id -> what it has produced so far
+    result, shard = TargetData(), TargetData()
+    bar = tqdm(total=len(todo), desc="target answers", unit="seq", disable=not progress, dynamic_ncols=True)
+    made, t0 = 0, time.perf_counter()
+
+    def flush(final: bool = False):
+        nonlocal shard
+        if len(shard) >= shard_size or (final and len(shard)):
+            if on_shard is not None:
+                on_shard(shard)
+            result.extend(shard)
+            shard = TargetData()
+
+    while todo or engine.active:
+        if todo and engine.active < batch_size:
+            batch = []
+            while todo and len(batch) + engine.active < batch_size:
+                i = todo.popleft()
+                ids = prompts[i][-room:] if len(prompts[i]) > room else prompts[i]
+                batch.append((i, Request(list(ids), max_new_tokens, eos_ids=eos_ids)))
+            for rid, (i, r) in zip(engine.add([r for _, r in batch]), batch):
+                live[rid] = {"prompt_id": i, "prompt": r.prompt, "out": [], "idx": [], "logp": [], "hid": []}
+        rows = [r.id for r in engine.requests]
+        rec.on = True
+        events = engine.step()
+        rec.on = False
+        idx, logp, hid = rec.last
+        for b, (rid, ev) in enumerate(zip(rows, events)):
+            assert ev.request_id == rid and len(ev.tokens) == 1
+            s = live[rid]
+            s["out"] += ev.tokens
+            s["idx"].append(idx[b])
+            s["logp"].append(logp[b])
+            if hid is not None:
+                s["hid"].append(hid[b])
+            if ev.finished:
+                del live[rid]
+                shard.tokens.append(torch.tensor(s["prompt"] + s["out"], dtype=torch.int64))
+                shard.prompt_lens.append(len(s["prompt"]))
+                shard.prompt_ids.append(s["prompt_id"])
+                shard.topk_idx.append(torch.stack(s["idx"]))
+                shard.topk_logp.append(torch.stack(s["logp"]))
+                if hid is not None:
+                    shard.hidden = (shard.hidden or []) + [torch.stack(s["hid"])]
+                bar.update(1)
+                flush()
+        made += len(rows)
+        bar.set_postfix(tok_s=f"{made / (time.perf_counter() - t0):.0f}")
+    flush(final=True)
+    bar.close()
+    return result
+
+
+# ------------------------------------------------------------------------------------ cache
+def _cache_key(target_name: str, vocab_size: int, spec: dict) -> str:
+    h = hashlib.sha256(json.dumps({"format": FORMAT, "target": target_name, "vocab": vocab_size, **spec}, sort_keys=True).encode())
+    return h.hexdigest()[:12]
+
+
+def target_data(
+    pipe,
+    *,
+    n_prompts: int,
+    split: str = "train",
+    seed: int = 0,
+    max_new_tokens: int = 192,
+    batch_size: int = 16,
+    topk: int = 32,
+    hidden: bool = False,
+    cache: Path | None = None,
+    progress: bool = True,
+) -> TargetData:
+    """The target's answers to ``n_prompts`` training prompts: from the cache, generating what is missing.
+
+    Args:
+        pipe: a :class:`specdraft.api.Pipeline` holding the target (its drafter is not used).
+        n_prompts: prompts to answer (see :func:`training_prompts`).
+        split: ``train`` or ``val``.
+        seed: prompt order.
+        max_new_tokens: response cap.
+        batch_size: rows decoded together.
+        topk: K target log-probs kept per response token.
+        hidden: also keep the target's final hidden states.
+        cache: directory for the shards (default ``<cache>/design/``).
+    """
+    from specdraft.models.loading import cache_root
+
+    spec = {"split": split, "seed": seed, "max_new": max_new_tokens, "topk": topk, "hidden": hidden}
+    root = Path(cache) if cache else cache_root() / "design"
+    d = root / f"data-{_cache_key(pipe.target.name, pipe.runtime.vocab_size, spec)}"
+    d.mkdir(parents=True, exist_ok=True)
+    meta = {"target": pipe.target.name, "source": pipe.target.source, **spec}
+    (d / "meta.json").write_text(json.dumps(meta, indent=2))
+
+    texts = training_prompts(n_prompts, split, seed)
+    data = TargetData()
+    for f in sorted(d.glob("shard-*.safetensors")):
+        data.extend(TargetData.load(f))
+    data = _subset(data, [i for i, p in enumerate(data.prompt_ids) if p < len(texts)])
+    done = set(data.prompt_ids)
+    if len(done) < len(texts):
+        ids = [pipe.encode(t) for t in texts]
+        counter = [1 + max((int(f.stem.split("-")[1]) for f in d.glob("shard-*.safetensors")), default=-1)]
+
+        def write(shard: TargetData):
+            shard.save(d / f"shard-{counter[0]:05d}.safetensors")
+            counter[0] += 1
+
+        hidden_layer = -1 if hidden else None
+        new = generate_target_data(
+            pipe.runtime, ids, eos_ids=pipe.eos_ids, max_new_tokens=max_new_tokens, batch_size=batch_size,
+            topk=topk, hidden_layer=hidden_layer, skip=done, on_shard=write, progress=progress,
+        )
+        data.extend(new)
+    return _subset(data, sorted(range(len(data)), key=lambda i: data.prompt_ids[i]))
+
+
+def _subset(data: TargetData, order: list[int]) -> TargetData:
+    return TargetData(
+        tokens=[data.tokens[i] for i in order],
+        prompt_lens=[data.prompt_lens[i] for i in order],
+        topk_idx=[data.topk_idx[i] for i in order],
+        topk_logp=[data.topk_logp[i] for i in order],
+        hidden=[data.hidden[i] for i in order] if data.hidden is not None else None,
+        prompt_ids=[data.prompt_ids[i] for i in order],
+    )

@@ -1,0 +1,184 @@
+"""Structural pruning: a draft cut out of the target.
+
+- Depth (:func:`depth_prune`): keep a subset of the target's layers at full width: the "shallow
+  and wide" draft of the study this project follows.
+- Width (:func:`width_prune`): also keep only the most important key/value head groups, query heads
+  and FFN channels of each kept layer, for "deep and narrow" drafts of the same parameter count.
+  Importance is measured on calibration tokens (:func:`importance`): for an FFN channel the mean
+  magnitude of its contribution ``|silu(gate) * up| * ||w_down[:, j]||``, for a query head the mean
+  norm of its output after ``o_proj``.
+
+Both return a transformers ``LlamaForCausalLM`` with fresh copies of the kept weights (the draft's
+own, trainable) and the target's embedding/tied head (shared, frozen); :func:`param_count` counts the
+draft's own parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from specdraft.design.artifact import build_llama
+from specdraft.errors import SpecdraftError
+
+
+def _check_target(target_model) -> None:
+    if target_model.config.model_type not in ("llama", "mistral", "qwen2"):
+        raise SpecdraftError(f"pruning needs a Llama-family target, not {target_model.config.model_type!r}")
+
+
+def _check_layers(layer_ids: list[int], n: int) -> None:
+    if not layer_ids or any(not 0 <= i < n for i in layer_ids) or len(set(layer_ids)) != len(layer_ids):
+        raise SpecdraftError(f"layer ids {layer_ids} invalid for a {n}-layer target (distinct, in 0..{n - 1})")
+
+
+def draft_config(target_model, num_layers: int, *, kv_heads: int | None = None, q_per_kv: int | None = None, ffn: int | None = None):
+    """The target's config with the draft's depth (and width when given)."""
+    cfg = copy.deepcopy(target_model.config)
+    H, G = cfg.num_attention_heads, cfg.num_key_value_heads
+    cfg.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
+    kv = G if kv_heads is None else kv_heads
+    r = H // G if q_per_kv is None else q_per_kv
+    if not 1 <= kv <= G or not 1 <= r <= H // G:
+        raise SpecdraftError(f"width: need 1 <= kv_heads <= {G} and 1 <= q_per_kv <= {H // G}, got {kv}, {r}")
+    if ffn is not None and not 1 <= ffn <= cfg.intermediate_size:
+        raise SpecdraftError(f"width: need 1 <= ffn <= {cfg.intermediate_size}, got {ffn}")
+    cfg.num_hidden_layers = num_layers
+    cfg.num_key_value_heads = kv
+    cfg.num_attention_heads = kv * r
+    cfg.intermediate_size = ffn or cfg.intermediate_size
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.model_type = "llama"
+    return cfg
+
+
+def depth_prune(target_model, layer_ids: list[int]):
+    """A draft made of the target's layers ``layer_ids`` (in that order) at full width."""
+    _check_target(target_model)
+    _check_layers(layer_ids, target_model.config.num_hidden_layers)
+    draft = build_llama(draft_config(target_model, len(layer_ids)), target_model)
+    with torch.no_grad():
+        for i, li in enumerate(layer_ids):
+            draft.model.layers[i].load_state_dict(target_model.model.layers[li].state_dict())
+        draft.model.norm.load_state_dict(target_model.model.norm.state_dict())
+    return draft
+
+
+@dataclass
+class Importance:
+    """Per-layer importance scores from calibration tokens.
+
+    Attributes:
+        heads: ``{layer: (H,)}`` mean output norm of each query head (after ``o_proj``).
+        ffn: ``{layer: (I,)}`` mean contribution magnitude of each FFN channel.
+    """
+
+    heads: dict[int, torch.Tensor]
+    ffn: dict[int, torch.Tensor]
+
+
+@torch.no_grad()
+def importance(target_model, sequences: list[torch.Tensor], layer_ids: list[int]) -> Importance:
+    """Score heads and FFN channels of ``layer_ids`` on calibration ``sequences`` (token ids)."""
+    cfg = target_model.config
+    H = cfg.num_attention_heads
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
+    heads = {li: torch.zeros(H) for li in layer_ids}
+    ffn = {li: torch.zeros(cfg.intermediate_size) for li in layer_ids}
+    count = [0]
+    hooks = []
+    for li in layer_ids:
+        layer = target_model.model.layers[li]
+        wo = layer.self_attn.o_proj.weight  # (C, H * D)
+        wd_norm = layer.mlp.down_proj.weight.norm(dim=0)  # (I,)
+
+        def attn_hook(mod, args, li=li, wo=wo):
+            x = args[0]  # (B, T, H * D): the heads' outputs before o_proj
+            per_head = x.view(*x.shape[:-1], H, D)
+            contrib = torch.einsum("bthd,chd->bthc", per_head, wo.view(wo.shape[0], H, D)).norm(dim=-1)  # (B, T, H)
+            heads[li] += contrib.sum(dim=(0, 1)).float()
+
+        def mlp_hook(mod, args, li=li, wd_norm=wd_norm):
+            a = args[0]  # (B, T, I): silu(gate) * up
+            ffn[li] += (a.abs().sum(dim=(0, 1)) * wd_norm).float()
+
+        hooks.append(layer.self_attn.o_proj.register_forward_pre_hook(attn_hook))
+        hooks.append(layer.mlp.down_proj.register_forward_pre_hook(mlp_hook))
+    try:
+        for seq in sequences:
+            target_model(seq.view(1, -1))
+            count[0] += seq.numel()
+    finally:
+        for h in hooks:
+            h.remove()
+    n = max(count[0], 1)
+    return Importance({k: v / n for k, v in heads.items()}, {k: v / n for k, v in ffn.items()})
+
+
+def width_prune(target_model, layer_ids: list[int], scores: Importance, *, kv_heads: int, q_per_kv: int, ffn: int):
+    """A draft of the target's layers ``layer_ids``, each narrowed to its most important parts.
+
+    Keeps, per layer, the ``kv_heads`` key/value groups with the largest summed query-head
+    importance, the ``q_per_kv`` most important query heads inside each, and the ``ffn`` most
+    important FFN channels (original order preserved).
+    """
+    _check_target(target_model)
+    _check_layers(layer_ids, target_model.config.num_hidden_layers)
+    cfg = target_model.config
+    H, G = cfg.num_attention_heads, cfg.num_key_value_heads
+    r_full = H // G
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
+    draft = build_llama(draft_config(target_model, len(layer_ids), kv_heads=kv_heads, q_per_kv=q_per_kv, ffn=ffn), target_model)
+
+    def rows(heads: list[int]) -> torch.Tensor:
+        return torch.cat([torch.arange(h * D, (h + 1) * D) for h in heads])
+
+    with torch.no_grad():
+        for i, li in enumerate(layer_ids):
+            src, dst = target_model.model.layers[li], draft.model.layers[i]
+            hs = scores.heads[li].view(G, r_full)  # (G, r): query heads by group
+            groups = sorted(hs.sum(1).topk(kv_heads).indices.tolist())
+            q_heads = [g * r_full + int(j) for g in groups for j in sorted(hs[g].topk(q_per_kv).indices.tolist())]
+            q_rows, kv_rows = rows(q_heads), rows(groups)
+            sa, da = src.self_attn, dst.self_attn
+            da.q_proj.weight.copy_(sa.q_proj.weight[q_rows])
+            da.k_proj.weight.copy_(sa.k_proj.weight[kv_rows])
+            da.v_proj.weight.copy_(sa.v_proj.weight[kv_rows])
+            da.o_proj.weight.copy_(sa.o_proj.weight[:, q_rows])
+            for name in ("q_proj", "k_proj", "v_proj"):
+                if getattr(getattr(sa, name), "bias", None) is not None:
+                    raise SpecdraftError("width pruning of attention biases (Qwen2) is not supported")
+            ch = scores.ffn[li].topk(ffn).indices.sort().values
+            dst.mlp.gate_proj.weight.copy_(src.mlp.gate_proj.weight[ch])
+            dst.mlp.up_proj.weight.copy_(src.mlp.up_proj.weight[ch])
+            dst.mlp.down_proj.weight.copy_(src.mlp.down_proj.weight[:, ch])
+            dst.input_layernorm.weight.copy_(src.input_layernorm.weight)
+            dst.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight)
+        draft.model.norm.load_state_dict(target_model.model.norm.state_dict())
+    return draft
+
+
+def param_count(draft) -> int:
+    """The draft's own parameters (shared embedding / head excluded)."""
+    shared = {draft.get_input_embeddings().weight.data_ptr(), draft.get_output_embeddings().weight.data_ptr()}
+    return sum(p.numel() for p in draft.parameters() if p.data_ptr() not in shared)
+
+
+def layer_params(hidden: int, q_heads: int, kv_heads: int, head_dim: int, ffn: int) -> int:
+    """Parameters of one decoder layer: q/o, k/v projections, gate/up/down, two norms."""
+    return 2 * hidden * q_heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * ffn + 2 * hidden
+
+
+def ffn_for_budget(target_model, depth: int, budget: int, *, kv_heads: int, q_per_kv: int) -> int:
+    """The FFN width that makes a ``depth``-layer draft with these heads have about ``budget`` parameters."""
+    cfg = target_model.config
+    C = cfg.hidden_size
+    D = getattr(cfg, "head_dim", None) or C // cfg.num_attention_heads
+    per_layer = budget / depth - C  # minus the final norm, spread
+    attn = layer_params(C, kv_heads * q_per_kv, kv_heads, D, 0)
+    ffn = int(round((per_layer - attn) / (3 * C)))
+    if ffn < 1:
+        raise SpecdraftError(f"a {depth}-layer draft with these heads exceeds {budget} parameters before any FFN")
+    return min(ffn, cfg.intermediate_size)

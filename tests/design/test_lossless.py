@@ -1,0 +1,124 @@
+"""A smaller draft head keeps speculative decoding lossless: greedy output equals plain decoding,
+and sampled output is distributed exactly as the target's, though q is zero outside the subset."""
+
+import torch
+
+from specdraft import api
+from specdraft.design.artifact import DraftMeta, save_draft
+from specdraft.design.prune import depth_prune
+from specdraft.design.vocab import VocabSubset
+from specdraft.drafters.base import DraftContext
+from specdraft.drafters.designed import SubsetHeadRuntime, draft_weights
+from specdraft.engine import Engine
+from specdraft.models.llama import LlamaRuntime, LlamaWeights
+from specdraft.policy import FixedK
+from specdraft.verify import SamplingParams, verify_sampling
+from tests.design.conftest import head_subset
+from tests.helpers import decode, random_prompts
+
+
+def _subset_runtime(tiny_pipe, ids):
+    draft = depth_prune(tiny_pipe.target.model, [0])
+    w = draft_weights(draft, tiny_pipe.runtime.w, ids, torch.float32)
+    return SubsetHeadRuntime(LlamaRuntime(w), ids, 256)
+
+
+def test_subset_logits_are_the_head_rows_and_minus_inf_elsewhere(tiny_pipe):
+    ids = head_subset(40)
+    rt = _subset_runtime(tiny_pipe, ids)
+    full = LlamaRuntime(draft_weights(depth_prune(tiny_pipe.target.model, [0]), None, None, torch.float32))
+    tokens = torch.tensor([[1, 2, 3, 4]])
+    pos = torch.arange(4).unsqueeze(0)
+    got = rt.forward(rt.new_state(1, 8), tokens, pos).logits
+    ref = full.forward(full.new_state(1, 8), tokens, pos).logits
+    assert got.shape == ref.shape == (1, 4, 256)
+    torch.testing.assert_close(got[..., ids], ref[..., ids])
+    outside = torch.ones(256, dtype=torch.bool)
+    outside[ids] = False
+    assert torch.isneginf(got[..., outside]).all()
+
+
+def test_greedy_output_equals_plain_decoding_through_the_api(tiny_pipe, tmp_path):
+    target = tiny_pipe.target.model
+    ids = head_subset(32, must=(255,))  # a head that misses most of what the target says
+    meta = DraftMeta.for_target(target, "tiny", head=VocabSubset(ids, 0.0), init_layers=[0])
+    save_draft(tmp_path / "d", depth_prune(target, [0]), meta)
+    pipe = api.load("tiny", draft=f"designed:{tmp_path / 'd'}", dtype="fp32")
+    assert pipe.drafter.name == "designed:d"
+    prompts = random_prompts([5, 17, 9], seed=3)
+    plain = decode(Engine(pipe.runtime), prompts, 24)
+    spec = pipe.engine(4)
+    got = decode(spec, prompts, 24)
+    assert got == plain
+    assert spec.stats.drafted > 0 and spec.stats.accepted < spec.stats.drafted  # it did speculate, imperfectly
+
+
+def test_sampled_draft_tokens_and_q_stay_inside_the_subset(tiny_pipe):
+    ids = head_subset(16)
+    from specdraft.drafters.model import ModelDrafter
+
+    drafter = ModelDrafter(_subset_runtime(tiny_pipe, ids), "subset")
+    state = drafter.new_state(2, 32)
+    tokens = torch.tensor(random_prompts([6, 6], seed=1))
+    params = [SamplingParams(temperature=1.0, seed=s) for s in (1, 2)]
+    gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
+    ctx = DraftContext(torch.cat([tokens, torch.zeros(2, 26, dtype=torch.int64)], 1), torch.tensor([6, 6]), params, gens)
+    prop = drafter.propose(state, ctx, 5)
+    inside = torch.zeros(256, dtype=torch.bool)
+    inside[ids] = True
+    assert inside[prop.tokens].all()
+    assert prop.probs.shape == (2, 5, 256)
+    assert (prop.probs[..., ~inside] == 0).all()
+    torch.testing.assert_close(prop.probs.sum(-1), torch.ones(2, 5))
+
+
+def test_rejection_sampling_with_a_subset_q_reproduces_p():
+    """Monte Carlo over 100k rows: the first output token's frequencies match p, including the
+    tokens the draft can never propose (only the residual max(p - q, 0) can emit them)."""
+    V, N = 8, 100_000
+    p = torch.tensor([0.30, 0.05, 0.20, 0.02, 0.13, 0.10, 0.15, 0.05])
+    subset = torch.tensor([0, 1, 3])  # the draft's head: misses 63% of p's mass
+    q = torch.zeros(V)
+    q[subset] = torch.tensor([0.2, 0.5, 0.3])  # deliberately unlike p
+    g = torch.Generator().manual_seed(0)
+    draft = subset[torch.multinomial(q[subset], N, replacement=True, generator=g)].view(N, 1)
+    gens = [torch.Generator().manual_seed(i) for i in range(N)]
+    target_probs = p.expand(N, 2, V)
+    verdict = verify_sampling(draft, q.expand(N, 1, V), target_probs, gens)
+    first = verdict.tokens[:, 0]
+    freq = torch.bincount(first, minlength=V).float() / N
+    assert (freq - p).abs().max() < 0.01, (freq, p)
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[subset] = False
+    assert freq[outside].sum() > 0.6  # emitted only through the residual
+
+
+def test_sampling_through_the_engine_reproduces_the_target_distribution():
+    """3000 rows of one prompt through the engine with a subset-head draft: the first two output
+    tokens follow the target's exact marginals (computed by enumerating the first token). The tiny
+    target's head is scaled up so that its distributions are sharp enough to test."""
+    from specdraft.drafters.model import ModelDrafter
+    from specdraft.models.tiny import tiny_llama
+
+    target = tiny_llama(seed=0)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(40)
+    runtime = LlamaRuntime(LlamaWeights.from_hf(target, torch.float32))
+    prompt = random_prompts([6], seed=5)[0]
+    with torch.no_grad():
+        p1 = target(torch.tensor([prompt])).logits[0, -1].softmax(-1)  # (V,)
+        both = torch.tensor([prompt + [x] for x in range(256)])
+        p2 = (p1.unsqueeze(1) * target(both).logits[:, -1].softmax(-1)).sum(0)  # (V,) marginal of token 2
+    head = p1.argsort(descending=True)[1:86]  # a third of the vocabulary, without the target's mode
+    draft = depth_prune(target, [0])
+    drafter = ModelDrafter(SubsetHeadRuntime(LlamaRuntime(draft_weights(draft, runtime.w, head, torch.float32)), head, 256), "subset")
+
+    B = 3000
+    engine = Engine(runtime, drafter, FixedK(3))
+    out = decode(engine, [prompt] * B, 2, [SamplingParams(temperature=1.0, seed=i) for i in range(B)])
+    assert engine.stats.accepted > 0 and engine.stats.accepted < engine.stats.drafted
+    for pos, exact in ((0, p1), (1, p2)):
+        freq = torch.bincount(torch.tensor([o[pos] for o in out]), minlength=256).float() / B
+        tv = 0.5 * (freq - exact).abs().sum()
+        assert tv < 0.06, (pos, float(tv))
+        assert freq[~torch.isin(torch.arange(256), head)].sum() > 0.15  # tokens the draft cannot propose
