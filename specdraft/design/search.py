@@ -1,0 +1,199 @@
+"""Which layers to keep: a search that maximises the analytic model's predicted throughput.
+
+For a candidate layer subset the search needs two numbers:
+
+- ``alpha``, the per-token acceptance. With greedy decoding a draft token is accepted iff it equals
+  the target's argmax given the target's own prefix, so alpha is the draft's teacher-forced
+  agreement with the target's answers on calibration prompts (training prompts, never Spec-Bench).
+- latencies: ``T_draft`` (one draft token at depth d; it depends on the depth, not on which
+  layers) and ``T_target(n)`` (the target scoring n tokens), measured here, interleaved.
+
+:func:`specdraft.analytic.throughput` combines them (E[tokens | k] / (k T_draft + T_target(k + 1)),
+maximised over k). The subset search is a beam search: the best ``beam`` subsets of depth d are
+extended by every unused layer (kept in the target's order) to depth d + 1.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from specdraft import analytic
+from specdraft.design.data import TargetData
+from specdraft.models.llama import LlamaRuntime, LlamaWeights
+
+
+@torch.inference_mode()
+def agreement(runtime, data: TargetData, head: torch.Tensor | None = None) -> float:
+    """Teacher-forced agreement of ``runtime`` with the target's answers in ``data`` (0..1).
+
+    Args:
+        runtime: a compact runtime (e.g. ``LlamaRuntime(w, layer_ids)``).
+        data: calibration sequences (prompt + the target's answer).
+        head: if given, the draft may only predict these ids (argmax over the subset).
+    """
+    hit = total = 0
+    for tokens, P in zip(data.tokens, data.prompt_lens):
+        S = tokens.shape[0]
+        state = runtime.new_state(1, S)
+        idx = torch.arange(P - 1, S - 1).unsqueeze(0)  # (1, R) positions that predict the answer
+        logits = runtime.forward(state, tokens[:-1].unsqueeze(0), torch.arange(S - 1).unsqueeze(0), logits_index=idx).logits[0]
+        pred = logits[:, head].argmax(-1) if head is not None else logits.argmax(-1)
+        pred = head[pred] if head is not None else pred
+        hit += int((pred == tokens[P:]).sum())
+        total += S - P
+    return hit / total if total else 0.0
+
+
+def _median_time(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+@dataclass
+class Latency:
+    """Measured seconds: one draft token per draft name, the target over n tokens.
+
+    Attributes:
+        draft: ``{name: seconds per draft token}``.
+        target: ``{n: seconds for a forward over n tokens}``.
+        context: cached positions the forwards attend to.
+    """
+
+    draft: dict[str, float] = field(default_factory=dict)
+    target: dict[int, float] = field(default_factory=dict)
+    context: int = 256
+
+    def target_fn(self):
+        """``T_target(n)``, linear between measured sizes (flat beyond)."""
+        known = sorted(self.target)
+
+        def t(n: int) -> float:
+            if n in self.target:
+                return self.target[n]
+            lo = max([m for m in known if m <= n], default=known[0])
+            hi = min([m for m in known if m >= n], default=known[-1])
+            if lo == hi:
+                return self.target[lo]
+            return self.target[lo] + (self.target[hi] - self.target[lo]) * (n - lo) / (hi - lo)
+
+        return t
+
+
+@torch.inference_mode()
+def measure_latency(target, drafts: dict[str, object], ns: tuple[int, ...] = (1, 2, 4, 6, 8), context: int = 256, reps: int = 9) -> Latency:
+    """Median latencies, measured round-robin (target sizes and drafts interleaved) after a warm-up.
+
+    Args:
+        target: the target runtime.
+        drafts: ``{name: runtime}`` draft runtimes (one token per forward, as when drafting).
+        ns: target forward sizes (tokens fed at once).
+        context: positions already in the caches.
+    """
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, target.vocab_size, (1, context), generator=g)
+    pos0 = torch.arange(context).unsqueeze(0)
+    runs = {}
+    for name, rt in [("target", target), *drafts.items()]:
+        st = rt.new_state(1, context + max(ns) + 1)
+        rt.forward(st, prefix, pos0, logits_index=torch.tensor([[context - 1]]))
+        runs[name] = (rt, st)
+    lat = Latency(context=context)
+    samples: dict = {}
+    for rep in range(reps + 1):  # the first round is a warm-up
+        for n in ns:
+            rt, st = runs["target"]
+            t = _median_time(lambda: rt.forward(st, prefix[:, :n], (context + torch.arange(n)).unsqueeze(0)), 1)
+            if rep:
+                samples.setdefault(("target", n), []).append(t)
+        for name in drafts:
+            rt, st = runs[name]
+            t = _median_time(lambda: rt.forward(st, prefix[:, :1], torch.tensor([[context]])), 1)
+            if rep:
+                samples.setdefault(("draft", name), []).append(t)
+    for (kind, key), ts in samples.items():
+        (lat.target if kind == "target" else lat.draft)[key] = statistics.median(ts)
+    return lat
+
+
+def predict(alpha: float, t_draft: float, t_target, k_max: int = 8) -> dict:
+    """Best k and predicted throughput / speedup for one draft."""
+    k = analytic.best_k(alpha, t_draft, t_target, k_max)
+    return {
+        "k": k,
+        "tokens_per_s": analytic.throughput(alpha, k, t_draft, t_target),
+        "speedup": analytic.speedup(alpha, k, t_draft, t_target),
+        "mean_accepted_length": analytic.expected_tokens(alpha, k),
+    }
+
+
+@dataclass
+class Candidate:
+    """One evaluated layer subset."""
+
+    layers: list[int]
+    alpha: float
+    t_draft: float
+    k: int
+    tokens_per_s: float
+    speedup: float
+    mean_accepted_length: float
+
+    def as_dict(self) -> dict:
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+
+
+def search_layers(
+    weights: LlamaWeights,
+    calib: TargetData,
+    *,
+    max_depth: int = 4,
+    beam: int = 1,
+    k_max: int = 8,
+    latency: Latency | None = None,
+    log=None,
+) -> list[Candidate]:
+    """Beam search over layer subsets of depth 1..max_depth, scored by predicted throughput.
+
+    Args:
+        weights: the target's weights (drafts share them; nothing is copied).
+        calib: the target's answers to calibration (training) prompts.
+        max_depth: deepest subset considered.
+        beam: subsets kept per depth and extended.
+        k_max: largest draft length the prediction considers.
+        latency: measured latencies; measured here when None.
+        log: called with a line per evaluated candidate.
+
+    Returns:
+        Every evaluated candidate, best predicted throughput first.
+    """
+    n = len(weights.layers)
+    target = LlamaRuntime(weights)
+    if latency is None:
+        drafts = {f"depth{d}": LlamaRuntime(weights, list(range(d))) for d in range(1, max_depth + 1)}
+        latency = measure_latency(target, drafts)
+    t_target = latency.target_fn()
+    evaluated: dict[tuple, Candidate] = {}
+    frontier: list[tuple[int, ...]] = [()]
+    for depth in range(1, max_depth + 1):
+        t_draft = latency.draft[f"depth{depth}"]
+        cands = {tuple(sorted(f + (i,))) for f in frontier for i in range(n) if i not in f}
+        scored = []
+        for layers in sorted(cands):
+            if layers not in evaluated:
+                alpha = agreement(LlamaRuntime(weights, list(layers)), calib)
+                evaluated[layers] = Candidate(list(layers), alpha, t_draft, **predict(alpha, t_draft, t_target, k_max))
+                if log:
+                    c = evaluated[layers]
+                    log(f"layers {list(layers)}: alpha {alpha:.3f}, predicted {c.speedup:.2f}x at k={c.k}")
+            scored.append(evaluated[layers])
+        scored.sort(key=lambda c: -c.alpha)
+        frontier = [tuple(c.layers) for c in scored[:beam]]
+    return sorted(evaluated.values(), key=lambda c: -c.tokens_per_s)

@@ -1,0 +1,83 @@
+"""The draft directory: compact and full forms, the target check, corrupted files, and the full
+export used by plain transformers for assisted generation."""
+
+import json
+
+import pytest
+import torch
+
+from specdraft.design.artifact import DraftMeta, load_draft, read_meta, save_draft
+from specdraft.design.prune import depth_prune
+from specdraft.design.vocab import VocabSubset
+from specdraft.errors import SpecdraftError
+from specdraft.models.tiny import tiny_llama
+from tests.design.conftest import head_subset
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(seed=0)
+
+
+def _save(target, path, full=False):
+    meta = DraftMeta.for_target(target, "tiny", head=VocabSubset(head_subset(64), 0.9), init_layers=[1], recipe={"command": "test"})
+    return save_draft(path, depth_prune(target, [1]), meta, full=full)
+
+
+def test_compact_form_holds_only_the_drafts_own_tensors_and_round_trips(target, tmp_path):
+    from safetensors.torch import load_file
+
+    d = _save(target, tmp_path / "d")
+    names = set(load_file(str(d / "model.safetensors")))
+    assert "model.embed_tokens.weight" not in names and "lm_head.weight" not in names
+    assert {"model.layers.0.self_attn.q_proj.weight", "model.norm.weight"} <= names
+    draft, meta, extra = load_draft(d, target)
+    assert meta.init_layers == [1] and len(meta.head_tokens) == 64 and extra == {}
+    assert draft.model.embed_tokens.weight.data_ptr() == target.model.embed_tokens.weight.data_ptr()
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    torch.testing.assert_close(draft(ids).logits, depth_prune(target, [1])(ids).logits)
+
+
+def test_another_target_is_refused(target, tmp_path):
+    d = _save(target, tmp_path / "d")
+    with pytest.raises(SpecdraftError, match="embedding differs"):
+        load_draft(d, tiny_llama(seed=7))
+    with pytest.raises(SpecdraftError, match="vocabulary 256 and hidden size 64"):
+        load_draft(d, tiny_llama(hidden_size=32, num_heads=2, num_kv_heads=1))
+
+
+def test_corrupted_or_missing_files_are_clear_errors(target, tmp_path):
+    d = _save(target, tmp_path / "d")
+    w = d / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:200])
+    with pytest.raises(SpecdraftError, match="corrupted"):
+        load_draft(d, target)
+    (d / "specdraft.json").write_text("{not json")
+    with pytest.raises(SpecdraftError, match="corrupted"):
+        read_meta(d)
+    with pytest.raises(SpecdraftError, match="not a designed draft"):
+        read_meta(tmp_path)
+
+
+def test_non_finite_weights_are_refused(target, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    d = _save(target, tmp_path / "d")
+    state = load_file(str(d / "model.safetensors"))
+    state["model.norm.weight"][0] = float("nan")
+    save_file(state, str(d / "model.safetensors"))
+    with pytest.raises(SpecdraftError, match="non-finite"):
+        load_draft(d, target)
+
+
+def test_full_export_works_as_assistant_model_in_plain_transformers(target, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    d = _save(target, tmp_path / "full", full=True)
+    assert json.loads((d / "config.json").read_text())["num_hidden_layers"] == 1
+    assistant = AutoModelForCausalLM.from_pretrained(d)
+    torch.testing.assert_close(assistant.model.embed_tokens.weight, target.model.embed_tokens.weight)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    plain = target.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assisted = target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=assistant, pad_token_id=0)
+    assert assisted.tolist() == plain.tolist()
