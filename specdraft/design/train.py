@@ -410,3 +410,163 @@ def train_offline(
     bar.close()
     model.eval()
     return TrainResult(step, time.perf_counter() - t0, history, val_stats, start_step)
+
+
+# ------------------------------------------------------------------------------------ on-policy
+class _VerifyRecorder:
+    """Wraps the target runtime: keeps the top-K log-probs of every position of each forward."""
+
+    def __init__(self, runtime, topk: int):
+        self.runtime, self.topk = runtime, topk
+        self.vocab_size, self.max_context, self.dtype = runtime.vocab_size, runtime.max_context, runtime.dtype
+        self.last = None
+
+    def new_state(self, batch_size: int, capacity: int):
+        return self.runtime.new_state(batch_size, capacity)
+
+    def forward(self, state, tokens, positions, **kw):
+        out = self.runtime.forward(state, tokens, positions, **kw)
+        logp = torch.log_softmax(out.logits.float(), -1)  # (B, T, V)
+        self.last = logp.topk(self.topk, dim=-1)  # values, indices: (B, T, K)
+        return out
+
+
+@dataclass
+class Replay:
+    """One round of real speculative decoding, kept for training.
+
+    Attributes:
+        data: the sequences decoded (prompt + output) as :class:`TargetData` with empty top-K.
+        items: per labelled position ``(seq, index, draft_position, topk_idx (K,), topk_logp (K,))``:
+            logits at ``index`` predict token ``index + 1``, which was draft position
+            ``draft_position`` of its block (0-based; the last one of a block is the first rejected).
+        accepted: accepted draft tokens; drafted: proposed draft tokens.
+    """
+
+    data: TargetData
+    items: list
+    accepted: int
+    drafted: int
+
+
+def collect_replay(model: DraftLM, target_runtime, prompts: list[list[int]], *, k: int, max_new_tokens: int, eos_ids, topk: int = 32) -> Replay:
+    """Decode ``prompts`` greedily with speculative decoding using the current draft; keep each
+    block's positions up to and including the first rejected one, with the target's top-K there."""
+    from specdraft.drafters.designed import SubsetHeadRuntime, draft_weights
+    from specdraft.drafters.model import ModelDrafter
+    from specdraft.engine import Engine, Request
+    from specdraft.models.llama import LlamaRuntime
+    from specdraft.policy import FixedK
+
+    V = target_runtime.vocab_size
+    subset = model.head_tokens.numel() < V
+    tw = getattr(target_runtime, "w", None)
+    w = draft_weights(model.draft, tw, model.head_tokens if subset else None, torch.float32)
+    rt = LlamaRuntime(w)
+    drafter = ModelDrafter(SubsetHeadRuntime(rt, model.head_tokens, V) if subset else rt, "on-policy")
+    rec = _VerifyRecorder(target_runtime, topk)
+    engine = Engine(rec, drafter, FixedK(k))
+    reqs = [Request(list(p), max_new_tokens, eos_ids=tuple(eos_ids)) for p in prompts]
+    ids = engine.add(reqs)
+    seq_of = {rid: i for i, rid in enumerate(ids)}
+    outputs: list[list[int]] = [[] for _ in prompts]
+    items = []
+    while engine.active:
+        rows = [r.id for r in engine.requests]
+        L = engine.lengths.clone()
+        events = engine.step()
+        vals, idx = rec.last  # (B, k + 1, K)
+        for b, (rid, ev) in enumerate(zip(rows, events)):
+            s = seq_of[rid]
+            n_acc = sum(ev.from_draft)
+            for i in range(min(n_acc + 1, k, len(ev.tokens))):  # accepted positions, then the rejected one
+                items.append((s, int(L[b]) - 1 + i, i, idx[b, i], vals[b, i]))
+            outputs[s] += ev.tokens
+    data = TargetData(
+        tokens=[torch.tensor(list(p) + o, dtype=torch.int64) for p, o in zip(prompts, outputs)],
+        prompt_lens=[len(p) for p in prompts],
+        topk_idx=[torch.zeros(0, topk, dtype=torch.int64) for _ in prompts],
+        topk_logp=[torch.zeros(0, topk) for _ in prompts],
+        prompt_ids=list(range(len(prompts))),
+    )
+    return Replay(data, items, engine.stats.accepted, engine.stats.drafted)
+
+
+def replay_batch(replay: Replay, to_sub: torch.Tensor, decay: float) -> Batch:
+    """All of a replay's sequences, labelled at its kept positions with weight ``decay ** position``."""
+    seqs = replay.data.tokens
+    T = max(s.shape[0] for s in seqs)
+    ids = torch.zeros(len(seqs), T, dtype=torch.int64)
+    for b, s in enumerate(seqs):
+        ids[b, : s.shape[0]] = s
+    rows = torch.tensor([it[0] for it in replay.items], dtype=torch.int64)
+    cols = torch.tensor([it[1] for it in replay.items], dtype=torch.int64)
+    target = to_sub[ids[rows, cols + 1]]
+    topk = to_sub[torch.stack([it[3] for it in replay.items])]
+    logp = torch.stack([it[4] for it in replay.items])
+    weight = torch.tensor([decay ** it[2] for it in replay.items])
+    return Batch(ids, rows, cols, target, topk, logp, weight)
+
+
+def train_on_policy(
+    model: DraftLM,
+    target_runtime,
+    prompts: list[list[int]],
+    cfg: OnPolicyConfig,
+    out: str | Path,
+    *,
+    eos_ids=(),
+    progress: bool = True,
+    stop_after: int | None = None,
+) -> TrainResult:
+    """Rounds of: decode ``cfg.prompts_per_round`` prompts speculatively with the current draft,
+    then ``cfg.updates_per_round`` updates on that replay (see the module docstring).
+
+    Checkpoints go to ``out/checkpoint-opd.pt`` every ``cfg.checkpoint_every`` rounds; a rerun resumes.
+    The history records each round's live acceptance (accepted / drafted while decoding).
+    """
+    from tqdm import tqdm
+
+    need = cfg.rounds * cfg.prompts_per_round
+    if len(prompts) < need:
+        raise SpecdraftError(f"on-policy training needs {need} prompts, got {len(prompts)}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = out / "checkpoint-opd.pt"
+    torch.manual_seed(cfg.seed)
+    opt = torch.optim.AdamW(model.trainable(), lr=cfg.lr)
+    config = {"phase": "on-policy", **asdict(cfg)}
+    rnd, history, elapsed = 0, [], 0.0
+    if ckpt.is_file():
+        ck = _restore(ckpt, model, opt, config)
+        rnd, history, elapsed = ck["step"], ck["history"], ck["elapsed"]
+    start = rnd
+    V = target_runtime.vocab_size
+    bar = tqdm(total=cfg.rounds, initial=rnd, desc="on-policy", unit="round", disable=not progress, dynamic_ncols=True)
+    t0 = time.perf_counter() - elapsed
+    while rnd < cfg.rounds:
+        if stop_after is not None and rnd - start >= stop_after:
+            break
+        model.eval()
+        chunk = prompts[rnd * cfg.prompts_per_round : (rnd + 1) * cfg.prompts_per_round]
+        replay = collect_replay(model, target_runtime, chunk, k=cfg.k, max_new_tokens=cfg.max_new_tokens, eos_ids=eos_ids)
+        model.train()
+        batch = replay_batch(replay, model.to_sub, cfg.position_decay)
+        for _ in range(cfg.updates_per_round):
+            h = model.hidden(batch.ids)[batch.rows, batch.cols]
+            loss, parts = distill_loss(model.head(h), batch, 1.0, 0.0, cfg.rkl_weight, vocab_size=V)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.trainable(), 1.0)
+            opt.step()
+        rnd += 1
+        live = replay.accepted / max(replay.drafted, 1)
+        history.append({"round": rnd, "loss": round(float(loss.detach()), 4), **{k: round(v, 4) for k, v in parts.items()},
+                        "live_acceptance": round(live, 4), "positions": len(replay.items)})
+        bar.update(1)
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", live_accept=f"{live:.3f}")
+        if rnd % cfg.checkpoint_every == 0 or rnd == cfg.rounds:
+            save_checkpoint(ckpt, model, opt, rnd, config, history, time.perf_counter() - t0)
+    bar.close()
+    model.eval()
+    return TrainResult(rnd, time.perf_counter() - t0, history, history[-1] if history else {}, start)

@@ -68,3 +68,34 @@ def test_checkpoint_from_other_settings_is_refused(tiny_pipe, data, tmp_path):
     train_offline(_model(tiny_pipe), data, None, TrainConfig(**{**CFG, "steps": 2}), tmp_path, progress=False)
     with pytest.raises(SpecdraftError, match="other settings"):
         train_offline(_model(tiny_pipe), data, None, TrainConfig(**{**CFG, "lr": 1e-4}), tmp_path, progress=False)
+
+
+def test_replay_keeps_each_block_up_to_the_first_rejection(tiny_pipe):
+    from specdraft.design.train import collect_replay
+
+    model = _model(tiny_pipe, head_subset(128))
+    prompts = random_prompts([5, 8], seed=2)
+    rep = collect_replay(model, tiny_pipe.runtime, prompts, k=3, max_new_tokens=10, eos_ids=())
+    for s, p in enumerate(prompts):  # the decoded text is the target's greedy answer
+        assert rep.data.tokens[s][len(p) :].tolist() == plain_greedy(tiny_pipe.runtime, p, 10)
+    assert rep.drafted > 0 and all(0 <= pos < 3 for _, _, pos, _, _ in rep.items)
+    # the recorded top-1 at each kept position is the target's token there
+    for s, index, _, idx, _ in rep.items:
+        assert int(idx[0]) == int(rep.data.tokens[s][index + 1])
+
+
+def test_on_policy_rounds_train_and_resume(tiny_pipe, tmp_path):
+    from specdraft.design.train import OnPolicyConfig, train_on_policy
+
+    prompts = random_prompts([5, 8, 6, 7, 9, 4], seed=4)
+    cfg = OnPolicyConfig(rounds=3, prompts_per_round=2, k=3, max_new_tokens=8, updates_per_round=2, lr=1e-3)
+    a = _model(tiny_pipe)
+    res = train_on_policy(a, tiny_pipe.runtime, prompts, cfg, tmp_path / "a", progress=False)
+    assert res.steps == 3 and all(h["positions"] > 0 and h["loss"] == h["loss"] for h in res.history)
+    b = _model(tiny_pipe)
+    train_on_policy(b, tiny_pipe.runtime, prompts, cfg, tmp_path / "b", progress=False, stop_after=2)
+    b = _model(tiny_pipe)
+    res_b = train_on_policy(b, tiny_pipe.runtime, prompts, cfg, tmp_path / "b", progress=False)
+    assert res_b.resumed_from == 2
+    for (name, x), y in zip(a.own_state().items(), b.own_state().values()):
+        torch.testing.assert_close(x, y, msg=name)
