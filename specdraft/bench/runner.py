@@ -63,6 +63,9 @@ class BenchOptions:
             :data:`specdraft.lossless.DEFAULT_TOLERANCE`.
         progress: show a progress bar on stderr.
         warmup: run every method once before measuring.
+        time_budget_s: start no new prompt once this many seconds have passed since the run
+            began (None: no limit; the first prompt always runs); prompts left out are listed in
+            ``skipped``.
     """
 
     k: str | int = 5
@@ -74,6 +77,7 @@ class BenchOptions:
     tolerance: float | None = None
     progress: bool = True
     warmup: bool = True
+    time_budget_s: float | None = None
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -306,6 +310,7 @@ def run_bench(pipe: Pipeline, prompts: list[BenchPrompt], options: BenchOptions,
             out[method] = ((lambda ids, m=method: hf.run(m, ids, max_new, p)), None)
         return out
 
+    started = time.perf_counter()
     if options.warmup:
         ids = fit_context(_encode_turn(pipe, [{"role": "user", "content": prompts[0].turns[0]}]), min(budget, 64), "truncate").ids
         for decode, _ in decoders(0, min(WARMUP_TOKENS, options.max_new_tokens)).values():
@@ -316,6 +321,10 @@ def run_bench(pipe: Pipeline, prompts: list[BenchPrompt], options: BenchOptions,
     bar = _progress(len(prompts), options.progress)
     try:
         for i, prompt in enumerate(prompts):
+            if i > 0 and options.time_budget_s is not None and time.perf_counter() - started > options.time_budget_s:
+                skipped += [{"id": p.id, "category": p.category, "reason": "time budget"} for p in prompts[i:]]
+                log(f"time budget of {options.time_budget_s:.0f} s spent: {len(prompts) - i} prompts not run")
+                break
             runs: dict[str, MethodRun] = {}
             spec_stats = SpecStats()
             for method, (decode, engine) in decoders(i, options.max_new_tokens).items():
@@ -366,6 +375,7 @@ def run_bench(pipe: Pipeline, prompts: list[BenchPrompt], options: BenchOptions,
         "long_prompts": options.long_prompts,
         "prompt_budget_tokens": budget,
         "equality_tolerance": tol if params.greedy else None,
+        "time_budget_s": options.time_budget_s,
         "torch": torch.__version__,
     }
     return BenchResult(

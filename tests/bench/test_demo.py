@@ -1,0 +1,48 @@
+import json
+
+import torch
+
+from specdraft import cli
+
+
+def test_demo_writes_bench_profile_and_report(tmp_path, capsys):
+    prompts = tmp_path / "q.jsonl"
+    lines = [
+        {"question_id": 1, "category": "writing", "turns": ["Write a haiku.", "Shorter."]},
+        {"question_id": 2, "category": "qa", "turns": ["Who wrote Hamlet?"]},
+        {"question_id": 3, "category": "qa", "turns": ["Second qa question, left out by --limit 1"]},
+    ]
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "demo"
+    threads = torch.get_num_threads()
+    try:
+        argv = ["demo", "--target", "tiny", "--draft", "prune:0", "--k", "3", "--dtype", "fp32", "--threads", "1",
+                "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "6"]
+        assert cli.main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
+    bench = json.loads((out / "bench.json").read_text())
+    assert bench["overall"]["prompts"] == 2 and set(bench["categories"]) == {"writing", "qa"}
+    assert bench["config"]["command"].startswith("specdraft demo --target tiny --draft prune:0 --k 3")
+    assert json.loads((out / "profile.json").read_text())["t_target"]["1"].keys() == {"1", "2", "3", "4"}
+    report = (out / "REPORT.md").read_text()
+    assert "bench.json" in report and "profile.json" in report
+    stdout = capsys.readouterr().out
+    assert f"report: {out / 'REPORT.md'}" in stdout and "| **overall** | 2 |" in stdout
+
+
+def test_demo_time_budget_leaves_prompts_out(tmp_path):
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"prompt {i}", "category": f"c{i}"}) + "\n" for i in range(3)))
+    out = tmp_path / "demo"
+    threads = torch.get_num_threads()
+    try:
+        argv = ["demo", "--target", "tiny", "--draft", "prune:0", "--dtype", "fp32", "--threads", "1", "--no-baselines",
+                "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "4", "--time-budget", "0"]
+        assert cli.main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
+    bench = json.loads((out / "bench.json").read_text())
+    # the first question always runs; with a zero budget no other starts
+    assert bench["overall"]["prompts"] == 1
+    assert [s["reason"] for s in bench["skipped"]] == ["time budget", "time budget"]
