@@ -104,7 +104,8 @@ class _CountRequests:
 def create_app(pipe: Pipeline, config: ServerConfig) -> FastAPI:
     """The ASGI app; its lifespan starts and stops the scheduler thread."""
     metrics = Metrics()
-    scheduler = Scheduler(pipe, make_policy(config.k), max_batch=config.max_batch, max_queue=config.max_queue, metrics=metrics)
+    policy = make_policy(config.k)
+    scheduler = Scheduler(pipe, policy, max_batch=config.max_batch, max_queue=config.max_queue, metrics=metrics)
     created = P.now()
 
     @asynccontextmanager
@@ -165,7 +166,7 @@ def create_app(pipe: Pipeline, config: ServerConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = P.parse_request(P.CompletionRequest, await _read_body(request, config.max_body_bytes))
-        req.check_supported()
+        _check_request(req, config)
         prompt = req.single_prompt()
         ids = _check_ids(prompt, pipe) if isinstance(prompt, list) else _encode(pipe, prompt, chat=False)
         return await _serve(request, req, ids, req.max_tokens, _Renderer("cmpl", config.model_name, chat=False))
@@ -173,16 +174,15 @@ def create_app(pipe: Pipeline, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = P.parse_request(P.ChatCompletionRequest, await _read_body(request, config.max_body_bytes))
-        req.check_supported()
+        _check_request(req, config)
         if not pipe.target.is_chat():
             raise P.APIError(400, "this model has no chat template; use /v1/completions", param="messages")
         messages = [m.as_template_message() for m in req.messages]
         ids = _encode(pipe, messages, chat=True)
-        return await _serve(request, req, ids, req.requested_max_tokens, _Renderer("chatcmpl", config.model_name, chat=True))
+        renderer = _Renderer("chatcmpl", config.model_name, chat=True)
+        return await _serve(request, req, ids, req.requested_max_tokens, renderer)
 
     async def _serve(request: Request, req, ids: list[int], max_tokens: int | None, renderer: "_Renderer"):
-        if req.model is not None and req.model != config.model_name:
-            raise P.APIError(404, f"the model `{req.model}` does not exist; this server serves `{config.model_name}`", param="model", code="model_not_found")
         max_tokens = _check_context(len(ids), max_tokens, pipe.runtime.max_context, config.default_max_tokens)
         params = SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -190,7 +190,8 @@ def create_app(pipe: Pipeline, config: ServerConfig) -> FastAPI:
             top_p=1.0 if req.top_p is None else req.top_p,
             seed=req.seed,
         )
-        job = Job(ids, max_tokens, params, req.stop_list, req.k_cap, asyncio.get_running_loop(), asyncio.Queue(), bool(req.ignore_eos))
+        loop = asyncio.get_running_loop()
+        job = Job(ids, max_tokens, params, req.stop_list, req.k_cap, loop, asyncio.Queue(), bool(req.ignore_eos))
         scheduler.submit(job)
         if req.stream:
             return StreamingResponse(
@@ -204,6 +205,13 @@ def create_app(pipe: Pipeline, config: ServerConfig) -> FastAPI:
 
 
 # --------------------------------------------------------------------------------------- helpers
+def _check_request(req, config: ServerConfig) -> None:
+    req.check_supported()
+    if req.model is not None and req.model != config.model_name:
+        message = f"the model `{req.model}` does not exist; this server serves `{config.model_name}`"
+        raise P.APIError(404, message, param="model", code="model_not_found")
+
+
 async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -280,9 +288,11 @@ class _Renderer:
         return chunks
 
     def usage_chunk(self, job: Job) -> dict:
+        """The extra last chunk of ``stream_options.include_usage``: no choices, the usage."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        usage = P.usage(len(job.prompt), job.completion_tokens)
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [], "usage": usage}
+        chunk = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": []}
+        chunk["usage"] = P.usage(len(job.prompt), job.completion_tokens)
+        return chunk
 
     def response(self, text: str, job: Job) -> dict:
         build = P.chat_response if self.chat else P.completion_response
@@ -382,7 +392,9 @@ def run_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> i
         file=sys.stderr,
         flush=True,
     )
-    config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=int(cfg.shutdown_grace) + 10)
+    # uvicorn's own limit is a backstop; the scheduler ends every stream after shutdown_grace
+    timeout = int(cfg.shutdown_grace) + 10
+    config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=timeout)
     server = _GracefulServer(config, sched, cfg.shutdown_grace)
     # uvicorn re-raises the signal it caught once it has shut down; with the default SIGTERM
     # action that would kill the process (exit -15) after a clean shutdown. Absorb it instead.

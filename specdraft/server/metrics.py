@@ -33,7 +33,9 @@ class Metrics:
         disable_created_metrics()  # process-wide: drop the *_created series, as vLLM does
         r = self.registry = CollectorRegistry()
         p = PREFIX
-        self.http_requests = Counter(f"{p}http_requests", "HTTP requests to /v1 endpoints by status code", ["endpoint", "status"], registry=r)
+        self.http_requests = Counter(
+            f"{p}http_requests", "HTTP requests to /v1 endpoints by status code", ["endpoint", "status"], registry=r
+        )
         self.request_finished = Counter(
             f"{p}request_finished",
             "Generations that ended, by finish reason (stop, length, cancelled: client gone, abort: server shutdown, error)",
@@ -44,9 +46,18 @@ class Metrics:
         self.generation_tokens = Counter(f"{p}generation_tokens", "Generated tokens", registry=r)
         self.running = Gauge(f"{p}num_requests_running", "Requests decoding in the batch", registry=r)
         self.waiting = Gauge(f"{p}num_requests_waiting", "Requests waiting for a batch row", registry=r)
-        self.e2e = Histogram(f"{p}e2e_request_latency_seconds", "Arrival to last token", buckets=_LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram(f"{p}time_to_first_token_seconds", "Arrival to first generated token", buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram(f"{p}inter_token_latency_seconds", "Gap between a request's consecutive steps with output", buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(
+            f"{p}e2e_request_latency_seconds", "Arrival to last token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.ttft = Histogram(
+            f"{p}time_to_first_token_seconds", "Arrival to first generated token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            f"{p}inter_token_latency_seconds",
+            "Gap between a request's consecutive steps with output",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
         self.engine_steps = Counter(f"{p}engine_steps", "Batched target forwards (decode steps)", registry=r)
         self.num_drafts = Counter(f"{p}spec_decode_num_drafts", "Row-steps with at least one draft token", registry=r)
         self.num_draft_tokens = Counter(f"{p}spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r)

@@ -211,7 +211,8 @@ def new_id(prefix: str) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    total = prompt_tokens + completion_tokens
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": total}
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None) -> dict:
@@ -231,7 +232,8 @@ def completion_response(rid, model, created, text, finish_reason, prompt_tokens,
 
 
 def chat_response(rid, model, created, text, finish_reason, prompt_tokens, completion_tokens) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish_reason}
+    message = {"role": "assistant", "content": text}
+    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
     return {
         "id": rid,
         "object": "chat.completion",

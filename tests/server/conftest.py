@@ -95,7 +95,7 @@ def launch(tmp_path_factory, tiny_dir):
 
     def start(*args: str) -> ServerProcess:
         log = tmp_path_factory.mktemp("server-log") / "server.log"
-        return ServerProcess(["--target", str(tiny_dir), "--log-level", "warning", *args], log)
+        return ServerProcess(["--target", str(tiny_dir), "--log-level", "warning", *args], log)  # a later --target wins
 
     return start
 
