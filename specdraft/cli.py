@@ -20,6 +20,7 @@ COMMANDS = {
     "bench": "specdraft.commands.bench",
     "profile": "specdraft.commands.profile",
     "serve": "specdraft.commands.serve",
+    "design": "specdraft.commands.design",
 }
 
 

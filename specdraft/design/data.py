@@ -334,10 +334,14 @@ def target_data(
     (d / "meta.json").write_text(json.dumps(meta, indent=2))
 
     texts = training_prompts(n_prompts, split, seed)
-    data = TargetData()
-    for f in sorted(d.glob("shard-*.safetensors")):
-        data.extend(TargetData.load(f))
-    data = _subset(data, [i for i, p in enumerate(data.prompt_ids) if p < len(texts)])
+
+    def cached() -> TargetData:
+        data = TargetData()
+        for f in sorted(d.glob("shard-*.safetensors")):
+            data.extend(TargetData.load(f))
+        return _subset(data, [i for i, p in enumerate(data.prompt_ids) if p < len(texts)])
+
+    data = cached()
     done = set(data.prompt_ids)
     if len(done) < len(texts):
         ids = [pipe.encode(t) for t in texts]
@@ -348,11 +352,11 @@ def target_data(
             counter[0] += 1
 
         hidden_layer = -1 if hidden else None
-        new = generate_target_data(
+        generate_target_data(
             pipe.runtime, ids, eos_ids=pipe.eos_ids, max_new_tokens=max_new_tokens, batch_size=batch_size,
             topk=topk, hidden_layer=hidden_layer, skip=done, on_shard=write, progress=progress,
         )
-        data.extend(new)
+        data = cached()  # what is on disk (fp16 log-probs), the same on every later run
     return _subset(data, sorted(range(len(data)), key=lambda i: data.prompt_ids[i]))
 
 
