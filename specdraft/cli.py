@@ -19,6 +19,7 @@ COMMANDS = {
     "demo": "specdraft.commands.demo",
     "bench": "specdraft.commands.bench",
     "profile": "specdraft.commands.profile",
+    "check": "specdraft.commands.check",
     "serve": "specdraft.commands.serve",
     "design": "specdraft.commands.design",
 }
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' "Loading weights" bar: stderr stays one line
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
