@@ -255,3 +255,17 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(tiny):
     company = [SamplingParams(temperature=1.0, seed=5), params, SamplingParams()]
     batched = decode(Engine(tiny.target, drafter, FixedK(3)), [PROMPTS[2], PROMPTS[1], PROMPTS[0]], N, company)
     assert batched[1] == alone  # each request owns its generator
+
+
+# ------------------------------------------------------------------------------ real SmolLM2, fp32
+@pytest.mark.parametrize("spec", ["prune:0,1,2,29", "lookup"])
+def test_smollm2_fp32_speculative_equals_plain(smollm2, spec):
+    from specdraft import api
+
+    pipe = smollm2.pipe
+    drafter = api.make_drafter(spec, pipe.target, pipe.runtime, torch.float32)
+    for text in ("What is the capital of France?", "List three colours, separated by commas."):
+        ids = pipe.encode(text)
+        ref = plain_greedy(pipe.runtime, ids, 24, pipe.eos_ids)
+        engine = Engine(pipe.runtime, drafter, FixedK(4))
+        assert decode(engine, [ids], 24, eos_ids=pipe.eos_ids) == [ref], text
