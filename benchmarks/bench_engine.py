@@ -1,0 +1,161 @@
+"""The engine's performance figures (issue 2), as ratios measured in one run.
+
+(a) own plain decoding tokens/s vs transformers ``generate`` (same dtype, threads and prompts;
+    the two alternate prompt by prompt after a warm-up of each);
+(b) a target forward over 8 new tokens vs 1 token at a 200-token context (medians of interleaved
+    rounds, :func:`specdraft.bench.profile.profile_latency`);
+(c) speculative decoding with each candidate draft vs own plain decoding on Spec-Bench prompts, per
+    category (:func:`specdraft.bench.runner.run_bench`, plain and speculative interleaved); the best
+    draft is the one with the highest overall speedup.
+
+Targets (issue 2): (a) >= 1.3x, (b) <= 1.2x, (c) >= 1.0x in every category.
+
+    .venv/bin/python benchmarks/bench_engine.py --dtype fp32 --threads 1 --limit 1 --max-new-tokens 64
+
+prints the command that reproduces it first, then the three figures; ``--json OUT`` keeps them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from specdraft import api  # noqa: E402
+from specdraft.bench.hf_baselines import HFBaselines  # noqa: E402
+from specdraft.bench.profile import profile_latency  # noqa: E402
+from specdraft.bench.prompts import fit_context, load_prompts, parse_categories  # noqa: E402
+from specdraft.bench.runner import BenchOptions, markdown_table, run_bench  # noqa: E402
+from specdraft.engine import Engine, Request, generate  # noqa: E402
+from specdraft.verify import SamplingParams  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "int8"])
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--drafts", default="lookup,prune:0,1,2,29", help="candidate drafts for (c), ';'-separated if a spec has commas")
+    p.add_argument("--k", default="5")
+    p.add_argument("--limit", type=int, default=1, help="Spec-Bench questions per category for (a) and (c)")
+    p.add_argument("--categories", default=None, help="Spec-Bench categories (default: all 13)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are truncated (middle cut)")
+    p.add_argument("--repeats", type=int, default=15, help="rounds for (b)")
+    p.add_argument("--skip", default="", help="parts to skip, e.g. 'c' or 'a,b'")
+    p.add_argument("--json", default=None)
+    return p.parse_args(argv)
+
+
+def split_drafts(text: str) -> list[str]:
+    """``"lookup,prune:0,1,2,29"`` -> ``["lookup", "prune:0,1,2,29"]`` (numbers join the spec before them)."""
+    if ";" in text:
+        return [d.strip() for d in text.split(";") if d.strip()]
+    out: list[str] = []
+    for part in (x.strip() for x in text.split(",")):
+        if part.isdigit() and out:
+            out[-1] += "," + part
+        elif part:
+            out.append(part)
+    return out
+
+
+def part_a(pipe, prompt_ids: list[list[int]], max_new_tokens: int) -> dict:
+    """Own plain decoding vs transformers generate, alternating per prompt."""
+    hf = HFBaselines(pipe.target.model, pipe.eos_ids, None, None, "", methods=("hf_plain",))
+    greedy = SamplingParams()
+
+    def ours(ids):
+        engine = Engine(pipe.runtime, None)
+        out = []
+        for ev in generate(engine, [Request(ids, max_new_tokens, greedy, pipe.eos_ids)]):
+            out += ev.tokens
+        return out
+
+    def theirs(ids):
+        return hf.run("hf_plain", ids, max_new_tokens, greedy)
+
+    ours(prompt_ids[0][:32]), theirs(prompt_ids[0][:32])  # warm-up
+    tokens = {"ours": 0, "hf": 0}
+    seconds = {"ours": 0.0, "hf": 0.0}
+    same = 0
+    for ids in prompt_ids:
+        outs = {}
+        for name, fn in (("ours", ours), ("hf", theirs)):
+            t0 = time.perf_counter()
+            outs[name] = fn(ids)
+            seconds[name] += time.perf_counter() - t0
+            tokens[name] += len(outs[name])
+        same += outs["ours"] == outs["hf"]
+    ours_tps, hf_tps = tokens["ours"] / seconds["ours"], tokens["hf"] / seconds["hf"]
+    return {
+        "prompts": len(prompt_ids),
+        "ours_tokens_per_s": round(ours_tps, 2),
+        "hf_tokens_per_s": round(hf_tps, 2),
+        "ratio": round(ours_tps / hf_tps, 3),
+        "same_tokens": same,
+        "hf_dtype": str(next(pipe.target.model.parameters()).dtype).replace("torch.", ""),
+    }
+
+
+def part_b(pipe, repeats: int) -> dict:
+    prof = profile_latency(pipe.runtime, None, new_tokens=(1, 8), context=200, repeats=repeats, warmup=3, target_name=pipe.target.name)
+    t1, t8 = prof.target_time(1), prof.target_time(8)
+    return {"context": 200, "t1_ms": round(t1 * 1e3, 3), "t8_ms": round(t8 * 1e3, 3), "ratio": round(t8 / t1, 3), "repeats": repeats}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    command = "python benchmarks/bench_engine.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    print(f"reproduce: {command}")
+    api.set_threads(args.threads)
+    skip = set(parse_categories(args.skip) or [])
+    prompts = load_prompts(None, parse_categories(args.categories), args.limit)
+    drafts = split_drafts(args.drafts)
+    pipe = api.load(args.target, "none", dtype=args.dtype)
+    precision = api.resolve_dtype(args.dtype)
+    print(f"target {args.target}, dtype {precision}, {torch.get_num_threads()} threads, {len(prompts)} Spec-Bench questions, "
+          f"{args.max_new_tokens} new tokens")
+    results: dict = {"command": command, "threads": torch.get_num_threads(), "dtype": str(precision)}
+
+    if "a" not in skip:
+        budget = min(args.max_prompt_tokens, pipe.runtime.max_context - args.max_new_tokens - 18)
+        ids = [fit_context(pipe.encode(p.turns[0]), budget).ids for p in prompts]
+        a = results["a"] = part_a(pipe, ids, args.max_new_tokens)
+        print(f"\n(a) own plain decoding {a['ours_tokens_per_s']:.1f} tok/s vs transformers generate "
+              f"{a['hf_tokens_per_s']:.1f} tok/s ({a['hf_dtype']}): {a['ratio']:.2f}x (target >= 1.3x); "
+              f"same tokens on {a['same_tokens']}/{a['prompts']} prompts")
+    if "b" not in skip:
+        b = results["b"] = part_b(pipe, args.repeats)
+        print(f"\n(b) target forward at a 200-token context: 8 new tokens {b['t8_ms']:.2f} ms vs 1 token "
+              f"{b['t1_ms']:.2f} ms: {b['ratio']:.2f}x (target <= 1.2x)")
+    if "c" not in skip:
+        results["c"] = {}
+        options = BenchOptions(k=args.k, max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens, progress=sys.stderr.isatty())
+        for draft in drafts:
+            dpipe = api.Pipeline(pipe.target, pipe.runtime, api.make_drafter(draft, pipe.target, pipe.runtime, precision), draft)
+            res = run_bench(dpipe, prompts, options, log=lambda msg: None)
+            results["c"][draft] = {"overall": res.overall, "categories": res.categories}
+            print(f"\n(c) draft {draft}, k {args.k}: speculative vs own plain decoding per Spec-Bench category\n{markdown_table(res)}")
+        best = max(results["c"], key=lambda d: results["c"][d]["overall"]["speedup"] or 0)
+        cats = results["c"][best]["categories"]
+        worst = min(cats, key=lambda c: cats[c]["speedup"] or 0)
+        print(f"\n(c) best draft {best}: overall {results['c'][best]['overall']['speedup']:.2f}x; "
+              f"lowest category {worst} {cats[worst]['speedup']:.2f}x (target >= 1.0x in every category)")
+        results["best_draft"] = best
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    print(f"\nreproduce: {command}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
