@@ -1,0 +1,152 @@
+"""The designed default draft against plain decoding, the best untrained layer-pruned draft and
+transformers' plain ``generate``: Spec-Bench prompts, batch 1, greedy, all in one process.
+
+For each prompt every method runs once, in a rotating order (A B C D, then B C D A, ...), so slow
+phases of a shared machine hit all methods alike; tokens/s is total new tokens / total wall time
+(prefill included, as a user waits for it), and decode tokens/s leaves prefill out for the
+engine's methods. Every speculative output is checked against plain decoding (greedy is lossless).
+Acceptance (mean accepted length with the bonus token, acceptance rate) is reported per Spec-Bench
+category.
+
+    .venv/bin/python benchmarks/bench_designed.py --limit 2 --max-new-tokens 64 --json runs/bench_designed.json
+
+Spec-Bench is evaluation-only here; nothing is trained on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from specdraft import api  # noqa: E402
+from specdraft.bench.prompts import fit_context, load_prompts, parse_categories  # noqa: E402
+from specdraft.engine import Engine, Request, generate  # noqa: E402
+from specdraft.policy import make_policy  # noqa: E402
+from specdraft.stats import SpecStats  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--draft", default="default", help="the designed draft (default: the project default)")
+    p.add_argument("--pruned", default="prune:0,1,2,29", help="the untrained layer-pruned baseline (the best one from `specdraft design search`)")
+    p.add_argument("--k", default="4", help="draft length of the designed draft")
+    p.add_argument("--k-pruned", default="3", help="draft length of the pruned baseline")
+    p.add_argument("--limit", type=int, default=2, help="prompts per Spec-Bench category")
+    p.add_argument("--categories", default=None)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-prompt-tokens", type=int, default=768, help="longer prompts are cut in the middle (same for all methods)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--no-hf", action="store_true", help="skip transformers' plain generate")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+
+    torch.set_num_threads(args.threads)
+    pipe = api.load(args.target, args.draft, dtype=args.dtype, threads=args.threads)
+    pruned = api.make_drafter(args.pruned, pipe.target, pipe.runtime, api.resolve_dtype(args.dtype))
+    prompts = load_prompts(None, parse_categories(args.categories), args.limit)
+    print(f"target {pipe.target.name} ({pipe.runtime}); designed {pipe.drafter.name} k={args.k}; "
+          f"pruned {args.pruned} k={args.k_pruned}; {len(prompts)} Spec-Bench prompts (first turn), "
+          f"{args.max_new_tokens} new tokens, threads {args.threads}", flush=True)
+
+    def engine_run(drafter, k):
+        def run(ids):
+            engine = Engine(pipe.runtime, drafter, make_policy(k) if drafter is not None else None)
+            out = []
+            for ev in generate(engine, [Request(list(ids), args.max_new_tokens, eos_ids=pipe.eos_ids)]):
+                out += ev.tokens
+            return out, engine.stats
+        return run
+
+    def hf_run(ids):
+        x = torch.tensor([ids])
+        with torch.inference_mode():
+            y = pipe.target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.max_new_tokens, do_sample=False,
+                                           temperature=None, top_p=None, top_k=None, eos_token_id=list(pipe.eos_ids),
+                                           pad_token_id=pipe.eos_ids[0])
+        return y[0, len(ids):].tolist(), None
+
+    methods = {"plain": engine_run(None, "0"), "designed": engine_run(pipe.drafter, args.k), "pruned": engine_run(pruned, args.k_pruned)}
+    if not args.no_hf:
+        methods["hf_plain"] = hf_run
+    names = list(methods)
+    wall = defaultdict(float)
+    tokens = defaultdict(int)
+    decode_time = defaultdict(float)
+    per_cat: dict[str, dict[str, SpecStats]] = defaultdict(lambda: defaultdict(SpecStats))
+    mismatches = defaultdict(int)
+    budget = pipe.runtime.max_context - args.max_new_tokens - 16
+    budget = min(budget, args.max_prompt_tokens)
+    for i, prompt in enumerate(prompts):
+        ids = fit_context(pipe.encode(prompt.turns[0]), budget).ids
+        order = names[i % len(names):] + names[: i % len(names)]
+        outs = {}
+        for name in order:
+            t = time.perf_counter()
+            out, stats = methods[name](ids)
+            wall[name] += time.perf_counter() - t
+            tokens[name] += len(out)
+            outs[name] = out
+            if stats is not None:
+                decode_time[name] += stats.total_time - stats.prefill_time
+                per_cat[name][prompt.category].merge(stats)
+        for name in names:
+            if name != "plain" and outs[name] != outs["plain"]:
+                mismatches[name] += 1
+        rate = {n: tokens[n] / wall[n] for n in names}
+        print(f"[{i + 1}/{len(prompts)}] {prompt.category:<15} " + "  ".join(f"{n} {rate[n]:.1f}" for n in names) + " tok/s", flush=True)
+
+    tps = {n: tokens[n] / wall[n] for n in names}
+    dec = {n: tokens[n] / decode_time[n] for n in names if decode_time[n] > 0}
+    ratios = {
+        "designed_vs_plain": tps["designed"] / tps["plain"],
+        "designed_vs_pruned": tps["designed"] / tps["pruned"],
+        "pruned_vs_plain": tps["pruned"] / tps["plain"],
+        "designed_vs_plain_decode": dec["designed"] / dec["plain"],
+        "designed_vs_pruned_decode": dec["designed"] / dec["pruned"],
+    }
+    if "hf_plain" in tps:
+        ratios["designed_vs_hf_plain"] = tps["designed"] / tps["hf_plain"]
+    categories = {}
+    for name in ("designed", "pruned"):
+        categories[name] = {c: {"mean_accepted_length": round(s.mean_accepted_length, 3), "acceptance_rate": round(s.acceptance_rate, 3),
+                                "generated": s.generated} for c, s in sorted(per_cat[name].items())}
+        total = SpecStats()
+        for s in per_cat[name].values():
+            total.merge(s)
+        categories[name]["all"] = {"mean_accepted_length": round(total.mean_accepted_length, 3), "acceptance_rate": round(total.acceptance_rate, 3),
+                                   "generated": total.generated}
+
+    print("\nmethod      tok/s  decode tok/s  (prefill included in tok/s; same prompts, interleaved)")
+    for n in names:
+        print(f"{n:<10} {tps[n]:6.2f}  {dec.get(n, float('nan')):12.2f}")
+    print("\nratios: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    print("outputs differing from plain decoding: " + (", ".join(f"{k} {v}" for k, v in mismatches.items()) or "none"))
+    print("\nacceptance per category (mean accepted length incl. bonus / acceptance rate):")
+    for c in categories["designed"]:
+        d, q = categories["designed"][c], categories["pruned"][c]
+        print(f"  {c:<15} designed {d['mean_accepted_length']:.2f} / {d['acceptance_rate']:.1%}   pruned {q['mean_accepted_length']:.2f} / {q['acceptance_rate']:.1%}")
+    cmd = "python " + " ".join(sys.argv)
+    print(f"\nreproduce: {cmd}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "command": cmd, "target": args.target, "designed": pipe.drafter.name, "pruned": args.pruned, "k": args.k,
+            "k_pruned": args.k_pruned, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "threads": args.threads,
+            "tokens_per_s": tps, "decode_tokens_per_s": dec, "ratios": ratios, "mismatches": dict(mismatches),
+            "acceptance_per_category": categories,
+        }, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
