@@ -35,7 +35,7 @@ sentence."):
 - largest change of a top-vs-runner-up gap ("max margin shift"): 0.625 (0.5 on Spec-Bench);
 - largest change of any single logit: 1.31 (0.875 on Spec-Bench); logits are ~10-25 there, where
   one bf16 step is 0.0625-0.125, so these are a few bf16 steps;
-- all 14 divergences seen (of 24 runs) were at a plain margin of at most 0.125, most at exactly 0
+- all 15 divergences seen (in 24 prompt runs) were at a plain margin of at most 0.125, most at exactly 0
   (bf16 logits tie exactly often); none was divergent at tolerance 2.0.
 
 The default tolerance is 2.0: more than three times the largest measured gap shift, and above
