@@ -95,8 +95,9 @@ def test_hf_adapter_target_equals_plain(tiny, drafter):
         assert engine.stats.acceptance_rate == 1.0
 
 
-def test_greedy_rows_stay_exact_next_to_sampling_rows(tiny, reference):
-    engine = Engine(tiny.target, make_drafter(tiny, "prune"), FixedK(3))
+@pytest.mark.parametrize("drafter", ["prune", "lookup"])
+def test_greedy_rows_stay_exact_next_to_sampling_rows(tiny, reference, drafter):
+    engine = Engine(tiny.target, make_drafter(tiny, drafter), FixedK(3))
     params = [SamplingParams(), SamplingParams(temperature=1.0, seed=1), SamplingParams(), SamplingParams(temperature=0.7, top_k=5, seed=2)]
     out = decode(engine, PROMPTS, N, params)
     assert out[0] == reference[0] and out[2] == reference[2]
@@ -269,3 +270,21 @@ def test_smollm2_fp32_speculative_equals_plain(smollm2, spec):
         ref = plain_greedy(pipe.runtime, ids, 24, pipe.eos_ids)
         engine = Engine(pipe.runtime, drafter, FixedK(4))
         assert decode(engine, [ids], 24, eos_ids=pipe.eos_ids) == [ref], text
+
+
+@pytest.mark.parametrize("drafter", ["prune", "lookup"])
+def test_a_longer_request_joining_grows_the_caches(tiny, drafter):
+    short, long = random_prompts([3, 60], seed=12)
+    engine = Engine(tiny.target, make_drafter(tiny, drafter), FixedK(4))
+    out: dict[int, list[int]] = {}
+    first = engine.add([Request(short, 6)])
+    for ev in engine.step():
+        out.setdefault(ev.request_id, []).extend(ev.tokens)
+    cap = engine.tokens.shape[1]
+    second = engine.add([Request(long, 40)])  # needs more slots than the batch has
+    assert engine.tokens.shape[1] > cap
+    while engine.active:
+        for ev in engine.step():
+            out.setdefault(ev.request_id, []).extend(ev.tokens)
+    assert out[first[0]] == plain_greedy(tiny.target, short, 6)
+    assert out[second[0]] == plain_greedy(tiny.target, long, 40)
