@@ -62,3 +62,56 @@ def speedup(alpha: float, k: int, t_draft: float, t_target: "callable") -> float
 def best_k(alpha: float, t_draft: float, t_target: "callable", k_max: int = 8) -> int:
     """The draft length in 0..k_max with the highest predicted throughput (0 = do not speculate)."""
     return max(range(k_max + 1), key=lambda k: throughput(alpha, k, t_draft, t_target))
+
+
+# ------------------------------------------------------------------------------------------------
+# Batches, measured acceptance, and checking predictions against measurements (the study, issue 3)
+# ------------------------------------------------------------------------------------------------
+
+
+def batch_step_time(k: int, batch: int, t_draft: "callable", t_target: "callable", draft_calls: int | None = None) -> float:
+    """One speculative step of ``batch`` rows decoded together:
+
+        T_step(b, k) = c(k) * T_draft(b) + T_target(b, k + 1)
+
+    ``t_draft(b)`` is one draft step for b rows, ``t_target(b, n)`` a target forward over n tokens
+    per row. ``c(k) = draft_calls`` is the number of draft steps, k for a draft model (one forward
+    per token) and 1 for prompt lookup (one search however many tokens it returns).
+    """
+    calls = k if draft_calls is None else draft_calls
+    return calls * t_draft(batch) + t_target(batch, k + 1)
+
+
+def batch_throughput(mean_tokens: float, k: int, batch: int, t_draft: "callable", t_target: "callable", draft_calls: int | None = None) -> float:
+    """Predicted tokens per second of a batch from a *measured* mean accepted length:
+
+        throughput(b, k) = b * E[tokens | k] / T_step(b, k)
+
+    where ``mean_tokens`` (bonus token included) stands in for E[tokens | k]; with it the model
+    needs no independence assumption on alpha. ``batch=1`` and ``mean_tokens =
+    expected_tokens(alpha, k)`` give :func:`throughput`.
+    """
+    return batch * mean_tokens / batch_step_time(k, batch, t_draft, t_target, draft_calls)
+
+
+def best_k_measured(mean_tokens_by_k: dict[int, float], batch: int, t_draft: "callable", t_target: "callable") -> int:
+    """The k with the highest :func:`batch_throughput`, given measured mean accepted lengths per k
+    (k = 0, plain decoding, is always a candidate with 1 token per step)."""
+    candidates = {0: 1.0, **mean_tokens_by_k}
+    return max(candidates, key=lambda k: batch_throughput(candidates[k], k, batch, t_draft, t_target))
+
+
+def relative_error(predicted: float, measured: float) -> float:
+    """|predicted - measured| / measured, the error the study reports for each prediction."""
+    if measured <= 0:
+        raise ValueError(f"measured value must be > 0, got {measured}")
+    return abs(predicted - measured) / measured
+
+
+def median_relative_error(pairs: "list[tuple[float, float]]") -> float:
+    """Median of :func:`relative_error` over ``(predicted, measured)`` pairs."""
+    errors = sorted(relative_error(p, m) for p, m in pairs)
+    if not errors:
+        raise ValueError("no (predicted, measured) pairs")
+    mid = len(errors) // 2
+    return errors[mid] if len(errors) % 2 else (errors[mid - 1] + errors[mid]) / 2
