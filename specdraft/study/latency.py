@@ -1,0 +1,111 @@
+"""Latency tables for the sweep, measured with :mod:`specdraft.bench.profile`.
+
+The profiler measures ``T_target(b, n)`` and ``T_draft(b)`` at one context length. A sweep's rows
+decode at many context lengths (a Spec-Bench ``qa`` prompt is ~40 tokens, a ``rag`` one ~800) and
+at batch sizes that shrink as rows finish, so :class:`Latencies` holds profiles at a few context
+lengths and interpolates linearly between them, in context (attention cost is linear in it) and in
+batch size (between the measured sizes), clamped to the measured range: profile at the shortest and
+longest context a sweep decodes at. Nothing here times anything itself.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Callable
+
+from specdraft.bench.profile import LatencyProfile, profile_latency
+
+
+def _interp(xs: list[int], ys: list[float], x: float) -> float:
+    """Piecewise-linear interpolation over sorted ``xs``, clamped to their range (extrapolating
+    two noisy medians can go anywhere, even below zero)."""
+    if len(xs) == 1:
+        return ys[0]
+    x = min(max(x, xs[0]), xs[-1])
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+@dataclass
+class Latencies:
+    """The target's and every draft's step latencies at several context lengths.
+
+    Attributes:
+        target: ``{context: profile}`` of the target (``t_target[b][n]`` for n = 1..k_max + 1).
+        drafts: ``{draft spec: {context: profile}}`` (``t_draft[b]``, and the step breakdown).
+        draft_kinds: ``{draft spec: "model" | "lookup"}``: a model draft runs k forwards per
+            step, a lookup draft one search.
+    """
+
+    target: dict[int, LatencyProfile]
+    drafts: dict[str, dict[int, LatencyProfile]] = field(default_factory=dict)
+    draft_kinds: dict[str, str] = field(default_factory=dict)
+
+    def target_time(self, batch: int, n: int, context: int) -> float:
+        """T_target(batch, n) at ``context`` tokens, seconds."""
+        ctxs = sorted(self.target)
+        return _interp(ctxs, [self._by_batch(self.target[c], batch, lambda p, b: p.target_time(n, b)) for c in ctxs], context)
+
+    def draft_time(self, draft: str, batch: int, context: int) -> float:
+        """T_draft(batch) of ``draft`` at ``context`` tokens, seconds per draft step."""
+        profiles = self.drafts[draft]
+        ctxs = sorted(profiles)
+        return _interp(ctxs, [self._by_batch(profiles[c], batch, lambda p, b: p.draft_time(b)) for c in ctxs], context)
+
+    def draft_calls(self, draft: str, k: int) -> int:
+        """Draft steps per speculative step: k for a model draft, one search for prompt lookup."""
+        return min(k, 1) if self.draft_kinds.get(draft) == "lookup" else k
+
+    @staticmethod
+    def _by_batch(profile: LatencyProfile, batch: int, get: Callable[[LatencyProfile, int], float]) -> float:
+        sizes = sorted(profile.t_target)
+        if batch in sizes:
+            return get(profile, batch)
+        return _interp(sizes, [get(profile, b) for b in sizes], batch)
+
+    def breakdown(self, draft: str) -> dict[str, float]:
+        """Where a batch-1 draft step's time goes (the profile at the shortest context that has one)."""
+        for c in sorted(self.drafts.get(draft, {})):
+            if self.drafts[draft][c].draft_breakdown:
+                return dict(self.drafts[draft][c].draft_breakdown)
+        return {}
+
+    def as_dict(self) -> dict:
+        return {
+            "target": {str(c): p.as_dict() for c, p in self.target.items()},
+            "drafts": {d: {str(c): p.as_dict() for c, p in ps.items()} for d, ps in self.drafts.items()},
+            "draft_kinds": dict(self.draft_kinds),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Latencies":
+        return cls(
+            target={int(c): LatencyProfile.from_dict(p) for c, p in d["target"].items()},
+            drafts={k: {int(c): LatencyProfile.from_dict(p) for c, p in ps.items()} for k, ps in d.get("drafts", {}).items()},
+            draft_kinds=dict(d.get("draft_kinds", {})),
+        )
+
+
+def draft_kind(drafter) -> str:
+    return "model" if getattr(drafter, "runtime", None) is not None else "lookup"
+
+
+def measure_target(runtime, *, batch_sizes, k_max: int, contexts, repeats: int = 7, warmup: int = 2, name: str = "target") -> dict[int, LatencyProfile]:
+    """Profile T_target(b, n), n = 1..k_max + 1, at each context length."""
+    return {
+        c: profile_latency(runtime, None, batch_sizes=batch_sizes, new_tokens=range(1, k_max + 2), context=c,
+                           repeats=repeats, warmup=warmup, breakdown=False, target_name=name)
+        for c in contexts
+    }
+
+
+def measure_draft(runtime, drafter, spec: str, *, batch_sizes, contexts, repeats: int = 7, warmup: int = 2, name: str = "target") -> dict[int, LatencyProfile]:
+    """Profile T_draft(b) at each context length (the step breakdown at the first one)."""
+    contexts = sorted(contexts)
+    return {
+        c: profile_latency(runtime, drafter, batch_sizes=batch_sizes, new_tokens=(1,), context=c, repeats=repeats,
+                           warmup=warmup, breakdown=c == contexts[0], target_name=name, draft_name=spec)
+        for c in contexts
+    }
