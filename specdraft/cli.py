@@ -17,6 +17,8 @@ from specdraft.errors import SpecdraftError
 COMMANDS = {
     "generate": "specdraft.commands.generate",
     "demo": "specdraft.commands.demo",
+    "study": "specdraft.commands.study",
+    "report": "specdraft.commands.report",
     "bench": "specdraft.commands.bench",
     "profile": "specdraft.commands.profile",
     "check": "specdraft.commands.check",

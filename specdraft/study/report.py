@@ -1,0 +1,737 @@
+"""``specdraft report``: REPORT.md with PNG plots from study results, bench JSON and profiles.
+
+Inputs (any mix, recognised by content):
+
+- study results (``results.jsonl`` from ``specdraft study``): ``config``, ``quality``,
+  ``latency`` and ``online`` rows (:mod:`specdraft.study.sweep`);
+- bench JSON (``specdraft bench --json``): ``overall``, ``categories``, ``prompts``;
+- latency profiles (``specdraft profile`` JSON, :class:`specdraft.bench.profile.LatencyProfile`).
+
+The report has one section per kind of evidence present, and a *Findings* section whose every
+sentence is computed from the data: which claims of the original study (Yan et al., "Decoding
+Speculative Decoding", NAACL 2025) hold on this hardware, with the numbers behind each verdict.
+
+Aggregates over datasets are plain means of per-dataset figures (each dataset weighs the same).
+Correlations are Pearson (linear) and Spearman (rank; average ranks for ties), computed with
+scipy when it is installed and numpy otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specdraft.errors import SpecdraftError
+from specdraft.study.store import read_rows
+
+REPORT = "REPORT.md"
+
+
+# ------------------------------------------------------------------------------------------------
+# Inputs
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Inputs:
+    """Everything the report reads, sorted by kind."""
+
+    config: list[dict] = field(default_factory=list)
+    quality: list[dict] = field(default_factory=list)
+    latency: list[dict] = field(default_factory=list)
+    online: list[dict] = field(default_factory=list)
+    bench: list[tuple[Path, dict]] = field(default_factory=list)
+    profiles: list[tuple[Path, dict]] = field(default_factory=list)
+    files: list[Path] = field(default_factory=list)
+
+
+def _last_per_config(rows: list[dict], fields: tuple[str, ...]) -> list[dict]:
+    """Keep the last row per configuration (a later run of the same configuration wins)."""
+    out: dict = {}
+    for r in rows:
+        out[tuple(r.get(f) for f in fields)] = r
+    return list(out.values())
+
+
+def load_inputs(paths: list[Path]) -> Inputs:
+    """Read and classify every input file.
+
+    Raises:
+        SpecdraftError: a missing or unrecognised file, a malformed JSONL line (file and line named).
+    """
+    if not paths:
+        raise SpecdraftError("report needs at least one input (study results JSONL, bench JSON or profile JSON)")
+    inp = Inputs()
+    for path in map(Path, paths):
+        if not path.is_file():
+            raise SpecdraftError(f"report input not found: {path}")
+        inp.files.append(path)
+        doc = None
+        if path.suffix != ".jsonl":
+            try:
+                doc = json.loads(path.read_text())
+            except json.JSONDecodeError:
+                doc = None  # maybe JSON lines under another name
+        if isinstance(doc, dict):
+            if {"overall", "categories"} <= doc.keys():
+                inp.bench.append((path, doc))
+            elif "t_target" in doc:
+                inp.profiles.append((path, doc))
+            elif "kind" in doc:
+                _add_rows(inp, [doc])
+            else:
+                raise SpecdraftError(f"{path}: not a study results file, bench JSON or latency profile")
+            continue
+        _add_rows(inp, read_rows(path))
+    inp.config = _last_per_config(inp.config, ("target", "draft", "dataset", "k", "batch"))
+    inp.quality = _last_per_config(inp.quality, ("target", "draft", "dataset"))
+    inp.online = _last_per_config(inp.online, ("target", "draft", "dataset", "k", "batch"))
+    if not (inp.config or inp.bench or inp.profiles or inp.online):
+        raise SpecdraftError("no results in " + ", ".join(map(str, paths)))
+    return inp
+
+
+def _add_rows(inp: Inputs, rows: list[dict]) -> None:
+    for r in rows:
+        bucket = {"config": inp.config, "quality": inp.quality, "latency": inp.latency, "online": inp.online}.get(r.get("kind"))
+        if bucket is not None:
+            bucket.append(r)
+
+
+# ------------------------------------------------------------------------------------------------
+# Statistics
+# ------------------------------------------------------------------------------------------------
+
+
+def _ranks(x: list[float]) -> list[float]:
+    """Ranks 1..n, ties sharing their average rank."""
+    order = sorted(range(len(x)), key=lambda i: x[i])
+    ranks = [0.0] * len(x)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
+            j += 1
+        for m in range(i, j + 1):
+            ranks[order[m]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def pearson(x: list[float], y: list[float]) -> float | None:
+    """Pearson's r; None with fewer than 3 points or a constant variable."""
+    if len(x) != len(y) or len(x) < 3:
+        return None
+    try:
+        from scipy import stats
+
+        if len(set(x)) < 2 or len(set(y)) < 2:
+            return None
+        return float(stats.pearsonr(x, y)[0])
+    except ImportError:
+        import numpy as np
+
+        a, b = np.asarray(x, float), np.asarray(y, float)
+        if a.std() == 0 or b.std() == 0:
+            return None
+        return float(np.corrcoef(a, b)[0, 1])
+
+
+def spearman(x: list[float], y: list[float]) -> float | None:
+    """Spearman's rho: Pearson's r of the ranks."""
+    if len(x) != len(y) or len(x) < 3:
+        return None
+    try:
+        from scipy import stats
+
+        if len(set(x)) < 2 or len(set(y)) < 2:
+            return None
+        return float(stats.spearmanr(x, y)[0])
+    except ImportError:
+        return pearson(_ranks(x), _ranks(y))
+
+
+def short_name(spec: str) -> str:
+    """``prune:0,1,2,3,29`` -> ``prune:0-3,29`` (runs of three or more layers as ranges)."""
+    if not spec.startswith("prune:"):
+        return spec
+    try:
+        layers = [int(x) for x in spec[6:].split(",")]
+    except ValueError:
+        return spec
+    parts, i = [], 0
+    while i < len(layers):
+        j = i
+        while j + 1 < len(layers) and layers[j + 1] == layers[j] + 1:
+            j += 1
+        parts += [f"{layers[i]}-{layers[j]}"] if j - i >= 2 else [str(x) for x in layers[i : j + 1]]
+        i = j + 1
+    return "prune:" + ",".join(parts)
+
+
+def _fmt(x, spec="{:.2f}", none="n/a") -> str:
+    return none if x is None or (isinstance(x, float) and math.isnan(x)) else spec.format(x)
+
+
+def _table(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    lines += ["| " + " | ".join(map(str, r)) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# Study aggregates
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DraftSummary:
+    """One draft across datasets.
+
+    Attributes:
+        draft: spec.
+        kind: ``model`` or ``lookup``.
+        t_draft_ms: T_draft(1), milliseconds (median over datasets' contexts).
+        t_target_ms: T_target(1, 1), milliseconds (same contexts).
+        perplexity / top1: held-out draft quality (None for lookup).
+        accepted: mean accepted length at ``k_ref`` (mean over datasets).
+        best_k: k with the highest mean predicted throughput, per batch size.
+        best_speedup: predicted speedup at that k, per batch size.
+        best_tps: predicted tokens/s at that k, per batch size.
+    """
+
+    draft: str
+    kind: str
+    t_draft_ms: float
+    t_target_ms: float
+    perplexity: float | None
+    top1: float | None
+    accepted: float
+    best_k: dict[int, int]
+    best_speedup: dict[int, float]
+    best_tps: dict[int, float]
+
+
+class Study:
+    """Config rows indexed for the plots and findings."""
+
+    def __init__(self, inp: Inputs):
+        self.rows = inp.config
+        self.quality = {q["draft"]: q for q in inp.quality}
+        self.online = inp.online
+        self.latency = inp.latency
+        self.ks = sorted({r["k"] for r in self.rows})
+        self.batches = sorted({r["batch"] for r in self.rows})
+        self.datasets = sorted({r["dataset"] for r in self.rows})
+        self.k_ref = 4 if 4 in self.ks else (self.ks[len(self.ks) // 2] if self.ks else 0)
+        self.cells: dict[tuple, list[dict]] = defaultdict(list)  # (draft, k, batch) -> rows over datasets
+        for r in self.rows:
+            self.cells[(r["draft"], r["k"], r["batch"])].append(r)
+        self.drafts = self._summaries()
+
+    def mean(self, draft: str, k: int, batch: int, field_: str) -> float | None:
+        vals = [r[field_] for r in self.cells.get((draft, k, batch), []) if r.get(field_) is not None]
+        return statistics.mean(vals) if vals else None
+
+    def plain_tps(self, batch: int) -> float | None:
+        """Predicted plain-decoding tokens/s at ``batch`` (mean over datasets; the same for every draft)."""
+        vals = defaultdict(list)
+        for r in self.rows:
+            if r["batch"] == batch and r.get("predicted_plain_tokens_per_s"):
+                vals[r["dataset"]].append(r["predicted_plain_tokens_per_s"])
+        per_ds = [statistics.median(v) for v in vals.values()]
+        return statistics.mean(per_ds) if per_ds else None
+
+    def _summaries(self) -> list[DraftSummary]:
+        out = []
+        for draft in sorted({r["draft"] for r in self.rows}):
+            rows1 = [r for r in self.rows if r["draft"] == draft and r["batch"] == min(self.batches)]
+            best_k, best_sp, best_tps = {}, {}, {}
+            for b in self.batches:
+                scored = [(self.mean(draft, k, b, "predicted_tokens_per_s") or 0.0, k) for k in self.ks]
+                tps, k = max(scored)
+                best_k[b], best_tps[b] = k, tps
+                best_sp[b] = self.mean(draft, k, b, "predicted_speedup") or 0.0
+            q = self.quality.get(draft, {})
+            out.append(DraftSummary(
+                draft=draft,
+                kind=rows1[0].get("draft_kind", "model") if rows1 else "model",
+                t_draft_ms=1e3 * statistics.median(r["t_draft_s"] for r in rows1) if rows1 else float("nan"),
+                t_target_ms=1e3 * statistics.median(r["t_target_plain_s"] for r in rows1) if rows1 else float("nan"),
+                perplexity=q.get("perplexity"),
+                top1=q.get("top1_agreement"),
+                accepted=self.mean(draft, self.k_ref, min(self.batches), "mean_accepted_length") or 0.0,
+                best_k=best_k, best_speedup=best_sp, best_tps=best_tps,
+            ))
+        return sorted(out, key=lambda d: d.t_draft_ms)
+
+
+# ------------------------------------------------------------------------------------------------
+# Plots
+# ------------------------------------------------------------------------------------------------
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update({"figure.dpi": 110, "axes.grid": True, "grid.alpha": 0.3, "font.size": 9})
+    return plt
+
+
+def _colors(names: list[str]) -> dict[str, tuple]:
+    plt = _plt()
+    cmap = plt.get_cmap("tab10" if len(names) <= 10 else "tab20")
+    return {n: cmap(i % cmap.N) for i, n in enumerate(names)}
+
+
+def plot_throughput_vs_k(st: Study, path: Path) -> None:
+    plt = _plt()
+    n = len(st.batches)
+    fig, axes = plt.subplots(1, n, figsize=(3.6 * n + 1.6, 3.6), sharey=False, squeeze=False)
+    colors = _colors([d.draft for d in st.drafts])
+    for ax, b in zip(axes[0], st.batches):
+        for d in st.drafts:
+            ys = [st.mean(d.draft, k, b, "predicted_tokens_per_s") for k in st.ks]
+            ax.plot(st.ks, ys, marker="o", ms=3, color=colors[d.draft], label=short_name(d.draft))
+        plain = st.plain_tps(b)
+        if plain:
+            ax.axhline(plain, color="black", ls="--", lw=1, label="plain decoding")
+        ax.set_title(f"batch {b}")
+        ax.set_xlabel("draft length k")
+        ax.set_xticks(st.ks)
+    axes[0][0].set_ylabel("predicted tokens/s (mean over datasets)")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center right", fontsize=8, frameon=False)
+    fig.suptitle("Throughput vs draft length, per draft and batch size")
+    fig.tight_layout(rect=(0, 0, 1 - 1.5 / (3.6 * n + 1.6), 1))
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_speedup_vs_latency(st: Study, path: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    colors = _colors([str(b) for b in st.batches])
+    for b in st.batches:
+        xs = [d.t_draft_ms / d.t_target_ms for d in st.drafts]
+        ys = [d.best_speedup[b] for d in st.drafts]
+        ax.scatter(xs, ys, color=colors[str(b)], label=f"batch {b}", s=22)
+    for d in st.drafts:
+        ax.annotate(short_name(d.draft), (d.t_draft_ms / d.t_target_ms, d.best_speedup[min(st.batches)]), fontsize=7,
+                    xytext=(3, 3), textcoords="offset points")
+    ax.axhline(1.0, color="black", lw=1, ls="--")
+    ax.set_xlabel("draft step latency / target step latency  (T_draft(1) / T_target(1, 1))")
+    ax.set_ylabel("predicted speedup at the best k")
+    ax.set_title("Speedup vs draft latency")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_acceptance_vs_perplexity(st: Study, path: Path, corr: dict) -> None:
+    plt = _plt()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    models = [d for d in st.drafts if d.perplexity is not None]
+    a1.scatter([d.perplexity for d in models], [d.accepted for d in models], color="tab:blue", s=26)
+    for d in models:
+        a1.annotate(short_name(d.draft), (d.perplexity, d.accepted), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    a1.set_xscale("log")
+    a1.set_xlabel("draft perplexity on held-out target text (log)")
+    a1.set_ylabel(f"mean accepted length, k={st.k_ref}, batch {min(st.batches)}")
+    a1.set_title(f"per draft: Pearson {_fmt(corr.get('ppl_acc_pearson'))}, Spearman {_fmt(corr.get('ppl_acc_spearman'))}")
+    pts = _dataset_points(st)
+    colors = _colors(st.datasets)
+    for ds in st.datasets:
+        p = [x for x in pts if x[2] == ds]
+        a2.scatter([x[0] for x in p], [x[1] for x in p], s=14, color=colors[ds], label=ds)
+    a2.set_xscale("log")
+    a2.set_xlabel("draft perplexity on the dataset's target continuations (log)")
+    a2.set_title(f"per (draft, dataset): Spearman {_fmt(corr.get('ppl_acc_ds_spearman'))}")
+    a2.legend(fontsize=6, ncol=2)
+    fig.suptitle("Acceptance vs draft language-modelling quality")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _dataset_points(st: Study) -> list[tuple[float, float, str, str]]:
+    """(per-dataset perplexity, mean accepted length at k_ref, dataset, draft) for model drafts."""
+    out = []
+    for r in st.rows:
+        if r["k"] == st.k_ref and r["batch"] == min(st.batches) and r.get("draft_perplexity_dataset"):
+            out.append((r["draft_perplexity_dataset"], r["mean_accepted_length"], r["dataset"], r["draft"]))
+    return out
+
+
+def plot_breakdown(breakdowns: dict[str, dict[str, float]], path: Path) -> None:
+    plt = _plt()
+    names = list(breakdowns)
+    buckets = list(dict.fromkeys(b for bd in breakdowns.values() for b in bd))
+    colors = _colors(buckets)
+    fig, ax = plt.subplots(figsize=(7.5, 0.45 * len(names) + 1.6))
+    left = [0.0] * len(names)
+    for bucket in buckets:
+        vals = [1e3 * breakdowns[n].get(bucket, 0.0) for n in names]
+        ax.barh(names, vals, left=left, color=colors[bucket], label=bucket)
+        left = [l + v for l, v in zip(left, vals)]
+    ax.set_xlabel("milliseconds per draft step (batch 1)")
+    ax.set_title("Where a draft step's time goes")
+    ax.invert_yaxis()
+    ax.legend(fontsize=8, ncol=min(len(buckets), 6), loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_predicted_vs_measured(online: list[dict], path: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.2, 4.6))
+    xs = [r["measured_tokens_per_s"] for r in online]
+    ys = [r["predicted_tokens_per_s"] for r in online]
+    ax.scatter(xs, ys, s=24, color="tab:blue", label="sweep's latency profile")
+    re = [(r["measured_tokens_per_s"], r["reprofiled_predicted_tokens_per_s"]) for r in online if "reprofiled_predicted_tokens_per_s" in r]
+    if re:
+        ax.scatter([a for a, _ in re], [b for _, b in re], s=24, marker="x", color="tab:orange", label="latencies re-measured after the run")
+    lo, hi = min(xs + ys) * 0.8, max(xs + ys) * 1.2
+    ax.plot([lo, hi], [lo, hi], color="black", lw=1)
+    ax.fill_between([lo, hi], [lo * 0.9, hi * 0.9], [lo * 1.1, hi * 1.1], color="gray", alpha=0.15, label="±10%")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_xlabel("measured tokens/s (engine run)")
+    ax.set_ylabel("predicted tokens/s")
+    med = statistics.median(r["relative_error"] for r in online)
+    ax.set_title(f"Predicted vs measured: median error {med:.1%} (n={len(online)})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_best_per_batch(st: Study, best: dict[int, dict], path: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    bs = [str(b) for b in st.batches]
+    plain = [st.plain_tps(b) or 0 for b in st.batches]
+    spec = [best[b]["tps"] for b in st.batches]
+    x = range(len(bs))
+    ax.bar([i - 0.2 for i in x], plain, width=0.4, color="gray", label="plain decoding")
+    ax.bar([i + 0.2 for i in x], spec, width=0.4, color="tab:green", label="best configuration")
+    for i, b in enumerate(st.batches):
+        ax.annotate(f"{short_name(best[b]['draft'])}\nk={best[b]['k']}", (i + 0.2, spec[i]), ha="center", va="bottom", fontsize=6)
+    ax.set_xticks(list(x), bs)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("predicted tokens/s (mean over datasets)")
+    ax.set_title("Best configuration per batch size")
+    ax.set_ylim(0, max(spec + plain) * 1.25)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_bench(doc: dict, path: Path, title: str) -> None:
+    plt = _plt()
+    cats = list(doc["categories"]) + ["overall"]
+    data = {**doc["categories"], "overall": doc["overall"]}
+    methods = [("tokens_per_s", "specdraft speculative"), ("plain_tokens_per_s", "specdraft plain"),
+               ("hf_plain_tokens_per_s", "HF generate"), ("hf_assisted_tokens_per_s", "HF assisted"),
+               ("hf_prompt_lookup_tokens_per_s", "HF prompt lookup")]
+    methods = [(m, l) for m, l in methods if any(data[c].get(m) is not None for c in cats)]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(cats) + 2), 3.8))
+    w = 0.8 / max(len(methods), 1)
+    for j, (m, label) in enumerate(methods):
+        ax.bar([i + (j - (len(methods) - 1) / 2) * w for i in range(len(cats))], [data[c].get(m) or 0 for c in cats],
+               width=w, label=label)
+    ax.set_xticks(range(len(cats)), cats, rotation=30, ha="right")
+    ax.set_ylabel("tokens/s")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------------
+# Findings
+# ------------------------------------------------------------------------------------------------
+
+
+def correlations(st: Study) -> dict:
+    """The correlations the findings quote (None where there are too few points)."""
+    models = [d for d in st.drafts if d.perplexity is not None]
+    b1 = min(st.batches)
+    ppl = [math.log(d.perplexity) for d in models]
+    acc = [d.accepted for d in models]
+    sp_m = [d.best_speedup[b1] for d in models]
+    lat_all = [d.t_draft_ms for d in st.drafts]
+    sp_all = [d.best_speedup[b1] for d in st.drafts]
+    acc_all = [d.accepted for d in st.drafts]
+    pts = _dataset_points(st)
+    out = {
+        "n_model_drafts": len(models),
+        "ppl_acc_pearson": pearson(ppl, acc),
+        "ppl_acc_spearman": spearman(ppl, acc),
+        "ppl_speedup_spearman": spearman(ppl, sp_m),
+        "ppl_speedup_pearson": pearson(ppl, sp_m),
+        "top1_acc_spearman": spearman([d.top1 for d in models], acc),
+        "lat_speedup_spearman": spearman(lat_all, sp_all),
+        "lat_speedup_pearson": pearson(lat_all, sp_all),
+        "acc_speedup_spearman": spearman(acc_all, sp_all),
+        "n_points_ds": len(pts),
+        "ppl_acc_ds_spearman": spearman([math.log(p[0]) for p in pts], [p[1] for p in pts]),
+        "ppl_acc_ds_pearson": pearson([math.log(p[0]) for p in pts], [p[1] for p in pts]),
+    }
+    return out
+
+
+def best_per_batch(st: Study) -> dict[int, dict]:
+    """The configuration (draft, k) with the highest mean predicted throughput at each batch size."""
+    out = {}
+    for b in st.batches:
+        best = max(st.drafts, key=lambda d: d.best_tps[b])
+        out[b] = {"draft": best.draft, "k": best.best_k[b], "tps": best.best_tps[b], "speedup": best.best_speedup[b]}
+    return out
+
+
+def findings(st: Study, corr: dict, best: dict[int, dict], online: list[dict]) -> list[str]:
+    """Sentences about the original study's claims, each with its verdict computed from the data."""
+    out = []
+    b1 = min(st.batches)
+    lat, ppl_sp, acc_sp = corr["lat_speedup_spearman"], corr["ppl_speedup_spearman"], corr["acc_speedup_spearman"]
+    if lat is None:
+        out.append(f"**Throughput depends mainly on draft latency: cannot be judged** from {len(st.drafts)} draft(s) "
+                   "(a rank correlation needs at least 3 with different latencies).")
+    else:
+        holds = abs(lat) >= 0.5 and (ppl_sp is None or abs(lat) > abs(ppl_sp))
+        fastest = min(st.drafts, key=lambda d: d.t_draft_ms)
+        top = max(st.drafts, key=lambda d: d.best_speedup[b1])
+        out.append(
+            f"**Throughput depends mainly on draft latency: {'holds' if holds else 'does not hold'} here.** Across "
+            f"{len(st.drafts)} drafts at batch {b1} (each at its best k), Spearman rho between draft step latency and "
+            f"predicted speedup is {_fmt(lat)}, against {_fmt(ppl_sp)} for draft perplexity and {_fmt(acc_sp)} for "
+            f"mean accepted length. The best draft is `{short_name(top.draft)}` ({top.best_speedup[b1]:.2f}x at k={top.best_k[b1]}, "
+            f"T_draft {top.t_draft_ms:.2f} ms = {top.t_draft_ms / top.t_target_ms:.0%} of a target step); the cheapest is "
+            f"`{short_name(fastest.draft)}` ({fastest.t_draft_ms:.2f} ms)."
+        )
+    pa, pa_p, n = corr["ppl_acc_spearman"], corr["ppl_acc_pearson"], corr["n_model_drafts"]
+    ds = corr["ppl_acc_ds_spearman"]
+    if pa is None and ds is None:
+        out.append("**Language-modelling quality (perplexity) barely predicts acceptance: cannot be judged** "
+                   f"({corr['n_model_drafts']} model draft(s) with a perplexity; a correlation needs at least 3).")
+    else:
+        weak = [abs(x) < 0.5 for x in (pa, ds) if x is not None]
+        holds = all(weak)
+        mixed = any(weak) and not holds
+        verdict = "holds" if holds else ("partly holds" if mixed else "does not hold")
+        top1 = corr["top1_acc_spearman"]
+        out.append(
+            f"**Language-modelling quality (perplexity) barely predicts acceptance: {verdict} here.** Over {n} model "
+            f"drafts, log-perplexity on held-out target text vs mean accepted length (k={st.k_ref}): Pearson "
+            f"{_fmt(pa_p)}, Spearman {_fmt(pa)}; over {corr['n_points_ds']} (draft, dataset) pairs with per-dataset "
+            f"perplexity: Spearman {_fmt(ds)}. (Negative = lower perplexity, more accepted tokens; |rho| < 0.5 counts "
+            f"as barely predictive.) Top-1 agreement with the target, by contrast, has Spearman {_fmt(top1)} with "
+            f"acceptance; perplexity vs speedup: Spearman {_fmt(corr['ppl_speedup_spearman'])}."
+        )
+    if st.batches and st.drafts:
+        parts = []
+        for b in st.batches:
+            ks = [d.best_k[b] for d in st.drafts if d.best_speedup[b] > 1.0]
+            parts.append(f"batch {b}: median best k {_fmt(statistics.median(ks), '{:g}') if ks else 'n/a (no draft beats plain)'}")
+        model_ks = {b: [d.best_k[b] for d in st.drafts if d.kind == "model"] for b in st.batches}
+        first, last = st.batches[0], st.batches[-1]
+        shrinks = model_ks[first] and model_ks[last] and statistics.median(model_ks[last]) < statistics.median(model_ks[first])
+        out.append(
+            f"**The best k** (highest predicted throughput; drafts that beat plain decoding): {'; '.join(parts)}. "
+            + ("The best k shrinks as the batch grows: verification scores b x (k + 1) tokens, so extra draft tokens "
+               "cost more in a bigger batch." if shrinks else "The best k does not shrink with batch size here.")
+        )
+        sp = {b: best[b]["speedup"] for b in st.batches}
+        falls = sp[last] < sp[first]
+        out.append(
+            f"**Batch size:** the best configuration's predicted speedup is "
+            + ", ".join(f"{sp[b]:.2f}x at batch {b} (`{short_name(best[b]['draft'])}`, k={best[b]['k']})" for b in st.batches)
+            + (" - speculation pays less as the batch grows (the target step becomes compute-bound)." if falls else
+               " - it does not fall with batch size here.")
+        )
+    if online:
+        med = statistics.median(r["relative_error"] for r in online)
+        within = sum(r["relative_error"] <= 0.10 for r in online)
+        acc_eq = sum(abs(r["online_mean_accepted_length"] - r["offline_mean_accepted_length"]) < 1e-6 for r in online)
+        line = (f"**Analytic model vs real runs:** median |predicted - measured| / measured = {med:.1%} over {len(online)} "
+                f"configurations run online ({within} within 10%); the online mean accepted length equals the offline "
+                f"one in {acc_eq} of {len(online)} runs")
+        re = [r["reprofiled_relative_error"] for r in online if "reprofiled_relative_error" in r]
+        if re:
+            line += f"; with latencies re-measured right after each run the median error is {statistics.median(re):.1%}"
+        out.append(line + ".")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# The report
+# ------------------------------------------------------------------------------------------------
+
+
+def _study_sections(st: Study, inp: Inputs, out_dir: Path) -> tuple[list[str], list[str]]:
+    """(findings, body sections) for study results."""
+    corr = correlations(st)
+    best = best_per_batch(st)
+    body = []
+    plot_throughput_vs_k(st, out_dir / "throughput_vs_k.png")
+    plot_speedup_vs_latency(st, out_dir / "speedup_vs_latency.png")
+    b1 = min(st.batches)
+    body.append("## Drafts\n\n" + _table(
+        ["draft", "T_draft(1) ms", "T_draft / T_target", "held-out perplexity", "top-1 agreement",
+         f"accepted/step (k={st.k_ref})"] + [f"best k, b={b}" for b in st.batches] + [f"speedup b={b}" for b in st.batches],
+        [[f"`{short_name(d.draft)}`", f"{d.t_draft_ms:.2f}", f"{d.t_draft_ms / d.t_target_ms:.2f}", _fmt(d.perplexity, "{:.1f}"),
+          _fmt(d.top1, "{:.1%}"), f"{d.accepted:.2f}"] + [str(d.best_k[b]) for b in st.batches]
+         + [f"{d.best_speedup[b]:.2f}x" for b in st.batches] for d in st.drafts]
+    ) + f"\n\nT_target(1, 1) = {st.drafts[0].t_target_ms:.2f} ms (median over the datasets' contexts). Speedups are "
+        "predicted steady-state decode throughput over plain decoding of the same target, mean over datasets.")
+    body.append("## Throughput vs k\n\n![throughput vs k](throughput_vs_k.png)")
+    body.append("## Speedup vs draft latency\n\n![speedup vs draft latency](speedup_vs_latency.png)")
+    if any(d.perplexity is not None for d in st.drafts):
+        plot_acceptance_vs_perplexity(st, out_dir / "acceptance_vs_perplexity.png", corr)
+        body.append(
+            "## Acceptance vs draft perplexity\n\n![acceptance vs perplexity](acceptance_vs_perplexity.png)\n\n"
+            + _table(["pair", "n", "Pearson", "Spearman"], [
+                ["log perplexity vs accepted/step (per draft)", corr["n_model_drafts"], _fmt(corr["ppl_acc_pearson"]), _fmt(corr["ppl_acc_spearman"])],
+                ["log perplexity vs accepted/step (per draft and dataset)", corr["n_points_ds"], _fmt(corr["ppl_acc_ds_pearson"]), _fmt(corr["ppl_acc_ds_spearman"])],
+                ["log perplexity vs speedup (per draft)", corr["n_model_drafts"], _fmt(corr["ppl_speedup_pearson"]), _fmt(corr["ppl_speedup_spearman"])],
+                ["draft latency vs speedup (all drafts)", len(st.drafts), _fmt(corr["lat_speedup_pearson"]), _fmt(corr["lat_speedup_spearman"])],
+            ]))
+    breakdowns = {}
+    for r in inp.latency:
+        for c in sorted(r.get("profiles", {}), key=int):
+            bd = r["profiles"][c].get("draft_breakdown")
+            if r.get("draft") and bd:
+                breakdowns[short_name(r["draft"])] = bd
+                break
+    for path, doc in inp.profiles:
+        if doc.get("draft_breakdown"):
+            breakdowns[f"{doc.get('draft', path.stem)} ({path.name})"] = doc["draft_breakdown"]
+    if breakdowns:
+        plot_breakdown(breakdowns, out_dir / "draft_latency_breakdown.png")
+        body.append("## Draft-step latency breakdown\n\n![draft latency breakdown](draft_latency_breakdown.png)\n\n"
+                    "From the profiler (`specdraft.bench.profile`): one batch-1 draft step under torch.profiler, scaled "
+                    "to its unprofiled median.")
+    if st.online:
+        plot_predicted_vs_measured(st.online, out_dir / "predicted_vs_measured.png")
+        body.append("## Predicted vs measured throughput\n\n![predicted vs measured](predicted_vs_measured.png)\n\n" + _table(
+            ["draft", "dataset", "k", "batch", "measured tok/s", "predicted tok/s", "error", "accepted/step online", "offline",
+             "outputs = cached"],
+            [[f"`{short_name(r['draft'])}`", r["dataset"], r["k"], r["batch"], f"{r['measured_tokens_per_s']:.1f}",
+              f"{r['predicted_tokens_per_s']:.1f}", f"{r['relative_error']:.1%}", f"{r['online_mean_accepted_length']:.3f}",
+              f"{r['offline_mean_accepted_length']:.3f}", f"{r['outputs_equal_cached']}/{r['prompts']}"] for r in st.online]
+        ) + "\n\nMeasured: steady-state decode tokens/s of a real engine run (prefill and each batch's first step left "
+            "out, as in the prediction).")
+    plot_best_per_batch(st, best, out_dir / "best_per_batch.png")
+    per_ds = []
+    for ds in st.datasets:
+        for b in (st.batches[0], st.batches[-1]):
+            rows = [r for r in st.rows if r["dataset"] == ds and r["batch"] == b and r.get("predicted_tokens_per_s")]
+            if rows:
+                r = max(rows, key=lambda r: r["predicted_tokens_per_s"])
+                per_ds.append([ds, b, f"`{short_name(r['draft'])}`", r["k"], f"{r['predicted_tokens_per_s']:.1f}",
+                               _fmt(r.get("predicted_speedup"), "{:.2f}x"), f"{r['mean_accepted_length']:.2f}"])
+    body.append("## Best configuration per batch size\n\n![best per batch](best_per_batch.png)\n\n" + _table(
+        ["batch", "draft", "k", "predicted tok/s", "plain tok/s", "speedup"],
+        [[b, f"`{short_name(best[b]['draft'])}`", best[b]["k"], f"{best[b]['tps']:.1f}", _fmt(st.plain_tps(b), "{:.1f}"),
+          f"{best[b]['speedup']:.2f}x"] for b in st.batches]
+    ) + "\n\nPer dataset (smallest and largest batch):\n\n" + _table(
+        ["dataset", "batch", "draft", "k", "predicted tok/s", "speedup", "accepted/step"], per_ds))
+    return findings(st, corr, best, st.online), body
+
+
+def _bench_sections(inp: Inputs, out_dir: Path) -> tuple[list[str], list[str]]:
+    from specdraft.bench.runner import markdown_table
+
+    found, body = [], []
+    for i, (path, doc) in enumerate(inp.bench, 1):
+        png = f"bench_{i}_{path.stem}.png"
+        cfg = doc.get("config", {})
+        title = f"bench {path.name}: target {cfg.get('target', '?')}, draft {cfg.get('draft', '?')}, k {cfg.get('k', '?')}"
+        plot_bench(doc, out_dir / png, title)
+        o = doc["overall"]
+        text = f"## Bench: {path.name}\n\n"
+        if cfg.get("command"):
+            text += f"`{cfg['command']}`\n\n"
+        text += markdown_table(doc) + f"\n\n![{path.stem}]({png})"
+        slow = sorted(doc.get("prompts", []), key=lambda r: r.get("speedup") or 0)[:3]
+        if slow:
+            text += "\n\nSlowest prompts (speedup): " + ", ".join(f"{r.get('category')}/{r.get('id')} {_fmt(r.get('speedup'), '{:.2f}x')}" for r in slow)
+        body.append(text)
+        line = (f"**Bench `{path.name}`:** speculative decoding ran at {_fmt(o.get('tokens_per_s'), '{:.1f}')} tokens/s vs "
+                f"{_fmt(o.get('plain_tokens_per_s'), '{:.1f}')} plain ({_fmt(o.get('speedup'), '{:.2f}x')}), "
+                f"{_fmt(o.get('mean_accepted_tokens'))} tokens per target forward over {o.get('prompts')} prompts")
+        if o.get("identical") is not None:
+            line += f"; outputs identical to plain decoding for {o['identical']} of {o['prompts']} prompts"
+        for m, label in (("hf_plain", "transformers generate"), ("hf_assisted", "transformers assisted")):
+            if o.get(f"{m}_tokens_per_s"):
+                line += f"; {label} {o[f'{m}_tokens_per_s']:.1f} tokens/s"
+        found.append(line + ".")
+    return found, body
+
+
+def write_report(inputs: list[Path], out_dir: Path) -> Path:
+    """Write ``REPORT.md`` and its PNG plots to ``out_dir``; returns the REPORT.md path.
+
+    Args:
+        inputs: study results JSONL files, bench JSON files and/or latency profile JSON files.
+        out_dir: where the report goes (created if missing).
+
+    Raises:
+        SpecdraftError: missing, unrecognised or malformed inputs.
+    """
+    inp = load_inputs([Path(p) for p in inputs])
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    found, body = [], []
+    header = ["# specdraft study report", "", "Inputs: " + ", ".join(f"`{p}`" for p in inp.files)]
+    if inp.config:
+        st = Study(inp)
+        f, b = _study_sections(st, inp, out_dir)
+        found += f
+        body += b
+        targets = sorted({r["target"] for r in inp.config})
+        versions = sorted({r["code_version"] for r in inp.config})
+        prof = next((p for r in inp.latency for p in r.get("profiles", {}).values()), {})
+        header.append(
+            f"\nStudy: target {', '.join(targets)}; {len(inp.config)} configurations = {len(st.drafts)} drafts x "
+            f"{len(st.ks)} k x {len(st.batches)} batch sizes x {len(st.datasets)} datasets ({', '.join(st.datasets)}); "
+            f"code {', '.join(versions)}; {prof.get('dtype', '?')}, {prof.get('threads', '?')} thread(s), {prof.get('cpu', '?')}. "
+            "Acceptance is measured offline against cached greedy target continuations; throughput is predicted "
+            "from it and profiled latencies with `specdraft.analytic`."
+        )
+    elif inp.online:
+        plot_predicted_vs_measured(inp.online, out_dir / "predicted_vs_measured.png")
+        body.append("## Predicted vs measured throughput\n\n![predicted vs measured](predicted_vs_measured.png)")
+    if inp.profiles and not inp.config:
+        breakdowns = {f"{d.get('draft', p.stem)} ({p.name})": d["draft_breakdown"] for p, d in inp.profiles if d.get("draft_breakdown")}
+        if breakdowns:
+            plot_breakdown(breakdowns, out_dir / "draft_latency_breakdown.png")
+            body.append("## Draft-step latency breakdown\n\n![draft latency breakdown](draft_latency_breakdown.png)")
+    for path, doc in inp.profiles:
+        from specdraft.bench.profile import LatencyProfile
+
+        try:
+            body.append(f"## Latency profile: {path.name}\n\n" + LatencyProfile.from_dict(doc).table())
+        except (KeyError, TypeError, ValueError) as e:
+            raise SpecdraftError(f"{path}: malformed latency profile ({e})") from None
+    if inp.bench:
+        f, b = _bench_sections(inp, out_dir)
+        found += f
+        body += b
+    text = "\n".join(header) + "\n\n## Findings\n\n" + ("\n".join(f"- {x}" for x in found) or "- (no findings: no study or bench results)")
+    text += "\n\n" + "\n\n".join(body) + "\n"
+    path = out_dir / REPORT
+    path.write_text(text)
+    return path
