@@ -41,7 +41,8 @@ DRAFTERS = ["self", "other", "prune", "lookup"]
 @pytest.mark.parametrize("k", [1, 3, 8])
 @pytest.mark.parametrize("drafter", DRAFTERS)
 def test_greedy_batch1_equals_plain(tiny, reference, drafter, k):
-    for prompt, ref in zip(PROMPTS, reference):
+    for i in (0, 3):  # the one-token prompt and the self-repeating one (the ragged test has all)
+        prompt, ref = PROMPTS[i], reference[i]
         engine = Engine(tiny.target, make_drafter(tiny, drafter), FixedK(k))
         assert decode(engine, [prompt], N) == [ref]
 
