@@ -60,7 +60,8 @@ def main() -> int:
 
     def engine_run(drafter, k):
         def run(ids):
-            engine = Engine(pipe.runtime, drafter, make_policy(k) if drafter is not None else None)
+            engine = Engine(pipe.runtime, drafter, make_policy(k) if drafter is not None else None,
+                            hidden_layers=getattr(drafter, "hidden_layers", ()))
             out = []
             for ev in generate(engine, [Request(list(ids), args.max_new_tokens, eos_ids=pipe.eos_ids)]):
                 out += ev.tokens

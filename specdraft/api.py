@@ -61,15 +61,27 @@ def cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
-    """``bf16`` / ``fp32`` / ``int8`` / ``auto`` (bf16 where the CPU computes it natively, else fp32)."""
+def resolve_dtype(name: str | torch.dtype, draft: bool = False) -> torch.dtype:
+    """``bf16`` / ``fp32`` / ``int8`` / ``auto``.
+
+    Targets: ``auto`` is bf16 where the CPU computes it natively, else fp32. int8 is refused for a
+    target: its matmuls quantize activations, so the last-bit float differences between a
+    (k + 1)-token verification and a 1-token step flip roundings and the output would not be
+    exactly the target's. Drafts: ``auto`` is int8 where bf16 is not native (a draft's precision
+    changes only how often it is accepted, never the output), else bf16.
+    """
     if isinstance(name, torch.dtype):
-        return name
-    if name == "auto":
-        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
-    if name not in DTYPES:
+        dt = name
+    elif name == "auto":
+        native = cpu_has_fast_bf16()
+        dt = torch.bfloat16 if native else (torch.qint8 if draft else torch.float32)
+    elif name in DTYPES:
+        dt = DTYPES[name]
+    else:
         raise SpecdraftError(f"unknown dtype {name!r}: use bf16, fp32, int8 or auto")
-    return DTYPES[name]
+    if dt == torch.qint8 and not draft:
+        raise SpecdraftError("int8 is a draft precision (--draft-dtype int8): an int8 target would not be lossless")
+    return dt
 
 
 def set_threads(threads: int | None) -> None:
@@ -147,6 +159,7 @@ class Pipeline:
 
     def engine(self, k: int | str | KPolicy = 5, hidden_layers: tuple[int, ...] = ()) -> Engine:
         policy = k if hasattr(k, "choose") else make_policy(k)
+        hidden_layers = hidden_layers or getattr(self.drafter, "hidden_layers", ())  # feature-conditioned drafters
         return Engine(self.runtime, self.drafter, policy, hidden_layers=hidden_layers)
 
     def stream(
@@ -253,6 +266,8 @@ def make_drafter(spec: str, pipe_target: LoadedModel, runtime: Runtime, dtype: t
 
         return designed_drafter(spec, pipe_target, runtime, dtype)
     if spec == "self":
+        if isinstance(runtime, LlamaRuntime) and dtype != runtime.dtype:
+            return ModelDrafter(LlamaRuntime(runtime.w.subset(runtime.layer_ids, dtype)), "self")
         return ModelDrafter(runtime, "self")
     if spec == "lookup" or spec.startswith("lookup:"):
         n = spec.split(":", 1)[1] if ":" in spec else "3"
@@ -266,8 +281,12 @@ def make_drafter(spec: str, pipe_target: LoadedModel, runtime: Runtime, dtype: t
             layers = [int(x) for x in spec.split(":", 1)[1].split(",") if x.strip()]
         except ValueError:
             raise SpecdraftError(f"bad prune spec {spec!r}: use prune:0,1,2,29") from None
-        return ModelDrafter(LlamaRuntime(runtime.w, layers), spec)
+        if dtype == runtime.dtype:  # shares the target's tensors; owns only its cache
+            return ModelDrafter(LlamaRuntime(runtime.w, layers), spec)
+        return ModelDrafter(LlamaRuntime(runtime.w.subset(layers, dtype)), spec)
     draft = load_model(spec, torch.float32 if dtype == torch.qint8 else dtype)
+    if dtype == torch.qint8 and draft.model.config.model_type not in LLAMA_FAMILY:
+        dtype = torch.float32  # int8 needs the compact runtime
     if not _same_tokenizer(draft.tokenizer, pipe_target.tokenizer):
         raise SpecdraftError(
             f"draft {spec!r} has a different tokenizer/vocabulary than the target; "
@@ -283,22 +302,24 @@ def load(
     dtype: str | torch.dtype = "auto",
     runtime: str = "auto",
     threads: int | None = None,
+    draft_dtype: str | torch.dtype = "auto",
 ) -> Pipeline:
     """Load a target and build a drafter for it.
 
     Args:
         target: model alias (``smollm2-135m``, ``gemma3-270m``), transformers directory or GGUF path.
         draft: draft spec (module docstring).
-        dtype: ``bf16``, ``fp32`` or ``auto``.
+        dtype: the target's precision: ``bf16``, ``fp32`` or ``auto`` (see :func:`resolve_dtype`).
         runtime: ``auto`` (compact for Llama-family, else transformers), ``compact`` or ``hf``.
         threads: torch intra-op threads.
+        draft_dtype: the draft's precision: ``auto``, ``bf16``, ``fp32`` or ``int8``.
     """
     set_threads(threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     dt = resolve_dtype(dtype)
-    loaded = load_model(target, torch.float32 if dt == torch.qint8 else dt)
+    loaded = load_model(target, dt)
     rt = make_runtime(loaded, runtime, dt)
-    drafter = make_drafter(draft, loaded, rt, dt)
+    drafter = make_drafter(draft, loaded, rt, resolve_dtype(draft_dtype, draft=True))
     return Pipeline(loaded, rt, drafter, draft)
 
 

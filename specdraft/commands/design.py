@@ -55,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _data_args(b, 512)
     b.add_argument("--layers", type=_layers, required=True, help="target layers to start from, e.g. 0 or 0,1,2,29")
     b.add_argument("--head", type=int, default=8192, help="head size: the N most frequent answer tokens (0 = full vocabulary)")
+    b.add_argument("--kind", choices=["layers", "feature"], default="layers",
+                   help="layers: a token-level draft; feature: EAGLE-style, also reads the target's final hidden state")
     b.add_argument("--kv-heads", type=int, default=None, help="width pruning: key/value head groups kept")
     b.add_argument("--q-per-kv", type=int, default=None, help="width pruning: query heads kept per group")
     b.add_argument("--ffn", type=int, default=None, help="width pruning: FFN channels kept")
@@ -142,7 +144,7 @@ def _build(args) -> int:
         train=TrainConfig(steps=max(args.steps, 1), batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                           checkpoint_every=args.checkpoint_every, eval_every=args.eval_every),
         on_policy=OnPolicyConfig(rounds=args.on_policy_rounds, prompts_per_round=args.on_policy_prompts, seed=args.seed),
-        dtype=args.save_dtype,
+        dtype=args.save_dtype, kind=args.kind,
     )
     if args.steps == 0:
         cfg.train.steps = 0

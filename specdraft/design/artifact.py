@@ -114,7 +114,8 @@ def check_compatible(meta: DraftMeta, target_model, where: str) -> None:
         )
 
 
-def save_draft(path: str | Path, draft, meta: DraftMeta, *, full: bool = False, dtype: torch.dtype | None = None) -> Path:
+def save_draft(path: str | Path, draft, meta: DraftMeta, *, full: bool = False, dtype: torch.dtype | None = None,
+               extra: dict[str, torch.Tensor] | None = None) -> Path:
     """Write a draft directory (compact, or ``full`` with the shared embedding too).
 
     Args:
@@ -123,6 +124,7 @@ def save_draft(path: str | Path, draft, meta: DraftMeta, *, full: bool = False, 
         meta: recorded in ``specdraft.json``.
         full: also write the embedding, so plain transformers can load the directory.
         dtype: storage dtype (default: the draft's).
+        extra: tensors outside the Llama (``fc.weight`` of a feature-conditioned draft).
     """
     from safetensors.torch import save_file
 
@@ -133,6 +135,8 @@ def save_draft(path: str | Path, draft, meta: DraftMeta, *, full: bool = False, 
     for name, t in draft.state_dict().items():
         if name in SHARED_KEYS and not full or (name == HEAD_KEY and tied):
             continue  # shared with the target (a tied head is the embedding)
+        state[name] = t.detach().to(dtype or t.dtype).contiguous().clone()
+    for name, t in (extra or {}).items():
         state[name] = t.detach().to(dtype or t.dtype).contiguous().clone()
     cfg = draft.config
     if dtype is not None:

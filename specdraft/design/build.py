@@ -38,6 +38,7 @@ class BuildConfig:
         train: offline distillation settings (``steps = 0``: no training, an untrained pruned draft).
         on_policy: on-policy settings (``rounds = 0``: none).
         dtype: storage dtype of the saved draft (``fp32`` or ``bf16``).
+        kind: ``layers`` (token-level) or ``feature`` (EAGLE-style, reads the target's hidden state).
     """
 
     layers: list[int]
@@ -52,6 +53,7 @@ class BuildConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     on_policy: OnPolicyConfig = field(default_factory=lambda: OnPolicyConfig(rounds=0))
     dtype: str = "fp32"
+    kind: str = "layers"
 
 
 def head_subset(data: TargetData, n: int, vocab_size: int, eos_ids) -> VocabSubset | None:
@@ -101,7 +103,12 @@ def build_draft(pipe, cfg: BuildConfig, out: str | Path, *, work: str | Path | N
     V = pipe.runtime.vocab_size
     head = head_subset(data, cfg.head, V, pipe.eos_ids)
     draft = make_draft(pipe, cfg, val)
-    model = DraftLM(draft, head.token_ids if head else None)
+    if cfg.kind == "feature":
+        from specdraft.design.feature import FeatureDraftLM
+
+        model = FeatureDraftLM(draft, head.token_ids if head else None)
+    else:
+        model = DraftLM(draft, head.token_ids if head else None)
     if head:
         log(f"head: {len(head)} tokens cover {head.coverage:.1%} of the target's answer tokens")
     before = validate(model, val, cfg.train.max_len)
@@ -114,6 +121,8 @@ def build_draft(pipe, cfg: BuildConfig, out: str | Path, *, work: str | Path | N
         result["offline"] = {"steps": res.steps, "val": res.val, "history": res.history}
     times["train_s"] = round(time.perf_counter() - t, 1)
     t = time.perf_counter()
+    if cfg.on_policy.rounds > 0 and cfg.kind == "feature":
+        raise SpecdraftError("on-policy training is implemented for token-level drafts (kind layers) only")
     if cfg.on_policy.rounds > 0:
         texts = training_prompts(cfg.on_policy.first_prompt + cfg.on_policy.rounds * cfg.on_policy.prompts_per_round)
         prompts = [pipe.encode(x) for x in texts[cfg.on_policy.first_prompt :]]
@@ -146,9 +155,11 @@ def build_draft(pipe, cfg: BuildConfig, out: str | Path, *, work: str | Path | N
     width = None if cfg.ffn is None and cfg.kv_heads is None and cfg.q_per_kv is None else {
         "kv_heads": draft.config.num_key_value_heads, "q_per_kv": draft.config.num_attention_heads // draft.config.num_key_value_heads,
         "ffn": draft.config.intermediate_size}
-    meta = DraftMeta.for_target(pipe.target.model, pipe.target.name, head=head, init_layers=list(cfg.layers), width=width, recipe=recipe)
+    meta = DraftMeta.for_target(pipe.target.model, pipe.target.name, kind=cfg.kind, head=head, init_layers=list(cfg.layers),
+                                width=width, recipe=recipe)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.dtype]
-    save_draft(out, draft, meta, dtype=dtype)
+    extra = {"fc.weight": model.fc.weight} if cfg.kind == "feature" else None
+    save_draft(out, draft, meta, dtype=dtype, extra=extra)
     (out / "RECIPE.md").write_text(recipe_markdown(out.name, meta))
     log(f"saved {out} ({param_count(draft) / 1e6:.2f} M own parameters)")
     return recipe

@@ -154,6 +154,12 @@ class DraftLM(torch.nn.Module):
         """The draft's own tensors (no shared embedding / tied head)."""
         return {k: v for k, v in self.draft.state_dict().items() if k not in ("model.embed_tokens.weight", "lm_head.weight")}
 
+    def load_own_state(self, state: dict[str, torch.Tensor]) -> None:
+        missing, unexpected = self.draft.load_state_dict(state, strict=False)
+        missing = [m for m in missing if m not in ("model.embed_tokens.weight", "lm_head.weight")]
+        if missing or unexpected:
+            raise SpecdraftError(f"weights do not fit this draft (missing {missing[:2]}, unexpected {unexpected[:2]})")
+
     def hidden(self, ids: torch.Tensor) -> torch.Tensor:
         """``(B, T)`` right-padded ids -> ``(B, T, C)`` final hidden states (after the norm)."""
         return self.draft.model(input_ids=ids, use_cache=False).last_hidden_state
@@ -161,6 +167,18 @@ class DraftLM(torch.nn.Module):
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """``(..., C)`` -> ``(..., N)`` logits over the head's tokens."""
         return F.linear(h, self.head_w)
+
+    # the interface train_offline / validate use (a feature-conditioned draft has the same)
+    def make_batch(self, data: TargetData, idx: list[int], max_len: int) -> "Batch":
+        return make_batch(data, idx, self.to_sub, max_len)
+
+    def loss(self, batch: "Batch", cfg: "TrainConfig") -> tuple[torch.Tensor, dict]:
+        h = self.hidden(batch.ids)[batch.rows, batch.cols]  # (M, C)
+        return distill_loss(self.head(h), batch, cfg.ce_weight, cfg.kl_weight)
+
+    def predict(self, batch: "Batch") -> torch.Tensor:
+        """``(M,)`` head rows the draft would propose (greedy) at the labelled positions."""
+        return self.head(self.hidden(batch.ids)[batch.rows, batch.cols]).argmax(-1)
 
 
 # ------------------------------------------------------------------------------------ batches
@@ -247,7 +265,7 @@ def distill_loss(
 
 # ------------------------------------------------------------------------------------ validation
 @torch.no_grad()
-def validate(model: DraftLM, data: TargetData, max_len: int = 320, batch_size: int = 8, k: int = 5) -> dict:
+def validate(model, data: TargetData, max_len: int = 320, batch_size: int = 8, k: int = 5) -> dict:
     """Teacher-forced agreement on held-out target answers.
 
     With greedy decoding, draft position i is accepted iff the draft's argmax equals the target's
@@ -258,9 +276,8 @@ def validate(model: DraftLM, data: TargetData, max_len: int = 320, batch_size: i
     model.eval()
     hit = total = 0
     for s in range(0, len(data), batch_size):
-        batch = make_batch(data, list(range(s, min(s + batch_size, len(data)))), model.to_sub, max_len)
-        h = model.hidden(batch.ids)[batch.rows, batch.cols]  # (M, C)
-        pred = model.head(h).argmax(-1)
+        batch = model.make_batch(data, list(range(s, min(s + batch_size, len(data)))), max_len)
+        pred = model.predict(batch)
         hit += int(((pred == batch.target) & (batch.target >= 0)).sum())
         total += batch.target.numel()
     model.train(was)
@@ -300,10 +317,10 @@ def _restore(path: Path, model: DraftLM, opt, config: dict) -> dict:
     mismatch = {k: (ck["config"].get(k), v) for k, v in config.items() if k != "steps" and ck["config"].get(k) != v}
     if mismatch:
         raise SpecdraftError(f"checkpoint {path} was made with other settings {mismatch}; use another --out or delete it")
-    missing, unexpected = model.draft.load_state_dict(ck["model"], strict=False)
-    missing = [m for m in missing if m not in ("model.embed_tokens.weight", "lm_head.weight")]
-    if missing or unexpected:
-        raise SpecdraftError(f"checkpoint {path} does not fit this draft (missing {missing[:2]}, unexpected {unexpected[:2]})")
+    try:
+        model.load_own_state(ck["model"])
+    except SpecdraftError as e:
+        raise SpecdraftError(f"checkpoint {path}: {e}") from None
     opt.load_state_dict(ck["opt"])
     torch.set_rng_state(ck["rng"])
     return ck
@@ -341,7 +358,7 @@ class TrainResult:
 
 
 def train_offline(
-    model: DraftLM,
+    model,
     data: TargetData,
     val: TargetData | None,
     cfg: TrainConfig,
@@ -353,7 +370,8 @@ def train_offline(
     """Offline distillation with checkpoints in ``out`` (resumes from ``out/checkpoint.pt``).
 
     Args:
-        model: the draft (trained in place).
+        model: the draft (trained in place): a :class:`DraftLM`, or a
+            :class:`~specdraft.design.feature.FeatureDraftLM`.
         data: the target's answers to training prompts.
         val: held-out answers for validation acceptance (None: no validation).
         cfg: settings.
@@ -386,11 +404,10 @@ def train_offline(
             break
         epoch, j = divmod(step, per_epoch)
         idx = _order(len(data), cfg.seed, epoch)[j * cfg.batch_size : (j + 1) * cfg.batch_size]
-        batch = make_batch(data, idx, model.to_sub, cfg.max_len)
+        batch = model.make_batch(data, idx, cfg.max_len)
         for g in opt.param_groups:
             g["lr"] = _lr_at(step, cfg)
-        h = model.hidden(batch.ids)[batch.rows, batch.cols]  # (M, C)
-        loss, parts = distill_loss(model.head(h), batch, cfg.ce_weight, cfg.kl_weight)
+        loss, parts = model.loss(batch, cfg)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.grad_clip:

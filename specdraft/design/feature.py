@@ -1,0 +1,163 @@
+"""A feature-conditioned draft (EAGLE-style): it reads the target's final hidden state too.
+
+At position p the draft is fed a pair: the target's final hidden state ``f_p`` (after the final
+norm; the target computes it while verifying anyway) and the embedding of the token at ``p + 1``.
+``fc`` maps the concatenation ``[f_p, e_{p+1}]`` (2C) to C, one decoder layer (with its own KV
+cache over earlier pairs) and the final norm predict ``f_{p+1}``, and the target's head turns that
+into the token at ``p + 2``. Drafting further, the draft feeds back its own predicted features.
+
+Training (offline, on the cached answers with their hidden states) combines the token loss of
+:mod:`specdraft.design.train` with a smooth-L1 regression of ``f_{p+1}``; input features get a
+little uniform noise, since at inference the draft reads its own imperfect features after the first
+step (EAGLE does the same).
+
+The draft's context starts at the last prompt token: the engine's prefill does not hand hidden states
+out, so the draft never sees pairs inside the prompt, in training or at inference (the target's
+feature carries the prompt's information).
+
+Trade-off: the first draft token of a step is conditioned on the target's own state, so acceptance
+is much higher than for a token-only draft of the same size, at the same per-token cost (fc is
+0.66 M multiply-adds next to a 3.5 M layer). The price is coupling: the engine must ask the target
+for its final hidden state (``Engine(..., hidden_layers=(-1,))``; ``Pipeline.engine`` does it for
+this drafter), the draft only works with the target it was trained on, and it cannot be exported to
+engines that lack feature drafting (transformers' ``assistant_model`` cannot host it); its directory
+format is specdraft's own (``kind = "feature"`` plus ``fc.weight``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specdraft.design.data import TargetData
+from specdraft.design.train import Batch, distill_loss
+from specdraft.errors import SpecdraftError
+
+
+@dataclass
+class FeatureBatch(Batch):
+    """A :class:`~specdraft.design.train.Batch` of pairs (right-padded), plus features.
+
+    Attributes:
+        feats: ``(B, T, C)`` input features ``f_p``.
+        positions: ``(B, T)`` positions p of the pairs.
+        feat_target: ``(M, C)`` the target's next feature ``f_{p+1}`` at each labelled pair.
+    """
+
+    feats: torch.Tensor = None
+    positions: torch.Tensor = None
+    feat_target: torch.Tensor = None
+
+
+class FeatureDraftLM(torch.nn.Module):
+    """The trainable feature-conditioned draft.
+
+    Args:
+        draft: a ``LlamaForCausalLM`` (its layers and norm are used; embedding/head are the target's).
+        head_tokens: ``(N,)`` ids the head predicts, or None for the whole vocabulary.
+        fc: ``(C, 2C)`` initial fc weight (default ``[0.1 I | I]``: mostly the token's embedding,
+            a little of the feature; training finds the mix).
+        noise: half-width of the uniform noise added to input features in training.
+        reg_weight: weight of the feature regression loss.
+    """
+
+    def __init__(self, draft, head_tokens: torch.Tensor | None, fc: torch.Tensor | None = None, noise: float = 0.1, reg_weight: float = 1.0):
+        super().__init__()
+        from specdraft.design.train import DraftLM
+
+        self.tokens = DraftLM(draft, head_tokens)  # embedding, head subset, layers
+        C = draft.config.hidden_size
+        if fc is None:
+            fc = torch.cat([0.1 * torch.eye(C), torch.eye(C)], dim=1)
+        if fc.shape != (C, 2 * C):
+            raise SpecdraftError(f"fc weight must be ({C}, {2 * C}), got {tuple(fc.shape)}")
+        self.fc = torch.nn.Linear(2 * C, C, bias=False)
+        with torch.no_grad():
+            self.fc.weight.copy_(fc)
+        self.noise = noise
+        self.reg_weight = reg_weight
+
+    @property
+    def draft(self):
+        return self.tokens.draft
+
+    @property
+    def to_sub(self) -> torch.Tensor:
+        return self.tokens.to_sub
+
+    @property
+    def head_tokens(self) -> torch.Tensor:
+        return self.tokens.head_tokens
+
+    def trainable(self) -> list[torch.nn.Parameter]:
+        return self.tokens.trainable() + [self.fc.weight]
+
+    def own_state(self) -> dict[str, torch.Tensor]:
+        return {**self.tokens.own_state(), "fc.weight": self.fc.weight.detach()}
+
+    def load_own_state(self, state: dict[str, torch.Tensor]) -> None:
+        state = dict(state)
+        if "fc.weight" not in state:
+            raise SpecdraftError("weights lack fc.weight: not a feature-conditioned draft")
+        with torch.no_grad():
+            self.fc.weight.copy_(state.pop("fc.weight"))
+        self.tokens.load_own_state(state)
+
+    def features(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``(B, T, C)`` features, ``(B, T)`` next tokens and positions -> ``(B, T, C)`` predicted next features."""
+        emb = self.draft.get_input_embeddings()(tokens)
+        x = self.fc(torch.cat([feats, emb], dim=-1))
+        return self.draft.model(inputs_embeds=x, position_ids=positions, use_cache=False).last_hidden_state
+
+    def make_batch(self, data: TargetData, idx: list[int], max_len: int) -> FeatureBatch:
+        """Pairs ``(f_p, token p + 1)`` over each answer; labels: token p + 2 and ``f_{p+1}``."""
+        if data.hidden is None:
+            raise SpecdraftError("feature-conditioned drafts need data with hidden states (target_data(..., hidden=True))")
+        to_sub = self.to_sub
+        rows, feats, toks, pos, tgt, topk, logp, ftgt = [], [], [], [], [], [], [], []
+        T = 0
+        for b, i in enumerate(idx):
+            tokens, P, hid = data.tokens[i], data.prompt_lens[i], data.hidden[i]  # hid: (R, C)
+            n = min(hid.shape[0] - 1, max_len)  # pairs with a label
+            n = max(n, 0)
+            T = max(T, n)
+            feats.append(hid[:n])
+            toks.append(tokens[P : P + n])
+            pos.append(torch.arange(P - 1, P - 1 + n))
+            rows.append(torch.full((n,), b))
+            tgt.append(to_sub[tokens[P + 1 : P + 1 + n]])
+            topk.append(to_sub[data.topk_idx[i][1 : 1 + n]])
+            logp.append(data.topk_logp[i][1 : 1 + n])
+            ftgt.append(hid[1 : 1 + n])
+        T = max(T, 1)
+        B, C = len(idx), self.draft.config.hidden_size
+        F_in = torch.zeros(B, T, C)
+        ids = torch.zeros(B, T, dtype=torch.int64)
+        positions = torch.zeros(B, T, dtype=torch.int64)
+        for b in range(B):
+            n = feats[b].shape[0]
+            F_in[b, :n], ids[b, :n] = feats[b], toks[b]
+            positions[b, :n] = pos[b]
+            if n < T:  # padding continues the positions (it comes after every real pair)
+                positions[b, n:] = (pos[b][-1] if n else 0) + 1 + torch.arange(T - n)
+        rows = torch.cat(rows)
+        cols = torch.cat([torch.arange(f.shape[0]) for f in feats])
+        return FeatureBatch(ids, rows, cols, torch.cat(tgt), torch.cat(topk), torch.cat(logp), torch.ones(rows.shape[0]),
+                            feats=F_in, positions=positions, feat_target=torch.cat(ftgt))
+
+    def loss(self, batch: FeatureBatch, cfg) -> tuple[torch.Tensor, dict]:
+        feats = batch.feats
+        if self.training and self.noise:
+            feats = feats + (torch.rand_like(feats) * 2 - 1) * self.noise
+        h = self.features(feats, batch.ids, batch.positions)[batch.rows, batch.cols]  # (M, C)
+        loss, parts = distill_loss(self.tokens.head(h), batch, cfg.ce_weight, cfg.kl_weight)
+        reg = F.smooth_l1_loss(h, batch.feat_target)
+        parts["reg"] = float(reg.detach())
+        return loss + self.reg_weight * reg, parts
+
+    def predict(self, batch: FeatureBatch) -> torch.Tensor:
+        """Greedy first-draft-token predictions (from the target's real features)."""
+        h = self.features(batch.feats, batch.ids, batch.positions)[batch.rows, batch.cols]
+        return self.tokens.head(h).argmax(-1)

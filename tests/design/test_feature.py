@@ -1,0 +1,93 @@
+"""The feature-conditioned (EAGLE-style) draft: the engine-side drafter computes exactly what the
+training model computes, it trains, saves and loads, and decoding with it stays lossless."""
+
+import pytest
+import torch
+
+from specdraft import api
+from specdraft.design.artifact import DraftMeta, save_draft
+from specdraft.design.data import generate_target_data
+from specdraft.design.feature import FeatureDraftLM
+from specdraft.design.prune import depth_prune
+from specdraft.design.train import TrainConfig, train_offline, validate
+from specdraft.design.vocab import VocabSubset
+from specdraft.drafters.base import DraftContext
+from specdraft.drafters.designed import FeatureDrafter, SubsetHeadRuntime, draft_weights
+from specdraft.engine import Engine
+from specdraft.models.llama import LlamaRuntime
+from specdraft.verify import SamplingParams
+from tests.design.conftest import head_subset
+from tests.helpers import decode, random_prompts
+
+
+@pytest.fixture(scope="module")
+def data(tiny_pipe):
+    prompts = random_prompts([4, 9, 6, 12, 5, 7], seed=21)
+    return generate_target_data(tiny_pipe.runtime, prompts, eos_ids=(), max_new_tokens=16, batch_size=3, topk=8, hidden_layer=-1, progress=False)
+
+
+def _model(tiny_pipe, head):
+    torch.manual_seed(0)
+    fc = torch.randn(64, 128) * 0.1
+    return FeatureDraftLM(depth_prune(tiny_pipe.target.model, [0]), head, fc=fc)
+
+
+def _drafter(tiny_pipe, model, head):
+    w = draft_weights(model.draft, tiny_pipe.runtime.w, head, torch.float32)
+    rt = SubsetHeadRuntime(LlamaRuntime(w), head, 256) if head is not None else LlamaRuntime(w)
+    return FeatureDrafter(rt, model.fc.weight.detach(), tiny_pipe.runtime.w.embed, "feature")
+
+
+@pytest.mark.parametrize("subset", [False, True])
+def test_drafter_matches_the_training_model(tiny_pipe, data, subset):
+    head = head_subset(96) if subset else None
+    model = _model(tiny_pipe, head).eval()
+    drafter = _drafter(tiny_pipe, model, head)
+    i, c = 2, 5  # sequence 2; pretend the target just verified c positions and all were accepted
+    P, hid = data.prompt_lens[i], data.hidden[i]
+    tokens = data.tokens[i]
+    L = P + c  # committed: prompt + c answer tokens; real features at positions P-1 .. P+c-2
+    state = drafter.new_state(1, 64)
+    state.src[:] = 0
+    state.prev_L[:] = P
+    ctx = DraftContext(tokens.unsqueeze(0), torch.tensor([L]), [SamplingParams()], [None], {-1: hid[:c].unsqueeze(0)})
+    prop = drafter.propose(state, ctx, 3)
+    with torch.no_grad():
+        f = model.features(hid[:c].unsqueeze(0), tokens[P : P + c].unsqueeze(0), torch.arange(P - 1, P - 1 + c).unsqueeze(0))
+        first = model.tokens.head(f[0, -1]).argmax()
+        expected = model.head_tokens[first]
+        # the second draft token reads the draft's own feature
+        f2 = model.features(torch.cat([hid[:c], f[0, -1:]]).unsqueeze(0), torch.cat([tokens[P : P + c], expected.view(1)]).unsqueeze(0),
+                            torch.arange(P - 1, P + c).unsqueeze(0))
+        second = model.head_tokens[model.tokens.head(f2[0, -1]).argmax()]
+    assert prop.num_valid.tolist() == [3]
+    assert prop.tokens[0, :2].tolist() == [int(expected), int(second)]
+
+
+def test_no_features_yet_means_no_proposal(tiny_pipe):
+    model = _model(tiny_pipe, None).eval()
+    drafter = _drafter(tiny_pipe, model, None)
+    state = drafter.new_state(2, 32)
+    ctx = DraftContext(torch.zeros(2, 32, dtype=torch.int64), torch.tensor([5, 6]), [SamplingParams()] * 2, [None] * 2, {})
+    assert drafter.propose(state, ctx, 4).num_valid.tolist() == [0, 0]
+
+
+def test_trains_saves_loads_and_stays_lossless(tiny_pipe, data, tmp_path):
+    head = head_subset(128)
+    model = _model(tiny_pipe, head)
+    before = validate(model, data)["alpha"]
+    res = train_offline(model, data, data, TrainConfig(steps=25, batch_size=3, max_len=40, lr=3e-3, warmup=1, eval_every=25), tmp_path / "w", progress=False)
+    assert res.val["alpha"] > before
+    target = tiny_pipe.target.model
+    meta = DraftMeta.for_target(target, "tiny", kind="feature", head=VocabSubset(head, 0.0), init_layers=[0])
+    save_draft(tmp_path / "f", model.draft, meta, extra={"fc.weight": model.fc.weight})
+    pipe = api.load("tiny", draft=f"designed:{tmp_path / 'f'}", dtype="fp32")
+    assert isinstance(pipe.drafter, FeatureDrafter)
+    prompts = random_prompts([5, 11, 8], seed=9)
+    engine = pipe.engine(3)
+    assert engine.hidden_layers == (-1,)
+    got = decode(engine, prompts, 20)
+    assert got == decode(Engine(pipe.runtime), prompts, 20)
+    assert engine.stats.drafted > 0 and engine.stats.accepted > 0
+    sampled = decode(pipe.engine(3), prompts, 12, SamplingParams(temperature=0.8, seed=1))
+    assert [len(s) for s in sampled] == [12, 12, 12]
