@@ -174,3 +174,21 @@ def test_load_options(pipe):
         api.load("tiny", draft="prune:0", dtype="fp32", runtime="hf")
     with pytest.raises(SpecdraftError, match="unknown runtime"):
         api.make_runtime(pipe.target, "fast")
+
+
+def test_int8_is_a_draft_precision_only(pipe):
+    with pytest.raises(SpecdraftError, match="draft precision"):
+        api.load("tiny", draft="none", dtype="int8")
+    assert api.resolve_dtype("int8", draft=True) == torch.qint8
+    assert api.resolve_dtype("auto", draft=True) in (torch.qint8, torch.bfloat16)
+
+
+@pytest.mark.parametrize("spec", ["self", "prune:0", "prune:1,0"])
+def test_int8_drafts_stay_lossless_and_do_not_touch_the_target(pipe, spec):
+    drafter = api.make_drafter(spec, pipe.target, pipe.runtime, torch.qint8)
+    assert drafter.runtime.w.precision == "int8" and pipe.runtime.w.precision == "fp32"
+    p = api.Pipeline(pipe.target, pipe.runtime, drafter, spec)
+    res = p.generate(PROMPT, max_new_tokens=24, k=3)
+    assert res.tokens == reference(pipe).tokens
+    if spec == "self":  # an int8 copy of the target still agrees with it most of the time
+        assert res.stats.mean_accepted_length > 2.0

@@ -13,8 +13,10 @@ def add_model_arguments(p: argparse.ArgumentParser, draft: bool = True) -> None:
     if draft:
         p.add_argument("--draft", default="default", help="none | default | prune:0,1,2,29 | lookup[:N] | self | model alias/path")
         p.add_argument("--k", default="5", help="draft length: an integer >= 0, 'auto' (cost-aware) or 'heuristic'")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "int8"],
-                   help="auto: bf16 where the CPU has native bf16, else fp32; int8: int8 weights+activations (fast on AVX2 CPUs)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="target precision; auto: bf16 where the CPU has native bf16, else fp32")
+    p.add_argument("--draft-dtype", default="auto", choices=["auto", "bf16", "fp32", "int8"],
+                   help="draft precision (never changes the output); auto: bf16 where native, else int8")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--runtime", default="auto", choices=["auto", "compact", "hf"], help="model runtime")
 

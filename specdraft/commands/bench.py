@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     prompts = load_prompts(args.prompts, parse_categories(args.categories), args.limit)
-    pipe = api.load(args.target, args.draft, dtype=args.dtype, runtime=args.runtime, threads=args.threads)
+    pipe = api.load(args.target, args.draft, dtype=args.dtype, runtime=args.runtime, threads=args.threads, draft_dtype=args.draft_dtype)
     result = run_bench(pipe, prompts, options)
     result.config["command"] = reproducing_command(args)
     table = markdown_table(result)

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         raise SpecdraftError("empty prompt")
     if args.max_new_tokens < 1:
         raise SpecdraftError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    pipe = api.load(args.target, args.draft, dtype=args.dtype, runtime=args.runtime, threads=args.threads)
+    pipe = api.load(args.target, args.draft, dtype=args.dtype, runtime=args.runtime, threads=args.threads, draft_dtype=args.draft_dtype)
     if pipe.drafter is None:
         raise SpecdraftError("--draft none has nothing to check: give a drafter")
     tol = args.tol if args.tol is not None else lossless.default_tolerance(pipe.runtime.dtype)

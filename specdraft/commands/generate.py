@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     if not prompt.strip():
         raise SpecdraftError("empty prompt")
     params = sampling_from_args(args)
-    pipe = api.load(args.target, args.draft, dtype=args.dtype, runtime=args.runtime, threads=args.threads)
+    pipe = api.load(args.target, args.draft, dtype=args.dtype, runtime=args.runtime, threads=args.threads, draft_dtype=args.draft_dtype)
     engine = pipe.engine(args.k)
     chat = False if args.no_chat else None
     text, tokens = [], []

@@ -35,5 +35,5 @@ def run(args: argparse.Namespace) -> int:
         default_max_tokens=args.default_max_tokens,
         shutdown_grace=args.shutdown_grace,
     )
-    pipe = api.load(args.target, args.draft, dtype=args.dtype, runtime=args.runtime, threads=args.threads)
+    pipe = api.load(args.target, args.draft, dtype=args.dtype, runtime=args.runtime, threads=args.threads, draft_dtype=args.draft_dtype)
     return run_server(create_app(pipe, config), args.host, args.port, args.log_level)

@@ -11,7 +11,7 @@ heads, D head dim, V vocabulary.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -121,6 +121,27 @@ class LlamaWeights:
             layer.q_gate_up, layer.q_down = pack_int8(layer.w_gate_up), pack_int8(layer.w_down)
         self.q_head = pack_int8(self.lm_head)
         return self
+
+    def subset(self, layer_ids: list[int], dtype: torch.dtype) -> "LlamaWeights":
+        """A model made of ``layer_ids`` (in that order) with this model's embedding, norm and head,
+        in ``dtype`` (``torch.qint8``: int8). Shares tensors when the dtype is unchanged."""
+        n = len(self.layers)
+        bad = [i for i in layer_ids if not 0 <= i < n]
+        if bad or not layer_ids:
+            raise SpecdraftError(f"layer ids {list(layer_ids)} invalid for a {n}-layer model")
+        dense = torch.float32 if dtype == torch.qint8 else dtype
+
+        def cast(t):
+            return t if t is None or t.dtype == dense else t.to(dense)
+
+        layers = [
+            LayerWeights(*(cast(getattr(self.layers[i], f)) for f in ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "w_gate_up", "w_down")))
+            for i in layer_ids
+        ]
+        embed = cast(self.embed)
+        head = embed if self.lm_head is self.embed else cast(self.lm_head)
+        sub = replace(self, embed=embed, layers=layers, norm=cast(self.norm), lm_head=head, q_head=None)
+        return sub.quantize_int8() if dtype == torch.qint8 else sub
 
     @property
     def precision(self) -> str:
