@@ -148,7 +148,8 @@ def build_hf_baselines(pipe: Pipeline, k: int | None) -> HFBaselines:
     elif spec.startswith("prune:"):
         layers = _layers_of(spec)
         assistant = pruned_hf_model(model, layers)
-        note = f"a LlamaForCausalLM with the target's layers {layers} (num_hidden_layers={len(layers)}), weights copied"
+        dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+        note = f"a LlamaForCausalLM with the target's layers {layers} (num_hidden_layers={len(layers)}), weights copied, {dtype}"
     else:
         dtype = next(model.parameters()).dtype
         assistant, note = load_model(spec, dtype).model, f"draft model {spec}"

@@ -82,6 +82,7 @@ class LatencyProfile:
         draft_breakdown: ``{bucket: seconds}`` of one batch-1 draft step (module docstring); sums to
             ``t_draft[1]``.
         breakdown_method: how the breakdown was attributed.
+        draft_dtype: what the draft computes in (``""`` for drafts without a model).
         cpu: the CPU model.
         torch_version: torch version.
     """
@@ -97,6 +98,7 @@ class LatencyProfile:
     t_draft: dict[int, float] = field(default_factory=dict)
     draft_breakdown: dict[str, float] = field(default_factory=dict)
     breakdown_method: str = ""
+    draft_dtype: str = ""
     cpu: str = ""
     torch_version: str = torch.__version__
 
@@ -163,7 +165,8 @@ class LatencyProfile:
         if self.draft_breakdown:
             total = sum(self.draft_breakdown.values()) or 1.0
             parts = ", ".join(f"{k} {v * 1e3:.2f} ms ({v / total:.0%})" for k, v in self.draft_breakdown.items())
-            text += f"\ndraft step ({self.draft}, batch 1): {parts}"
+            precision = f", {self.draft_dtype}" if self.draft_dtype else ""
+            text += f"\ndraft step ({self.draft}{precision}, batch 1): {parts}"
         return text
 
 
@@ -300,6 +303,7 @@ def profile_latency(
         t_draft=t_draft,
         draft_breakdown=parts,
         breakdown_method=method,
+        draft_dtype=runtime_precision(drafter.runtime) if hasattr(drafter, "runtime") else "",
         cpu=cpu_name(),
     )
 

@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def reproducing_command(args: argparse.Namespace) -> str:
     """The ``specdraft bench`` command line that reproduces this run (options spelled out)."""
     parts = ["specdraft", "bench", "--target", args.target, "--draft", args.draft, "--k", str(args.k)]
-    parts += ["--dtype", args.dtype, "--max-new-tokens", str(args.max_new_tokens)]
+    parts += ["--dtype", args.dtype, "--draft-dtype", args.draft_dtype, "--max-new-tokens", str(args.max_new_tokens)]
     for flag, value in (("--threads", args.threads), ("--prompts", args.prompts), ("--categories", args.categories),
                         ("--limit", args.limit), ("--baselines", args.baselines or None),
                         ("--max-prompt-tokens", args.max_prompt_tokens), ("--tolerance", args.tolerance)):

@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _command(args: argparse.Namespace) -> str:
-    parts = ["specdraft", "demo", "--target", args.target, "--draft", args.draft, "--k", str(args.k), "--dtype", args.dtype]
+    parts = ["specdraft", "demo", "--target", args.target, "--draft", args.draft, "--k", str(args.k), "--dtype", args.dtype, "--draft-dtype", args.draft_dtype]
     parts += ["--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens), "--max-prompt-tokens", str(args.max_prompt_tokens)]
     parts += ["--time-budget", f"{args.time_budget:g}"]
     if args.threads is not None:

@@ -19,7 +19,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def pipe():
-    return api.load("tiny", "prune:0", dtype="fp32")
+    return api.load("tiny", "prune:0", dtype="fp32", draft_dtype="fp32")
 
 
 def test_profile_measures_every_configuration_and_breaks_down_the_draft_step(pipe, tmp_path):
@@ -38,13 +38,20 @@ def test_profile_measures_every_configuration_and_breaks_down_the_draft_step(pip
     path = tmp_path / "p.json"
     prof.save(path)
     assert LatencyProfile.load(path) == prof
-    assert "T_target n=3" in prof.table() and "draft step (prune:0, batch 1)" in prof.table()
+    assert "T_target n=3" in prof.table() and "draft step (prune:0, fp32, batch 1)" in prof.table()
+
+
+def test_int8_draft_breakdown_follows_the_quantized_matmuls():
+    pipe = api.load("tiny", "prune:0,1", dtype="fp32", draft_dtype="int8")
+    prof = profile_pipeline(pipe, new_tokens=(1,), context=16, repeats=2, warmup=0)
+    assert prof.draft_dtype == "int8" and prof.breakdown_method.startswith("compact-runtime")
+    assert set(prof.draft_breakdown) == set(BUCKETS) and prof.draft_breakdown["mlp"] > 0
 
 
 def test_prompt_lookup_and_target_only():
     lookup = api.load("tiny", "lookup", dtype="fp32")
     prof = profile_pipeline(lookup, new_tokens=(1,), context=16, repeats=2, warmup=0)
-    assert set(prof.draft_breakdown) == {"lookup", "python"}
+    assert set(prof.draft_breakdown) == {"lookup", "python"} and prof.draft_dtype == ""
     target_only = profile_latency(lookup.runtime, None, new_tokens=(1, 2), context=16, repeats=2, warmup=0)
     assert target_only.draft == "none" and target_only.t_draft == {} and target_only.draft_breakdown == {}
     with pytest.raises(SpecdraftError, match="no draft measurements"):
@@ -77,7 +84,7 @@ def test_bad_arguments(pipe, tmp_path):
 
 def test_cli_writes_json(tmp_path, capsys):
     out = tmp_path / "prof.json"
-    argv = ["profile", "--target", "tiny", "--draft", "prune:0", "--dtype", "fp32", "--batch", "1,2", "--new-tokens", "1-2",
+    argv = ["profile", "--target", "tiny", "--draft", "prune:0", "--dtype", "fp32", "--draft-dtype", "fp32", "--batch", "1,2", "--new-tokens", "1-2",
             "--context", "16", "--repeats", "2", "--threads", "1", "--json", str(out)]
     assert cli.main(argv) == 0
     d = json.loads(out.read_text())

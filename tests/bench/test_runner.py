@@ -24,7 +24,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def pipe():
-    return api.load("tiny", "prune:0", dtype="fp32")
+    return api.load("tiny", "prune:0", dtype="fp32", draft_dtype="fp32")
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ def quick(**kw) -> BenchOptions:
 
 def test_cli_json_contract_with_hf_baselines(prompt_file, tmp_path, capsys):
     out = tmp_path / "bench.json"
-    argv = ["bench", "--target", "tiny", "--draft", "prune:0", "--k", "3", "--dtype", "fp32", "--prompts", str(prompt_file),
+    argv = ["bench", "--target", "tiny", "--draft", "prune:0", "--k", "3", "--dtype", "fp32", "--draft-dtype", "int8", "--prompts", str(prompt_file),
             "--max-new-tokens", "8", "--baselines", "hf", "--no-progress", "--json", str(out)]
     assert cli.main(argv) == 0
     d = json.loads(out.read_text())
@@ -65,8 +65,8 @@ def test_cli_json_contract_with_hf_baselines(prompt_file, tmp_path, capsys):
     # fp32 greedy: speculative output is plain output, prompt for prompt
     assert d["overall"]["identical"] == 3 and d["overall"]["divergent"] == 0
     assert d["overall"]["speedup"] == pytest.approx(d["overall"]["tokens_per_s"] / d["overall"]["plain_tokens_per_s"], rel=1e-3)
-    assert "prune:0" in d["config"]["hf_assistant"] or "[0]" in d["config"]["hf_assistant"]
-    assert d["config"]["command"].startswith("specdraft bench --target tiny --draft prune:0 --k 3")
+    assert "layers [0]" in d["config"]["hf_assistant"] and d["config"]["draft_dtype"] == "int8"
+    assert d["config"]["command"].startswith("specdraft bench --target tiny --draft prune:0 --k 3 --dtype fp32 --draft-dtype int8")
     table = capsys.readouterr().out
     assert "| **overall** | 3 |" in table and "HF assisted tok/s" in table
 
