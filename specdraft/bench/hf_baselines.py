@@ -6,8 +6,11 @@ Three ways transformers decodes the same target, on the same prompts, dtype and 
 - ``hf_assisted``: assisted generation with the same draft as ``assistant_model``. A draft that is
   a standalone model is passed as is; a ``prune:...`` self-draft is rebuilt as a transformers
   ``LlamaForCausalLM`` holding only those layers (plus the target's embedding, final norm and LM
-  head), since transformers cannot run a subset of a model's layers; ``self`` passes the target.
-  Drafts without a model (``lookup``, ``none``) have no assisted baseline.
+  head), since transformers cannot run a subset of a model's layers; a ``designed:`` draft is
+  loaded as the ``LlamaForCausalLM`` it is (with the full LM head); ``self`` passes the target.
+  Drafts without a model (``lookup``, ``none``) and feature-conditioned designed drafts (they read
+  the target's hidden state) have no assisted baseline. The assistant runs in the target's
+  dtype: an int8 specdraft draft is compared with its float transformers counterpart.
 - ``hf_prompt_lookup``: transformers' prompt lookup decoding (``prompt_lookup_num_tokens``).
 
 With a fixed k, the assistant drafts exactly k tokens per step (schedule ``constant``, no
@@ -70,6 +73,24 @@ def _layers_of(spec: str) -> list[int]:
         return [int(x) for x in spec.split(":", 1)[1].split(",") if x.strip()]
     except ValueError:
         raise SpecdraftError(f"bad prune spec {spec!r}: use prune:0,1,2,29") from None
+
+
+def _designed_assistant(spec: str, pipe: Pipeline):
+    """A designed draft as a transformers model (full LM head), or None with the reason."""
+    from specdraft.design.artifact import load_draft, read_meta
+    from specdraft.drafters.designed import find_default, resolve_draft_dir
+
+    name = spec.split(":", 1)[1] if ":" in spec else "auto"
+    path = find_default(pipe.target.model) if name == "auto" else resolve_draft_dir(name)
+    if path is None:
+        return None, f"{spec}: no designed draft for this target (prompt lookup is used; transformers' prompt lookup is the matching baseline)"
+    meta = read_meta(path)
+    if meta.kind != "layers":
+        return None, f"{spec} is a {meta.kind}-conditioned draft: transformers' assisted generation cannot feed it the target's hidden state"
+    dtype = next(pipe.target.model.parameters()).dtype
+    model, _, _ = load_draft(path, pipe.target.model, dtype)
+    head = " with its full LM head (the head subset is a specdraft option)" if meta.head_tokens else ""
+    return model, f"designed draft {path.name} as a LlamaForCausalLM{head}, {str(dtype).replace('torch.', '')}"
 
 
 @dataclass
@@ -145,6 +166,8 @@ def build_hf_baselines(pipe: Pipeline, k: int | None) -> HFBaselines:
             lookup_ngram = int(spec.split(":", 1)[1])
     elif spec == "self":
         assistant, note = model, "the target itself"
+    elif spec == "designed" or spec.startswith("designed:"):
+        assistant, note = _designed_assistant(spec, pipe)
     elif spec.startswith("prune:"):
         layers = _layers_of(spec)
         assistant = pruned_hf_model(model, layers)

@@ -14,8 +14,8 @@ the median of the rounds. The torch thread count is recorded with the result.
 
 Breakdown of a batch-1 draft step (:func:`draft_breakdown`): one forward of the draft runs under
 ``torch.profiler`` and each top-level ATen op is put in a bucket by its place in the compact
-runtime's sequence: every layer runs exactly four matmuls (q/k/v, output projection, gate/up, down)
-and the LM head is the last one, so
+runtime's sequence (also inside a wrapper such as a designed draft's subset head): every layer runs
+exactly four matmuls (q/k/v, output projection, gate/up, down) and the LM head is the last one, so
 
 - ``overhead``: ops before the embedding lookup (position checks, RoPE table, masks);
 - ``embedding``: the embedding lookup;
@@ -336,8 +336,8 @@ def draft_breakdown(drafter, context: int = 200, vocab: int | None = None, round
         events = sorted((e for e in prof.events() if e.cpu_parent is None), key=lambda e: e.time_range.start)
         if runtime is None:
             buckets, method = {"lookup": sum(e.cpu_time_total for e in events)}, "n-gram lookup (no model)"
-        elif isinstance(runtime, LlamaRuntime):
-            buckets, method = _llama_buckets(events, len(runtime.layers))
+        elif isinstance(_compact(runtime), LlamaRuntime):
+            buckets, method = _llama_buckets(events, len(_compact(runtime).layers))
         else:
             buckets, method = _name_buckets(events)
         if events:  # wall time the ops do not cover: the interpreter between them
@@ -346,6 +346,13 @@ def draft_breakdown(drafter, context: int = 200, vocab: int | None = None, round
         for k, v in buckets.items():
             per_round.setdefault(k, []).append(v * 1e-6)  # profiler times are microseconds
     return {k: statistics.median(v) for k, v in per_round.items()}, method
+
+
+def _compact(runtime):
+    """The compact runtime inside wrappers such as a designed draft's subset-head runtime."""
+    while not isinstance(runtime, LlamaRuntime) and hasattr(runtime, "runtime"):
+        runtime = runtime.runtime
+    return runtime
 
 
 def _llama_buckets(events, n_layers: int) -> tuple[dict[str, float], str]:

@@ -90,3 +90,17 @@ def test_cli_writes_json(tmp_path, capsys):
     d = json.loads(out.read_text())
     assert d["t_target"].keys() == {"1", "2"} and d["threads"] == 1
     assert "T_target n=1" in capsys.readouterr().out
+
+
+def test_designed_draft_with_a_head_subset_is_broken_down_by_its_compact_runtime(tmp_path):
+    from specdraft.bench.hf_baselines import pruned_hf_model
+    from specdraft.design.artifact import DraftMeta, save_draft
+
+    pipe = api.load("tiny", "none", dtype="fp32")
+    meta = DraftMeta.for_target(pipe.target.model, "tiny")
+    meta.head_tokens = list(range(0, 256, 2))
+    path = save_draft(tmp_path / "d", pruned_hf_model(pipe.target.model, [0]), meta)
+    drafter = api.make_drafter(f"designed:{path}", pipe.target, pipe.runtime, torch.float32)
+    prof = profile_latency(pipe.runtime, drafter, new_tokens=(1,), context=16, repeats=2, warmup=0)
+    assert "SubsetHead" in type(drafter.runtime).__name__
+    assert prof.breakdown_method.startswith("compact-runtime") and prof.draft_breakdown["lm_head"] > 0

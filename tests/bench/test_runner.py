@@ -189,3 +189,17 @@ def test_hf_baselines_match_plain_greedy(pipe):
     lookup_pipe = api.Pipeline(pipe.target, pipe.runtime, api.make_drafter("lookup", pipe.target, pipe.runtime, torch.float32), "lookup")
     hf = build_hf_baselines(lookup_pipe, k=3)
     assert hf.assistant is None and "hf_assisted" not in hf.methods
+
+
+def test_designed_draft_is_the_transformers_assistant(pipe, tmp_path):
+    from specdraft.design.artifact import DraftMeta, save_draft
+
+    draft = pruned_hf_model(pipe.target.model, [1])  # any small Llama sharing the target's embedding
+    path = save_draft(tmp_path / "d1", draft, DraftMeta.for_target(pipe.target.model, "tiny"))
+    spec = f"designed:{path}"
+    dpipe = api.Pipeline(pipe.target, pipe.runtime, api.make_drafter(spec, pipe.target, pipe.runtime, torch.float32), spec)
+    hf = build_hf_baselines(dpipe, k=2)
+    assert "hf_assisted" in hf.methods and "designed draft d1" in hf.assistant_note
+    ids = pipe.encode("Who wrote Hamlet?")
+    ref, _ = lossless.plain_greedy_margins(pipe.runtime, ids, 8, pipe.eos_ids)
+    assert hf.run("hf_assisted", ids, 8, api.SamplingParams()) == ref
