@@ -32,7 +32,8 @@ from specdraft import api  # noqa: E402
 from specdraft.bench.hf_baselines import HFBaselines  # noqa: E402
 from specdraft.bench.profile import profile_latency  # noqa: E402
 from specdraft.bench.prompts import fit_context, load_prompts, parse_categories  # noqa: E402
-from specdraft.bench.runner import BenchOptions, markdown_table, run_bench  # noqa: E402
+from specdraft.bench.runner import BenchOptions, markdown_table, run_bench, runtime_precision  # noqa: E402
+from specdraft.drafters.prompt_lookup import PromptLookupDrafter  # noqa: E402
 from specdraft.engine import Engine, Request, generate  # noqa: E402
 from specdraft.verify import SamplingParams  # noqa: E402
 
@@ -40,9 +41,10 @@ from specdraft.verify import SamplingParams  # noqa: E402
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "int8"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="the target's precision")
+    p.add_argument("--draft-dtype", default="auto", choices=["auto", "bf16", "fp32", "int8"], help="the drafts' precision for (c)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    p.add_argument("--drafts", default="lookup,prune:0,1,2,29", help="candidate drafts for (c), ';'-separated if a spec has commas")
+    p.add_argument("--drafts", default="lookup,prune:0,1,2,29,designed", help="candidate drafts for (c) (a number joins the spec before it)")
     p.add_argument("--k", default="5")
     p.add_argument("--limit", type=int, default=1, help="Spec-Bench questions per category for (a) and (c)")
     p.add_argument("--categories", default=None, help="Spec-Bench categories (default: all 13)")
@@ -56,8 +58,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def split_drafts(text: str) -> list[str]:
     """``"lookup,prune:0,1,2,29"`` -> ``["lookup", "prune:0,1,2,29"]`` (numbers join the spec before them)."""
-    if ";" in text:
-        return [d.strip() for d in text.split(";") if d.strip()]
     out: list[str] = []
     for part in (x.strip() for x in text.split(",")):
         if part.isdigit() and out:
@@ -120,10 +120,11 @@ def main(argv=None) -> int:
     prompts = load_prompts(None, parse_categories(args.categories), args.limit)
     drafts = split_drafts(args.drafts)
     pipe = api.load(args.target, "none", dtype=args.dtype)
-    precision = api.resolve_dtype(args.dtype)
-    print(f"target {args.target}, dtype {precision}, {torch.get_num_threads()} threads, {len(prompts)} Spec-Bench questions, "
+    draft_precision = api.resolve_dtype(args.draft_dtype, draft=True)
+    precision = runtime_precision(pipe.runtime)
+    print(f"target {args.target} ({precision}), {torch.get_num_threads()} threads, {len(prompts)} Spec-Bench questions, "
           f"{args.max_new_tokens} new tokens")
-    results: dict = {"command": command, "threads": torch.get_num_threads(), "dtype": str(precision)}
+    results: dict = {"command": command, "threads": torch.get_num_threads(), "dtype": precision}
 
     if "a" not in skip:
         budget = min(args.max_prompt_tokens, pipe.runtime.max_context - args.max_new_tokens - 18)
@@ -140,10 +141,15 @@ def main(argv=None) -> int:
         results["c"] = {}
         options = BenchOptions(k=args.k, max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens, progress=sys.stderr.isatty())
         for draft in drafts:
-            dpipe = api.Pipeline(pipe.target, pipe.runtime, api.make_drafter(draft, pipe.target, pipe.runtime, precision), draft)
+            drafter = api.make_drafter(draft, pipe.target, pipe.runtime, draft_precision)
+            if draft.startswith("designed") and isinstance(drafter, PromptLookupDrafter):
+                print(f"\n(c) {draft}: no designed draft for this target, so it would be prompt lookup again; skipped")
+                continue
+            dpipe = api.Pipeline(pipe.target, pipe.runtime, drafter, draft)
             res = run_bench(dpipe, prompts, options, log=lambda msg: None)
             results["c"][draft] = {"overall": res.overall, "categories": res.categories}
-            print(f"\n(c) draft {draft}, k {args.k}: speculative vs own plain decoding per Spec-Bench category\n{markdown_table(res)}")
+            print(f"\n(c) draft {draft} ({res.config['draft_dtype'] or 'no model'}), k {args.k}: speculative vs own plain "
+                  f"decoding per Spec-Bench category\n{markdown_table(res)}")
         best = max(results["c"], key=lambda d: results["c"][d]["overall"]["speedup"] or 0)
         cats = results["c"][best]["categories"]
         worst = min(cats, key=lambda c: cats[c]["speedup"] or 0)
