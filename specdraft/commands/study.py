@@ -51,7 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", type=_ints, default=None,
                    help="context lengths at which latencies are profiled (default: 32 and max-prompt-tokens + max-new-tokens)")
     p.add_argument("--profile-repeats", type=int, default=5)
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="target dtype (auto: bf16 where native, else fp32)")
+    p.add_argument("--draft-dtype", default="same", choices=["same", "fp32", "bf16", "int8"],
+                   help="draft precision (same: the target's; layer-pruned drafts then share its weights)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
     p.add_argument("--executor", default="local", choices=["local", "ray"], help="local process pool or Ray tasks")
     p.add_argument("--address", default=None, help="Ray cluster address (with --executor ray); default: start a local one")
@@ -88,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     drafts = list(dict.fromkeys(drafts + args.draft))
     contexts = args.contexts or [32, args.max_prompt_tokens + args.max_new_tokens]
     config = StudyConfig(args.target, dtype, args.threads, drafts, args.k, args.batch, args.max_new_tokens,
-                         contexts, args.profile_repeats)
+                         contexts, args.profile_repeats, args.draft_dtype)
 
     def path_or_default(value, default):
         if value == "none":

@@ -11,6 +11,9 @@ longest context a sweep decodes at. Nothing here times anything itself.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -101,11 +104,47 @@ def measure_target(runtime, *, batch_sizes, k_max: int, contexts, repeats: int =
     }
 
 
+@contextlib.contextmanager
+def _quiet_stderr_fd():
+    """Silence file descriptor 2 (torch.profiler's C++ side prints a line per profiled step)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _stand_in(runtime, drafter):
+    """A cheap runtime for the profiler's target slot while it times a draft.
+
+    The profiler always times target forwards too (it prefills ``b x context`` tokens for each
+    batch size first); a draft's profile only needs ``t_draft``, so the slot gets the draft's own
+    runtime, or, for a drafter without a model, the target's first layer alone.
+    """
+    from specdraft.models.llama import LlamaRuntime
+
+    own = getattr(drafter, "runtime", None)
+    if own is not None:
+        return own
+    if isinstance(runtime, LlamaRuntime):
+        return LlamaRuntime(runtime.w, runtime.layer_ids[:1])
+    return runtime
+
+
 def measure_draft(runtime, drafter, spec: str, *, batch_sizes, contexts, repeats: int = 7, warmup: int = 2, name: str = "target") -> dict[int, LatencyProfile]:
-    """Profile T_draft(b) at each context length (the step breakdown at the first one)."""
+    """Profile T_draft(b) at each context length (the step breakdown at the first one).
+
+    Only ``t_draft`` of these profiles is used (see :func:`_stand_in`)."""
     contexts = sorted(contexts)
-    return {
-        c: profile_latency(runtime, drafter, batch_sizes=batch_sizes, new_tokens=(1,), context=c, repeats=repeats,
-                           warmup=warmup, breakdown=c == contexts[0], target_name=name, draft_name=spec)
-        for c in contexts
-    }
+    runtime = _stand_in(runtime, drafter)
+    out = {}
+    for c in contexts:
+        quiet = _quiet_stderr_fd() if c == contexts[0] else contextlib.nullcontext()
+        with quiet:
+            out[c] = profile_latency(runtime, drafter, batch_sizes=batch_sizes, new_tokens=(1,), context=c, repeats=repeats,
+                                     warmup=warmup, breakdown=c == contexts[0], target_name=name, draft_name=spec)
+    return out

@@ -38,7 +38,7 @@ from specdraft.drafters.base import DraftContext
 from specdraft.drafters.model import ModelDrafter
 from specdraft.engine import Engine, Request, generate
 from specdraft.errors import SpecdraftError
-from specdraft.models.llama import LlamaKV, LlamaRuntime
+from specdraft.models.llama import LlamaKV
 from specdraft.models.loading import cache_root
 from specdraft.models.runtime import Runtime
 from specdraft.verify import SamplingParams
@@ -163,7 +163,7 @@ def _seed_rows(kv: LlamaKV, one: LlamaKV) -> None:
         dst.copy_(src.expand_as(dst))
 
 
-def _teacher_forced(runtime: LlamaRuntime, seq: torch.Tensor, prompt_len: int, capacity: int):
+def _teacher_forced(runtime: Runtime, seq: torch.Tensor, prompt_len: int, capacity: int):
     """One pass over the whole sequence: a one-row cache and the draft's logits at the positions
     that predict the continuation (``P - 1 .. P + N - 2``)."""
     one = runtime.new_state(1, capacity)
@@ -196,7 +196,11 @@ def offline_proposals(drafter, seq: Sequence, k_max: int, *, row_budget_bytes: i
     capacity = P + N + k_max + 2
     cont = torch.tensor(seq.continuation + [-1] * k_max, dtype=torch.int64)  # padded: never matches
 
-    fast = isinstance(drafter, ModelDrafter) and isinstance(drafter.runtime, LlamaRuntime)
+    if getattr(drafter, "hidden_layers", ()):
+        raise SpecdraftError(
+            f"draft {getattr(drafter, 'name', drafter)!r} reads the target's hidden states; offline acceptance "
+            "replays drafts from token prefixes only: measure it online (specdraft bench)")
+    fast = isinstance(drafter, ModelDrafter) and isinstance(drafter.runtime.new_state(1, 1), LlamaKV)
     nll = top1 = None
     one = None
     if fast:
@@ -246,13 +250,17 @@ class DraftQuality:
 
     Attributes:
         tokens: continuation tokens scored.
-        perplexity: ``exp(mean -log q(target token))``.
+        perplexity: ``exp(mean -log q(target token))`` over the tokens the draft gives q > 0 (all of
+            them, unless its head covers only part of the vocabulary).
         top1_agreement: fraction of positions where the draft's argmax is the target's token.
+        zero_prob_fraction: fraction of target tokens with q = 0 (outside a truncated head), which
+            the perplexity leaves out (with them it would be infinite).
     """
 
     tokens: int
-    perplexity: float
+    perplexity: float | None
     top1_agreement: float
+    zero_prob_fraction: float = 0.0
 
 
 def draft_quality(proposals: list[OfflineProposals]) -> DraftQuality | None:
@@ -263,7 +271,9 @@ def draft_quality(proposals: list[OfflineProposals]) -> DraftQuality | None:
     top1 = [x for p in proposals for x in p.top1]
     if not nll:
         return None
-    return DraftQuality(len(nll), math.exp(sum(nll) / len(nll)), sum(top1) / len(top1))
+    finite = [x for x in nll if math.isfinite(x)]
+    ppl = math.exp(sum(finite) / len(finite)) if finite else None
+    return DraftQuality(len(nll), ppl, sum(top1) / len(top1), 1 - len(finite) / len(nll))
 
 
 # ------------------------------------------------------------------------------------------------

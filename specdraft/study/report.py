@@ -336,6 +336,16 @@ def plot_speedup_vs_latency(st: Study, path: Path) -> None:
     plt.close(fig)
 
 
+def _scale_for(ax, values: list[float]) -> str:
+    """Log x axis when the values span more than a factor of 20 (perplexities of untrained drafts
+    run from ~10 to astronomically large), linear otherwise; returns the label suffix."""
+    vals = [v for v in values if v and v > 0]
+    if vals and max(vals) / min(vals) > 20:
+        ax.set_xscale("log")
+        return " (log)"
+    return ""
+
+
 def plot_acceptance_vs_perplexity(st: Study, path: Path, corr: dict) -> None:
     plt = _plt()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -343,8 +353,7 @@ def plot_acceptance_vs_perplexity(st: Study, path: Path, corr: dict) -> None:
     a1.scatter([d.perplexity for d in models], [d.accepted for d in models], color="tab:blue", s=26)
     for d in models:
         a1.annotate(short_name(d.draft), (d.perplexity, d.accepted), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    a1.set_xscale("log")
-    a1.set_xlabel("draft perplexity on held-out target text (log)")
+    a1.set_xlabel("draft perplexity on held-out target text" + _scale_for(a1, [d.perplexity for d in models]))
     a1.set_ylabel(f"mean accepted length, k={st.k_ref}, batch {min(st.batches)}")
     a1.set_title(f"per draft: Pearson {_fmt(corr.get('ppl_acc_pearson'))}, Spearman {_fmt(corr.get('ppl_acc_spearman'))}")
     pts = _dataset_points(st)
@@ -352,8 +361,7 @@ def plot_acceptance_vs_perplexity(st: Study, path: Path, corr: dict) -> None:
     for ds in st.datasets:
         p = [x for x in pts if x[2] == ds]
         a2.scatter([x[0] for x in p], [x[1] for x in p], s=14, color=colors[ds], label=ds)
-    a2.set_xscale("log")
-    a2.set_xlabel("draft perplexity on the dataset's target continuations (log)")
+    a2.set_xlabel("draft perplexity on the dataset's target continuations" + _scale_for(a2, [x[0] for x in pts]))
     a2.set_title(f"per (draft, dataset): Spearman {_fmt(corr.get('ppl_acc_ds_spearman'))}")
     a2.legend(fontsize=6, ncol=2)
     fig.suptitle("Acceptance vs draft language-modelling quality")
@@ -425,7 +433,7 @@ def plot_best_per_batch(st: Study, best: dict[int, dict], path: Path) -> None:
     ax.bar([i - 0.2 for i in x], plain, width=0.4, color="gray", label="plain decoding")
     ax.bar([i + 0.2 for i in x], spec, width=0.4, color="tab:green", label="best configuration")
     for i, b in enumerate(st.batches):
-        ax.annotate(f"{short_name(best[b]['draft'])}\nk={best[b]['k']}", (i + 0.2, spec[i]), ha="center", va="bottom", fontsize=6)
+        ax.annotate(f"{short_name(best[b]['draft'])}\nk={best[b]['k']}", (i + 0.2, spec[i]), ha="center", va="bottom", fontsize=7)
     ax.set_xticks(list(x), bs)
     ax.set_xlabel("batch size")
     ax.set_ylabel("predicted tokens/s (mean over datasets)")

@@ -92,6 +92,8 @@ class StudyConfig:
         max_new_tokens: length of each cached target continuation.
         contexts: context lengths at which latencies are profiled.
         profile_repeats: timed rounds per latency (medians are used).
+        draft_dtype: ``same`` (the target's; layer-pruned drafts then share its tensors), ``fp32``,
+            ``bf16`` or ``int8``.
     """
 
     target: str
@@ -103,6 +105,7 @@ class StudyConfig:
     max_new_tokens: int = 64
     contexts: list[int] = field(default_factory=lambda: [32, 1088])
     profile_repeats: int = 5
+    draft_dtype: str = "same"
 
     def __post_init__(self):
         if not self.drafts:
@@ -115,6 +118,8 @@ class StudyConfig:
             raise SpecdraftError(f"max_new_tokens must be >= 2, got {self.max_new_tokens}")
         if self.threads < 1:
             raise SpecdraftError(f"threads must be >= 1, got {self.threads}")
+        if self.draft_dtype not in ("same", "fp32", "bf16", "int8"):
+            raise SpecdraftError(f"unknown draft dtype {self.draft_dtype!r}: use same, fp32, bf16 or int8")
 
     @property
     def k_max(self) -> int:
@@ -178,7 +183,7 @@ class Task:
     def planned(self) -> list[tuple[str, dict]]:
         """``(key, configuration)`` of every row this task writes."""
         c = self.config
-        base = {"target": c.target, "dtype": c.dtype, "threads": c.threads, "draft": self.draft,
+        base = {"target": c.target, "dtype": c.dtype, "draft_dtype": c.draft_dtype, "threads": c.threads, "draft": self.draft,
                 "dataset": self.dataset, "prompts": self.fingerprint, "max_new_tokens": c.max_new_tokens}
         if self.kind == "quality":
             cfg = {"kind": "quality", **base}
@@ -207,12 +212,13 @@ def load_target(target: str, dtype: str, threads: int):
     return _LOADED[key]
 
 
-def build_drafter(pipe, spec: str):
+def build_drafter(pipe, spec: str, draft_dtype: str = "same"):
+    """The drafter for ``spec`` over a loaded target, built once per process."""
     from specdraft import api
 
-    key = (pipe.target.name, spec)
+    key = (pipe.target.name, spec, draft_dtype)
     if key not in _LOADED:
-        dtype = next(pipe.target.model.parameters()).dtype
+        dtype = pipe.runtime.dtype if draft_dtype == "same" else api.DTYPES[draft_dtype]
         drafter = api.make_drafter(spec, pipe.target, pipe.runtime, dtype)
         if drafter is None:
             raise SpecdraftError(f"draft {spec!r} is no drafter; the study needs a draft")
@@ -282,6 +288,7 @@ def config_row(key: str, cfg: dict, version: str, sim: Simulation, plain: Simula
         "analytic_tokens_per_s": _round(closed),
         "analytic_speedup": _round(closed / plain_closed if plain_closed else None),
         "draft_perplexity_dataset": _round(quality.perplexity) if quality else None,
+        "draft_zero_prob_dataset": _round(quality.zero_prob_fraction) if quality else None,
         "draft_top1_dataset": _round(quality.top1_agreement) if quality else None,
     }
 
@@ -290,7 +297,7 @@ def run_task(task: Task) -> list[dict]:
     """Compute a task's rows (runs in a worker: loads the target and the draft once per process)."""
     c = task.config
     pipe = load_target(c.target, c.dtype, c.threads)
-    drafter = build_drafter(pipe, task.draft)
+    drafter = build_drafter(pipe, task.draft, c.draft_dtype)
     seqs = [Sequence(p, cont) for p, cont in task.sequences]
     k_max = 1 if task.kind == "quality" else c.k_max
     proposals = [offline_proposals(drafter, s, k_max) for s in seqs if s.continuation]
@@ -304,6 +311,7 @@ def run_task(task: Task) -> list[dict]:
             "tokens": q.tokens if q else sum(len(s.continuation) for s in seqs),
             "perplexity": _round(q.perplexity) if q else None,
             "top1_agreement": _round(q.top1_agreement) if q else None,
+            "zero_prob_fraction": _round(q.zero_prob_fraction) if q else None,
             "first_token_acceptance": _round(statistics.mean(min(m, 1) for p in proposals for m in p.matched))
             if proposals else None,
         }]
@@ -408,7 +416,7 @@ def latency_rows(config: StudyConfig, version: str, store: ResultStore, pipe, lo
     """Profiled latencies from the results file, measuring (and appending) whatever is missing."""
     from specdraft.study.latency import draft_kind, measure_draft, measure_target
 
-    base = {"kind": "latency", "target": config.target, "dtype": config.dtype, "threads": config.threads,
+    base = {"kind": "latency", "target": config.target, "dtype": config.dtype, "draft_dtype": config.draft_dtype, "threads": config.threads,
             "batches": sorted(config.batches), "contexts": sorted(config.contexts), "repeats": config.profile_repeats}
     by_key = {r["key"]: r for r in store.of_kind("latency")}
     tcfg = {**base, "draft": None, "k_max": config.k_max}
@@ -426,7 +434,7 @@ def latency_rows(config: StudyConfig, version: str, store: ResultStore, pipe, lo
     for spec in config.drafts:
         dcfg = {**base, "draft": spec}
         dkey = row_key(dcfg, version)
-        drafter = build_drafter(pipe, spec)
+        drafter = build_drafter(pipe, spec, config.draft_dtype)
         if dkey not in by_key:
             log(f"profiling draft {spec}")
             prof = measure_draft(pipe.runtime, drafter, spec, batch_sizes=config.batches, contexts=config.contexts,

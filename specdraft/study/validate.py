@@ -148,7 +148,7 @@ def validate(
         if key in store:
             out.append(next(r for r in store.rows if r.get("key") == key))
             continue
-        drafter = build_drafter(pipe, draft)
+        drafter = build_drafter(pipe, draft, config.draft_dtype)
         props = [offline_proposals(drafter, s, k) for s in seqs]
         sim = simulate(props, k, b)
         tok, sec = predict(sim, lat, draft)
