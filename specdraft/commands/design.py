@@ -46,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(s, draft=False)
     _data_args(s, 0)
     s.add_argument("--max-depth", type=int, default=4)
-    s.add_argument("--beam", type=int, default=1)
+    s.add_argument("--beam", type=int, default=1, help="subsets kept per depth (0: evaluate only --candidates)")
+    s.add_argument("--candidates", default=None, help="extra subsets to evaluate, e.g. '0,1,2,29;0,29' (default: first d-1 layers + last)")
     s.add_argument("--k-max", type=int, default=8)
     s.add_argument("--json", type=Path, default=None, help="write every candidate here")
 
@@ -123,11 +124,13 @@ def _search(args) -> int:
     calib = target_data(pipe, n_prompts=args.val_prompts, split="val", max_new_tokens=args.max_new_tokens,
                         batch_size=args.gen_batch, hidden=True, progress=not args.quiet)
     log = None if args.quiet else (lambda line: print(line, file=sys.stderr))
-    cands = search_layers(pipe.runtime.w, calib, max_depth=args.max_depth, beam=args.beam, k_max=args.k_max, log=log)
+    extra = [_layers(x) for x in args.candidates.split(";")] if args.candidates else None
+    cands = search_layers(pipe.runtime.w, calib, max_depth=args.max_depth, beam=args.beam, k_max=args.k_max, extra=extra, log=log)
     print(f"{'layers':<22} {'alpha':>6} {'T_draft ms':>10} {'k':>2} {'pred tok/s':>10} {'speedup':>7}")
     for c in cands[:10]:
         print(f"{','.join(map(str, c.layers)):<22} {c.alpha:6.3f} {c.t_draft * 1e3:10.2f} {c.k:2d} {c.tokens_per_s:10.1f} {c.speedup:7.2f}")
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"calibration_tokens": calib.num_response_tokens, "candidates": [c.as_dict() for c in cands]}, indent=1))
     return 0
 

@@ -56,11 +56,19 @@ class BuildConfig:
     kind: str = "layers"
 
 
-def head_subset(data: TargetData, n: int, vocab_size: int, eos_ids) -> VocabSubset | None:
-    """The ``n`` tokens the target emits most often in ``data`` (EOS always in), or None for n = 0."""
+def head_subset(data: TargetData, n: int, vocab_size: int, eos_ids, prompt_counts: torch.Tensor | None = None) -> VocabSubset | None:
+    """The ``n`` tokens the target emits most often in ``data`` (EOS always in), ties broken by
+    ``prompt_counts``; None for n = 0 (the full vocabulary)."""
     if n <= 0 or n >= vocab_size:
         return None
-    return top_tokens(token_counts(data.response_tokens(), vocab_size), n, always=tuple(eos_ids))
+    return top_tokens(token_counts(data.response_tokens(), vocab_size), n, always=tuple(eos_ids), secondary=prompt_counts)
+
+
+def prompt_token_counts(pipe, n_prompts: int = 4000) -> torch.Tensor:
+    """``(V,)`` token counts over the first ``n_prompts`` training prompts (cheap: tokenizing only)."""
+    texts = training_prompts(n_prompts)
+    ids = pipe.tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return token_counts(torch.tensor([t for x in ids for t in x], dtype=torch.int64), pipe.runtime.vocab_size)
 
 
 def make_draft(pipe, cfg: BuildConfig, calib: TargetData):
@@ -101,7 +109,7 @@ def build_draft(pipe, cfg: BuildConfig, out: str | Path, *, work: str | Path | N
     log(f"data: {len(data)} answers, {data.num_response_tokens} tokens (validation {len(val)}, {val.num_response_tokens}) in {times['data_s']:.0f} s")
 
     V = pipe.runtime.vocab_size
-    head = head_subset(data, cfg.head, V, pipe.eos_ids)
+    head = head_subset(data, cfg.head, V, pipe.eos_ids, prompt_token_counts(pipe))
     draft = make_draft(pipe, cfg, val)
     if cfg.kind == "feature":
         from specdraft.design.feature import FeatureDraftLM

@@ -158,6 +158,7 @@ def search_layers(
     beam: int = 1,
     k_max: int = 8,
     latency: Latency | None = None,
+    extra: list[list[int]] | None = None,
     log=None,
 ) -> list[Candidate]:
     """Beam search over layer subsets of depth 1..max_depth, scored by predicted throughput.
@@ -169,31 +170,39 @@ def search_layers(
         beam: subsets kept per depth and extended.
         k_max: largest draft length the prediction considers.
         latency: measured latencies; measured here when None.
+        extra: subsets evaluated as well (default: the first d - 1 layers plus the last, for each d,
+            the shape a greedy search misses: the last layer alone hurts, with a few early ones it helps).
+            With ``beam = 0`` only these are evaluated.
         log: called with a line per evaluated candidate.
 
     Returns:
         Every evaluated candidate, best predicted throughput first.
     """
     n = len(weights.layers)
+    if extra is None:
+        extra = [list(range(d - 1)) + [n - 1] for d in range(2, max_depth + 1)]
+    depths = sorted({len(x) for x in extra} | (set(range(1, max_depth + 1)) if beam else set()))
     target = LlamaRuntime(weights)
     if latency is None:
-        drafts = {f"depth{d}": LlamaRuntime(weights, list(range(d))) for d in range(1, max_depth + 1)}
+        drafts = {f"depth{d}": LlamaRuntime(weights, list(range(d))) for d in depths}
         latency = measure_latency(target, drafts)
     t_target = latency.target_fn()
     evaluated: dict[tuple, Candidate] = {}
+
+    def score(layers: tuple[int, ...]) -> Candidate:
+        if layers not in evaluated:
+            t_draft = latency.draft[f"depth{len(layers)}"]
+            alpha = agreement(LlamaRuntime(weights, list(layers)), calib)
+            evaluated[layers] = c = Candidate(list(layers), alpha, t_draft, **predict(alpha, t_draft, t_target, k_max))
+            if log:
+                log(f"layers {list(layers)}: alpha {alpha:.3f}, predicted {c.speedup:.2f}x at k={c.k}")
+        return evaluated[layers]
+
+    for layers in extra:
+        score(tuple(layers))
     frontier: list[tuple[int, ...]] = [()]
-    for depth in range(1, max_depth + 1):
-        t_draft = latency.draft[f"depth{depth}"]
+    for depth in range(1, max_depth + 1) if beam else ():
         cands = {tuple(sorted(f + (i,))) for f in frontier for i in range(n) if i not in f}
-        scored = []
-        for layers in sorted(cands):
-            if layers not in evaluated:
-                alpha = agreement(LlamaRuntime(weights, list(layers)), calib)
-                evaluated[layers] = Candidate(list(layers), alpha, t_draft, **predict(alpha, t_draft, t_target, k_max))
-                if log:
-                    c = evaluated[layers]
-                    log(f"layers {list(layers)}: alpha {alpha:.3f}, predicted {c.speedup:.2f}x at k={c.k}")
-            scored.append(evaluated[layers])
-        scored.sort(key=lambda c: -c.alpha)
+        scored = sorted((score(c) for c in sorted(cands)), key=lambda c: -c.alpha)
         frontier = [tuple(c.layers) for c in scored[:beam]]
     return sorted(evaluated.values(), key=lambda c: -c.tokens_per_s)

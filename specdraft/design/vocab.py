@@ -40,18 +40,27 @@ def token_counts(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.bincount(tokens.reshape(-1).long(), minlength=vocab_size)[:vocab_size]
 
 
-def top_tokens(counts: torch.Tensor, n: int, always: tuple[int, ...] = ()) -> VocabSubset:
-    """The ``n`` most frequent ids (ties: lower id first), plus ``always`` (e.g. EOS) if missing.
+def top_tokens(counts: torch.Tensor, n: int, always: tuple[int, ...] = (), secondary: torch.Tensor | None = None) -> VocabSubset:
+    """The ``n`` most frequent ids, plus ``always`` (e.g. EOS) if missing.
+
+    Ties (above all the many ids never seen in the answers) are broken by ``secondary`` counts
+    (e.g. how often the id occurs in training prompts, which answers often quote), then by lower
+    id (in BPE vocabularies, earlier merges are the more frequent pieces).
 
     Args:
-        counts: ``(V,)`` occurrences per id.
+        counts: ``(V,)`` occurrences per id in the target's answers.
         n: subset size, ``1 <= n <= V``. The result may hold up to ``n + len(always)`` ids.
         always: ids that must be in the subset whatever their count.
+        secondary: ``(V,)`` tie-breaking counts, or None.
     """
     V = counts.numel()
     if not 1 <= n <= V:
         raise SpecdraftError(f"head size must be in 1..{V}, got {n}")
-    order = torch.argsort(-counts.double() * (V + 1) + torch.arange(V, dtype=torch.float64))  # stable by id
+    ids = torch.arange(V)
+    order = ids
+    for key in (secondary, counts):  # stable sorts: the last key is the primary one
+        if key is not None:
+            order = order[torch.sort(-key.long()[order], stable=True).indices]
     keep = order[:n].tolist()
     have = set(keep)
     keep += [t for t in always if 0 <= t < V and t not in have]

@@ -101,7 +101,10 @@ def resolve_draft_dir(name: str) -> Path:
 
 
 def find_default(target_model) -> Path | None:
-    """The committed draft (``drafts/*``) designed for this target, or None."""
+    """The committed token-level draft (``drafts/*``) designed for this target, or None.
+
+    Feature-conditioned drafts are never the default: they need engines built to hand them the
+    target's hidden state, which not every caller does."""
     from specdraft.design.artifact import check_compatible, read_meta
 
     if not DRAFTS_DIR.is_dir():
@@ -110,10 +113,12 @@ def find_default(target_model) -> Path | None:
         if not (d / "specdraft.json").is_file():
             continue
         try:
-            check_compatible(read_meta(d), target_model, str(d))
+            meta = read_meta(d)
+            check_compatible(meta, target_model, str(d))
         except SpecdraftError:
             continue
-        return d
+        if meta.kind == "layers":
+            return d
     return None
 
 

@@ -26,3 +26,10 @@ def test_bad_size_is_a_clear_error():
         top_tokens(torch.zeros(10), 0)
     with pytest.raises(SpecdraftError, match="head size"):
         top_tokens(torch.zeros(10), 11)
+
+
+def test_secondary_counts_break_ties_among_unseen_ids():
+    counts = token_counts(torch.tensor([4, 4, 6]), vocab_size=8)
+    secondary = torch.tensor([0, 0, 5, 1, 0, 0, 0, 9])
+    sub = top_tokens(counts, 4, secondary=secondary)
+    assert sub.token_ids.tolist() == [4, 6, 7, 2]  # answers first, then the prompts' most frequent
