@@ -4,6 +4,7 @@ latencies, validate a few configurations online, and write the results (then ``s
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -66,11 +67,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
+def reproducing_command(args: argparse.Namespace) -> str:
+    """The ``specdraft study`` command line of this run, every option spelled out."""
+    parts = ["specdraft", "study"]
+    for name, value in vars(args).items():
+        if name.startswith("_") or name == "command" or value is None or value is False or value == []:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            parts.append(flag)
+        elif name == "draft":
+            for v in value:
+                parts += [flag, v]
+        elif isinstance(value, list):
+            parts += [flag, ",".join(map(str, value))]
+        else:
+            parts += [flag, str(value)]
+    return shlex.join(parts)
+
+
 def run(args: argparse.Namespace) -> int:
     from specdraft import api
     from specdraft.study import datasets as ds
-    from specdraft.study.store import ResultStore
-    from specdraft.study.sweep import StudyConfig, default_drafts, latency_rows, load_target, run_sweep
+    from specdraft.study.store import ResultStore, row_key
+    from specdraft.study.sweep import StudyConfig, build_drafter, default_drafts, latency_rows, load_target, run_sweep
     from specdraft.study.store import code_version
     from specdraft.study.validate import summarize, validate
 
@@ -92,6 +112,9 @@ def run(args: argparse.Namespace) -> int:
     config = StudyConfig(args.target, dtype, args.threads, drafts, args.k, args.batch, args.max_new_tokens,
                          contexts, args.profile_repeats, args.draft_dtype)
 
+    for spec in drafts:  # a bad draft spec fails now, not after the target has generated continuations
+        build_drafter(pipe, spec, config.draft_dtype)
+
     def path_or_default(value, default):
         if value == "none":
             return None
@@ -108,6 +131,10 @@ def run(args: argparse.Namespace) -> int:
     n_cfg = len(drafts) * len(config.ks) * len(config.batches) * len(datasets)
     log(f"study: {len(drafts)} drafts x {len(config.ks)} k x {len(config.batches)} batch sizes x {len(datasets)} datasets "
         f"= {n_cfg} configurations; code {code_version()}; results {store.path}")
+    command = reproducing_command(args)
+    store.append({"key": row_key({"kind": "run", "command": command, "started": time.time()}, code_version()),
+                  "kind": "run", "command": command, "code_version": code_version(),
+                  "started": time.strftime("%Y-%m-%d %H:%M:%S")})
     summary = run_sweep(config, datasets, heldout, store, executor=args.executor, address=args.address,
                         workers=args.workers, progress=not args.no_progress, log=log)
     log(f"sweep: {summary.configurations} configurations, {summary.computed} rows computed in {summary.seconds:.0f} s "

@@ -44,6 +44,7 @@ class Inputs:
     quality: list[dict] = field(default_factory=list)
     latency: list[dict] = field(default_factory=list)
     online: list[dict] = field(default_factory=list)
+    runs: list[dict] = field(default_factory=list)
     bench: list[tuple[Path, dict]] = field(default_factory=list)
     profiles: list[tuple[Path, dict]] = field(default_factory=list)
     files: list[Path] = field(default_factory=list)
@@ -97,7 +98,8 @@ def load_inputs(paths: list[Path]) -> Inputs:
 
 def _add_rows(inp: Inputs, rows: list[dict]) -> None:
     for r in rows:
-        bucket = {"config": inp.config, "quality": inp.quality, "latency": inp.latency, "online": inp.online}.get(r.get("kind"))
+        bucket = {"config": inp.config, "quality": inp.quality, "latency": inp.latency, "online": inp.online,
+                  "run": inp.runs}.get(r.get("kind"))
         if bucket is not None:
             bucket.append(r)
 
@@ -719,6 +721,8 @@ def write_report(inputs: list[Path], out_dir: Path) -> Path:
             "Acceptance is measured offline against cached greedy target continuations; throughput is predicted "
             "from it and profiled latencies with `specdraft.analytic`."
         )
+        if inp.runs:
+            header.append("\nProduced by: " + "; ".join(f"`{r['command']}` ({r['started']})" for r in inp.runs[-3:]))
     elif inp.online:
         plot_predicted_vs_measured(inp.online, out_dir / "predicted_vs_measured.png")
         body.append("## Predicted vs measured throughput\n\n![predicted vs measured](predicted_vs_measured.png)")

@@ -171,12 +171,14 @@ def validate(
             "online_target_time_s": round(run.stats.target_time, 5),
             "seconds": round(run.total_seconds, 3),
         }
-        if reprofile:
+        if reprofile:  # the batch sizes and context range this run decoded at
+            sizes = sorted({x for x in config.batches if x <= b} | {b})
+            ctxs = sorted({min(s.context for s in sim.steps), max(s.context for s in sim.steps)})
             fresh = Latencies(
-                target=measure_target(pipe.runtime, batch_sizes=range(1, b + 1), k_max=k, contexts=config.contexts,
+                target=measure_target(pipe.runtime, batch_sizes=sizes, k_max=k, contexts=ctxs,
                                       repeats=config.profile_repeats, name=config.target),
-                drafts={draft: measure_draft(pipe.runtime, drafter, draft, batch_sizes=range(1, b + 1),
-                                             contexts=config.contexts, repeats=config.profile_repeats, name=config.target)},
+                drafts={draft: measure_draft(pipe.runtime, drafter, draft, batch_sizes=sizes, contexts=ctxs,
+                                             repeats=config.profile_repeats, name=config.target)},
                 draft_kinds={draft: draft_kind(drafter)},
             )
             tok2, sec2 = predict(sim, fresh, draft)
