@@ -581,6 +581,10 @@ def findings(st: Study, corr: dict, best: dict[int, dict], online: list[dict]) -
         re = [r["reprofiled_relative_error"] for r in online if "reprofiled_relative_error" in r]
         if re:
             line += f"; with latencies re-measured right after each run the median error is {statistics.median(re):.1%}"
+        cf = [r["analytic_relative_error"] for r in online if "analytic_relative_error" in r]
+        if cf:
+            line += (f"; the closed form b E[tokens] / (k T_draft + T_target(k + 1)) at the mean context, without the "
+                     f"step-by-step replay, has median error {statistics.median(cf):.1%}")
         out.append(line + ".")
     return out
 
@@ -684,7 +688,8 @@ def _bench_sections(inp: Inputs, out_dir: Path) -> tuple[list[str], list[str]]:
                 f"{_fmt(o.get('mean_accepted_tokens'))} tokens per target forward over {o.get('prompts')} prompts")
         if o.get("identical") is not None:
             line += f"; outputs identical to plain decoding for {o['identical']} of {o['prompts']} prompts"
-        for m, label in (("hf_plain", "transformers generate"), ("hf_assisted", "transformers assisted")):
+        for m, label in (("hf_plain", "transformers generate"), ("hf_assisted", "transformers assisted"),
+                         ("hf_prompt_lookup", "transformers prompt lookup")):
             if o.get(f"{m}_tokens_per_s"):
                 line += f"; {label} {o[f'{m}_tokens_per_s']:.1f} tokens/s"
         found.append(line + ".")

@@ -153,6 +153,9 @@ def validate(
         sim = simulate(props, k, b)
         tok, sec = predict(sim, lat, draft)
         predicted = tok / sec
+        ctx = statistics.mean(s.context for s in sim.steps if not s.first)
+        closed = analytic.batch_throughput(sim.mean_accepted_length, k, b, lambda bb: lat.draft_time(draft, bb, ctx),
+                                           lambda bb, n: lat.target_time(bb, n, ctx), draft_calls=lat.draft_calls(draft, k))
         # warm-up (first-call allocations), then the timed run
         online_run(pipe.runtime, drafter, [seqs[0].prompt], k, 1, 4, pipe.eos_ids)
         run = online_run(pipe.runtime, drafter, [s.prompt for s in seqs], k, b, config.max_new_tokens, pipe.eos_ids)
@@ -165,6 +168,8 @@ def validate(
             "measured_total_tokens_per_s": round(run.total_tokens / run.total_seconds, 4) if run.total_seconds else None,
             "predicted_tokens_per_s": round(predicted, 4),
             "relative_error": round(analytic.relative_error(predicted, run.tokens_per_s), 5),
+            "analytic_tokens_per_s": round(closed, 4),
+            "analytic_relative_error": round(analytic.relative_error(closed, run.tokens_per_s), 5),
             "online_mean_accepted_length": round(run.stats.mean_accepted_length, 5),
             "offline_mean_accepted_length": round(sim.mean_accepted_length, 5),
             "online_draft_time_s": round(run.stats.draft_time, 5),
