@@ -63,9 +63,9 @@ class BenchOptions:
             :data:`specdraft.lossless.DEFAULT_TOLERANCE`.
         progress: show a progress bar on stderr.
         warmup: run every method once before measuring.
-        time_budget_s: start no new prompt once this many seconds have passed since the run
-            began (None: no limit; the first prompt always runs); prompts left out are listed in
-            ``skipped``.
+        time_budget_s: start a prompt only if the run (warm-up included) is expected to end within
+            this many seconds, expecting the mean duration of the prompts so far (None: no limit;
+            the first prompt always runs); prompts left out are listed in ``skipped``.
     """
 
     k: str | int = 5
@@ -313,16 +313,21 @@ def run_bench(pipe: Pipeline, prompts: list[BenchPrompt], options: BenchOptions,
         ids = fit_context(_encode_turn(pipe, [{"role": "user", "content": prompts[0].turns[0]}]), min(budget, 64), "truncate").ids
         for decode, _ in decoders(0, min(WARMUP_TOKENS, options.max_new_tokens)).values():
             decode(ids)
+    warmup_s = time.perf_counter() - started
 
     overall, categories = _Tally(), {}
     rows, skipped = [], []
     bar = _progress(len(prompts), options.progress)
     try:
         for i, prompt in enumerate(prompts):
-            if i > 0 and options.time_budget_s is not None and time.perf_counter() - started > options.time_budget_s:
-                skipped += [{"id": p.id, "category": p.category, "reason": "time budget"} for p in prompts[i:]]
-                log(f"time budget of {options.time_budget_s:.0f} s spent: {len(prompts) - i} prompts not run")
-                break
+            if i > 0 and options.time_budget_s is not None:
+                elapsed = time.perf_counter() - started
+                expected = (elapsed - warmup_s) / i  # mean seconds per prompt so far
+                if elapsed + expected > options.time_budget_s:
+                    skipped += [{"id": p.id, "category": p.category, "reason": "time budget"} for p in prompts[i:]]
+                    log(f"time budget of {options.time_budget_s:.0f} s: {elapsed:.0f} s spent, about {expected:.0f} s per "
+                        f"prompt; {len(prompts) - i} prompts not run")
+                    break
             runs: dict[str, MethodRun] = {}
             spec_stats = SpecStats()
             for method, (decode, engine) in decoders(i, options.max_new_tokens).items():

@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     print(table)
 
     k = options.fixed_k or 8
-    profile = profile_pipeline(pipe, batch_sizes=(1,), new_tokens=(1, 2, 4, k + 1), context=200, repeats=5, warmup=1)
+    profile = profile_pipeline(pipe, batch_sizes=(1,), new_tokens=(1, 2, k + 1), context=200, repeats=5, warmup=1)
     profile_json = out / "profile.json"
     profile.save(profile_json)
     print("\n" + profile.table())

@@ -24,7 +24,7 @@ def test_demo_writes_bench_profile_and_report(tmp_path, capsys):
     bench = json.loads((out / "bench.json").read_text())
     assert bench["overall"]["prompts"] == 2 and set(bench["categories"]) == {"writing", "qa"}
     assert bench["config"]["command"].startswith("specdraft demo --target tiny --draft prune:0 --k 3")
-    assert json.loads((out / "profile.json").read_text())["t_target"]["1"].keys() == {"1", "2", "4"}
+    assert json.loads((out / "profile.json").read_text())["t_target"]["1"].keys() == {"1", "2", "4"}  # n = 1, 2, k + 1
     report = (out / "REPORT.md").read_text()
     assert "bench.json" in report and "profile.json" in report
     stdout = capsys.readouterr().out
