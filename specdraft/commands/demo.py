@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         baselines=() if args.no_baselines else ("hf",),
         max_prompt_tokens=args.max_prompt_tokens,
-        progress=sys.stderr.isatty(),
+        progress=True,
         time_budget_s=max(args.time_budget - (time.perf_counter() - t0) - RESERVE_S, 0.0),
     )
     notes: list[str] = []
@@ -94,9 +95,11 @@ def _command(args: argparse.Namespace) -> str:
     parts += ["--time-budget", f"{args.time_budget:g}"]
     if args.threads is not None:
         parts += ["--threads", str(args.threads)]
+    if args.prompts:
+        parts += ["--prompts", args.prompts]
     if args.no_baselines:
         parts.append("--no-baselines")
-    return " ".join(parts)
+    return shlex.join(parts)
 
 
 def _write_report(out: Path, bench_json: Path, profile_json: Path) -> Path | None:
