@@ -5,6 +5,9 @@ The analytic model (:mod:`specdraft.analytic`) predicts throughput from two late
 - ``T_target(b, n)``: one target forward over ``n`` new tokens for each of ``b`` rows whose cache
   already holds ``context`` tokens (n = k + 1 when verifying k drafts; n = 1 is a plain step);
 - ``T_draft(b)``: one draft step, i.e. one draft token for each of ``b`` rows at that context.
+  For a model draft that is one forward of one token per row through ``drafter.runtime`` plus
+  the argmax (a feature-conditioned draft's input projection is not included); for a drafter
+  without a model (prompt lookup) one ``propose`` of one token from a random context.
 
 How they are measured: the context is prefilled once per batch size (random token ids; the
 position-indexed cache makes every timed forward rewrite the same slots, so nothing grows), then
@@ -26,7 +29,7 @@ exactly four matmuls (q/k/v, output projection, gate/up, down) and the LM head i
 - ``python``: wall time between ops (interpreter and dispatch), i.e. the profiled wall time minus
   the ops' time.
 
-The shares are scaled to the unprofiled median ``T_draft(1)`` (the profiler's own overhead
+Each bucket is the median over a few profiled steps, and the shares are scaled to the unprofiled median ``T_draft(1)`` (the profiler's own overhead
 inflates every op). Runtimes that are not the compact one get the buckets ``matmul``,
 ``attention``, ``other`` and ``python`` by op name; drafters without a model (prompt lookup) get
 one bucket, ``lookup``.
