@@ -6,7 +6,8 @@ speculative decoding interleaved plus the transformers baselines; then a latency
 target and the draft, and the report. ``--time-budget`` (270 s) bounds the whole demo: the bench
 starts no new question once the profile and the report (about 45 s kept for them) would not fit, so
 a busy machine gives a shorter bench rather than a late demo; the questions left out are listed in
-``bench.json`` under ``skipped``. Everything goes to ``runs/demo/`` (git-ignored):
+``bench.json`` under ``skipped``. Without ``--threads`` the demo uses every core when the machine
+is idle and one thread when it is busy (:func:`demo_threads`). Everything goes to ``runs/demo/`` (git-ignored):
 
 - ``bench.json`` / ``bench.md``: the ``specdraft bench`` results and table;
 - ``profile.json``: T_target(1, n) and T_draft(1) and the draft-step breakdown;
@@ -48,11 +49,14 @@ def run(args: argparse.Namespace) -> int:
     from specdraft.bench.runner import BenchOptions, markdown_table, run_bench
 
     t0 = time.perf_counter()
+    if args.threads is None:
+        args.threads = demo_threads()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prompts = load_prompts(args.prompts, None, args.limit)
     pipe = api.load(args.target, args.draft, dtype=args.dtype, runtime=args.runtime, threads=args.threads, draft_dtype=args.draft_dtype)
-    print(f"target {pipe.target.name} ({pipe.target.source}); draft {pipe.draft_spec}; k {args.k}; {pipe.runtime}", file=sys.stderr)
+    print(f"target {pipe.target.name} ({pipe.target.source}); draft {pipe.draft_spec}; k {args.k}; {pipe.runtime}; "
+          f"{args.threads} thread(s)", file=sys.stderr)
     print(f"bench: {len(prompts)} questions, {args.max_new_tokens} new tokens per turn", file=sys.stderr)
 
     options = BenchOptions(
@@ -87,6 +91,24 @@ def run(args: argparse.Namespace) -> int:
     if report is not None:
         print(f"report: {report}")
     return 0
+
+
+def demo_threads() -> int:
+    """All cores on an idle machine; one thread when others are running (load average >= 1).
+
+    Several threads per process on a machine whose cores are already busy make every thread
+    wait for the others: on this project's shared 2-core machine (load 3 to 6) SmolLM2 decoded
+    about 1 to 1.5 tokens/s with 2 threads and about 5 tokens/s with 1.
+    """
+    import os
+
+    import torch
+
+    try:
+        busy = os.getloadavg()[0] >= 1.0
+    except OSError:
+        busy = False
+    return 1 if busy else torch.get_num_threads()
 
 
 def _command(args: argparse.Namespace) -> str:
