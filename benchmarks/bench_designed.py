@@ -37,22 +37,25 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--draft", default="default", help="the designed draft (default: the project default)")
-    p.add_argument("--pruned", default="prune:0,1,2,29", help="the untrained layer-pruned baseline (the best one from `specdraft design search`)")
+    p.add_argument("--pruned", default="prune:0", help="the untrained layer-pruned baseline (the best one from `specdraft design search`)")
     p.add_argument("--k", default="4", help="draft length of the designed draft")
-    p.add_argument("--k-pruned", default="3", help="draft length of the pruned baseline")
+    p.add_argument("--k-pruned", default="1", help="draft length of the pruned baseline")
     p.add_argument("--limit", type=int, default=2, help="prompts per Spec-Bench category")
     p.add_argument("--categories", default=None)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-prompt-tokens", type=int, default=768, help="longer prompts are cut in the middle (same for all methods)")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", default="auto", help="the target's precision")
+    p.add_argument("--draft-dtype", default="auto", help="every draft's precision (auto: int8 on CPUs without native bf16)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-hf", action="store_true", help="skip transformers' plain generate")
+    p.add_argument("--also", default="", help="more drafts to run alongside, comma-separated 'spec@k' (e.g. lookup@4)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
 
     torch.set_num_threads(args.threads)
-    pipe = api.load(args.target, args.draft, dtype=args.dtype, threads=args.threads)
-    pruned = api.make_drafter(args.pruned, pipe.target, pipe.runtime, api.resolve_dtype(args.dtype))
+    pipe = api.load(args.target, args.draft, dtype=args.dtype, threads=args.threads, draft_dtype=args.draft_dtype)
+    draft_dtype = api.resolve_dtype(args.draft_dtype, draft=True)
+    pruned = api.make_drafter(args.pruned, pipe.target, pipe.runtime, draft_dtype)
     prompts = load_prompts(None, parse_categories(args.categories), args.limit)
     print(f"target {pipe.target.name} ({pipe.runtime}); designed {pipe.drafter.name} k={args.k}; "
           f"pruned {args.pruned} k={args.k_pruned}; {len(prompts)} Spec-Bench prompts (first turn), "
@@ -77,6 +80,9 @@ def main() -> int:
         return y[0, len(ids):].tolist(), None
 
     methods = {"plain": engine_run(None, "0"), "designed": engine_run(pipe.drafter, args.k), "pruned": engine_run(pruned, args.k_pruned)}
+    for item in filter(None, args.also.split(",")):
+        spec, _, k = item.partition("@")
+        methods[spec] = engine_run(api.make_drafter(spec, pipe.target, pipe.runtime, draft_dtype), k or args.k)
     if not args.no_hf:
         methods["hf_plain"] = hf_run
     names = list(methods)
@@ -118,7 +124,7 @@ def main() -> int:
     if "hf_plain" in tps:
         ratios["designed_vs_hf_plain"] = tps["designed"] / tps["hf_plain"]
     categories = {}
-    for name in ("designed", "pruned"):
+    for name in [n for n in names if n not in ("plain", "hf_plain")]:
         categories[name] = {c: {"mean_accepted_length": round(s.mean_accepted_length, 3), "acceptance_rate": round(s.acceptance_rate, 3),
                                 "generated": s.generated} for c, s in sorted(per_cat[name].items())}
         total = SpecStats()
@@ -134,8 +140,7 @@ def main() -> int:
     print("outputs differing from plain decoding: " + (", ".join(f"{k} {v}" for k, v in mismatches.items()) or "none"))
     print("\nacceptance per category (mean accepted length incl. bonus / acceptance rate):")
     for c in categories["designed"]:
-        d, q = categories["designed"][c], categories["pruned"][c]
-        print(f"  {c:<15} designed {d['mean_accepted_length']:.2f} / {d['acceptance_rate']:.1%}   pruned {q['mean_accepted_length']:.2f} / {q['acceptance_rate']:.1%}")
+        print(f"  {c:<15} " + "   ".join(f"{n} {categories[n][c]['mean_accepted_length']:.2f} / {categories[n][c]['acceptance_rate']:.1%}" for n in categories))
     cmd = "python " + " ".join(sys.argv)
     print(f"\nreproduce: {cmd}")
     if args.json:

@@ -86,6 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--q-per-kv", type=int, default=None, help="query heads per group in the narrow drafts")
     c.add_argument("--kv-heads", type=int, default=None, help="key/value groups in the narrow drafts")
     c.add_argument("--steps", type=int, default=0, help="distillation steps for each draft (0 = untrained)")
+    c.add_argument("--lr", type=float, default=1e-3)
     c.add_argument("--head", type=int, default=0, help="head size for every draft (0 = full vocabulary)")
     c.add_argument("--json", type=Path, required=True, help="write the result rows here")
 
@@ -175,7 +176,7 @@ def _compare(args) -> int:
 
     pipe = _pipe(args)
     rows = compare_depth_width(pipe, budget_layers=args.budget_layers, deep=args.deep, kv_heads=args.kv_heads, q_per_kv=args.q_per_kv,
-                               steps=args.steps, head=args.head, prompts=args.prompts, val_prompts=args.val_prompts,
+                               steps=args.steps, lr=args.lr, head=args.head, prompts=args.prompts, val_prompts=args.val_prompts,
                                max_new_tokens=args.max_new_tokens, gen_batch=args.gen_batch, progress=not args.quiet)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"kind": "depth_vs_width", "target": args.target, "rows": rows}, indent=1))

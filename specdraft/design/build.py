@@ -155,7 +155,7 @@ def build_draft(pipe, cfg: BuildConfig, out: str | Path, *, work: str | Path | N
         "time_s": {**times, "total_s": round(sum(times.values()), 1)},
         "threads": torch.get_num_threads(),
         "validation": {"untrained": before, "trained": after},
-        "params": param_count(draft),
+        "params": param_count(draft) + (model.fc.weight.numel() if cfg.kind == "feature" else 0),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()},
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         **result,
@@ -169,7 +169,7 @@ def build_draft(pipe, cfg: BuildConfig, out: str | Path, *, work: str | Path | N
     extra = {"fc.weight": model.fc.weight} if cfg.kind == "feature" else None
     save_draft(out, draft, meta, dtype=dtype, extra=extra)
     (out / "RECIPE.md").write_text(recipe_markdown(out.name, meta))
-    log(f"saved {out} ({param_count(draft) / 1e6:.2f} M own parameters)")
+    log(f"saved {out} ({recipe['params'] / 1e6:.2f} M own parameters)")
     return recipe
 
 

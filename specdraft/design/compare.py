@@ -33,7 +33,7 @@ def spread(n_layers: int, depth: int) -> list[int]:
     return sorted({round(i * (n_layers - 1) / (depth - 1)) for i in range(depth)})
 
 
-def compare_depth_width(pipe, *, budget_layers=2, deep=(4,), kv_heads=None, q_per_kv=None, steps=0, head=0,
+def compare_depth_width(pipe, *, budget_layers=2, deep=(4,), kv_heads=None, q_per_kv=None, steps=0, lr=1e-3, head=0,
                         prompts=0, val_prompts=48, max_new_tokens=160, gen_batch=32, work=None, progress=True) -> list[dict]:
     """Build (and optionally distil) each draft, then measure it; returns the result rows."""
     from specdraft.design.build import head_subset
@@ -63,7 +63,7 @@ def compare_depth_width(pipe, *, budget_layers=2, deep=(4,), kv_heads=None, q_pe
             import tempfile
 
             with tempfile.TemporaryDirectory(dir=work) as tmp:
-                train_offline(model, data, None, TrainConfig(steps=steps, eval_every=0), tmp, progress=progress)
+                train_offline(model, data, None, TrainConfig(steps=steps, lr=lr, warmup=max(steps // 10, 1), eval_every=0), tmp, progress=progress)
         alpha = validate(model, val)["alpha"]
         w = draft_weights(draft, pipe.runtime.w, sub.token_ids if sub else None, pipe.runtime.dtype)
         rt = LlamaRuntime(w)

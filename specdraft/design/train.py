@@ -414,7 +414,7 @@ def train_offline(
             torch.nn.utils.clip_grad_norm_(model.trainable(), cfg.grad_clip)
         opt.step()
         step += 1
-        loss_ema = float(loss) if loss_ema is None else 0.9 * loss_ema + 0.1 * float(loss)
+        loss_ema = float(loss.detach()) if loss_ema is None else 0.9 * loss_ema + 0.1 * float(loss.detach())
         record = None
         if val is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps):
             val_stats = validate(model, val, cfg.max_len, cfg.batch_size, cfg.eval_k)
