@@ -8,7 +8,7 @@ from specdraft.design.artifact import DraftMeta, save_draft
 from specdraft.design.prune import depth_prune
 from specdraft.design.vocab import VocabSubset
 from specdraft.drafters.base import DraftContext
-from specdraft.drafters.designed import SubsetHeadRuntime, draft_weights
+from specdraft.drafters.designed import GatedDrafter, SubsetHeadRuntime, VerifyCost, best_prefix, draft_weights
 from specdraft.engine import Engine
 from specdraft.models.llama import LlamaRuntime, LlamaWeights
 from specdraft.policy import FixedK
@@ -43,8 +43,9 @@ def test_greedy_output_equals_plain_decoding_through_the_api(tiny_pipe, tmp_path
     ids = head_subset(32, must=(255,))  # a head that misses most of what the target says
     meta = DraftMeta.for_target(target, "tiny", head=VocabSubset(ids, 0.0), init_layers=[0])
     save_draft(tmp_path / "d", depth_prune(target, [0]), meta)
-    pipe = api.load("tiny", draft=f"designed:{tmp_path / 'd'}", dtype="fp32")
+    pipe = api.load("tiny", draft=f"designed:{tmp_path / 'd'}", dtype="fp32", draft_dtype="fp32")
     assert pipe.drafter.name == "designed:d"
+    pipe.drafter.cost = VerifyCost([1.0] * 9, 0.0)  # free verification: always propose all k
     prompts = random_prompts([5, 17, 9], seed=3)
     plain = decode(Engine(pipe.runtime), prompts, 24)
     spec = pipe.engine(4)
@@ -122,3 +123,29 @@ def test_sampling_through_the_engine_reproduces_the_target_distribution():
         tv = 0.5 * (freq - exact).abs().sum()
         assert tv < 0.06, (pos, float(tv))
         assert freq[~torch.isin(torch.arange(256), head)].sum() > 0.15  # tokens the draft cannot propose
+
+
+def test_best_prefix_weighs_expected_tokens_against_verification_cost():
+    cost = VerifyCost(target=[1.0, 2.0, 2.2, 2.4, 2.6], draft=0.05)
+    conf = torch.tensor([[0.99, 0.99, 0.99, 0.99], [0.3, 0.9, 0.9, 0.9], [0.9, 0.9, 0.1, 0.9]])
+    # row 0: 5 expected tokens for 2.75 beats a plain step; row 1: a 30% first token never pays
+    # row 2: two likely tokens (1 + 0.9 + 0.81 = 2.71 for 2.25) pay, the third does not
+    assert best_prefix(conf, cost).tolist() == [4, 0, 2]
+    assert best_prefix(torch.full((1, 3), 0.01), VerifyCost([1.0] * 4, 0.0)).tolist() == [3]  # free: all
+
+
+def test_gated_drafter_stays_lossless_and_proposes_only_what_pays(tiny_pipe):
+    ids = head_subset(64, must=(255,))
+    rt = _subset_runtime(tiny_pipe, ids)
+    prompts = random_prompts([6, 13], seed=8)
+    plain = decode(Engine(tiny_pipe.runtime), prompts, 16)
+    costly = GatedDrafter(rt, "gated", cost=VerifyCost([1.0, 50.0], 0.0))  # verifying 2+ tokens never pays
+    e = Engine(tiny_pipe.runtime, costly, FixedK(4))
+    assert decode(e, prompts, 16) == plain and e.stats.drafted == 0
+    free = GatedDrafter(_subset_runtime(tiny_pipe, ids), "gated", cost=VerifyCost([1.0] * 9, 0.0))
+    e = Engine(tiny_pipe.runtime, free, FixedK(4))
+    assert decode(e, prompts, 16) == plain and e.stats.drafted == e.stats.steps * 4
+    measured = GatedDrafter(_subset_runtime(tiny_pipe, ids), "gated", target_runtime=tiny_pipe.runtime)
+    e = Engine(tiny_pipe.runtime, measured, FixedK(3))
+    sampled = decode(e, prompts, 8, SamplingParams(temperature=1.0, seed=3))
+    assert [len(x) for x in sampled] == [8, 8] and measured.cost.target[0] == 1.0 and len(measured.cost.target) == 9
