@@ -141,6 +141,10 @@ def main() -> int:
     print("\nacceptance per category (mean accepted length incl. bonus / acceptance rate):")
     for c in categories["designed"]:
         print(f"  {c:<15} " + "   ".join(f"{n} {categories[n][c]['mean_accepted_length']:.2f} / {categories[n][c]['acceptance_rate']:.1%}" for n in categories))
+    cost = getattr(pipe.drafter, "cost", None)
+    if cost is not None:
+        print("designed draft's measured cost model: T_target(n)/T_target(1) = " + ", ".join(f"{x:.2f}" for x in cost.target)
+              + f"; T_draft/T_target(1) = {cost.draft:.3f}")
     cmd = "python " + " ".join(sys.argv)
     print(f"\nreproduce: {cmd}")
     if args.json:
@@ -150,6 +154,7 @@ def main() -> int:
             "k_pruned": args.k_pruned, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "threads": args.threads,
             "tokens_per_s": tps, "decode_tokens_per_s": dec, "ratios": ratios, "mismatches": dict(mismatches),
             "acceptance_per_category": categories,
+            "cost_model": None if cost is None else {"target": cost.target, "draft": cost.draft},
         }, indent=1))
     return 0
 

@@ -208,26 +208,21 @@ def best_prefix(conf: torch.Tensor, cost: VerifyCost) -> torch.Tensor:
     return (expected / costs).argmax(1)
 
 
-class _RecordLogits:
-    """Runtime wrapper keeping the last-position logits of every forward (for confidences)."""
-
-    def __init__(self, runtime):
-        self.runtime = runtime
-        self.vocab_size, self.max_context, self.dtype = runtime.vocab_size, runtime.max_context, runtime.dtype
-        self.seen: list[torch.Tensor] = []
-
-    def new_state(self, batch_size: int, capacity: int):
-        return self.runtime.new_state(batch_size, capacity)
-
-    def forward(self, state, tokens, positions, **kw):
-        out = self.runtime.forward(state, tokens, positions, **kw)
-        self.seen.append(out.logits[:, -1])
-        return out
+def _worth_continuing(cum: torch.Tensor, k: int, cost: VerifyCost) -> bool:
+    """After i drafted tokens (``cum`` ``(B, i)``: P_1..P_i), could a longer prefix still win for
+    any row? P never grows, so ``1 + sum_{j <= i} P_j + (m - i) P_i`` bounds the expected tokens of
+    every prefix m > i: stopping here never changes the chosen prefix."""
+    i = cum.shape[1]
+    expected = 1 + torch.cat([torch.zeros(cum.shape[0], 1), cum.cumsum(1)], 1)  # (B, i + 1): m = 0..i
+    best = (expected / torch.tensor([cost.step(m) for m in range(i + 1)])).max(1).values
+    bound = torch.stack([(expected[:, -1] + (m - i) * cum[:, -1]) / cost.step(m) for m in range(i + 1, k + 1)]).max(0).values
+    return bool((bound > best).any())
 
 
 class GatedDrafter(ModelDrafter):
     """A model drafter that proposes only the prefix of its k tokens that is expected to pay
-    (module docstring). ``cost`` is measured on the first proposal unless given.
+    (module docstring), and stops drafting as soon as no longer prefix can pay for any row.
+    ``cost`` is measured on the first proposal unless given.
 
     Args:
         runtime: the draft's runtime.
@@ -238,8 +233,7 @@ class GatedDrafter(ModelDrafter):
     """
 
     def __init__(self, runtime, name: str, target_runtime=None, cost: VerifyCost | None = None):
-        self._rec = _RecordLogits(runtime)
-        super().__init__(self._rec, name)
+        super().__init__(runtime, name)
         self.target_runtime = target_runtime
         self.cost = cost
 
@@ -247,15 +241,38 @@ class GatedDrafter(ModelDrafter):
         if self.cost is None:
             if self.target_runtime is None:
                 raise SpecdraftError("GatedDrafter needs a target runtime or a cost model")
-            self.cost = VerifyCost.measure(self.target_runtime, self._rec.runtime)
-        self._rec.seen.clear()
-        prop = super().propose(state, ctx, k)
-        if prop.probs is not None:  # sampling: q of the sampled token
-            conf = prop.probs.gather(-1, prop.tokens.unsqueeze(-1)).squeeze(-1)  # (B, k)
-        else:  # greedy: the draft's probability of its argmax
-            conf = torch.stack([lg.float().softmax(-1).max(-1).values for lg in self._rec.seen[-k:]], 1)  # (B, k)
-        prop.num_valid = best_prefix(conf, self.cost)
-        return prop
+            self.cost = VerifyCost.measure(self.target_runtime, self.runtime)
+        B, L = ctx.lengths.shape[0], ctx.lengths
+        # catch up on committed tokens the draft has not seen, as ModelDrafter does
+        pending = L - state.fed  # (B,)
+        P = int(pending.max())
+        positions = state.fed.unsqueeze(1) + torch.arange(P)  # (B, P)
+        tokens = ctx.tokens.gather(1, positions.clamp(max=ctx.tokens.shape[1] - 1))
+        logits = self.runtime.forward(state.kv, tokens, positions, logits_index=(pending - 1).unsqueeze(1)).logits[:, 0]
+
+        draft = torch.zeros(B, k, dtype=torch.int64)
+        conf = torch.zeros(B, k)
+        probs = None
+        made = k
+        for i in range(k):
+            draft[:, i], q = choose_tokens(logits, ctx)
+            if q is None:  # greedy: the draft's probability of its argmax
+                conf[:, i] = logits.float().softmax(-1).max(-1).values
+            else:  # sampling: q of the sampled token
+                if probs is None:
+                    probs = torch.zeros(B, k, q.shape[-1])
+                probs[:, i] = q
+                conf[:, i] = q.gather(-1, draft[:, i : i + 1]).squeeze(-1)
+            if i + 1 < k and not _worth_continuing(conf[:, : i + 1].cumprod(1), k, self.cost):
+                made = i + 1
+                break
+            if i + 1 < k:
+                logits = self.runtime.forward(state.kv, draft[:, i : i + 1], (L + i).unsqueeze(1)).logits[:, 0]
+        state.fed = L.clone()
+        state.base = L.clone()
+        state.k = made
+        num_valid = best_prefix(conf[:, :made], self.cost)
+        return Proposal(tokens=draft, probs=probs, num_valid=num_valid)
 
 
 # ------------------------------------------------------------------------------------ feature drafts

@@ -149,3 +149,17 @@ def test_gated_drafter_stays_lossless_and_proposes_only_what_pays(tiny_pipe):
     e = Engine(tiny_pipe.runtime, measured, FixedK(3))
     sampled = decode(e, prompts, 8, SamplingParams(temperature=1.0, seed=3))
     assert [len(x) for x in sampled] == [8, 8] and measured.cost.target[0] == 1.0 and len(measured.cost.target) == 9
+
+
+def test_drafting_stops_once_no_longer_prefix_can_pay(tiny_pipe):
+    from specdraft.drafters.designed import _worth_continuing
+
+    cost = VerifyCost(target=[1.0, 2.0, 2.4, 2.5, 2.6], draft=0.05)
+    assert not _worth_continuing(torch.tensor([[0.2]]), 4, cost)  # even 4 tokens at P = 0.2 cannot beat a plain step
+    assert _worth_continuing(torch.tensor([[0.9]]), 4, cost)
+    ids = head_subset(64)
+    d = GatedDrafter(_subset_runtime(tiny_pipe, ids), "gated", cost=VerifyCost([1.0, 50.0], 0.0))
+    state = d.new_state(1, 32)
+    ctx = DraftContext(torch.tensor([random_prompts([8], seed=1)[0] + [0] * 24]), torch.tensor([8]), [SamplingParams()], [None])
+    prop = d.propose(state, ctx, 4)
+    assert prop.num_valid.tolist() == [0] and state.k == 1  # one draft forward, then it stopped
