@@ -101,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
     if args.prompts_per_dataset < 1 or args.heldout < 0 or args.max_new_tokens < 2:
         raise SpecdraftError("need --prompts-per-dataset >= 1, --heldout >= 0 and --max-new-tokens >= 2")
     t0 = time.perf_counter()
+    version = code_version()  # once: edits to the tree during a long run must not split its rows
     pipe = load_target(args.target, dtype, args.threads)
     if args.drafts:
         drafts = [d.strip() for d in args.drafts.split(";") if d.strip()]
@@ -130,20 +131,20 @@ def run(args: argparse.Namespace) -> int:
     store = ResultStore(out / "results.jsonl")
     n_cfg = len(drafts) * len(config.ks) * len(config.batches) * len(datasets)
     log(f"study: {len(drafts)} drafts x {len(config.ks)} k x {len(config.batches)} batch sizes x {len(datasets)} datasets "
-        f"= {n_cfg} configurations; code {code_version()}; results {store.path}")
+        f"= {n_cfg} configurations; code {version}; results {store.path}")
     command = reproducing_command(args)
-    store.append({"key": row_key({"kind": "run", "command": command, "started": time.time()}, code_version()),
-                  "kind": "run", "command": command, "code_version": code_version(),
+    store.append({"key": row_key({"kind": "run", "command": command, "started": time.time()}, version),
+                  "kind": "run", "command": command, "code_version": version,
                   "started": time.strftime("%Y-%m-%d %H:%M:%S")})
     summary = run_sweep(config, datasets, heldout, store, executor=args.executor, address=args.address,
-                        workers=args.workers, progress=not args.no_progress, log=log)
+                        workers=args.workers, progress=not args.no_progress, log=log, version=version)
     log(f"sweep: {summary.configurations} configurations, {summary.computed} rows computed in {summary.seconds:.0f} s "
         f"({summary.tasks} offline passes)")
     online = []
     if args.validate > 0:
-        lat = latency_rows(config, code_version(), store, pipe, log)
+        lat = latency_rows(config, version, store, pipe, log)
         online = validate(config, {d.name: d for d in datasets}, lat, store, args.validate,
-                          prompts=args.validate_prompts, reprofile=args.validate_reprofile, log=log)
+                          prompts=args.validate_prompts, reprofile=args.validate_reprofile, log=log, version=version)
     s = summarize(online)
     total = time.perf_counter() - t0
     print(f"configurations: {summary.configurations} (computed now: {summary.computed}); sweep {summary.seconds:.0f} s; "

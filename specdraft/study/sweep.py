@@ -475,6 +475,7 @@ def run_sweep(
     workers: int = 2,
     progress: bool = True,
     log: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
+    version: str | None = None,
 ) -> SweepSummary:
     """Profile, then run every task whose rows are not in ``store`` yet, appending rows as they come.
 
@@ -488,9 +489,11 @@ def run_sweep(
         workers: processes (local) or CPUs of a local Ray cluster.
         progress: show a progress bar with ETA.
         log: where status lines go.
+        version: code version for the keys (default :func:`code_version` now); a caller that
+            runs several phases passes the one it computed at its start.
     """
     t0 = time.perf_counter()
-    version = code_version()
+    version = version or code_version()
     pipe = load_target(config.target, config.dtype, config.threads)
     lat = latency_rows(config, version, store, pipe, log)
     tasks = plan_tasks(config, datasets, heldout, lat, version)

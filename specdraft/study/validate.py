@@ -120,6 +120,7 @@ def validate(
     prompts: int | None = None,
     reprofile: bool = False,
     log: Callable[[str], None] = print,
+    version: str | None = None,
 ) -> list[dict]:
     """Validate ``n`` configurations online; appends (and returns) their ``online`` rows.
 
@@ -132,8 +133,9 @@ def validate(
         prompts: prompts per run (default: the whole dataset; at least the batch size).
         reprofile: also re-measure the latencies right after each run (module docstring).
         log: status lines.
+        version: the code version the sweep's rows were written with (default: the current one).
     """
-    version = code_version()
+    version = version or code_version()
     rows = [r for r in store.of_kind("config") if r["code_version"] == version and r["dataset"] in datasets
             and r["draft"] in config.drafts and r["k"] in config.ks and r["batch"] in config.batches]
     pipe = load_target(config.target, config.dtype, config.threads)
