@@ -293,41 +293,83 @@ def _colors(names: list[str]) -> dict[str, tuple]:
     return {n: cmap(i % cmap.N) for i, n in enumerate(names)}
 
 
+def _styles(names: list[str]) -> dict[str, dict]:
+    """A distinct (color, line style, marker) per name: ten colors, then the next style."""
+    plt = _plt()
+    cmap = plt.get_cmap("tab10")
+    lines, markers = ["-", "--", ":"], ["o", "s", "^"]
+    return {n: {"color": cmap(i % 10), "ls": lines[(i // 10) % 3], "marker": markers[(i // 10) % 3]}
+            for i, n in enumerate(names)}
+
+
+def _label_points(ax, xs: list[float], ys: list[float], labels: list[str], fontsize: int = 7) -> None:
+    """Annotate points; a label that would overlap one placed before it (or leave the axes) tries
+    the next position above, below, then left of its point, with a thin leader line."""
+    ax.autoscale_view()
+    px = ax.figure.dpi / 72  # pixels per point
+    frame = ax.get_window_extent()
+    pts = ax.transData.transform(list(zip(xs, ys)))
+    placed: list[tuple[float, float, float, float]] = []
+    for i in sorted(range(len(xs)), key=lambda i: (-pts[i][1], pts[i][0])):
+        w, h = 0.55 * fontsize * len(labels[i]) * px, 1.25 * fontsize * px
+        candidates = [(3 * px, 3 * px)]
+        for step in range(1, 8):
+            candidates += [(3 * px, 3 * px + step * h), (3 * px, 3 * px - step * h)]
+        candidates += [(-w - 3 * px, 3 * px - step * h) for step in range(-3, 4)]
+        best = candidates[0]
+        for dx, dy in candidates:
+            box = (pts[i][0] + dx, pts[i][1] + dy, pts[i][0] + dx + w, pts[i][1] + dy + h)
+            inside = frame.x0 <= box[0] and box[2] <= frame.x1 and frame.y0 <= box[1] and box[3] <= frame.y1
+            if inside and not any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in placed):
+                best = (dx, dy)
+                break
+        dx, dy = best
+        placed.append((pts[i][0] + dx, pts[i][1] + dy, pts[i][0] + dx + w, pts[i][1] + dy + h))
+        far = abs(dy) > 4 * px or dx < 0
+        ax.annotate(labels[i], (xs[i], ys[i]), xytext=(dx / px, dy / px), textcoords="offset points", fontsize=fontsize,
+                    arrowprops={"arrowstyle": "-", "lw": 0.4, "color": "gray", "shrinkA": 0, "shrinkB": 2} if far else None)
+
+
 def plot_throughput_vs_k(st: Study, path: Path) -> None:
     plt = _plt()
     n = len(st.batches)
-    fig, axes = plt.subplots(1, n, figsize=(3.6 * n + 1.6, 3.6), sharey=False, squeeze=False)
-    colors = _colors([d.draft for d in st.drafts])
-    for ax, b in zip(axes[0], st.batches):
+    cols = min(n, 2)
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.4 * rows + 1.2), squeeze=False)
+    styles = _styles([d.draft for d in st.drafts])
+    for ax, b in zip(axes.flat, st.batches):
         for d in st.drafts:
             ys = [st.mean(d.draft, k, b, "predicted_tokens_per_s") for k in st.ks]
-            ax.plot(st.ks, ys, marker="o", ms=3, color=colors[d.draft], label=short_name(d.draft))
+            ax.plot(st.ks, ys, ms=3, label=short_name(d.draft), **styles[d.draft])
         plain = st.plain_tps(b)
         if plain:
-            ax.axhline(plain, color="black", ls="--", lw=1, label="plain decoding")
+            ax.axhline(plain, color="black", ls="--", lw=1.2, label="plain decoding")
         ax.set_title(f"batch {b}")
         ax.set_xlabel("draft length k")
+        ax.set_ylabel("predicted tokens/s")
         ax.set_xticks(st.ks)
-    axes[0][0].set_ylabel("predicted tokens/s (mean over datasets)")
+    for ax in list(axes.flat)[n:]:
+        ax.set_visible(False)
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="center right", fontsize=8, frameon=False)
-    fig.suptitle("Throughput vs draft length, per draft and batch size")
-    fig.tight_layout(rect=(0, 0, 1 - 1.5 / (3.6 * n + 1.6), 1))
+    ncol = 4
+    fig.legend(handles, labels, loc="lower center", fontsize=8, frameon=False, ncol=ncol)
+    legend_h = 0.22 * ((len(labels) + ncol - 1) // ncol) / (3.4 * rows + 1.2)
+    fig.suptitle("Throughput vs draft length, per draft and batch size (mean over datasets)")
+    fig.tight_layout(rect=(0, legend_h + 0.02, 1, 1))
     fig.savefig(path)
     plt.close(fig)
 
 
 def plot_speedup_vs_latency(st: Study, path: Path) -> None:
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = plt.subplots(figsize=(7.6, 4.8))
     colors = _colors([str(b) for b in st.batches])
     for b in st.batches:
         xs = [d.t_draft_ms / d.t_target_ms for d in st.drafts]
         ys = [d.best_speedup[b] for d in st.drafts]
         ax.scatter(xs, ys, color=colors[str(b)], label=f"batch {b}", s=22)
-    for d in st.drafts:
-        ax.annotate(short_name(d.draft), (d.t_draft_ms / d.t_target_ms, d.best_speedup[min(st.batches)]), fontsize=7,
-                    xytext=(3, 3), textcoords="offset points")
+    _label_points(ax, [d.t_draft_ms / d.t_target_ms for d in st.drafts], [d.best_speedup[min(st.batches)] for d in st.drafts],
+                  [short_name(d.draft) for d in st.drafts])
     ax.axhline(1.0, color="black", lw=1, ls="--")
     ax.set_xlabel("draft step latency / target step latency  (T_draft(1) / T_target(1, 1))")
     ax.set_ylabel("predicted speedup at the best k")
@@ -350,12 +392,11 @@ def _scale_for(ax, values: list[float]) -> str:
 
 def plot_acceptance_vs_perplexity(st: Study, path: Path, corr: dict) -> None:
     plt = _plt()
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.8))
     models = [d for d in st.drafts if d.perplexity is not None]
     a1.scatter([d.perplexity for d in models], [d.accepted for d in models], color="tab:blue", s=26)
-    for d in models:
-        a1.annotate(short_name(d.draft), (d.perplexity, d.accepted), fontsize=7, xytext=(3, 3), textcoords="offset points")
     a1.set_xlabel("draft perplexity on held-out target text" + _scale_for(a1, [d.perplexity for d in models]))
+    _label_points(a1, [d.perplexity for d in models], [d.accepted for d in models], [short_name(d.draft) for d in models])
     a1.set_ylabel(f"mean accepted length, k={st.k_ref}, batch {min(st.batches)}")
     a1.set_title(f"per draft: Pearson {_fmt(corr.get('ppl_acc_pearson'))}, Spearman {_fmt(corr.get('ppl_acc_spearman'))}")
     pts = _dataset_points(st)
@@ -382,22 +423,28 @@ def _dataset_points(st: Study) -> list[tuple[float, float, str, str]]:
 
 
 def plot_breakdown(breakdowns: dict[str, dict[str, float]], path: Path) -> None:
+    from specdraft.bench.profile import BUCKETS
+
     plt = _plt()
     names = list(breakdowns)
-    buckets = list(dict.fromkeys(b for bd in breakdowns.values() for b in bd))
+    seen = list(dict.fromkeys(b for bd in breakdowns.values() for b in bd))
+    buckets = [b for b in BUCKETS if b in seen] + [b for b in seen if b not in BUCKETS]
     colors = _colors(buckets)
-    fig, ax = plt.subplots(figsize=(7.5, 0.45 * len(names) + 1.6))
+    fig, ax = plt.subplots(figsize=(8, 0.42 * len(names) + 1.9))
     left = [0.0] * len(names)
     for bucket in buckets:
         vals = [1e3 * breakdowns[n].get(bucket, 0.0) for n in names]
         ax.barh(names, vals, left=left, color=colors[bucket], label=bucket)
         left = [l + v for l, v in zip(left, vals)]
+    for i, total in enumerate(left):
+        ax.annotate(f"{total:.2f} ms", (total, i), xytext=(3, 0), textcoords="offset points", va="center", fontsize=7)
+    ax.set_xlim(0, max(left) * 1.15 if left and max(left) > 0 else 1)
     ax.set_xlabel("milliseconds per draft step (batch 1)")
     ax.set_title("Where a draft step's time goes")
     ax.invert_yaxis()
-    ax.legend(fontsize=8, ncol=min(len(buckets), 6), loc="lower right")
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
 
 
