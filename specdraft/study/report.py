@@ -549,6 +549,22 @@ def correlations(st: Study) -> dict:
     return out
 
 
+def verification_cost(st: Study) -> dict:
+    """T_target(b, n) / T_target(b, 1) from the target's latency profile at its shortest context,
+    for the smallest and largest batch and n = 2, 3, 5, 9 (those measured)."""
+    prof = next((r["profiles"] for r in st.latency if r.get("draft") is None and r.get("profiles")), None)
+    if not prof:
+        return {}
+    ctx = min(prof, key=int)
+    table = {int(b): {int(n): t for n, t in row.items()} for b, row in prof[ctx]["t_target"].items()}
+    sizes = sorted(table)
+    out = {"batches": (sizes[0], sizes[-1]), "context": int(ctx)}
+    for b in (sizes[0], sizes[-1]):
+        row = table[b]
+        out[b] = {n: row[n] / row[1] for n in (1, 2, 3, 5, 9) if n in row and 1 in row}
+    return out
+
+
 def best_per_batch(st: Study) -> dict[int, dict]:
     """The configuration (draft, k) with the highest mean predicted throughput at each batch size."""
     out = {}
@@ -575,7 +591,7 @@ def findings(st: Study, corr: dict, best: dict[int, dict], online: list[dict]) -
             f"{len(st.drafts)} drafts at batch {b1} (each at its best k), Spearman rho between draft step latency and "
             f"predicted speedup is {_fmt(lat)}, against {_fmt(ppl_sp)} for draft perplexity and {_fmt(acc_sp)} for "
             f"mean accepted length. The best draft is `{short_name(top.draft)}` ({top.best_speedup[b1]:.2f}x at k={top.best_k[b1]}, "
-            f"T_draft {top.t_draft_ms:.2f} ms = {top.t_draft_ms / top.t_target_ms:.0%} of a target step); the cheapest is "
+            f"T_draft {top.t_draft_ms:.2f} ms = {top.t_draft_ms / top.t_target_ms:.1%} of a target step); the cheapest is "
             f"`{short_name(fastest.draft)}` ({fastest.t_draft_ms:.2f} ms)."
         )
     pa, pa_p, n = corr["ppl_acc_spearman"], corr["ppl_acc_pearson"], corr["n_model_drafts"]
@@ -600,13 +616,16 @@ def findings(st: Study, corr: dict, best: dict[int, dict], online: list[dict]) -
     if st.batches and st.drafts:
         parts = []
         for b in st.batches:
-            ks = [d.best_k[b] for d in st.drafts if d.best_speedup[b] > 1.0]
-            parts.append(f"batch {b}: median best k {_fmt(statistics.median(ks), '{:g}') if ks else 'n/a (no draft beats plain)'}")
+            every = [d.best_k[b] for d in st.drafts]
+            paying = [d.best_k[b] for d in st.drafts if d.best_speedup[b] > 1.0]
+            parts.append(f"batch {b}: {statistics.median(every):g} over all drafts, "
+                         + (f"{statistics.median(paying):g} over the {len(paying)} that beat plain decoding" if paying
+                            else "none beats plain decoding"))
         model_ks = {b: [d.best_k[b] for d in st.drafts if d.kind == "model"] for b in st.batches}
         first, last = st.batches[0], st.batches[-1]
         shrinks = model_ks[first] and model_ks[last] and statistics.median(model_ks[last]) < statistics.median(model_ks[first])
         out.append(
-            f"**The best k** (highest predicted throughput; drafts that beat plain decoding): {'; '.join(parts)}. "
+            f"**The best k** (median of each draft's k with the highest predicted throughput): {'; '.join(parts)}. "
             + ("The best k shrinks as the batch grows: verification scores b x (k + 1) tokens, so extra draft tokens "
                "cost more in a bigger batch." if shrinks else "The best k does not shrink with batch size here.")
         )
@@ -617,6 +636,18 @@ def findings(st: Study, corr: dict, best: dict[int, dict], online: list[dict]) -
             + ", ".join(f"{sp[b]:.2f}x at batch {b} (`{short_name(best[b]['draft'])}`, k={best[b]['k']})" for b in st.batches)
             + (" - speculation pays less as the batch grows (the target step becomes compute-bound)." if falls else
                " - it does not fall with batch size here.")
+        )
+    cost = verification_cost(st)
+    if cost:
+        b_lo, b_hi = cost["batches"]
+        out.append(
+            f"**Verification cost on this hardware:** a target forward over k + 1 tokens costs "
+            + ", ".join(f"{cost[b_lo][n]:.2f}x" for n in sorted(cost[b_lo]) if n > 1)
+            + f" a plain step for k = {', '.join(str(n - 1) for n in sorted(cost[b_lo]) if n > 1)} at batch {b_lo}, and "
+            + ", ".join(f"{cost[b_hi][n]:.2f}x" for n in sorted(cost[b_hi]) if n > 1)
+            + f" at batch {b_hi} (context {cost['context']}). A draft pays only when its accepted tokens per step "
+            "outgrow this ratio plus its own cost: with T_target(k + 1) far above T_target(1), even a free draft "
+            "(prompt lookup) needs long accepted runs."
         )
     if online:
         med = statistics.median(r["relative_error"] for r in online)

@@ -44,6 +44,7 @@ def test_study_report(sweep_results, tmp_path):
         assert section in text, section
     assert "Throughput depends mainly on draft latency: cannot be judged** from 2 draft(s)" in text
     assert "barely predicts acceptance: " in text and "**The best k**" in text and "median |predicted - measured|" in text
+    assert "**Verification cost on this hardware:** a target forward over k + 1 tokens costs " in text
     _pngs_ok(path.parent, ["throughput_vs_k.png", "speedup_vs_latency.png", "acceptance_vs_perplexity.png",
                            "draft_latency_breakdown.png", "predicted_vs_measured.png", "best_per_batch.png"])
     for png in [line.split("](")[1].rstrip(")") for line in text.splitlines() if line.startswith("![")]:
