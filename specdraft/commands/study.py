@@ -62,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--validate", type=int, default=8, help="configurations to validate with real engine runs (0: none)")
     p.add_argument("--validate-prompts", type=int, default=None, help="prompts per validation run (default: the dataset's)")
     p.add_argument("--validate-reprofile", action="store_true",
-                   help="re-measure latencies right after each validation run as well (separates drift from model error)")
+                   help="re-measure latencies right before and after each validation run as well (separates drift from model error)")
     p.add_argument("--out", default="runs/study", help="output directory (results.jsonl goes there)")
     p.add_argument("--no-progress", action="store_true")
 
@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     if online:
         line = f"online validation: {s['validated']} configurations, median |predicted - measured| / measured = {s['median_relative_error']:.1%}"
         if "median_reprofiled_relative_error" in s:
-            line += f" (with latencies re-measured after each run: {s['median_reprofiled_relative_error']:.1%})"
+            line += f" (with latencies re-measured right before and after each run: {s['median_reprofiled_relative_error']:.1%})"
         print(line)
     print(f"results: {store.path}\nnext: specdraft report {store.path} --out {out}")
     return 0

@@ -456,7 +456,7 @@ def plot_predicted_vs_measured(online: list[dict], path: Path) -> None:
     ax.scatter(xs, ys, s=24, color="tab:blue", label="sweep's latency profile")
     re = [(r["measured_tokens_per_s"], r["reprofiled_predicted_tokens_per_s"]) for r in online if "reprofiled_predicted_tokens_per_s" in r]
     if re:
-        ax.scatter([a for a, _ in re], [b for _, b in re], s=24, marker="x", color="tab:orange", label="latencies re-measured after the run")
+        ax.scatter([a for a, _ in re], [b for _, b in re], s=24, marker="x", color="tab:orange", label="latencies re-measured around the run")
     lo, hi = min(xs + ys) * 0.8, max(xs + ys) * 1.2
     ax.plot([lo, hi], [lo, hi], color="black", lw=1)
     ax.fill_between([lo, hi], [lo * 0.9, hi * 0.9], [lo * 1.1, hi * 1.1], color="gray", alpha=0.15, label="±10%")
@@ -658,7 +658,7 @@ def findings(st: Study, corr: dict, best: dict[int, dict], online: list[dict]) -
                 f"one in {acc_eq} of {len(online)} runs")
         re = [r["reprofiled_relative_error"] for r in online if "reprofiled_relative_error" in r]
         if re:
-            line += f"; with latencies re-measured right after each run the median error is {statistics.median(re):.1%}"
+            line += f"; with latencies re-measured right before and after each run the median error is {statistics.median(re):.1%}"
         cf = [r["analytic_relative_error"] for r in online if "analytic_relative_error" in r]
         if cf:
             line += (f"; the closed form b E[tokens] / (k T_draft + T_target(k + 1)) at the mean context, without the "

@@ -8,9 +8,10 @@ the offline pass and the sweep's latency profile; the online mean accepted lengt
 :class:`specdraft.stats.SpecStats`) is recorded next to the offline one, which greedy decoding
 makes equal up to floating-point ties.
 
-With ``reprofile`` the latencies are also measured again right after each run and a second
-prediction made from them: on a shared machine that separates the model's error from the
-machine's drift since the sweep's profile.
+With ``reprofile`` the latencies are also measured again right before and right after each run
+(at the batch sizes and context range the run decodes at) and a second prediction is made from
+them, its step time the mean of the two: on a shared machine that separates the model's error from
+the machine's drift since the sweep's profile, and bracketing the run cancels a steady drift during it.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ def validate(
         store: results file; configurations already validated there are skipped.
         n: how many configurations.
         prompts: prompts per run (default: the whole dataset; at least the batch size).
-        reprofile: also re-measure the latencies right after each run (module docstring).
+        reprofile: also re-measure the latencies right before and after each run (module docstring).
         log: status lines.
         version: the code version the sweep's rows were written with (default: the current one).
     """
@@ -145,7 +146,7 @@ def validate(
         k, b, draft = row["k"], row["batch"], row["draft"]
         count = max(b, prompts or len(ds.sequences))
         seqs = [s for s in ds.sequences if s.continuation][:count]
-        cfg = {"kind": "online", "validates": row["key"], "prompts": len(seqs), "reprofile": reprofile}
+        cfg = {"kind": "online", "validates": row["key"], "prompts": len(seqs), "reprofile": "bracketed" if reprofile else False}
         key = row_key(cfg, version)
         if key in store:
             out.append(next(r for r in store.rows if r.get("key") == key))
@@ -158,9 +159,23 @@ def validate(
         ctx = statistics.mean(s.context for s in sim.steps if not s.first)
         closed = analytic.batch_throughput(sim.mean_accepted_length, k, b, lambda bb: lat.draft_time(draft, bb, ctx),
                                            lambda bb, n: lat.target_time(bb, n, ctx), draft_calls=lat.draft_calls(draft, k))
+        sizes = sorted({x for x in config.batches if x <= b} | {b})
+        ctxs = sorted({min(s.context for s in sim.steps), max(s.context for s in sim.steps)})
+
+        def fresh() -> Latencies:  # the batch sizes and context range this run decodes at
+            return Latencies(
+                target=measure_target(pipe.runtime, batch_sizes=sizes, k_max=k, contexts=ctxs,
+                                      repeats=config.profile_repeats, name=config.target),
+                drafts={draft: measure_draft(pipe.runtime, drafter, draft, batch_sizes=sizes, contexts=ctxs,
+                                             repeats=config.profile_repeats, name=config.target)},
+                draft_kinds={draft: draft_kind(drafter)},
+            )
+
         # warm-up (first-call allocations), then the timed run
         online_run(pipe.runtime, drafter, [seqs[0].prompt], k, 1, 4, pipe.eos_ids)
+        before = fresh() if reprofile else None
         run = online_run(pipe.runtime, drafter, [s.prompt for s in seqs], k, b, config.max_new_tokens, pipe.eos_ids)
+        after = fresh() if reprofile else None
         same = sum(o == s.continuation for o, s in zip(run.outputs, seqs))
         result = {
             "key": key, "kind": "online", "code_version": version, "config": cfg, "validates": row["key"],
@@ -178,19 +193,10 @@ def validate(
             "online_target_time_s": round(run.stats.target_time, 5),
             "seconds": round(run.total_seconds, 3),
         }
-        if reprofile:  # the batch sizes and context range this run decoded at
-            sizes = sorted({x for x in config.batches if x <= b} | {b})
-            ctxs = sorted({min(s.context for s in sim.steps), max(s.context for s in sim.steps)})
-            fresh = Latencies(
-                target=measure_target(pipe.runtime, batch_sizes=sizes, k_max=k, contexts=ctxs,
-                                      repeats=config.profile_repeats, name=config.target),
-                drafts={draft: measure_draft(pipe.runtime, drafter, draft, batch_sizes=sizes, contexts=ctxs,
-                                             repeats=config.profile_repeats, name=config.target)},
-                draft_kinds={draft: draft_kind(drafter)},
-            )
-            tok2, sec2 = predict(sim, fresh, draft)
-            result["reprofiled_predicted_tokens_per_s"] = round(tok2 / sec2, 4)
-            result["reprofiled_relative_error"] = round(analytic.relative_error(tok2 / sec2, run.tokens_per_s), 5)
+        if reprofile:
+            seconds = statistics.mean(predict(sim, lt, draft)[1] for lt in (before, after))
+            result["reprofiled_predicted_tokens_per_s"] = round(tok / seconds, 4)
+            result["reprofiled_relative_error"] = round(analytic.relative_error(tok / seconds, run.tokens_per_s), 5)
         store.append(result)
         out.append(result)
         log(f"validate {i}/{n}: {draft} k={k} b={b} {row['dataset']}: measured {run.tokens_per_s:.1f} tok/s, "

@@ -16,10 +16,12 @@ def _study(data_files, out, *extra):
 
 
 def test_study_then_report(tmp_path, data_files, capsys):
-    assert main(_study(data_files, tmp_path / "study", "--datasets", "qa,hellaswag", "--validate", "1")) == 0
+    assert main(_study(data_files, tmp_path / "study", "--datasets", "qa,hellaswag", "--validate", "1",
+                                 "--validate-reprofile")) == 0
     out = capsys.readouterr().out
     assert "configurations: 16 (computed now: 18)" in out  # 2 drafts x 2 k x 2 batches x 2 datasets + 2 quality rows
     assert "online validation: 1 configurations, median |predicted - measured| / measured = " in out
+    assert "(with latencies re-measured right before and after each run: " in out
     rows = read_rows(tmp_path / "study" / "results.jsonl")
     run = [r for r in rows if r["kind"] == "run"]
     assert len(run) == 1 and run[0]["command"].startswith("specdraft study --target tiny --drafts 'prune:0;lookup' --k 1,2")
