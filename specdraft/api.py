@@ -15,6 +15,9 @@ Draft specs (``--draft`` on the CLI):
   LM head: the untrained "shallow and wide" layer-pruned self-draft.
 - ``lookup`` or ``lookup:N``: prompt lookup with n-grams up to N (default 3).
 - ``self``: the target drafting for itself (every draft accepted; for testing).
+- ``designed:NAME|PATH|auto``: a draft made by ``specdraft design`` (``drafts/NAME`` or a
+  directory; ``auto``: the committed one for this target, else lookup). See
+  :mod:`specdraft.drafters.designed`.
 - anything else: a model alias or path, loaded as an independent draft model.
 """
 
