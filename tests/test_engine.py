@@ -289,3 +289,22 @@ def test_a_longer_request_joining_grows_the_caches(tiny, drafter):
             out.setdefault(ev.request_id, []).extend(ev.tokens)
     assert out[first[0]] == plain_greedy(tiny.target, short, 6)
     assert out[second[0]] == plain_greedy(tiny.target, long, 40)
+
+
+@pytest.mark.parametrize("drafter", ["prune", "lookup"])
+def test_a_long_prompt_joining_late_rows_stays_inside_the_caches(tiny, drafter):
+    """The draft's catch-up pads each row to the longest pending run; a row near the end of its
+    budget must not be padded past the cache (the CI failure: position 75 beyond capacity 72)."""
+    short, long = random_prompts([3, 30], seed=13)
+    engine = Engine(tiny.target, make_drafter(tiny, drafter), FixedK(4))
+    out: dict[int, list[int]] = {}
+    first = engine.add([Request(short, 40)])
+    while engine.active and len(out.get(first[0], [])) < 34:
+        for ev in engine.step():
+            out.setdefault(ev.request_id, []).extend(ev.tokens)
+    second = engine.add([Request(long, 4)])  # fits the batch's slots; its catch-up is 30 long
+    while engine.active:
+        for ev in engine.step():
+            out.setdefault(ev.request_id, []).extend(ev.tokens)
+    assert out[first[0]] == plain_greedy(tiny.target, short, 40)
+    assert out[second[0]] == plain_greedy(tiny.target, long, 4)

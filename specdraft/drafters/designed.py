@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from specdraft.drafters.base import DraftContext, DraftState, Proposal, choose_tokens
-from specdraft.drafters.model import ModelDrafter
+from specdraft.drafters.model import ModelDrafter, catch_up_positions
 from specdraft.errors import SpecdraftError
 from specdraft.models.llama import LlamaRuntime, LlamaWeights
 
@@ -246,7 +246,7 @@ class GatedDrafter(ModelDrafter):
         # catch up on committed tokens the draft has not seen, as ModelDrafter does
         pending = L - state.fed  # (B,)
         P = int(pending.max())
-        positions = state.fed.unsqueeze(1) + torch.arange(P)  # (B, P)
+        positions = catch_up_positions(state.fed, L, P)
         tokens = ctx.tokens.gather(1, positions.clamp(max=ctx.tokens.shape[1] - 1))
         logits = self.runtime.forward(state.kv, tokens, positions, logits_index=(pending - 1).unsqueeze(1)).logits[:, 0]
 

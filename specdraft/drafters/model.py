@@ -15,6 +15,17 @@ from specdraft.drafters.base import DraftContext, DraftState, Proposal, choose_t
 from specdraft.models.runtime import Runtime
 
 
+def catch_up_positions(fed: torch.Tensor, L: torch.Tensor, P: int) -> torch.Tensor:
+    """``(B, P)`` positions ``fed .. L - 1`` per row, right-padded with position ``L``.
+
+    Padding sits at slot L: past every real token of the row (so no real query reads it), inside
+    the cache (L never exceeds prompt + budget), and rewritten before any later query can read it.
+    Padding at ``fed + j`` instead could run past the cache when a long prompt joins a batch whose
+    other rows are near their budget.
+    """
+    return torch.minimum(fed.unsqueeze(1) + torch.arange(P), L.unsqueeze(1))
+
+
 class ModelDraftState(DraftState):
     """The draft's cache and how many committed tokens of each row it holds (``fed``)."""
 
@@ -59,8 +70,7 @@ class ModelDrafter:
         # 1. catch up on committed tokens the draft has not seen (>= 1: the last one never is)
         pending = L - state.fed  # (B,)
         P = int(pending.max())
-        offs = torch.arange(P)
-        positions = state.fed.unsqueeze(1) + offs  # (B, P); right padding lands past L - 1
+        positions = catch_up_positions(state.fed, L, P)
         tokens = ctx.tokens.gather(1, positions.clamp(max=ctx.tokens.shape[1] - 1))
         last = (pending - 1).unsqueeze(1)  # (B, 1) index of each row's last real token
         logits = self.runtime.forward(state.kv, tokens, positions, logits_index=last).logits[:, 0]
