@@ -228,3 +228,16 @@ def test_hf_adapter_rolls_back_past_a_sliding_window():
         out.append(logits[:, :size])  # the first `size` fed tokens are the real sequence
         L += size
     torch.testing.assert_close(torch.cat(out, 1), hf_logits(model, ids), atol=ATOL, rtol=0)
+
+
+def test_one_row_linear_uses_a_transposed_copy_that_follows_in_place_changes():
+    from specdraft.models.llama import linear, transposed
+
+    torch.manual_seed(3)
+    w, b = torch.randn(48, 32), torch.randn(48)
+    x1, x4 = torch.randn(1, 1, 32), torch.randn(1, 4, 32)
+    torch.testing.assert_close(linear(x1, w, b, None), torch.nn.functional.linear(x1, w, b))
+    torch.testing.assert_close(linear(x4, w, b, None), torch.nn.functional.linear(x4, w, b))
+    assert transposed(w) is transposed(w)  # made once per weight
+    w.mul_(2)  # an in-place update (training) must not leave a stale copy behind
+    torch.testing.assert_close(linear(x1, w, None, None), torch.nn.functional.linear(x1, w))
