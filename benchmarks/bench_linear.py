@@ -1,8 +1,8 @@
 """Which matmul layout the compact runtime should use, measured on the whole target.
 
-Times a target forward over n = 1, 2, 4, 8 new tokens at a 200-token context, with every linear
+Times a target forward over n = 1..8 new tokens at a 200-token context, with every linear
 computed as ``F.linear(x, W)`` on the ``(out, in)`` weight, and with specdraft's
-:func:`specdraft.models.llama.linear` (one fp32 row: ``x @ W^T`` on an ``(in, out)`` copy).
+:func:`specdraft.models.llama.linear` (the matmul form chosen by the number of rows).
 Strategies alternate round by round; medians are printed with their ratios.
 
     .venv/bin/python benchmarks/bench_linear.py --dtype fp32 --threads 1 --rounds 12
@@ -52,7 +52,7 @@ def main(argv=None) -> int:
         "F.linear (out, in)": lambda x, w, b, packed: F.linear(x, w, b) if packed is None else ours(x, w, b, packed),
         "specdraft linear": ours,
     }
-    sizes = (1, 2, 4, 8)
+    sizes = (1, 2, 3, 4, 6, 8)
     times = {s: {n: [] for n in sizes} for s in strategies}
     try:
         for r in range(args.rounds + 1):
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     for s, m in med.items():
         print(f"| {s} | " + " | ".join(f"{m[n]:.1f}" for n in sizes) + f" | {m[8] / m[1]:.2f} |")
     base, new = med["F.linear (out, in)"], med["specdraft linear"]
-    print(f"\n1-token forward: specdraft linear is {base[1] / new[1]:.2f}x faster than F.linear")
+    print("\nF.linear / specdraft linear: " + ", ".join(f"T{n} {base[n] / new[n]:.2f}x" for n in sizes))
     return 0
 
 

@@ -241,3 +241,14 @@ def test_one_row_linear_uses_a_transposed_copy_that_follows_in_place_changes():
     assert transposed(w) is transposed(w)  # made once per weight
     w.mul_(2)  # an in-place update (training) must not leave a stale copy behind
     torch.testing.assert_close(linear(x1, w, None, None), torch.nn.functional.linear(x1, w))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 9])
+def test_linear_matches_f_linear_for_every_row_count(rows):
+    from specdraft.models.llama import linear
+
+    torch.manual_seed(rows)
+    w, b = torch.randn(40, 24), torch.randn(40)
+    x = torch.randn(1, rows, 24)
+    torch.testing.assert_close(linear(x, w, b, None), torch.nn.functional.linear(x, w, b))
+    torch.testing.assert_close(linear(x.view(rows, 1, 24), w, None, None), torch.nn.functional.linear(x.view(rows, 1, 24), w))
