@@ -10,7 +10,8 @@
 Draft specs (``--draft`` on the CLI):
 
 - ``none``: plain autoregressive decoding.
-- ``default``: the project's default drafter for the target (see :data:`DEFAULT_DRAFT`).
+- ``default`` (what leaving ``--draft`` out means): ``designed:auto``, the draft designed for this
+  target and committed under ``drafts/`` when there is one (SmolLM2-135M), else prompt lookup.
 - ``prune:0,1,2,29``: the target's own layers 0, 1, 2 and 29 at full width, with its embedding and
   LM head: the untrained "shallow and wide" layer-pruned self-draft.
 - ``lookup`` or ``lookup:N``: prompt lookup with n-grams up to N (default 3).
@@ -42,7 +43,7 @@ from specdraft.policy import KPolicy, make_policy
 from specdraft.stats import SpecStats
 from specdraft.verify import SamplingParams
 
-DEFAULT_DRAFT = "lookup"
+DEFAULT_DRAFT = "designed:auto"  # the committed designed draft for this target, else lookup
 DTYPES = {
     "bf16": torch.bfloat16,
     "bfloat16": torch.bfloat16,

@@ -64,7 +64,7 @@ from specdraft.models.runtime import Runtime
 from specdraft.verify import SamplingParams
 
 BUCKETS = ("overhead", "embedding", "attention", "mlp", "lm_head", "python")
-MATMUL_OPS = ("aten::linear", "quantized::linear_dynamic")  # dense and int8 runtime
+MATMUL_OPS = ("aten::linear", "aten::matmul", "quantized::linear_dynamic")  # dense (F.linear or a few-row form) and int8
 
 
 @dataclass
