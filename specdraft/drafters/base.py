@@ -109,3 +109,15 @@ def choose_tokens(logits: torch.Tensor, ctx: DraftContext) -> tuple[torch.Tensor
             q[b] = logits_to_probs(logits[b], params)
             tokens[b] = sample(q[b], gen)
     return tokens, q
+
+
+def take_token(logits: torch.Tensor, ctx: DraftContext, draft: torch.Tensor, probs: torch.Tensor | None, i: int):
+    """Draft token i of every row: ``draft[:, i]`` from :func:`choose_tokens`, and q into ``probs``
+    (``(B, k, V)``, allocated on the first sampled token). Returns ``(probs, q)``; q is None when
+    every row is greedy."""
+    draft[:, i], q = choose_tokens(logits, ctx)
+    if q is not None:
+        if probs is None:
+            probs = torch.zeros(*draft.shape, q.shape[-1])
+        probs[:, i] = q
+    return probs, q

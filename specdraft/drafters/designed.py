@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from specdraft.drafters.base import DraftContext, DraftState, Proposal, choose_tokens
+from specdraft.drafters.base import DraftContext, DraftState, Proposal, take_token
 from specdraft.drafters.model import ModelDrafter, catch_up_positions
 from specdraft.errors import SpecdraftError
 from specdraft.models.llama import LlamaRuntime, LlamaWeights
@@ -255,13 +255,10 @@ class GatedDrafter(ModelDrafter):
         probs = None
         made = k
         for i in range(k):
-            draft[:, i], q = choose_tokens(logits, ctx)
+            probs, q = take_token(logits, ctx, draft, probs, i)
             if q is None:  # greedy: the draft's probability of its argmax
                 conf[:, i] = logits.float().softmax(-1).max(-1).values
             else:  # sampling: q of the sampled token
-                if probs is None:
-                    probs = torch.zeros(B, k, q.shape[-1])
-                probs[:, i] = q
                 conf[:, i] = q.gather(-1, draft[:, i : i + 1]).squeeze(-1)
             if i + 1 < k and not _worth_continuing(conf[:, : i + 1].cumprod(1), k, self.cost):
                 made = i + 1
@@ -377,11 +374,7 @@ class FeatureDrafter:
             tok = ctx.tokens.gather(1, (positions + 1).clamp(max=ctx.tokens.shape[1] - 1))  # token p + 1
             logits, f = self._forward(state, feats.to(self.fc.dtype), tok, positions, (c - 1).unsqueeze(1))
             for i in range(k):
-                draft[:, i], q = choose_tokens(logits, ctx)
-                if q is not None:
-                    if probs is None:
-                        probs = torch.zeros(B, k, q.shape[-1])
-                    probs[:, i] = q
+                probs, _ = take_token(logits, ctx, draft, probs, i)
                 if i + 1 < k:  # pair (f_hat at L-2+i+1, d_i+1) at position L-1+i
                     pos = (L - 1 + i).unsqueeze(1)
                     logits, f = self._forward(state, f.unsqueeze(1), draft[:, i : i + 1], pos)

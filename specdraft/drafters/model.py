@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from specdraft.drafters.base import DraftContext, DraftState, Proposal, choose_tokens
+from specdraft.drafters.base import DraftContext, DraftState, Proposal, take_token
 from specdraft.models.runtime import Runtime
 
 
@@ -79,11 +79,7 @@ class ModelDrafter:
         draft = torch.empty(B, k, dtype=torch.int64)
         probs = None
         for i in range(k):
-            draft[:, i], q = choose_tokens(logits, ctx)
-            if q is not None:
-                if probs is None:
-                    probs = torch.zeros(B, k, q.shape[-1])
-                probs[:, i] = q
+            probs, _ = take_token(logits, ctx, draft, probs, i)
             if i + 1 < k:
                 pos = (L + i).unsqueeze(1)  # (B, 1)
                 logits = self.runtime.forward(state.kv, draft[:, i : i + 1], pos).logits[:, 0]

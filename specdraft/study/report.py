@@ -25,6 +25,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from specdraft.errors import SpecdraftError
 from specdraft.study.store import read_rows
 
@@ -128,33 +130,17 @@ def pearson(x: list[float], y: list[float]) -> float | None:
     """Pearson's r; None with fewer than 3 points or a constant variable."""
     if len(x) != len(y) or len(x) < 3:
         return None
-    try:
-        from scipy import stats
-
-        if len(set(x)) < 2 or len(set(y)) < 2:
-            return None
-        return float(stats.pearsonr(x, y)[0])
-    except ImportError:
-        import numpy as np
-
-        a, b = np.asarray(x, float), np.asarray(y, float)
-        if a.std() == 0 or b.std() == 0:
-            return None
-        return float(np.corrcoef(a, b)[0, 1])
+    a, b = np.asarray(x, float), np.asarray(y, float)
+    if a.std() == 0 or b.std() == 0:
+        return None
+    return float(np.corrcoef(a, b)[0, 1])
 
 
 def spearman(x: list[float], y: list[float]) -> float | None:
-    """Spearman's rho: Pearson's r of the ranks."""
+    """Spearman's rho: Pearson's r of the ranks (ties share their average rank)."""
     if len(x) != len(y) or len(x) < 3:
         return None
-    try:
-        from scipy import stats
-
-        if len(set(x)) < 2 or len(set(y)) < 2:
-            return None
-        return float(stats.spearmanr(x, y)[0])
-    except ImportError:
-        return pearson(_ranks(x), _ranks(y))
+    return pearson(_ranks(x), _ranks(y))
 
 
 def short_name(spec: str) -> str:
