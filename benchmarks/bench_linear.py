@@ -1,11 +1,18 @@
-"""Which matmul layout the compact runtime should use, measured on the whole target.
+"""Which matmul path the compact runtime should use for decode-sized inputs, on the whole target.
 
-Times a target forward over n = 1..8 new tokens at a 200-token context, with every linear
-computed as ``F.linear(x, W)`` on the ``(out, in)`` weight, and with specdraft's
-:func:`specdraft.models.llama.linear` (the matmul form chosen by the number of rows).
-Strategies alternate round by round; medians are printed with their ratios.
+Times a target forward over n = 1..8 new tokens at a 200-token context with every linear
+computed three ways on the same fp32 weights, plus the bf16-weight runtime:
 
-    .venv/bin/python benchmarks/bench_linear.py --dtype fp32 --threads 1 --rounds 12
+- ``F.linear``: torch's GEMM on the ``(out, in)`` weight;
+- ``torch few-row forms``: :func:`specdraft.models.llama.linear` with the native kernel switched
+  off (an ``(in, out)`` copy for M <= 3 rows, ``(W x^T)^T`` for M = 4-5);
+- ``native kernel``: :mod:`specdraft.kernels` (fp32 weights), the default where it builds;
+- ``native kernel, bf16 weights``: the ``--dtype bf16`` runtime on a CPU without native bf16
+  (bf16 weights widened to fp32 as they stream; half the memory traffic).
+
+Strategies alternate round by round; medians are printed with their ratios to ``F.linear``.
+
+    .venv/bin/python benchmarks/bench_linear.py --threads 2 --rounds 12
 """
 
 from __future__ import annotations
@@ -21,57 +28,68 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specdraft import api  # noqa: E402
+from specdraft import api, kernels  # noqa: E402
 from specdraft.models import llama  # noqa: E402
+from specdraft.models.llama import LlamaRuntime, LlamaWeights  # noqa: E402
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--dtype", default="fp32", choices=["auto", "bf16", "fp32"])
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--context", type=int, default=200)
     p.add_argument("--rounds", type=int, default=12)
     args = p.parse_args(argv)
     print("command:", "python benchmarks/bench_linear.py " + " ".join(sys.argv[1:]), flush=True)
 
-    pipe = api.load(args.target, "none", dtype=args.dtype, threads=args.threads)
-    rt = pipe.runtime
-    kv = rt.new_state(1, args.context + 16)
-    rt.forward(kv, torch.randint(0, 1000, (1, args.context)), torch.arange(args.context).unsqueeze(0))
+    pipe = api.load(args.target, "none", dtype="fp32", threads=args.threads)
+    runtimes = {"fp32": pipe.runtime, "bf16": LlamaRuntime(LlamaWeights.from_hf(pipe.target.model, torch.bfloat16))}
+    states = {}
+    for name, rt in runtimes.items():
+        kv = states[name] = rt.new_state(1, args.context + 16)
+        rt.forward(kv, torch.randint(0, 1000, (1, args.context)), torch.arange(args.context).unsqueeze(0))
 
-    def forward_s(n: int) -> float:
+    def forward_s(name: str, n: int) -> float:
         tokens = torch.randint(0, 1000, (1, n))
         positions = (args.context + torch.arange(n)).unsqueeze(0)
         t0 = time.perf_counter()
-        rt.forward(kv, tokens, positions)
+        runtimes[name].forward(states[name], tokens, positions)
         return time.perf_counter() - t0
 
-    ours = llama.linear
-    strategies = {
-        "F.linear (out, in)": lambda x, w, b, packed: F.linear(x, w, b) if packed is None else ours(x, w, b, packed),
-        "specdraft linear": ours,
+    ours, supports = llama.linear, kernels.supports
+    have_kernel = kernels.available()
+    strategies = {  # name: (runtime, linear, kernel on)
+        "F.linear": ("fp32", lambda x, w, b, packed: F.linear(x, w, b), False),
+        "torch few-row forms": ("fp32", ours, False),
     }
+    if have_kernel:
+        strategies["native kernel"] = ("fp32", ours, True)
+        strategies["native kernel, bf16 weights"] = ("bf16", ours, True)
+    else:
+        print(f"native kernel not available: {kernels.status()}")
     sizes = (1, 2, 3, 4, 6, 8)
     times = {s: {n: [] for n in sizes} for s in strategies}
     try:
         for r in range(args.rounds + 1):
-            for name, fn in strategies.items():
+            for name, (rt, fn, on) in strategies.items():
                 llama.linear = fn
+                kernels.supports = supports if on else (lambda x, w: False)
                 for n in sizes:
-                    t = forward_s(n)
+                    t = forward_s(rt, n)
                     if r:  # round 0 warms up (and builds the transposed copies)
                         times[name][n].append(t)
     finally:
-        llama.linear = ours
+        llama.linear, kernels.supports = ours, supports
     med = {s: {n: statistics.median(v) * 1e3 for n, v in d.items()} for s, d in times.items()}
-    print(f"\n{args.target} {rt.w.precision}, {args.threads} thread(s), context {args.context}, median of {args.rounds} rounds")
+    print(f"\n{args.target}, {torch.get_num_threads()} thread(s), context {args.context}, median of {args.rounds} rounds")
     print("| strategy | " + " | ".join(f"T{n} ms" for n in sizes) + " | T8/T1 |")
     print("|---|" + "---|" * (len(sizes) + 1))
     for s, m in med.items():
         print(f"| {s} | " + " | ".join(f"{m[n]:.1f}" for n in sizes) + f" | {m[8] / m[1]:.2f} |")
-    base, new = med["F.linear (out, in)"], med["specdraft linear"]
-    print("\nF.linear / specdraft linear: " + ", ".join(f"T{n} {base[n] / new[n]:.2f}x" for n in sizes))
+    base = med["F.linear"]
+    for s, m in med.items():
+        if s != "F.linear":
+            print(f"F.linear / {s}: " + ", ".join(f"T{n} {base[n] / m[n]:.2f}x" for n in sizes))
     return 0
 
 

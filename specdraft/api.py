@@ -30,6 +30,8 @@ from typing import Iterator
 
 import torch
 
+from specdraft import kernels
+from specdraft.kernels import cpu_has_fast_bf16  # noqa: F401 (public here since the first release)
 from specdraft.drafters.base import Drafter
 from specdraft.drafters.model import ModelDrafter
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
@@ -55,30 +57,27 @@ DTYPES = {
 }
 
 
-def cpu_has_fast_bf16() -> bool:
-    """True when the CPU has native bf16 matmul (AVX512-BF16 or AMX); elsewhere bf16 is emulated."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_dtype(name: str | torch.dtype, draft: bool = False) -> torch.dtype:
+def resolve_dtype(name: str | torch.dtype, draft: bool = False, runtime: str = "compact") -> torch.dtype:
     """``bf16`` / ``fp32`` / ``int8`` / ``auto``.
 
-    Targets: ``auto`` is bf16 where the CPU computes it natively, else fp32. int8 is refused for a
-    target: its matmuls quantize activations, so the last-bit float differences between a
-    (k + 1)-token verification and a 1-token step flip roundings and the output would not be
-    exactly the target's. Drafts: ``auto`` is int8 where bf16 is not native (a draft's precision
-    changes only how often it is accepted, never the output), else bf16.
+    Targets: ``auto`` is bf16 where the CPU computes it natively; elsewhere it is bf16 for the
+    compact runtime when the few-row kernel (:mod:`specdraft.kernels`) is available (bf16 weights,
+    fp32 arithmetic: half the memory traffic of fp32) and fp32 otherwise (``runtime="hf"``: torch
+    would emulate bf16). int8 is refused for a target: its matmuls quantize activations, so the
+    last-bit float differences between a (k + 1)-token verification and a 1-token step flip
+    roundings and the output would not be exactly the target's. Drafts: ``auto`` is int8 where
+    bf16 is not native (a draft's precision changes only how often it is accepted, never the
+    output), else bf16.
     """
     if isinstance(name, torch.dtype):
         dt = name
     elif name == "auto":
-        native = cpu_has_fast_bf16()
-        dt = torch.bfloat16 if native else (torch.qint8 if draft else torch.float32)
+        if cpu_has_fast_bf16():
+            dt = torch.bfloat16
+        elif draft:
+            dt = torch.qint8
+        else:
+            dt = torch.bfloat16 if runtime != "hf" and kernels.available() else torch.float32
     elif name in DTYPES:
         dt = DTYPES[name]
     else:
@@ -270,7 +269,7 @@ def make_drafter(spec: str, pipe_target: LoadedModel, runtime: Runtime, dtype: t
 
         return designed_drafter(spec, pipe_target, runtime, dtype)
     if spec == "self":
-        if isinstance(runtime, LlamaRuntime) and dtype != runtime.dtype:
+        if isinstance(runtime, LlamaRuntime) and dtype != runtime.w.dtype:
             return ModelDrafter(LlamaRuntime(runtime.w.subset(runtime.layer_ids, dtype)), "self")
         return ModelDrafter(runtime, "self")
     if spec == "lookup" or spec.startswith("lookup:"):
@@ -285,7 +284,7 @@ def make_drafter(spec: str, pipe_target: LoadedModel, runtime: Runtime, dtype: t
             layers = [int(x) for x in spec.split(":", 1)[1].split(",") if x.strip()]
         except ValueError:
             raise SpecdraftError(f"bad prune spec {spec!r}: use prune:0,1,2,29") from None
-        if dtype == runtime.dtype:  # shares the target's tensors; owns only its cache
+        if dtype == runtime.w.dtype:  # shares the target's tensors; owns only its cache
             return ModelDrafter(LlamaRuntime(runtime.w, layers), spec)
         return ModelDrafter(LlamaRuntime(runtime.w.subset(layers, dtype)), spec)
     draft = load_model(spec, torch.float32 if dtype == torch.qint8 else dtype)
@@ -320,8 +319,15 @@ def load(
     """
     set_threads(threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    dt = resolve_dtype(dtype)
-    loaded = load_model(target, dt)
+    if dtype == "auto" and not cpu_has_fast_bf16():
+        # the runtime decides (bf16 weights for the compact one, fp32 for transformers'), so load
+        # in fp32 and let the compact runtime cast its copy
+        loaded = load_model(target, torch.float32)
+        compact = runtime == "compact" or (runtime == "auto" and loaded.model.config.model_type in LLAMA_FAMILY)
+        dt = resolve_dtype("auto", runtime="compact" if compact else "hf")
+    else:
+        dt = resolve_dtype(dtype)
+        loaded = load_model(target, dt)
     rt = make_runtime(loaded, runtime, dt)
     drafter = make_drafter(draft, loaded, rt, resolve_dtype(draft_dtype, draft=True))
     return Pipeline(loaded, rt, drafter, draft)

@@ -4,11 +4,12 @@ in bf16, where speculative output may only leave plain greedy at a near-tie."""
 import pytest
 import torch
 
-from specdraft import lossless
+from specdraft import kernels, lossless
 from specdraft.drafters.model import ModelDrafter
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.engine import Engine
 from specdraft.models.llama import LlamaRuntime, LlamaWeights
+from specdraft.models.tiny import tiny_llama
 from specdraft.policy import FixedK
 from tests.helpers import decode, plain_greedy, random_prompts
 
@@ -82,9 +83,35 @@ def test_logit_drift_fp32_is_rounding_and_bf16_is_larger(tiny):
     d = lossless.logit_drift(tiny.target, prompt, cont, k=3)
     assert d.k == 3 and d.positions == 11 and d.argmax_flips == 0
     assert d.max_abs < 1e-4 and d.max_margin_shift < 1e-4
-    bf16 = LlamaRuntime(LlamaWeights.from_hf(tiny.model, torch.bfloat16))
+    bf16 = LlamaRuntime(LlamaWeights.from_hf(tiny.model, torch.bfloat16, compute=torch.bfloat16))
     d16 = lossless.logit_drift(bf16, prompt, cont, k=3)
     assert d16.max_abs > 10 * d.max_abs
+
+
+@pytest.mark.skipif(not kernels.available(), reason=f"native kernel: {kernels.status()}")
+def test_bf16_weights_with_fp32_arithmetic_are_exactly_lossless(tiny):
+    """The default on CPUs without native bf16: bf16 weights, fp32 arithmetic in the few-row
+    kernel. Verification logits drift like fp32 (rounding only), and greedy speculative output is
+    token-identical to plain greedy for every drafter, batch 1 and 3."""
+    w16 = LlamaWeights.from_hf(tiny.model, torch.bfloat16, compute=torch.float32)
+    target = LlamaRuntime(w16)
+    prompt = random_prompts([9], seed=9)[0]
+    cont = plain_greedy(target, prompt, 10)
+    d = lossless.logit_drift(target, prompt, cont, k=3)
+    assert d.argmax_flips == 0 and d.max_abs < 1e-4
+    other16 = LlamaRuntime(LlamaWeights.from_hf(tiny_llama(seed=1), torch.bfloat16, compute=torch.float32))
+    drafters = {
+        "prune": lambda: ModelDrafter(LlamaRuntime(w16, [0]), "prune:0"),
+        "other": lambda: ModelDrafter(other16, "other"),
+        "self": lambda: ModelDrafter(target, "self"),
+        "lookup": lambda: PromptLookupDrafter(),
+    }
+    prompts = random_prompts([5, 11, 3], seed=21)
+    plain = [plain_greedy(target, p, 14) for p in prompts]
+    for name, make in drafters.items():
+        for k in (1, 4):
+            assert decode(Engine(target, make(), FixedK(k)), prompts[:1], 14) == plain[:1], (name, k)
+            assert decode(Engine(target, make(), FixedK(k)), prompts, 14) == plain, (name, k, "batch 3")
 
 
 # ----------------------------------------------------------------------------- real SmolLM2, bf16
@@ -92,11 +119,9 @@ SMOL_PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:\n 
 
 
 def test_smollm2_bf16_speculative_is_never_divergent(smollm2):
-    """Prune and lookup drafts on the real model in bf16: identical or tie-divergent only.
-
-    Short raw prompts and 10 tokens: bf16 forwards over more than one token are slow on CPUs
-    without native bf16 (this one: ~0.3 s per 1-token step, ~0.7 s per 3-token step).
-    """
+    """Prune and lookup drafts on the real model in bf16 (as ``--dtype bf16`` runs it here: bf16
+    weights, and fp32 arithmetic where the CPU has no native bf16 and the kernel builds):
+    identical or tie-divergent only."""
     pipe = smollm2.pipe
     w16 = LlamaWeights.from_hf(pipe.target.model, torch.bfloat16)
     target = LlamaRuntime(w16)

@@ -57,6 +57,7 @@ from typing import Iterable
 
 import torch
 
+from specdraft import kernels
 from specdraft.drafters.base import DraftContext
 from specdraft.errors import SpecdraftError
 from specdraft.models.llama import LlamaRuntime
@@ -64,7 +65,8 @@ from specdraft.models.runtime import Runtime
 from specdraft.verify import SamplingParams
 
 BUCKETS = ("overhead", "embedding", "attention", "mlp", "lm_head", "python")
-MATMUL_OPS = ("aten::linear", "aten::matmul", "quantized::linear_dynamic")  # dense (F.linear or a few-row form) and int8
+# dense (F.linear, a few-row form or the native kernel) and int8
+MATMUL_OPS = ("aten::linear", "aten::matmul", kernels.PROFILE_NAME, "quantized::linear_dynamic")
 
 
 @dataclass

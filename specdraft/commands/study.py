@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", type=_ints, default=None,
                    help="context lengths at which latencies are profiled (default: 32 and max-prompt-tokens + max-new-tokens)")
     p.add_argument("--profile-repeats", type=int, default=5)
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="target dtype (auto: bf16 where native, else fp32)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="target dtype (auto: bf16 where native or run by the few-row kernel, else fp32)")
     p.add_argument("--draft-dtype", default="same", choices=["same", "fp32", "bf16", "int8"],
                    help="draft precision (same: the target's; layer-pruned drafts then share its weights)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    dtype = {"bf16": "bf16", "fp32": "fp32"}.get(args.dtype) or ("bf16" if api.cpu_has_fast_bf16() else "fp32")
+    dtype = {"bf16": "bf16", "fp32": "fp32"}.get(args.dtype) or ("fp32" if api.resolve_dtype("auto") == api.DTYPES["fp32"] else "bf16")
     if args.prompts_per_dataset < 1 or args.heldout < 0 or args.max_new_tokens < 2:
         raise SpecdraftError("need --prompts-per-dataset >= 1, --heldout >= 0 and --max-new-tokens >= 2")
     t0 = time.perf_counter()

@@ -144,7 +144,8 @@ class DraftLM(torch.nn.Module):
         self.register_buffer("to_sub", to_sub, persistent=False)  # (V,) full id -> head row, -1 if absent
         head = draft.get_output_embeddings().weight  # the target's (often the tied embedding)
         head.requires_grad_(False)
-        self.register_buffer("head_w", head.detach()[ids].clone(), persistent=False)  # (N, C) frozen
+        # (N, C) frozen, in the dtype of the draft's hidden states (the target's may differ)
+        self.register_buffer("head_w", head.detach()[ids].to(draft.model.norm.weight.dtype), persistent=False)
 
     def trainable(self) -> list[torch.nn.Parameter]:
         shared = {self.draft.get_input_embeddings().weight.data_ptr(), self.draft.get_output_embeddings().weight.data_ptr()}

@@ -164,7 +164,7 @@ def designed_drafter(spec: str, target, runtime, dtype: torch.dtype):
     if meta.kind == "feature":
         if "fc.weight" not in extra:
             raise SpecdraftError(f"feature draft {path} lacks fc.weight: corrupted")
-        return FeatureDrafter(rt, extra["fc.weight"].to(w.embed.dtype), w.embed, f"designed:{path.name}")
+        return FeatureDrafter(rt, extra["fc.weight"].to(w.compute_dtype), w.embed, f"designed:{path.name}")
     return GatedDrafter(rt, f"designed:{path.name}", target_runtime=runtime)
 
 
@@ -339,7 +339,7 @@ class FeatureDrafter:
     def _forward(self, state, feats, tokens, positions, index=None):
         """Feed pairs ``(B, T)``; returns full logits at ``index`` (or the last column) and features there."""
         B, T = tokens.shape
-        x = torch.nn.functional.linear(torch.cat([feats, self.embed[tokens]], dim=-1), self.fc)  # (B, T, C)
+        x = torch.nn.functional.linear(torch.cat([feats, self.embed[tokens].to(feats.dtype)], dim=-1), self.fc)  # (B, T, C)
         self.core.w.embed = x.reshape(B * T, -1)
         S = int(positions.max()) + 1
         slots = torch.arange(S)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from specdraft import kernels
 from specdraft.errors import SpecdraftError
 from specdraft.models.runtime import ForwardOutput
 
@@ -57,18 +58,25 @@ class LlamaWeights:
     rope_scale: float  # the "attention_scaling" factor some RoPE types apply to cos/sin
     max_context: int
     q_head: object = None  # int8 runtime: packed LM head
+    # dtype of activations, KV cache and logits; None: the weights' dtype. float32 with bf16
+    # weights is "bf16 weights, fp32 arithmetic" (see :func:`bf16_compute_dtype`).
+    compute: torch.dtype | None = None
 
     @classmethod
-    def from_hf(cls, model, dtype: torch.dtype = torch.bfloat16) -> "LlamaWeights":
+    def from_hf(cls, model, dtype: torch.dtype = torch.bfloat16, compute: torch.dtype | None = None) -> "LlamaWeights":
         """Extract (and fuse) the weights of a transformers Llama-family causal LM.
 
         Args:
             model: a transformers Llama/Mistral/Qwen2 causal LM.
             dtype: ``torch.bfloat16`` or ``torch.float32`` for dense weights, or ``torch.qint8``
                 for the int8 runtime (see :func:`int8_linear`): activations stay float32.
+            compute: dtype of the activations; default: :func:`bf16_compute_dtype` for bf16
+                weights, the weights' dtype otherwise.
         """
         if dtype == torch.qint8:
             return cls.from_hf(model, torch.float32).quantize_int8()
+        if compute is None:
+            compute = bf16_compute_dtype() if dtype == torch.bfloat16 else dtype
         cfg = model.config
         if cfg.model_type not in LLAMA_FAMILY:
             raise SpecdraftError(
@@ -80,19 +88,22 @@ class LlamaWeights:
         def w(t: torch.Tensor) -> torch.Tensor:
             return t.detach().to(dtype).contiguous()
 
+        def v(t: torch.Tensor) -> torch.Tensor:  # norm weights and biases: compute dtype
+            return t.detach().to(compute).contiguous()
+
         layers = []
         for layer in inner.layers:
             at, mlp = layer.self_attn, layer.mlp
             bias = None
             if getattr(at.q_proj, "bias", None) is not None:
-                bias = w(torch.cat([at.q_proj.bias, at.k_proj.bias, at.v_proj.bias]))
+                bias = v(torch.cat([at.q_proj.bias, at.k_proj.bias, at.v_proj.bias]))
             layers.append(
                 LayerWeights(
-                    attn_norm=w(layer.input_layernorm.weight),
+                    attn_norm=v(layer.input_layernorm.weight),
                     wqkv=w(torch.cat([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight])),
                     bqkv=bias,
                     wo=w(at.o_proj.weight),
-                    mlp_norm=w(layer.post_attention_layernorm.weight),
+                    mlp_norm=v(layer.post_attention_layernorm.weight),
                     w_gate_up=w(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
                     w_down=w(mlp.down_proj.weight),
                 )
@@ -104,7 +115,7 @@ class LlamaWeights:
         return cls(
             embed=embed,
             layers=layers,
-            norm=w(inner.norm.weight),
+            norm=v(inner.norm.weight),
             lm_head=embed if tied else w(head),
             n_heads=cfg.num_attention_heads,
             n_kv_heads=cfg.num_key_value_heads,
@@ -113,6 +124,7 @@ class LlamaWeights:
             inv_freq=rotary.inv_freq.detach().float().clone(),
             rope_scale=float(getattr(rotary, "attention_scaling", 1.0)),
             max_context=cfg.max_position_embeddings,
+            compute=compute if compute != dtype else None,
         )
 
     def quantize_int8(self) -> "LlamaWeights":
@@ -131,22 +143,37 @@ class LlamaWeights:
         if bad or not layer_ids:
             raise SpecdraftError(f"layer ids {list(layer_ids)} invalid for a {n}-layer model")
         dense = torch.float32 if dtype == torch.qint8 else dtype
+        # bf16 weights keep fp32 arithmetic where the CPU has no native bf16
+        compute = bf16_compute_dtype() if dense == torch.bfloat16 else dense
 
-        def cast(t):
-            return t if t is None or t.dtype == dense else t.to(dense)
+        def cast(t, to=dense):
+            return t if t is None or t.dtype == to else t.to(to)
 
         layers = [
-            LayerWeights(*(cast(getattr(self.layers[i], f)) for f in ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "w_gate_up", "w_down")))
+            LayerWeights(
+                *(cast(getattr(self.layers[i], f), to) for f, to in (
+                    ("attn_norm", compute), ("wqkv", dense), ("bqkv", compute), ("wo", dense),
+                    ("mlp_norm", compute), ("w_gate_up", dense), ("w_down", dense)))
+            )
             for i in layer_ids
         ]
         embed = cast(self.embed)
         head = embed if self.lm_head is self.embed else cast(self.lm_head)
-        sub = replace(self, embed=embed, layers=layers, norm=cast(self.norm), lm_head=head, q_head=None)
+        sub = replace(self, embed=embed, layers=layers, norm=cast(self.norm, compute), lm_head=head, q_head=None,
+                      compute=compute if compute != dense else None)
         return sub.quantize_int8() if dtype == torch.qint8 else sub
 
     @property
     def precision(self) -> str:
-        return "int8" if self.q_head is not None else {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(self.dtype, str(self.dtype))
+        if self.q_head is not None:
+            return "int8"
+        name = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(self.dtype, str(self.dtype))
+        return name if self.compute is None else f"{name} weights, fp32 compute"
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """dtype of activations, KV cache and hidden states."""
+        return self.compute or self.dtype
 
     @property
     def vocab_size(self) -> int:
@@ -158,7 +185,19 @@ class LlamaWeights:
 
     @property
     def dtype(self) -> torch.dtype:
+        """dtype the weights are stored in."""
         return self.embed.dtype
+
+
+def bf16_compute_dtype() -> torch.dtype:
+    """Arithmetic dtype for bf16 weights: bf16 where the CPU has native bf16 matmul, else float32.
+
+    Without AVX512-BF16/AMX, torch emulates bf16 matmuls slowly; the few-row kernel
+    (:mod:`specdraft.kernels`) instead widens bf16 weights to fp32 as it streams them, which
+    halves the memory traffic of fp32 weights at fp32 accuracy of the arithmetic. Without that
+    kernel, bf16 stays bf16 throughout.
+    """
+    return torch.float32 if not kernels.cpu_has_fast_bf16() and kernels.available() else torch.bfloat16
 
 
 class LlamaKV:
@@ -208,7 +247,8 @@ class LlamaKV:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as transformers' Llama computes it: statistics in float32, weight in model dtype."""
     if x.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)  # one fused kernel
+        y = kernels.rms_norm(x, weight, eps)  # decode-sized inputs
+        return F.rms_norm(x, weight.shape, weight, eps) if y is None else y
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
@@ -282,6 +322,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed) -> 
     """
     if packed is not None:
         return int8_linear(x, packed, b)
+    if kernels.supports(x, w):
+        y = kernels.fewrows_matmul(x, w)
+        return y if b is None else y + b
+    if w.dtype != x.dtype:  # bf16 weights, fp32 activations, many rows (prefill)
+        return F.linear(x, w.to(x.dtype), b)
     M = x.numel() // x.shape[-1]
     if x.dtype != torch.float32 or M > 5:
         return F.linear(x, w, b)
@@ -316,7 +361,7 @@ class LlamaRuntime:
         self.layers = [weights.layers[i] for i in self.layer_ids]
         self.vocab_size = weights.vocab_size
         self.max_context = weights.max_context
-        self.dtype = weights.dtype
+        self.dtype = weights.compute_dtype  # activations, KV cache, hidden states
         self._rope_len = 0
         self._cos = self._sin = None
 
@@ -325,7 +370,7 @@ class LlamaRuntime:
 
     def new_state(self, batch_size: int, capacity: int) -> LlamaKV:
         w = self.w
-        return LlamaKV(len(self.layers), batch_size, w.n_kv_heads, capacity, w.head_dim, w.dtype)
+        return LlamaKV(len(self.layers), batch_size, w.n_kv_heads, capacity, w.head_dim, self.dtype)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         need = int(positions.max()) + 1
@@ -374,7 +419,7 @@ class LlamaRuntime:
             slots = positions.unsqueeze(1)  # (B, 1, T)
 
         cos, sin = self._rope(positions)
-        x = w.embed[tokens]  # (B, T, C)
+        x = w.embed[tokens].to(self.dtype)  # (B, T, C)
         wanted = set(hidden_layers)
         hidden: dict[int, torch.Tensor] = {}
         for li, (layer, k_cache, v_cache) in enumerate(zip(self.layers, state.k, state.v)):

@@ -218,7 +218,9 @@ def build_drafter(pipe, spec: str, draft_dtype: str = "same"):
 
     key = (pipe.target.name, spec, draft_dtype)
     if key not in _LOADED:
-        dtype = pipe.runtime.dtype if draft_dtype == "same" else api.DTYPES[draft_dtype]
+        weights = getattr(pipe.runtime, "w", None)  # compact runtime: share the target's weight dtype
+        same = weights.dtype if weights is not None else pipe.runtime.dtype
+        dtype = same if draft_dtype == "same" else api.DTYPES[draft_dtype]
         drafter = api.make_drafter(spec, pipe.target, pipe.runtime, dtype)
         if drafter is None:
             raise SpecdraftError(f"draft {spec!r} is no drafter; the study needs a draft")

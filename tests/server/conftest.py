@@ -84,7 +84,7 @@ def reference(tiny_dir):
     from specdraft import api
 
     threads = torch.get_num_threads()
-    pipe = api.load(str(tiny_dir), draft="none", threads=1)
+    pipe = api.load(str(tiny_dir), draft="none", threads=1, dtype="fp32")
     yield pipe
     torch.set_num_threads(threads)
 
@@ -95,7 +95,9 @@ def launch(tmp_path_factory, tiny_dir):
 
     def start(*args: str) -> ServerProcess:
         log = tmp_path_factory.mktemp("server-log") / "server.log"
-        return ServerProcess(["--target", str(tiny_dir), "--log-level", "warning", *args], log)  # a later --target wins
+        # fp32: the same model on both runtimes (auto would give the compact runtime bf16 weights
+        # and transformers' fp32); a later --target / --dtype wins
+        return ServerProcess(["--target", str(tiny_dir), "--dtype", "fp32", "--log-level", "warning", *args], log)
 
     return start
 

@@ -18,7 +18,7 @@ from specdraft.verify import SamplingParams
 
 @pytest.fixture(scope="module")
 def pipe(tiny_dir, reference):  # `reference` first: it pins torch to one thread
-    return api.load(str(tiny_dir), draft="prune:0", threads=1)
+    return api.load(str(tiny_dir), draft="prune:0", threads=1, dtype="fp32")  # as the reference
 
 
 @pytest.fixture

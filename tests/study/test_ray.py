@@ -69,7 +69,9 @@ def test_sweep_on_a_ray_cluster(ray_cluster, tmp_path, tiny_pipe, data_files, sw
     ray_rows = {r["key"]: r for r in read_rows(store.path) if r["kind"] in ("config", "quality")}
     inline = {r["key"]: r for r in read_rows(sweep_results) if r["kind"] in ("config", "quality")}
     assert ray_rows.keys() == inline.keys()
-    for key, r in ray_rows.items():  # the same numbers as computed in this process
+    for key, r in ray_rows.items():  # the same numbers as computed in this process, up to rounding:
+        # tasks batch the held-out rows differently, so a forward may take the few-row kernel in one
+        # process and torch's GEMM in the other (last-bit differences, ~1e-5 in a perplexity)
         for field in ("mean_accepted_length", "predicted_tokens_per_s", "perplexity"):
             want = inline[key].get(field)
-            assert r.get(field) == (None if want is None else pytest.approx(want, rel=1e-6))
+            assert r.get(field) == (None if want is None else pytest.approx(want, rel=1e-4)), (key, field)
