@@ -6,7 +6,8 @@
 - :class:`CostAwareK`: measures draft and target latency and the running acceptance while it
   decodes and picks the k with the highest predicted throughput from :mod:`specdraft.analytic`,
   including k = 0 (plain decoding) when speculation does not pay. While at k = 0 it probes a
-  small k every ``probe_every`` steps so the acceptance estimate can recover.
+  small k every ``probe_every`` steps so the acceptance estimate can recover; each probe that
+  still says "do not speculate" doubles the interval (up to ``probe_max``), one that pays resets it.
 """
 
 from __future__ import annotations
@@ -72,12 +73,16 @@ class CostAwareK:
         k_max: largest k considered.
         k_start: k used until the first measurements arrive.
         decay: weight of history in the exponential moving averages.
-        probe_every: at k = 0, try ``probe_k`` once every this many steps.
+        probe_every: at k = 0, try ``probe_k`` once every this many steps at first.
+        probe_max: the longest interval between probes (after failed probes doubled it).
     """
 
-    def __init__(self, k_max: int = 8, k_start: int = 3, decay: float = 0.8, probe_every: int = 8, probe_k: int = 2):
+    def __init__(self, k_max: int = 8, k_start: int = 3, decay: float = 0.8, probe_every: int = 8, probe_k: int = 2,
+                 probe_max: int = 64):
         self.k_max, self.k_start, self.decay = k_max, k_start, decay
-        self.probe_every, self.probe_k = probe_every, probe_k
+        self.probe_every, self.probe_k, self.probe_max = probe_every, probe_k, probe_max
+        self.probe_interval = probe_every
+        self._probing = False
         self.alpha: float | None = None
         self.t_draft: float | None = None  # seconds per draft token
         self.t_target: dict[int, float] = {}  # tokens fed -> seconds
@@ -109,9 +114,10 @@ class CostAwareK:
             k = analytic.best_k(self.alpha, self.t_draft, self.target_time, self.k_max)
             if k == 0:
                 self._since_probe += 1
-                if self._since_probe >= self.probe_every:
+                if self._since_probe >= self.probe_interval:
                     self._since_probe = 0
                     k = self.probe_k
+                    self._probing = True
         self.last_k = k
         return k
 
@@ -123,6 +129,10 @@ class CostAwareK:
         self.t_draft = self._ema(self.t_draft, draft_time / k)
         mean_tokens = float((num_accepted.float() + 1).mean())
         self.alpha = self._ema(self.alpha, analytic.alpha_from_mean_accepted(mean_tokens, drafted))
+        if self._probing:  # did the probe change the verdict?
+            self._probing = False
+            pays = analytic.best_k(self.alpha, self.t_draft, self.target_time, self.k_max) > 0
+            self.probe_interval = self.probe_every if pays else min(2 * self.probe_interval, self.probe_max)
 
     def __repr__(self) -> str:
         return f"CostAwareK(alpha={self.alpha}, t_draft={self.t_draft}, k={self.last_k})"

@@ -61,7 +61,7 @@ def test_cost_aware_speculates_when_it_pays_and_not_when_it_does_not():
 
 def test_cost_aware_probes_while_at_zero():
     flat = lambda n: 0.03
-    p = CostAwareK(k_max=8, probe_every=4, probe_k=2)
+    p = CostAwareK(k_max=8, probe_every=4, probe_k=2, probe_max=4)  # no back-off
     feed(p, alpha=0.1, t_draft=0.03, t_target=flat)
     ks = []
     for _ in range(8):
@@ -69,6 +69,26 @@ def test_cost_aware_probes_while_at_zero():
         ks.append(k)
         p.update(k, t(k), t(0), k * 0.03, 0.03)
     assert 0 in ks and 2 in ks  # plain decoding, with a probe every few steps
+
+
+def test_failed_probes_back_off_and_a_paying_probe_resets():
+    flat = lambda n: 0.03
+    p = CostAwareK(k_max=8, probe_every=4, probe_k=2, probe_max=16)
+    feed(p, alpha=0.1, t_draft=0.03, t_target=flat)
+    probes = []
+    for step in range(120):  # every probe accepts nothing: the gaps between probes grow, then cap
+        k = p.choose()
+        if k:
+            probes.append(step)
+        p.update(k, t(k), t(0), k * 0.03, 0.03)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-2:] == [16, 16] and p.probe_interval == 16, gaps
+    # a probe after which speculation pays (a fast, well-accepted draft) resets the interval
+    while p.choose() == 0:
+        p.update(0, t(0), t(0), 0.0, 0.03)
+    p.alpha, p.t_draft = 0.9, 0.0001
+    p.update(2, t(2), t(2), 2 * 0.0001, 0.03)
+    assert p.probe_interval == 4
 
 
 def test_make_policy():
