@@ -502,8 +502,10 @@ def run_sweep(
     total = sum(len(t.keys()) for t in tasks if t.kind == "config")
     todo = [t for t in tasks if any(k not in store for k in t.keys())]
     pending_rows = sum(len([k for k in t.keys() if k not in store]) for t in todo)
-    if len(todo) < len(tasks):
-        log(f"resuming: {len(tasks) - len(todo)} of {len(tasks)} tasks already in {store.path}")
+    all_rows = sum(len(t.keys()) for t in tasks)
+    if pending_rows < all_rows:  # a killed run left rows behind (whole tasks or part of one)
+        log(f"resuming: {all_rows - pending_rows} of {all_rows} rows already in {store.path} "
+            f"({len(tasks) - len(todo)} of {len(tasks)} tasks complete)")
     if executor == "ray":
         results = run_ray(todo, address, workers)
     elif executor == "local":
