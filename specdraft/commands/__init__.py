@@ -12,7 +12,7 @@ def add_model_arguments(p: argparse.ArgumentParser, draft: bool = True) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help="model alias (smollm2-135m, gemma3-270m), HF directory or GGUF path")
     if draft:
         p.add_argument("--draft", default="default", help="none | default | prune:0,1,2,29 | lookup[:N] | self | model alias/path")
-        p.add_argument("--k", default="5", help="draft length: an integer >= 0, 'auto' (cost-aware) or 'heuristic'")
+        p.add_argument("--k", default="auto", help="draft length: 'auto' (cost-aware, the default: measures latency and acceptance and picks k, 0 included), an integer >= 0 or 'heuristic'")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                    help="target precision; auto: bf16 where the CPU has native bf16, else fp32")
     p.add_argument("--draft-dtype", default="auto", choices=["auto", "bf16", "fp32", "int8"],
