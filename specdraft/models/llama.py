@@ -192,10 +192,10 @@ class LlamaWeights:
 def bf16_compute_dtype() -> torch.dtype:
     """Arithmetic dtype for bf16 weights: bf16 where the CPU has native bf16 matmul, else float32.
 
-    Without AVX512-BF16/AMX, torch emulates bf16 matmuls slowly; the few-row kernel
+    Without AVX512-BF16/AMX, torch emulates bf16 matmuls; the few-row kernel
     (:mod:`specdraft.kernels`) instead widens bf16 weights to fp32 as it streams them, which
-    halves the memory traffic of fp32 weights at fp32 accuracy of the arithmetic. Without that
-    kernel, bf16 stays bf16 throughout.
+    halves the memory traffic of fp32 weights at fp32 accuracy of the arithmetic (and keeps
+    verification bit-identical to single steps). Without that kernel, bf16 stays bf16 throughout.
     """
     return torch.float32 if not kernels.cpu_has_fast_bf16() and kernels.available() else torch.bfloat16
 
