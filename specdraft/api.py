@@ -33,7 +33,7 @@ from typing import Iterator
 import torch
 
 from specdraft import kernels
-from specdraft.kernels import cpu_has_fast_bf16  # noqa: F401 (public here since the first release)
+from specdraft.kernels import cpu_has_fast_bf16
 from specdraft.drafters.base import Drafter
 from specdraft.drafters.model import ModelDrafter
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter

@@ -92,13 +92,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _pipe(args):
-    from specdraft import api, kernels
+    from specdraft import api
 
     from specdraft.models.llama import LlamaRuntime
 
-    # auto: fp32 unless the CPU has native bf16 (training arithmetic; the kernel's bf16-weight mode
-    # is for decoding)
-    dtype = args.dtype if args.dtype != "auto" else ("bf16" if kernels.cpu_has_fast_bf16() else "fp32")
+    # auto: what transformers' modules (the training path) compute in: fp32 unless bf16 is native
+    dtype = api.resolve_dtype(args.dtype, runtime="hf")
     pipe = api.load(args.target, "none", dtype=dtype, runtime=args.runtime, threads=args.threads)
     if not isinstance(pipe.runtime, LlamaRuntime):
         raise SpecdraftError("designing drafts needs a Llama-family target on the compact runtime")

@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    dtype = {"bf16": "bf16", "fp32": "fp32"}.get(args.dtype) or ("fp32" if api.resolve_dtype("auto") == api.DTYPES["fp32"] else "bf16")
+    dtype = "fp32" if api.resolve_dtype(args.dtype) == api.DTYPES["fp32"] else "bf16"  # rows record the name
     if args.prompts_per_dataset < 1 or args.heldout < 0 or args.max_new_tokens < 2:
         raise SpecdraftError("need --prompts-per-dataset >= 1, --heldout >= 0 and --max-new-tokens >= 2")
     t0 = time.perf_counter()

@@ -14,6 +14,7 @@ runtime falls back to torch's matmuls; :func:`status` says why.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -35,17 +36,17 @@ _why: str | None = None  # None: not tried yet
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("SPECDRAFT_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specdraft"
-    )
-    return Path(base) / "kernels"
+    from specdraft.models.loading import cache_root  # at call time: loading imports transformers
+
+    return cache_root() / "kernels"
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
     try:
-        return set(Path("/proc/cpuinfo").read_text().split())
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
     except OSError:
-        return set()
+        return frozenset()
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -128,6 +129,16 @@ def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
     )
 
 
+def _call(name: str, fn, *args) -> None:
+    """``fn(*args)``, shown to torch.profiler as ``name`` while it records (ctypes calls are
+    invisible to it otherwise; specdraft.bench.profile counts :data:`PROFILE_NAME` as a matmul)."""
+    if _profiling():
+        with torch.profiler.record_function(name):
+            fn(*args)
+    else:
+        fn(*args)
+
+
 def fewrows_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` for fp32 ``x (..., K)`` with at most :data:`MAX_ROWS` rows and fp32 or bf16
     ``w (N, K)``; float32 out. Call :func:`supports` first."""
@@ -137,11 +148,7 @@ def fewrows_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     M = x2.shape[0]
     y = torch.empty(M, N, dtype=torch.float32)
     fn = lib.fewrows_bf16 if w.dtype == torch.bfloat16 else lib.fewrows_f32
-    if _profiling():  # visible to torch.profiler (specdraft.bench.profile counts it as a matmul)
-        with torch.profiler.record_function(PROFILE_NAME):
-            fn(x2.data_ptr(), w.data_ptr(), y.data_ptr(), M, K, N, torch.get_num_threads())
-    else:
-        fn(x2.data_ptr(), w.data_ptr(), y.data_ptr(), M, K, N, torch.get_num_threads())
+    _call(PROFILE_NAME, fn, x2.data_ptr(), w.data_ptr(), y.data_ptr(), M, K, N, torch.get_num_threads())
     return y.view(*x.shape[:-1], N)
 
 
@@ -160,9 +167,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
         return None
     x2 = x.reshape(-1, K).contiguous()
     y = torch.empty_like(x2)
-    if _profiling():
-        with torch.profiler.record_function("specdraft::rms_norm"):
-            _lib.rmsnorm_f32(x2.data_ptr(), weight.data_ptr(), y.data_ptr(), x2.shape[0], K, eps)
-    else:
-        _lib.rmsnorm_f32(x2.data_ptr(), weight.data_ptr(), y.data_ptr(), x2.shape[0], K, eps)
+    _call("specdraft::rms_norm", _lib.rmsnorm_f32, x2.data_ptr(), weight.data_ptr(), y.data_ptr(), x2.shape[0], K, eps)
     return y.view(x.shape)

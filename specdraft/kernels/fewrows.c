@@ -5,9 +5,9 @@
  *
  * With M <= ~16 rows the work is dominated by streaming W from memory once, and BLAS libraries
  * tuned for large GEMMs handle that shape poorly (MKL took ~3.4x a 1-row product for 8 rows on
- * this project's AVX2 CPU). Here each tile streams OB rows of W once over K, multiplying each
- * 8-wide slice into up to MB rows of x at once (MB accumulators per W row); W is prefetched PF
- * elements ahead. OB = 1, MB = 8 was fastest on this CPU among 3x4, 2x4, 2x6, 1x4, 1x6 and 1x8
+ * this project's AVX2 CPU). Here each tile streams one row of W once over K, multiplying each
+ * 8-wide slice into up to MB rows of x at once (MB accumulators); W is prefetched PF elements
+ * ahead. 1 W row x 8 x rows was fastest on this CPU among 3x4, 2x4, 2x6, 1x4, 1x6 and 1x8
  * (whole-model linears with bf16 weights, 2 threads: 1 row 20 ms, 8 rows 32 ms, against 25 and 40
  * ms for 3x4): one weight stream per thread prefetches best, and 8 accumulators cover FMA latency.
  *
@@ -25,7 +25,6 @@
 #include <math.h>
 #include <stdint.h>
 
-#define OB 1   /* W rows per tile */
 #define MB 8   /* x rows per tile (at most) */
 #define PF 128 /* prefetch distance in elements */
 
@@ -43,26 +42,18 @@ static inline __m256 load_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
 }
 
-/* One tile: rows [0, mb) of x (mb == MB_ compile-time) against OB rows of W (nob of them real). */
+/* One tile: rows [0, MB_) of x (MB_ compile-time) against one row wr of W -> y[i * N]. */
 #define TILE(NAME, WT, LOAD, MB_)                                                               \
-    static inline void NAME##_tile##MB_(const float *x, const WT *const *wr, float *y, int K,    \
-                                        int N, int o, int nob) {                                 \
-        __m256 acc[OB][MB_];                                                                      \
-        for (int j = 0; j < OB; j++)                                                              \
-            for (int i = 0; i < MB_; i++) acc[j][i] = _mm256_setzero_ps();                        \
+    static inline void NAME##_tile##MB_(const float *x, const WT *wr, float *y, int K, int N) {  \
+        __m256 acc[MB_];                                                                          \
+        for (int i = 0; i < MB_; i++) acc[i] = _mm256_setzero_ps();                               \
         for (int k = 0; k < K; k += 8) {                                                          \
-            __m256 wv[OB];                                                                        \
-            for (int j = 0; j < OB; j++) {                                                        \
-                wv[j] = LOAD(wr[j] + k);                                                          \
-                _mm_prefetch((const char *)(wr[j] + k + PF), _MM_HINT_T0);                        \
-            }                                                                                     \
-            for (int i = 0; i < MB_; i++) {                                                       \
-                __m256 xv = _mm256_loadu_ps(x + (long)i * K + k);                                 \
-                for (int j = 0; j < OB; j++) acc[j][i] = _mm256_fmadd_ps(xv, wv[j], acc[j][i]);   \
-            }                                                                                     \
+            __m256 wv = LOAD(wr + k);                                                             \
+            _mm_prefetch((const char *)(wr + k + PF), _MM_HINT_T0);                               \
+            for (int i = 0; i < MB_; i++)                                                         \
+                acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (long)i * K + k), wv, acc[i]);       \
         }                                                                                         \
-        for (int i = 0; i < MB_; i++)                                                             \
-            for (int j = 0; j < nob; j++) y[(long)i * N + o + j] = hsum(acc[j][i]);               \
+        for (int i = 0; i < MB_; i++) y[(long)i * N] = hsum(acc[i]);                              \
     }
 
 #define KERNEL(NAME, WT, LOAD)                                                                    \
@@ -76,22 +67,20 @@ static inline __m256 load_bf16(const uint16_t *p) {
     TILE(NAME, WT, LOAD, 8)                                                                       \
     static void NAME##_rows(const float *x, const WT *w, float *y, int M, int K, int N, int o0,  \
                             int o1) {                                                             \
-        for (int o = o0; o < o1; o += OB) {                                                       \
-            int nob = o1 - o < OB ? o1 - o : OB;                                                  \
-            const WT *wr[OB];                                                                     \
-            for (int j = 0; j < OB; j++) wr[j] = w + (long)(o + (j < nob ? j : 0)) * K;           \
+        for (int o = o0; o < o1; o++) {                                                           \
+            const WT *wr = w + (long)o * K;                                                       \
             for (int m0 = 0; m0 < M; m0 += MB) {                                                  \
                 const float *xm = x + (long)m0 * K;                                               \
-                float *ym = y + (long)m0 * N;                                                     \
+                float *ym = y + (long)m0 * N + o;                                                 \
                 switch (M - m0 < MB ? M - m0 : MB) {                                              \
-                case 8: NAME##_tile8(xm, wr, ym, K, N, o, nob); break;                            \
-                case 7: NAME##_tile7(xm, wr, ym, K, N, o, nob); break;                            \
-                case 6: NAME##_tile6(xm, wr, ym, K, N, o, nob); break;                            \
-                case 5: NAME##_tile5(xm, wr, ym, K, N, o, nob); break;                            \
-                case 4: NAME##_tile4(xm, wr, ym, K, N, o, nob); break;                            \
-                case 3: NAME##_tile3(xm, wr, ym, K, N, o, nob); break;                            \
-                case 2: NAME##_tile2(xm, wr, ym, K, N, o, nob); break;                            \
-                default: NAME##_tile1(xm, wr, ym, K, N, o, nob);                                  \
+                case 8: NAME##_tile8(xm, wr, ym, K, N); break;                                    \
+                case 7: NAME##_tile7(xm, wr, ym, K, N); break;                                    \
+                case 6: NAME##_tile6(xm, wr, ym, K, N); break;                                    \
+                case 5: NAME##_tile5(xm, wr, ym, K, N); break;                                    \
+                case 4: NAME##_tile4(xm, wr, ym, K, N); break;                                    \
+                case 3: NAME##_tile3(xm, wr, ym, K, N); break;                                    \
+                case 2: NAME##_tile2(xm, wr, ym, K, N); break;                                    \
+                default: NAME##_tile1(xm, wr, ym, K, N);                                          \
                 }                                                                                 \
             }                                                                                     \
         }                                                                                         \
@@ -103,7 +92,7 @@ static inline __m256 load_bf16(const uint16_t *p) {
         }                                                                                         \
         _Pragma("omp parallel num_threads(threads)") {                                            \
             int t = omp_get_thread_num(), T = omp_get_num_threads();                              \
-            int per = ((N + T - 1) / T + OB - 1) / OB * OB;                                       \
+            int per = (N + T - 1) / T;                                                            \
             int a = t * per, b = a + per < N ? a + per : N;                                       \
             if (a < b) NAME##_rows(x, w, y, M, K, N, a, b);                                       \
         }                                                                                         \
