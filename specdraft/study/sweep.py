@@ -166,6 +166,8 @@ class Task:
         sequences: prompts and cached continuations, as lists of ids (they travel to workers).
         latencies: :meth:`Latencies.as_dict`.
         version: code version the keys are made with.
+        threads: torch threads of the process that runs it (an offline pass times nothing, so a
+            pool of workers splits the cores; not part of any key).
     """
 
     kind: str
@@ -176,6 +178,7 @@ class Task:
     sequences: list[tuple[list[int], list[int]]]
     latencies: dict
     version: str
+    threads: int = 1
 
     def keys(self) -> list[str]:
         return [r[0] for r in self.planned()]
@@ -298,7 +301,7 @@ def config_row(key: str, cfg: dict, version: str, sim: Simulation, plain: Simula
 def run_task(task: Task) -> list[dict]:
     """Compute a task's rows (runs in a worker: loads the target and the draft once per process)."""
     c = task.config
-    pipe = load_target(c.target, c.dtype, c.threads)
+    pipe = load_target(c.target, c.dtype, task.threads)
     drafter = build_drafter(pipe, task.draft, c.draft_dtype)
     seqs = [Sequence(p, cont) for p, cont in task.sequences]
     k_max = 1 if task.kind == "quality" else c.k_max
@@ -506,12 +509,15 @@ def run_sweep(
     if pending_rows < all_rows:  # a killed run left rows behind (whole tasks or part of one)
         log(f"resuming: {all_rows - pending_rows} of {all_rows} rows already in {store.path} "
             f"({len(tasks) - len(todo)} of {len(tasks)} tasks complete)")
+    if executor not in ("local", "ray"):
+        raise SpecdraftError(f"unknown executor {executor!r}: use local or ray")
+    inline = executor == "local" and (workers <= 0 or len(todo) <= 1)
+    for t in todo:  # a Ray task holds one CPU; pool workers share config.threads cores
+        t.threads = config.threads if inline else 1 if executor == "ray" else max(1, config.threads // workers)
     if executor == "ray":
         results = run_ray(todo, address, workers)
-    elif executor == "local":
-        results = run_inline(todo) if workers <= 0 or len(todo) <= 1 else run_pool(todo, workers)
     else:
-        raise SpecdraftError(f"unknown executor {executor!r}: use local or ray")
+        results = run_inline(todo) if inline else run_pool(todo, workers)
 
     from tqdm import tqdm
 
