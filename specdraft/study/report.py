@@ -669,7 +669,7 @@ def _study_sections(st: Study, inp: Inputs, out_dir: Path) -> tuple[list[str], l
     body.append("## Drafts\n\n" + _table(
         ["draft", "T_draft(1) ms", "T_draft / T_target", "held-out perplexity", "top-1 agreement",
          f"accepted/step (k={st.k_ref})"] + [f"best k, b={b}" for b in st.batches] + [f"speedup b={b}" for b in st.batches],
-        [[f"`{short_name(d.draft)}`", f"{d.t_draft_ms:.2f}", f"{d.t_draft_ms / d.t_target_ms:.2f}", _fmt(d.perplexity, "{:.1f}"),
+        [[f"`{short_name(d.draft)}`", f"{d.t_draft_ms:.2f}", f"{d.t_draft_ms / d.t_target_ms:.2f}", _fmt(d.perplexity, "{:.1f}" if (d.perplexity or 0) < 1e5 else "{:.2e}"),
           _fmt(d.top1, "{:.1%}"), f"{d.accepted:.2f}"] + [str(d.best_k[b]) for b in st.batches]
          + [f"{d.best_speedup[b]:.2f}x" for b in st.batches] for d in st.drafts]
     ) + f"\n\nT_target(1, 1) = {st.drafts[0].t_target_ms:.2f} ms (median over the datasets' contexts). Speedups are "
