@@ -17,33 +17,55 @@ needs_kernel = pytest.mark.skipif(not kernels.available(), reason=f"native kerne
 
 @needs_kernel
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 8, 9, 16])
-def test_fewrows_matmul_matches_torch(M, wdtype):
+@pytest.mark.parametrize("N", [301, 336])  # 336: bf16 goes through the packed kernel (N % 16 == 0)
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 8, 9, 13, 16])
+def test_fewrows_matmul_matches_torch(M, N, wdtype):
     g = torch.Generator().manual_seed(M)
     x = torch.randn(M, 200, generator=g)
-    w = torch.randn(301, 200, generator=g).to(wdtype)  # N not a multiple of the tile, K % 8 == 0
+    w = torch.randn(N, 200, generator=g).to(wdtype)  # K % 8 == 0
     y = kernels.fewrows_matmul(x, w)
     ref = x.double() @ w.double().T
-    assert y.dtype == torch.float32 and y.shape == (M, 301)
+    assert y.dtype == torch.float32 and y.shape == (M, N)
     assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-4)
 
 
 @needs_kernel
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_each_row_is_bit_identical_whatever_else_is_in_the_batch(wdtype, threads):
+@pytest.mark.parametrize("N", [1000, 1008])  # 1008 = 63 blocks of 16: the packed bf16 kernel, odd split
+def test_each_row_is_bit_identical_whatever_else_is_in_the_batch(wdtype, threads, N):
     """The property that makes a (k+1)-token verification agree with k+1 one-token steps."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(16, 576, generator=g)
-    w = (torch.randn(1000, 576, generator=g) * 0.05).to(wdtype)
+    w = (torch.randn(N, 576, generator=g) * 0.05).to(wdtype)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         singles = torch.cat([kernels.fewrows_matmul(x[i : i + 1], w) for i in range(16)])
-        for M in (2, 3, 5, 8, 9, 16):
+        for M in (2, 3, 5, 7, 8, 9, 13, 16):
             assert torch.equal(kernels.fewrows_matmul(x[:M], w), singles[:M]), M
     finally:
         torch.set_num_threads(before)
+
+
+@needs_kernel
+def test_packed_copy_follows_in_place_changes_of_the_weight():
+    x = torch.randn(2, 64)
+    w = torch.randn(32, 64).bfloat16()
+    before = kernels.fewrows_matmul(x, w)
+    assert kernels.packed(w) is kernels.packed(w)  # cached
+    w.mul_(2)
+    assert torch.equal(kernels.fewrows_matmul(x, w), before * 2)  # exact: a power-of-two scale
+
+
+def test_pack_bf16_layout():
+    w = torch.arange(32 * 3, dtype=torch.float32).view(32, 3).bfloat16()
+    p = kernels.pack_bf16(w)
+    assert p.shape == (2, 3, 16)
+    for j in range(2):
+        for pos in range(16):
+            col = 16 * j + pos // 2 + 8 * (pos % 2)
+            assert torch.equal(p[j, :, pos], w[col])
 
 
 @needs_kernel
@@ -111,3 +133,76 @@ def test_bf16_weights_run_with_fp32_arithmetic_and_verification_matches_single_s
     full = ref.forward(c, torch.cat([prompt, new], 1), torch.arange(17).view(1, -1)).logits[:, 12:]
     assert not torch.equal(full, together)
     assert torch.allclose(full, together, atol=0.05)
+
+
+def _rope_tables(n: int, D: int):
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    fr = torch.outer(torch.arange(n).float(), inv)
+    emb = torch.cat((fr, fr), -1)
+    return emb.cos().contiguous(), emb.sin().contiguous()
+
+
+@needs_kernel
+@pytest.mark.parametrize("T", [1, 3, 8])
+def test_rope_attend_matches_torch(T):
+    """RoPE + cache write + causal attention against the runtime's torch ops, ragged rows."""
+    from specdraft.models.llama import rotate_half
+
+    g = torch.Generator().manual_seed(T)
+    B, H, G, D, cap = 2, 6, 2, 32, 48
+    pos = torch.stack([torch.arange(5, 5 + T), torch.arange(17, 17 + T)])  # rows at different lengths
+    qkv = torch.randn(B, T, (H + 2 * G) * D, generator=g)
+    cos, sin = _rope_tables(64, D)
+    kc, vc = torch.randn(B, G, cap, D, generator=g), torch.randn(B, G, cap, D, generator=g)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    out = kernels.RopeAttention(pos, cos, sin, H, G)(qkv, kc, vc)
+
+    qk, v = qkv.view(B, T, H + 2 * G, D).transpose(1, 2).split((H + G, G), dim=1)
+    qk = qk * cos[pos].unsqueeze(1) + rotate_half(qk) * sin[pos].unsqueeze(1)
+    q, k = qk.split((H, G), dim=1)
+    for b in range(B):
+        kc_ref[b, :, pos[b]], vc_ref[b, :, pos[b]] = k[b], v[b]
+    S = int(pos.max()) + 1
+    mask = (torch.arange(S) <= pos.unsqueeze(-1)).unsqueeze(1)
+    ref = F.scaled_dot_product_attention(q, kc_ref[:, :, :S], vc_ref[:, :, :S], attn_mask=mask, enable_gqa=True)
+    assert out.shape == (B, T, H * D)
+    assert torch.allclose(out, ref.transpose(1, 2).reshape(B, T, H * D), atol=1e-5)
+    assert torch.allclose(kc, kc_ref, atol=1e-6) and torch.equal(vc, vc_ref)  # other slots untouched
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rope_attend_verification_equals_single_steps(threads):
+    """T new tokens in one call give bit-identical outputs and caches to T one-token calls."""
+    g = torch.Generator().manual_seed(1)
+    B, H, G, D, cap, T, start = 1, 9, 3, 64, 64, 8, 21
+    qkv = torch.randn(B, T, (H + 2 * G) * D, generator=g)
+    cos, sin = _rope_tables(64, D)
+    kc = torch.randn(B, G, cap, D, generator=g)
+    vc = torch.randn(B, G, cap, D, generator=g)
+    kc1, vc1 = kc.clone(), vc.clone()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        pos = torch.arange(start, start + T).unsqueeze(0)
+        many = kernels.RopeAttention(pos, cos, sin, H, G)(qkv, kc, vc)
+        singles = torch.cat(
+            [kernels.RopeAttention(pos[:, t : t + 1], cos, sin, H, G)(qkv[:, t : t + 1], kc1, vc1) for t in range(T)], 1
+        )
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(many, singles)
+    assert torch.equal(kc, kc1) and torch.equal(vc, vc1)
+
+
+@needs_kernel
+def test_rope_attention_rejects_mismatched_inputs():
+    cos, sin = _rope_tables(16, 32)
+    with pytest.raises(ValueError, match="cover 16 positions"):
+        kernels.RopeAttention(torch.tensor([[16]]), cos, sin, 4, 2)
+    att = kernels.RopeAttention(torch.tensor([[3]]), cos, sin, 4, 2)
+    kc = torch.zeros(1, 2, 8, 32)
+    with pytest.raises(ValueError, match="qkv"):
+        att(torch.zeros(1, 1, 7 * 32), kc, kc.clone())
+    with pytest.raises(ValueError, match="contiguous"):
+        att(torch.zeros(1, 1, 8 * 32), kc.transpose(2, 3).contiguous().transpose(2, 3), kc.clone())

@@ -1,9 +1,12 @@
-"""A native few-row matmul (``fewrows.c``), built with the system C compiler on first use.
+"""Native kernels for decode and verification steps (``fewrows.c``), built with the system C
+compiler on first use.
 
 Decode and verification steps multiply 1..k+1 rows by every weight of the model. On CPUs
 without native bf16 that shape is where torch's BLAS paths are weakest, so the compact runtime
 sends it here (see :func:`specdraft.models.llama.linear`): fp32 or bf16 weights, fp32
-arithmetic, each row's result independent of the other rows.
+arithmetic, each row's result independent of the other rows. The attention block of such a step
+(RoPE, cache write, causal attention) is one call too (:class:`RopeAttention`): in torch it is a
+dozen small ops whose overhead outweighs their arithmetic.
 
 The shared library is compiled once per source version into the user cache
 (``~/.cache/specdraft/kernels``, or ``$SPECDRAFT_CACHE/kernels``) and loaded with ctypes. Where
@@ -20,6 +23,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import weakref
 from pathlib import Path
 
 import torch
@@ -97,6 +101,10 @@ def _load() -> ctypes.CDLL | None:
             for fn in (lib.fewrows_f32, lib.fewrows_bf16):
                 fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
                 fn.restype = None
+            lib.packed_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
+            lib.packed_bf16.restype = None
+            lib.rope_attend.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 7
+            lib.rope_attend.restype = None
             lib.rmsnorm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_float]
             lib.rmsnorm_f32.restype = None
             _lib, _why = lib, "ok"
@@ -139,16 +147,44 @@ def _call(name: str, fn, *args) -> None:
         fn(*args)
 
 
+PACK_PERM = torch.tensor([p // 2 + 8 * (p % 2) for p in range(16)])  # see fewrows.c
+_PACKED: dict[int, tuple[int, torch.Tensor]] = {}
+
+
+def pack_bf16(w: torch.Tensor) -> torch.Tensor:
+    """The ``(N / 16, K, 16)`` layout of a bf16 ``w (N, K)`` that the packed kernel streams."""
+    N, K = w.shape
+    return w.view(N // 16, 16, K)[:, PACK_PERM, :].transpose(1, 2).contiguous()
+
+
+def packed(w: torch.Tensor) -> torch.Tensor:
+    """:func:`pack_bf16` of ``w``, cached per weight tensor (rebuilt if ``w`` was changed in
+    place). The packed copy adds the bf16 weight's size again to memory."""
+    hit = _PACKED.get(id(w))
+    if hit is None:
+        weakref.finalize(w, _PACKED.pop, id(w), None)
+    if hit is None or hit[0] != w._version:
+        hit = _PACKED[id(w)] = (w._version, pack_bf16(w))
+    return hit[1]
+
+
 def fewrows_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` for fp32 ``x (..., K)`` with at most :data:`MAX_ROWS` rows and fp32 or bf16
-    ``w (N, K)``; float32 out. Call :func:`supports` first."""
+    ``w (N, K)``; float32 out. Call :func:`supports` first.
+
+    bf16 weights with N a multiple of 16 go through the packed outer-product kernel (a packed
+    copy made on first use, :func:`packed`); others through the row-dot kernel. Either way each
+    row's result is independent of the other rows."""
     lib = _load()
     K, N = w.shape[1], w.shape[0]
     x2 = x.reshape(-1, K).contiguous()
     M = x2.shape[0]
     y = torch.empty(M, N, dtype=torch.float32)
-    fn = lib.fewrows_bf16 if w.dtype == torch.bfloat16 else lib.fewrows_f32
-    _call(PROFILE_NAME, fn, x2.data_ptr(), w.data_ptr(), y.data_ptr(), M, K, N, torch.get_num_threads())
+    if w.dtype == torch.bfloat16 and N % 16 == 0:
+        fn, wp = lib.packed_bf16, packed(w)
+    else:
+        fn, wp = (lib.fewrows_bf16 if w.dtype == torch.bfloat16 else lib.fewrows_f32), w
+    _call(PROFILE_NAME, fn, x2.data_ptr(), wp.data_ptr(), y.data_ptr(), M, K, N, torch.get_num_threads())
     return y.view(*x.shape[:-1], N)
 
 
@@ -169,3 +205,55 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     y = torch.empty_like(x2)
     _call("specdraft::rms_norm", _lib.rmsnorm_f32, x2.data_ptr(), weight.data_ptr(), y.data_ptr(), x2.shape[0], K, eps)
     return y.view(x.shape)
+
+
+def attention_supports(T: int, n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
+    """Whether :class:`RopeAttention` takes a step of T new tokens per row with these heads."""
+    return T <= MAX_ROWS and head_dim % 16 == 0 and head_dim <= 256 and n_heads % n_kv_heads == 0 and available()
+
+
+class RopeAttention:
+    """RoPE, the KV-cache write and causal attention of a decode / verification step in one
+    native call per layer (``rope_attend`` in fewrows.c). Made once per forward (what all layers
+    share is checked once), then called per layer.
+
+    Args:
+        positions: ``(B, T)`` each new token's position, which is also its cache slot; a query at
+            position p attends to slots 0..p.
+        cos, sin: ``(n, D)`` fp32 half-split RoPE tables covering the positions.
+        n_heads, n_kv_heads: H query heads sharing G key/value heads.
+
+    Call :func:`attention_supports` first.
+    """
+
+    def __init__(self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv_heads: int):
+        self.B, self.T = positions.shape
+        self.D = cos.shape[-1]
+        if cos.dtype != torch.float32 or sin.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
+            raise ValueError("RopeAttention: RoPE tables must be contiguous float32")
+        if cos.shape[0] <= int(positions.max()):
+            raise ValueError(f"RopeAttention: RoPE tables cover {cos.shape[0]} positions, not {int(positions.max()) + 1}")
+        self.pos = positions.to(torch.int64).contiguous()
+        self.cos, self.sin = cos, sin
+        self.H, self.G = n_heads, n_kv_heads
+        self.width = (n_heads + 2 * n_kv_heads) * self.D
+        self.fn = _load().rope_attend
+        self.threads = torch.get_num_threads()
+
+    def __call__(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """``qkv (B, T, (H + 2G) D)`` fp32 -> ``(B, T, H D)``; writes the new keys (rotated) and
+        values into the ``(B, G, cap, D)`` fp32 caches at the positions."""
+        if qkv.dtype != torch.float32 or qkv.shape[-1] != self.width or qkv.numel() != self.B * self.T * self.width:
+            raise ValueError(f"RopeAttention: qkv must be float32 ({self.B}, {self.T}, {self.width})")
+        if not (k_cache.dtype == v_cache.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("RopeAttention: caches must be contiguous float32 (they are written in place)")
+        if k_cache.shape[0] != self.B or k_cache.shape[1] != self.G or k_cache.shape[3] != self.D:
+            raise ValueError(f"RopeAttention: cache shape {tuple(k_cache.shape)} does not match")
+        qkv = qkv.contiguous()
+        out = torch.empty(self.B, self.T, self.H * self.D, dtype=torch.float32)
+        _call(
+            "specdraft::rope_attend", self.fn, qkv.data_ptr(), self.pos.data_ptr(), self.cos.data_ptr(),
+            self.sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), self.B, self.T, self.H,
+            self.G, self.D, k_cache.shape[2], self.threads,
+        )
+        return out

@@ -304,21 +304,16 @@ def transposed(w: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed) -> torch.Tensor:
-    """``x @ w.T + b``, with the matmul form chosen by the number of rows M (fp32 only).
+    """``x @ w.T + b`` for fp32 activations, the matmul chosen by weight dtype and row count M.
 
-    Decode and verification steps multiply a few rows by weights far larger than the cache, and
-    how MKL handles that depends on the form it is given. Measured on this project's AVX2 CPU over
-    the whole SmolLM2 forward at a 200-token context (``benchmarks/bench_linear.py``):
-
-    - M <= 3: ``x @ W^T`` on an ``(in, out)`` copy of the weight (:func:`transposed`);
-    - M = 4, 5: ``(W @ x^T)^T`` on the original ``(out, in)`` weight;
-    - larger M (long verifications, prefill) and other dtypes: ``F.linear``.
-
-    Against ``F.linear`` everywhere, median of 12 interleaved rounds: T1 97 -> 81 ms (1.19x),
-    T2 1.42x, T3 1.49x, T4 1.24x, T6 1.09x, T8 1.05x faster.
-
-    Results differ from ``F.linear`` only in rounding. The copy doubles an fp32 model's weight
-    memory once a forward with M <= 3 has run.
+    - int8 weights (``packed``, drafts only): :func:`int8_linear`.
+    - M <= ``kernels.MAX_ROWS`` (decode and verification steps) with the native kernel built:
+      :func:`specdraft.kernels.fewrows_matmul` (bf16 weights through a packed copy, fp32 weights
+      row by row; each row's result independent of the other rows).
+    - bf16 weights otherwise (prefill): widened to fp32 for ``F.linear``.
+    - fp32 weights without the kernel: ``x @ W^T`` on an ``(in, out)`` copy for M <= 3
+      (:func:`transposed`), ``(W @ x^T)^T`` for M = 4, 5, ``F.linear`` beyond; these forms were
+      1.05-1.49x faster than ``F.linear`` alone on this project's AVX2 CPU.
     """
     if packed is not None:
         return int8_linear(x, packed, b)
@@ -372,8 +367,8 @@ class LlamaRuntime:
         w = self.w
         return LlamaKV(len(self.layers), batch_size, w.n_kv_heads, capacity, w.head_dim, self.dtype)
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        need = int(positions.max()) + 1
+    def _rope_tables(self, need: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(n, D)`` cos and sin tables (RoPE scaling applied) covering positions below ``need``."""
         if need > self._rope_len:
             n = max(need, 2 * self._rope_len, 1024)
             t = torch.arange(n, dtype=torch.float32)
@@ -382,8 +377,12 @@ class LlamaRuntime:
             self._cos = (emb.cos() * self.w.rope_scale).to(self.dtype)
             self._sin = (emb.sin() * self.w.rope_scale).to(self.dtype)
             self._rope_len = n
+        return self._cos, self._sin
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self._rope_tables(int(positions.max()) + 1)
         # (B, 1, T, D): broadcast over heads
-        return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
     @torch.inference_mode()
     def forward(
@@ -402,42 +401,52 @@ class LlamaRuntime:
         if int(positions.max()) >= state.capacity:
             raise SpecdraftError(f"position {int(positions.max())} beyond cache capacity {state.capacity}")
 
-        # Where do the new keys go? One contiguous run shared by all rows (batch 1, or equal
-        # lengths) is a slice write; ragged rows scatter by position.
-        start = int(positions[0, 0])
-        contiguous = bool((positions == start + torch.arange(T)).all())
-        S = int(positions.max()) + 1 if attn_mask is None else attn_mask.shape[-1]
-        if attn_mask is not None:
-            mask = attn_mask.unsqueeze(1)  # (B, 1, T, S)
-        elif contiguous and T == 1:
-            mask = None  # the single query sees every slot 0..S-1
+        # Decode-sized causal steps: RoPE, cache write and attention in one native call
+        # (kernels.rope_attend); prefill, custom masks and bf16 compute take torch's ops.
+        fused = attn_mask is None and self.dtype == torch.float32 and kernels.attention_supports(T, H, G, D)
+        if fused:
+            attend = kernels.RopeAttention(positions, *self._rope_tables(int(positions.max()) + 1), H, G)
         else:
-            mask = (torch.arange(S) <= positions.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, S)
-        if not contiguous:
-            rows = torch.arange(B).view(B, 1, 1)
-            heads = torch.arange(G).view(1, G, 1)
-            slots = positions.unsqueeze(1)  # (B, 1, T)
+            # Where do the new keys go? One contiguous run shared by all rows (batch 1, or equal
+            # lengths) is a slice write; ragged rows scatter by position.
+            start = int(positions[0, 0])
+            contiguous = bool((positions == start + torch.arange(T)).all())
+            S = int(positions.max()) + 1 if attn_mask is None else attn_mask.shape[-1]
+            if attn_mask is not None:
+                mask = attn_mask.unsqueeze(1)  # (B, 1, T, S)
+            elif contiguous and T == 1:
+                mask = None  # the single query sees every slot 0..S-1
+            else:
+                mask = (torch.arange(S) <= positions.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, S)
+            if not contiguous:
+                rows = torch.arange(B).view(B, 1, 1)
+                heads = torch.arange(G).view(1, G, 1)
+                slots = positions.unsqueeze(1)  # (B, 1, T)
+            cos, sin = self._rope(positions)
 
-        cos, sin = self._rope(positions)
         x = w.embed[tokens].to(self.dtype)  # (B, T, C)
         wanted = set(hidden_layers)
         hidden: dict[int, torch.Tensor] = {}
         for li, (layer, k_cache, v_cache) in enumerate(zip(self.layers, state.k, state.v)):
             h = rms_norm(x, layer.attn_norm, w.eps)
             qkv = linear(h, layer.wqkv, layer.bqkv, layer.q_qkv)  # (B, T, (H + 2G) * D)
-            qk, v = qkv.view(B, T, H + 2 * G, D).transpose(1, 2).split((H + G, G), dim=1)
-            qk = qk * cos + rotate_half(qk) * sin  # (B, H + G, T, D): RoPE on queries and keys at once
-            q, k = qk.split((H, G), dim=1)
-            if contiguous:
-                k_cache[:, :, start : start + T] = k
-                v_cache[:, :, start : start + T] = v
+            if fused:
+                att = attend(qkv, k_cache, v_cache)  # (B, T, H * D)
             else:
-                k_cache.index_put_((rows, heads, slots), k)
-                v_cache.index_put_((rows, heads, slots), v)
-            att = F.scaled_dot_product_attention(
-                q, k_cache[:, :, :S], v_cache[:, :, :S], attn_mask=mask, enable_gqa=G != H
-            )  # (B, H, T, D)
-            x = x + linear(att.transpose(1, 2).reshape(B, T, H * D), layer.wo, None, layer.q_o)
+                qk, v = qkv.view(B, T, H + 2 * G, D).transpose(1, 2).split((H + G, G), dim=1)
+                qk = qk * cos + rotate_half(qk) * sin  # (B, H + G, T, D): RoPE on queries and keys at once
+                q, k = qk.split((H, G), dim=1)
+                if contiguous:
+                    k_cache[:, :, start : start + T] = k
+                    v_cache[:, :, start : start + T] = v
+                else:
+                    k_cache.index_put_((rows, heads, slots), k)
+                    v_cache.index_put_((rows, heads, slots), v)
+                att = F.scaled_dot_product_attention(
+                    q, k_cache[:, :, :S], v_cache[:, :, :S], attn_mask=mask, enable_gqa=G != H
+                )  # (B, H, T, D)
+                att = att.transpose(1, 2).reshape(B, T, H * D)
+            x = x + linear(att, layer.wo, None, layer.q_o)
             h = rms_norm(x, layer.mlp_norm, w.eps)
             gate, up = linear(h, layer.w_gate_up, None, layer.q_gate_up).chunk(2, dim=-1)
             x = x + linear(F.silu(gate) * up, layer.w_down, None, layer.q_down)
