@@ -46,7 +46,7 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-prompt-tokens", type=int, default=768, help="longer prompts are cut in the middle (same for all methods)")
     p.add_argument("--dtype", default="auto", help="the target's precision")
-    p.add_argument("--draft-dtype", default="auto", help="every draft's precision (auto: int8 on CPUs without native bf16)")
+    p.add_argument("--draft-dtype", default="auto", help="every draft's precision (auto: bf16 where native or run by the native kernels, else int8)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-hf", action="store_true", help="skip transformers' plain generate")
     p.add_argument("--also", default="", help="more drafts to run alongside, comma-separated 'spec@k' (e.g. lookup@4)")

@@ -67,19 +67,18 @@ def resolve_dtype(name: str | torch.dtype, draft: bool = False, runtime: str = "
     fp32 arithmetic: half the memory traffic of fp32) and fp32 otherwise (``runtime="hf"``: torch
     would emulate bf16). int8 is refused for a target: its matmuls quantize activations, so the
     last-bit float differences between a (k + 1)-token verification and a 1-token step flip
-    roundings and the output would not be exactly the target's. Drafts: ``auto`` is int8 where
-    bf16 is not native (a draft's precision changes only how often it is accepted, never the
-    output), else bf16.
+    roundings and the output would not be exactly the target's. Drafts (whose precision changes
+    only how often they are accepted, never the output): ``auto`` is bf16 where the CPU has it
+    natively or the native kernels run it (bf16 weights, fp32 arithmetic: a 2-layer designed draft
+    step took 2.7 ms against 4.4 ms in int8 on this project's AVX2 CPU), else int8 (fbgemm).
     """
     if isinstance(name, torch.dtype):
         dt = name
     elif name == "auto":
-        if cpu_has_fast_bf16():
+        if cpu_has_fast_bf16() or (runtime != "hf" and kernels.available()):
             dt = torch.bfloat16
-        elif draft:
-            dt = torch.qint8
         else:
-            dt = torch.bfloat16 if runtime != "hf" and kernels.available() else torch.float32
+            dt = torch.qint8 if draft else torch.float32
     elif name in DTYPES:
         dt = DTYPES[name]
     else:
@@ -290,8 +289,10 @@ def make_drafter(spec: str, pipe_target: LoadedModel, runtime: Runtime, dtype: t
             return ModelDrafter(LlamaRuntime(runtime.w, layers), spec)
         return ModelDrafter(LlamaRuntime(runtime.w.subset(layers, dtype)), spec)
     draft = load_model(spec, torch.float32 if dtype == torch.qint8 else dtype)
-    if dtype == torch.qint8 and draft.model.config.model_type not in LLAMA_FAMILY:
-        dtype = torch.float32  # int8 needs the compact runtime
+    if draft.model.config.model_type not in LLAMA_FAMILY and (
+        dtype == torch.qint8 or (dtype == torch.bfloat16 and not cpu_has_fast_bf16())
+    ):
+        dtype = torch.float32  # int8 and kernel-run bf16 need the compact runtime; torch would emulate bf16
     if not _same_tokenizer(draft.tokenizer, pipe_target.tokenizer):
         raise SpecdraftError(
             f"draft {spec!r} has a different tokenizer/vocabulary than the target; "

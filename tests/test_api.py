@@ -183,6 +183,18 @@ def test_int8_is_a_draft_precision_only(pipe):
     assert api.resolve_dtype("auto", draft=True) in (torch.qint8, torch.bfloat16)
 
 
+def test_auto_precision_follows_what_the_cpu_and_kernels_run_fast(monkeypatch):
+    monkeypatch.setattr(api, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(api.kernels, "available", lambda: True)  # bf16 weights through the kernels
+    assert api.resolve_dtype("auto") == api.resolve_dtype("auto", draft=True) == torch.bfloat16
+    assert api.resolve_dtype("auto", runtime="hf") == torch.float32  # torch would emulate bf16
+    monkeypatch.setattr(api.kernels, "available", lambda: False)
+    assert api.resolve_dtype("auto") == torch.float32
+    assert api.resolve_dtype("auto", draft=True) == torch.qint8
+    monkeypatch.setattr(api, "cpu_has_fast_bf16", lambda: True)
+    assert api.resolve_dtype("auto") == api.resolve_dtype("auto", draft=True) == torch.bfloat16
+
+
 @pytest.mark.parametrize("spec", ["self", "prune:0", "prune:1,0"])
 def test_int8_drafts_stay_lossless_and_do_not_touch_the_target(pipe, spec):
     drafter = api.make_drafter(spec, pipe.target, pipe.runtime, torch.qint8)

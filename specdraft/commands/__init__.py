@@ -16,7 +16,7 @@ def add_model_arguments(p: argparse.ArgumentParser, draft: bool = True) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                    help="target precision; auto: bf16 where the CPU has native bf16, else fp32")
     p.add_argument("--draft-dtype", default="auto", choices=["auto", "bf16", "fp32", "int8"],
-                   help="draft precision (never changes the output); auto: bf16 where native, else int8")
+                   help="draft precision (never changes the output); auto: bf16 where native or run by the native kernels, else int8")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--runtime", default="auto", choices=["auto", "compact", "hf"], help="model runtime")
 
