@@ -147,6 +147,7 @@ def _call(name: str, fn, *args) -> None:
         fn(*args)
 
 
+USE_PACKED = True  # bf16 weights through the packed kernel (benchmarks/bench_linear.py compares without)
 PACK_PERM = torch.tensor([p // 2 + 8 * (p % 2) for p in range(16)])  # see fewrows.c
 _PACKED: dict[int, tuple[int, torch.Tensor]] = {}
 
@@ -180,7 +181,7 @@ def fewrows_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, K).contiguous()
     M = x2.shape[0]
     y = torch.empty(M, N, dtype=torch.float32)
-    if w.dtype == torch.bfloat16 and N % 16 == 0:
+    if w.dtype == torch.bfloat16 and N % 16 == 0 and USE_PACKED:
         fn, wp = lib.packed_bf16, packed(w)
     else:
         fn, wp = (lib.fewrows_bf16 if w.dtype == torch.bfloat16 else lib.fewrows_f32), w

@@ -129,7 +129,7 @@ KERNEL(fewrows_bf16, uint16_t, load_bf16)
  * Every y[m, n] is one fp32 FMA chain over k = 0..K-1 in order (partial sums between K chunks go
  * through y, exactly), whatever M, the tile shape or the thread: rows stay independent. */
 #define KC 256  /* K chunk when rows take several groups */
-#define PPF 512 /* prefetch distance in packed elements (32 k ahead) */
+#define PPF 2048 /* prefetch distance in packed elements (128 k ahead, 4 KB: DRAM latency at FMA speed) */
 
 /* Named accumulators (gcc keeps an array of 12+ vectors in memory): a<r><c>l / a<r><c>h hold
  * row r, columns 16c..16c+7 / 16c+8..16c+15 of the tile. */
