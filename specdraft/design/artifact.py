@@ -198,6 +198,7 @@ def load_draft(path: str | Path, target_model, dtype: torch.dtype = torch.float3
     bad = [k for k, t in state.items() if not torch.isfinite(t).all()]
     if bad:
         raise SpecdraftError(f"draft {d} is corrupted: non-finite values in {bad[0]}")
+    draft.model.embed_tokens.weight = draft.lm_head.weight = None  # the target's: .to must not convert them
     draft.to(dtype)
     draft.model.embed_tokens.weight = target_model.get_input_embeddings().weight
     if cfg.tie_word_embeddings:

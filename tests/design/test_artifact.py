@@ -38,6 +38,15 @@ def test_compact_form_holds_only_the_drafts_own_tensors_and_round_trips(target, 
     torch.testing.assert_close(draft(ids).logits, depth_prune(target, [1])(ids).logits)
 
 
+def test_loading_in_another_dtype_converts_the_draft_not_the_shared_target_tensors(tmp_path):
+    target = tiny_llama(seed=0)
+    d = _save(target, tmp_path / "d")
+    draft, _, _ = load_draft(d, target, torch.bfloat16)
+    assert draft.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    assert target.model.embed_tokens.weight.dtype == target.lm_head.weight.dtype == torch.float32
+    assert draft.model.embed_tokens.weight is target.model.embed_tokens.weight
+
+
 def test_another_target_is_refused(target, tmp_path):
     d = _save(target, tmp_path / "d")
     with pytest.raises(SpecdraftError, match="embedding differs"):
