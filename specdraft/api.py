@@ -11,8 +11,8 @@ Draft specs (``--draft`` on the CLI):
 
 - ``none``: plain autoregressive decoding.
 - ``default`` (what leaving ``--draft`` out means): prompt lookup, the fastest drafter measured on
-  this CPU (``results/engine-kernel``: 1.19x plain on Spec-Bench, against 1.01x for the designed
-  draft in the same run). ``designed:auto`` is the draft designed for this target and committed
+  this CPU (``results/engine-packed``: 1.14x plain on Spec-Bench; the designed draft 0.98x,
+  ``drafts/results/bench_designed_auto.json``). ``designed:auto`` is the draft designed for this target and committed
   under ``drafts/`` when there is one (SmolLM2-135M), else prompt lookup.
 - ``prune:0,1,2,29``: the target's own layers 0, 1, 2 and 29 at full width, with its embedding and
   LM head: the untrained "shallow and wide" layer-pruned self-draft.
