@@ -122,8 +122,10 @@ class CostAwareK:
         return k
 
     def update(self, k, num_drafted, num_accepted, draft_time, target_time) -> None:
-        self.t_target[k + 1] = self._ema(self.t_target.get(k + 1), target_time)
         drafted = int(num_drafted.max()) if num_drafted.numel() else 0
+        # the target scored drafted + 1 tokens per row (fewer than k + 1 when a drafter such as
+        # prompt lookup found less to propose): that is the size this time belongs to
+        self.t_target[drafted + 1] = self._ema(self.t_target.get(drafted + 1), target_time)
         if k == 0 or drafted == 0:
             return
         self.t_draft = self._ema(self.t_draft, draft_time / k)

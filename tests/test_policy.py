@@ -98,3 +98,13 @@ def test_make_policy():
     for bad in ("-1", "five", ""):
         with pytest.raises(SpecdraftError):
             make_policy(bad)
+
+
+def test_cost_aware_files_target_time_under_the_tokens_actually_scored():
+    """A drafter that proposes fewer than k tokens (prompt lookup) makes a shorter target
+    forward; its time must not pass for T_target(k + 1)."""
+    p = CostAwareK()
+    p.update(4, torch.tensor([1]), torch.tensor([0]), 1e-4, 0.021)
+    assert set(p.t_target) == {2} and p.t_target[2] == pytest.approx(0.021)
+    p.update(4, torch.tensor([0]), torch.tensor([0]), 1e-4, 0.020)
+    assert p.t_target[1] == pytest.approx(0.020)
