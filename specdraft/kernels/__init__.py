@@ -176,17 +176,17 @@ def fewrows_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     bf16 weights with N a multiple of 16 go through the packed outer-product kernel (a packed
     copy made on first use, :func:`packed`); others through the row-dot kernel. Either way each
     row's result is independent of the other rows."""
-    lib = _load()
-    K, N = w.shape[1], w.shape[0]
-    x2 = x.reshape(-1, K).contiguous()
-    M = x2.shape[0]
-    y = torch.empty(M, N, dtype=torch.float32)
+    lib = _lib or _load()
+    N, K = w.shape
+    if not x.is_contiguous():
+        x = x.contiguous()
+    y = torch.empty(x.shape[:-1] + (N,), dtype=torch.float32)
     if w.dtype == torch.bfloat16 and N % 16 == 0 and USE_PACKED:
         fn, wp = lib.packed_bf16, packed(w)
     else:
         fn, wp = (lib.fewrows_bf16 if w.dtype == torch.bfloat16 else lib.fewrows_f32), w
-    _call(PROFILE_NAME, fn, x2.data_ptr(), wp.data_ptr(), y.data_ptr(), M, K, N, torch.get_num_threads())
-    return y.view(*x.shape[:-1], N)
+    _call(PROFILE_NAME, fn, x.data_ptr(), wp.data_ptr(), y.data_ptr(), x.numel() // K, K, N, torch.get_num_threads())
+    return y
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
@@ -202,10 +202,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
         or not available()
     ):
         return None
-    x2 = x.reshape(-1, K).contiguous()
-    y = torch.empty_like(x2)
-    _call("specdraft::rms_norm", _lib.rmsnorm_f32, x2.data_ptr(), weight.data_ptr(), y.data_ptr(), x2.shape[0], K, eps)
-    return y.view(x.shape)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    y = torch.empty_like(x)
+    _call("specdraft::rms_norm", _lib.rmsnorm_f32, x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // K, K, eps)
+    return y
 
 
 def attention_supports(T: int, n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
