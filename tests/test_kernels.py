@@ -18,7 +18,7 @@ needs_kernel = pytest.mark.skipif(not kernels.available(), reason=f"native kerne
 @needs_kernel
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("N", [301, 336])  # 336: bf16 goes through the packed kernel (N % 16 == 0)
-@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 8, 9, 13, 16])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 40, 100])
 def test_fewrows_matmul_matches_torch(M, N, wdtype):
     g = torch.Generator().manual_seed(M)
     x = torch.randn(M, 200, generator=g)
@@ -36,13 +36,13 @@ def test_fewrows_matmul_matches_torch(M, N, wdtype):
 def test_each_row_is_bit_identical_whatever_else_is_in_the_batch(wdtype, threads, N):
     """The property that makes a (k+1)-token verification agree with k+1 one-token steps."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(16, 576, generator=g)
+    x = torch.randn(40, 576, generator=g)
     w = (torch.randn(N, 576, generator=g) * 0.05).to(wdtype)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        singles = torch.cat([kernels.fewrows_matmul(x[i : i + 1], w) for i in range(16)])
-        for M in (2, 3, 5, 7, 8, 9, 13, 16):
+        singles = torch.cat([kernels.fewrows_matmul(x[i : i + 1], w) for i in range(40)])
+        for M in (2, 3, 5, 7, 8, 9, 13, 16, 40):
             assert torch.equal(kernels.fewrows_matmul(x[:M], w), singles[:M]), M
     finally:
         torch.set_num_threads(before)
@@ -75,6 +75,10 @@ def test_supports_only_what_the_kernel_handles():
     assert kernels.supports(torch.randn(3, 32), w.bfloat16())
     assert not kernels.supports(torch.randn(3, 30), torch.randn(64, 30))  # K % 8
     assert not kernels.supports(torch.randn(kernels.MAX_ROWS + 1, 32), w)  # many rows: torch's GEMM
+    # bf16 weights the packed kernel takes: up to PACKED_MAX_ROWS (torch would widen W every call)
+    assert kernels.supports(torch.randn(kernels.PACKED_MAX_ROWS, 32), w.bfloat16())
+    assert not kernels.supports(torch.randn(kernels.PACKED_MAX_ROWS + 1, 32), w.bfloat16())
+    assert not kernels.supports(torch.randn(kernels.MAX_ROWS + 1, 32), torch.randn(40, 32).bfloat16())  # N % 16
     assert not kernels.supports(torch.randn(3, 32).bfloat16(), w.bfloat16())  # bf16 activations
     assert not kernels.supports(torch.randn(3, 32), torch.randn(32, 64).t())  # not contiguous
 

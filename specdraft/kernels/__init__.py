@@ -31,6 +31,9 @@ import torch
 SOURCE = Path(__file__).with_name("fewrows.c")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
 MAX_ROWS = 16  # above this, torch's GEMM is as fast or faster (benchmarks/bench_linear.py)
+# bf16 weights: torch would widen the whole weight to fp32 on every call; the packed kernel was
+# ~3x faster up to 128 rows (3072 x 576 weights, 2 threads), still faster at 256
+PACKED_MAX_ROWS = 256
 
 PROFILE_NAME = "specdraft::fewrows_matmul"  # the name torch.profiler shows for the kernel
 _profiling = torch._C._autograd._profiler_enabled
@@ -125,16 +128,18 @@ def status() -> str:
 
 
 def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether :func:`fewrows_matmul` takes this product (and the kernel is available)."""
-    return (
-        x.dtype == torch.float32
-        and w.dtype in (torch.float32, torch.bfloat16)
-        and w.dim() == 2
-        and w.shape[1] % 8 == 0
-        and x.numel() // max(x.shape[-1], 1) <= MAX_ROWS
-        and w.is_contiguous()
-        and available()
-    )
+    """Whether :func:`fewrows_matmul` takes this product (and the kernel is available): up to
+    :data:`MAX_ROWS` rows, or :data:`PACKED_MAX_ROWS` for bf16 weights the packed kernel takes."""
+    if x.dtype != torch.float32 or w.dim() != 2 or w.shape[1] % 8 or not w.is_contiguous():
+        return False
+    rows = x.numel() // max(x.shape[-1], 1)
+    if w.dtype == torch.bfloat16:
+        limit = PACKED_MAX_ROWS if USE_PACKED and w.shape[0] % 16 == 0 else MAX_ROWS
+    elif w.dtype == torch.float32:
+        limit = MAX_ROWS
+    else:
+        return False
+    return rows <= limit and available()
 
 
 def _call(name: str, fn, *args) -> None:
@@ -170,8 +175,8 @@ def packed(w: torch.Tensor) -> torch.Tensor:
 
 
 def fewrows_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T`` for fp32 ``x (..., K)`` with at most :data:`MAX_ROWS` rows and fp32 or bf16
-    ``w (N, K)``; float32 out. Call :func:`supports` first.
+    """``x @ w.T`` for fp32 ``x (..., K)`` and fp32 or bf16 ``w (N, K)``; float32 out. Call
+    :func:`supports` first.
 
     bf16 weights with N a multiple of 16 go through the packed outer-product kernel (a packed
     copy made on first use, :func:`packed`); others through the row-dot kernel. Either way each

@@ -307,10 +307,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed) -> 
     """``x @ w.T + b`` for fp32 activations, the matmul chosen by weight dtype and row count M.
 
     - int8 weights (``packed``, drafts only): :func:`int8_linear`.
-    - M <= ``kernels.MAX_ROWS`` (decode and verification steps) with the native kernel built:
-      :func:`specdraft.kernels.fewrows_matmul` (bf16 weights through a packed copy, fp32 weights
-      row by row; each row's result independent of the other rows).
-    - bf16 weights otherwise (prefill): widened to fp32 for ``F.linear``.
+    - decode and verification steps with the native kernel built (:func:`specdraft.kernels.supports`:
+      M <= ``MAX_ROWS`` with fp32 weights, row by row; M <= ``PACKED_MAX_ROWS`` with bf16 weights,
+      through a packed copy): :func:`specdraft.kernels.fewrows_matmul`, each row's result
+      independent of the other rows.
+    - bf16 weights otherwise (long prefills): widened to fp32 for ``F.linear``.
     - fp32 weights without the kernel: ``x @ W^T`` on an ``(in, out)`` copy for M <= 3
       (:func:`transposed`), ``(W @ x^T)^T`` for M = 4, 5, ``F.linear`` beyond; these forms were
       1.05-1.49x faster than ``F.linear`` alone on this project's AVX2 CPU.
