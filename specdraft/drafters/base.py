@@ -26,11 +26,14 @@ class Proposal:
             runs never need it.
         num_valid: ``(B,)`` how many tokens each row really proposes (None = all k). A drafter
             with nothing to say for a row (an n-gram with no match) proposes 0 there.
+        steps: ``(B,)`` draft forwards each row needed, for a drafter that stops early (a batch
+            runs the most any row needs); None = k for a draft model. Cost models use it.
     """
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
     num_valid: torch.Tensor | None = None
+    steps: torch.Tensor | None = None
 
 
 @dataclass

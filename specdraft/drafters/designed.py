@@ -208,15 +208,15 @@ def best_prefix(conf: torch.Tensor, cost: VerifyCost) -> torch.Tensor:
     return (expected / costs).argmax(1)
 
 
-def _worth_continuing(cum: torch.Tensor, k: int, cost: VerifyCost) -> bool:
-    """After i drafted tokens (``cum`` ``(B, i)``: P_1..P_i), could a longer prefix still win for
-    any row? P never grows, so ``1 + sum_{j <= i} P_j + (m - i) P_i`` bounds the expected tokens of
-    every prefix m > i: stopping here never changes the chosen prefix."""
+def _worth_continuing(cum: torch.Tensor, k: int, cost: VerifyCost) -> torch.Tensor:
+    """After i drafted tokens (``cum`` ``(B, i)``: P_1..P_i), could a longer prefix still win,
+    per row? P never grows, so ``1 + sum_{j <= i} P_j + (m - i) P_i`` bounds the expected tokens of
+    every prefix m > i: stopping here never changes the chosen prefix. ``(B,)`` bool."""
     i = cum.shape[1]
     expected = 1 + torch.cat([torch.zeros(cum.shape[0], 1), cum.cumsum(1)], 1)  # (B, i + 1): m = 0..i
     best = (expected / torch.tensor([cost.step(m) for m in range(i + 1)])).max(1).values
     bound = torch.stack([(expected[:, -1] + (m - i) * cum[:, -1]) / cost.step(m) for m in range(i + 1, k + 1)]).max(0).values
-    return bool((bound > best).any())
+    return bound > best
 
 
 class GatedDrafter(ModelDrafter):
@@ -231,6 +231,8 @@ class GatedDrafter(ModelDrafter):
         cost: the cost model (skips the measurement), e.g. ``VerifyCost([1.0] * 9, 0.0)`` to
             always propose all k.
     """
+
+    stops_early = True  # proposals carry per-row ``steps`` (cost models and offline replays use them)
 
     def __init__(self, runtime, name: str, target_runtime=None, cost: VerifyCost | None = None):
         super().__init__(runtime, name)
@@ -254,22 +256,27 @@ class GatedDrafter(ModelDrafter):
         conf = torch.zeros(B, k)
         probs = None
         made = k
+        steps = torch.full((B,), k, dtype=torch.int64)  # forwards each row needs on its own
+        going = torch.ones(B, dtype=torch.bool)
         for i in range(k):
             probs, q = take_token(logits, ctx, draft, probs, i)
             if q is None:  # greedy: the draft's probability of its argmax
                 conf[:, i] = logits.float().softmax(-1).max(-1).values
             else:  # sampling: q of the sampled token
                 conf[:, i] = q.gather(-1, draft[:, i : i + 1]).squeeze(-1)
-            if i + 1 < k and not _worth_continuing(conf[:, : i + 1].cumprod(1), k, self.cost):
-                made = i + 1
-                break
             if i + 1 < k:
+                stop = going & ~_worth_continuing(conf[:, : i + 1].cumprod(1), k, self.cost)
+                steps[stop] = i + 1
+                going &= ~stop
+                if not going.any():
+                    made = i + 1
+                    break
                 logits = self.runtime.forward(state.kv, draft[:, i : i + 1], (L + i).unsqueeze(1)).logits[:, 0]
         state.fed = L.clone()
         state.base = L.clone()
         state.k = made
         num_valid = best_prefix(conf[:, :made], self.cost)
-        return Proposal(tokens=draft, probs=probs, num_valid=num_valid)
+        return Proposal(tokens=draft, probs=probs, num_valid=num_valid, steps=steps)
 
 
 # ------------------------------------------------------------------------------------ feature drafts

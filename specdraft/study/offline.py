@@ -143,6 +143,8 @@ class OfflineProposals:
             the ``N - i`` tokens the continuation still has).
         valid: tokens the draft actually proposed there (``k_max`` for model drafts; the n-gram's
             continuation length for prompt lookup, possibly 0).
+        steps: draft forwards the draft needed there, for a drafter that stops early (a gated
+            designed draft); None: k per step (or one search for prompt lookup).
         nll: the draft's ``-log q(c_i | prefix)`` of the target's next token (None: no q).
         top1: whether the draft's argmax is the target's next token (None: no q).
     """
@@ -152,6 +154,7 @@ class OfflineProposals:
     valid: list[int]
     nll: list[float] | None = None
     top1: list[bool] | None = None
+    steps: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.matched)
@@ -181,7 +184,8 @@ def offline_proposals(drafter, seq: Sequence, k_max: int, *, row_budget_bytes: i
     over the sequence gives the draft's cache for the shared prefix (copied into the rows, so a
     position costs only its k_max draft steps), its perplexity and top-1 agreement, and its first
     draft token at every position: positions where that token is already wrong accept nothing and
-    are not proposed from at all. Other drafters catch up on each row's prefix themselves.
+    are not proposed from at all (except for drafters that stop early, whose widths and draft
+    forwards are recorded everywhere). Other drafters catch up on each row's prefix themselves.
 
     Args:
         drafter: any :class:`specdraft.drafters.base.Drafter`.
@@ -216,12 +220,17 @@ def offline_proposals(drafter, seq: Sequence, k_max: int, *, row_budget_bytes: i
 
     matched = [0] * N
     valid = [k_max] * N
+    steps: list[int] | None = None
     positions = list(range(N))
-    if fast and k_max > 1:
+    # A drafter that stops early (GatedDrafter) decides how far to draft, and how many tokens to
+    # propose, from all its tokens' confidences: it is proposed from everywhere, so that every
+    # position's width and draft forwards are its own.
+    stops_early = getattr(drafter, "stops_early", False)
+    if fast and k_max > 1 and not stops_early:
         # The teacher-forced pass already gave every position's first draft token: where it is
         # wrong, nothing is accepted, whatever follows. Only the other rows need k_max steps.
         positions = [i for i in positions if top1[i]]
-    elif fast:
+    elif fast and k_max <= 1:
         matched = [int(t) for t in top1]
         positions = []
     greedy = SamplingParams()
@@ -241,7 +250,11 @@ def offline_proposals(drafter, seq: Sequence, k_max: int, *, row_budget_bytes: i
         ok = (draft == truth) & (torch.arange(k_max) < nv.unsqueeze(1))
         for i, m, v in zip(rows.tolist(), ok.int().cumprod(1).sum(1).tolist(), nv.tolist()):
             matched[i], valid[i] = m, v  # m: accepted prefix length
-    return OfflineProposals(P, matched, valid, nll, top1)
+        if prop.steps is not None:
+            steps = steps or [k_max] * N
+            for i, n in zip(rows.tolist(), prop.steps.tolist()):
+                steps[i] = n
+    return OfflineProposals(P, matched, valid, nll, top1, steps)
 
 
 @dataclass
@@ -290,6 +303,8 @@ class SimStep(NamedTuple):
         context: the longest row's committed tokens (the attention span of the step).
         emitted: output tokens of all rows.
         first: the first step of its batch (where a draft model also catches up on the prompt).
+        draft_steps: draft forwards of the step (the most any row needed) for a drafter that
+            stops early; None: k (a draft model) or one search (prompt lookup).
     """
 
     rows: int
@@ -297,6 +312,7 @@ class SimStep(NamedTuple):
     context: int
     emitted: int
     first: bool
+    draft_steps: int | None = None
 
 
 @dataclass
@@ -353,8 +369,11 @@ def simulate(proposals: list[OfflineProposals], k: int, batch: int) -> Simulatio
             if not active:
                 break
             width = context = emitted_all = 0
+            steps = None
             for r in active:
                 p, i = group[r], pos[r]
+                if p.steps is not None:
+                    steps = max(steps or 0, min(k, p.steps[i]))
                 drafted = min(k, p.valid[i])
                 a = min(p.matched[i], drafted)
                 emitted = min(a + 1, len(p) - i)
@@ -366,6 +385,6 @@ def simulate(proposals: list[OfflineProposals], k: int, batch: int) -> Simulatio
                 sim.generated += emitted
                 emitted_all += emitted
                 pos[r] = i + emitted
-            sim.steps.append(SimStep(len(active), width, context, emitted_all, first))
+            sim.steps.append(SimStep(len(active), width, context, emitted_all, first, steps if k else None))
             first = False
     return sim

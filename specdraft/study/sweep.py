@@ -239,11 +239,12 @@ def predict(sim: Simulation, lat: Latencies, draft: str) -> tuple[float, float]:
         if s.first:
             continue
         tokens += s.emitted
+        step_calls = calls if s.draft_steps is None else s.draft_steps  # a gated draft stops early
         seconds += analytic.batch_step_time(
             s.width, s.rows,
-            lambda b, c=s.context: lat.draft_time(draft, b, c) if calls else 0.0,
+            lambda b, c=s.context: lat.draft_time(draft, b, c) if step_calls else 0.0,
             lambda b, n, c=s.context: lat.target_time(b, n, c),
-            draft_calls=calls,
+            draft_calls=step_calls,
         )
     return tokens, seconds
 

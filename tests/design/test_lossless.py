@@ -163,3 +163,16 @@ def test_drafting_stops_once_no_longer_prefix_can_pay(tiny_pipe):
     ctx = DraftContext(torch.tensor([random_prompts([8], seed=1)[0] + [0] * 24]), torch.tensor([8]), [SamplingParams()], [None])
     prop = d.propose(state, ctx, 4)
     assert prop.num_valid.tolist() == [0] and state.k == 1  # one draft forward, then it stopped
+
+
+def test_gated_proposals_report_the_draft_forwards_each_row_needed(tiny_pipe):
+    from specdraft.drafters.base import DraftContext
+    from specdraft.verify import SamplingParams
+
+    ids = torch.arange(40)
+    ctx = DraftContext(torch.randint(0, 40, (2, 12)), torch.tensor([9, 12]), [SamplingParams()] * 2, [None] * 2)
+    for cost, want in ((VerifyCost([1.0, 50.0], 0.0), [1, 1]), (VerifyCost([1.0] * 9, 0.0), [4, 4])):
+        d = GatedDrafter(_subset_runtime(tiny_pipe, ids), "gated", cost=cost)
+        prop = d.propose(d.new_state(2, 32), ctx, 4)
+        assert prop.steps.tolist() == want
+        assert d.stops_early

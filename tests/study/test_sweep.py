@@ -91,6 +91,24 @@ def test_prediction_replays_the_analytic_step_time():
     assert sweep.predict(sim, lat, "d")[1] == pytest.approx(sum(0.001 + 0.010 * 3 + 0.005 for _ in steps))
 
 
+def test_prediction_charges_a_draft_that_stops_early_only_the_forwards_it_ran():
+    """Gated drafts record per-position draft forwards; a batched step runs the most any row needs."""
+    from specdraft.bench.profile import LatencyProfile
+
+    prof = lambda draft: LatencyProfile("t", draft or "none", "fp32", 1, 100, 1, 0,  # noqa: E731
+                                        {b: {n: 0.010 * n for n in range(1, 6)} for b in (1, 2)},
+                                        {b: 0.001 for b in (1, 2)} if draft else {})
+    lat = Latencies(target={100: prof(None)}, drafts={"d": {100: prof("d")}}, draft_kinds={"d": "model"})
+    a = OfflineProposals(90, matched=[0, 0, 0, 0], valid=[1, 1, 1, 1], steps=[1, 3, 1, 1])
+    b = OfflineProposals(90, matched=[0, 0, 0, 0], valid=[2, 2, 2, 2], steps=[2, 2, 2, 2])
+    sim = simulate([a, b], k=4, batch=2)
+    assert [s.draft_steps for s in sim.steps] == [2, 3, 2, 2]
+    assert [s.draft_steps for s in simulate([a, b], k=2, batch=2).steps] == [2, 2, 2, 2]  # capped at k
+    seconds = sweep.predict(sim, lat, "d")[1]
+    assert seconds == pytest.approx(3 * 0.001 + 0.010 * 3 + 2 * (2 * 0.001 + 0.010 * 3))  # first step left out
+    assert simulate([OfflineProposals(90, [0], [1])], k=4, batch=1).steps[0].draft_steps is None  # not recorded: k
+
+
 def test_interrupted_sweep_resumes_without_duplicates_or_losses(tmp_path, tiny_pipe, data_files, monkeypatch):
     config = small_config(drafts=["prune:0", "prune:1", "lookup"])
     datasets, heldout = small_datasets(tiny_pipe, data_files, cache_dir=tmp_path / "cache")
