@@ -70,7 +70,8 @@ def resolve_dtype(name: str | torch.dtype, draft: bool = False, runtime: str = "
     roundings and the output would not be exactly the target's. Drafts (whose precision changes
     only how often they are accepted, never the output): ``auto`` is bf16 where the CPU has it
     natively or the native kernels run it (bf16 weights, fp32 arithmetic: a 2-layer designed draft
-    step took 2.7 ms against 4.4 ms in int8 on this project's AVX2 CPU), else int8 (fbgemm).
+    step cost 0.11 of a target step against 0.16 in int8 on this project's AVX2 CPU, ``specdraft
+    profile --draft-dtype``), else int8 (fbgemm).
     """
     if isinstance(name, torch.dtype):
         dt = name

@@ -210,3 +210,6 @@ def test_rope_attention_rejects_mismatched_inputs():
         att(torch.zeros(1, 1, 7 * 32), kc, kc.clone())
     with pytest.raises(ValueError, match="contiguous"):
         att(torch.zeros(1, 1, 8 * 32), kc.transpose(2, 3).contiguous().transpose(2, 3), kc.clone())
+    small = torch.zeros(1, 2, 3, 32)  # slot 3 does not exist
+    with pytest.raises(ValueError, match="beyond cache capacity"):
+        att(torch.zeros(1, 1, 8 * 32), small, small.clone())

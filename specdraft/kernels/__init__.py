@@ -31,9 +31,11 @@ import torch
 SOURCE = Path(__file__).with_name("fewrows.c")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
 MAX_ROWS = 16  # above this, torch's GEMM is as fast or faster (benchmarks/bench_linear.py)
-# bf16 weights: torch would widen the whole weight to fp32 on every call; the packed kernel was
-# ~3x faster up to 128 rows (3072 x 576 weights, 2 threads), still faster at 256
+# bf16 weights: torch would widen the whole weight to fp32 on every call; in an ad-hoc timing
+# (3072 x 576 weights, 2 threads, a busy machine) the packed kernel was ~3x faster up to 128 rows
+# and still faster at 256
 PACKED_MAX_ROWS = 256
+USE_PACKED = True  # bf16 weights through the packed kernel (benchmarks/bench_linear.py compares without)
 
 PROFILE_NAME = "specdraft::fewrows_matmul"  # the name torch.profiler shows for the kernel
 _profiling = torch._C._autograd._profiler_enabled
@@ -152,7 +154,6 @@ def _call(name: str, fn, *args) -> None:
         fn(*args)
 
 
-USE_PACKED = True  # bf16 weights through the packed kernel (benchmarks/bench_linear.py compares without)
 PACK_PERM = torch.tensor([p // 2 + 8 * (p % 2) for p in range(16)])  # see fewrows.c
 _PACKED: dict[int, tuple[int, torch.Tensor]] = {}
 
@@ -238,8 +239,9 @@ class RopeAttention:
         self.D = cos.shape[-1]
         if cos.dtype != torch.float32 or sin.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
             raise ValueError("RopeAttention: RoPE tables must be contiguous float32")
-        if cos.shape[0] <= int(positions.max()):
-            raise ValueError(f"RopeAttention: RoPE tables cover {cos.shape[0]} positions, not {int(positions.max()) + 1}")
+        self.last = int(positions.max())  # the native code indexes tables and caches by position
+        if cos.shape[0] <= self.last:
+            raise ValueError(f"RopeAttention: RoPE tables cover {cos.shape[0]} positions, not {self.last + 1}")
         self.pos = positions.to(torch.int64).contiguous()
         self.cos, self.sin = cos, sin
         self.H, self.G = n_heads, n_kv_heads
@@ -254,8 +256,10 @@ class RopeAttention:
             raise ValueError(f"RopeAttention: qkv must be float32 ({self.B}, {self.T}, {self.width})")
         if not (k_cache.dtype == v_cache.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("RopeAttention: caches must be contiguous float32 (they are written in place)")
-        if k_cache.shape[0] != self.B or k_cache.shape[1] != self.G or k_cache.shape[3] != self.D:
+        if k_cache.shape != v_cache.shape or k_cache.shape[0] != self.B or k_cache.shape[1] != self.G or k_cache.shape[3] != self.D:
             raise ValueError(f"RopeAttention: cache shape {tuple(k_cache.shape)} does not match")
+        if k_cache.shape[2] <= self.last:
+            raise ValueError(f"RopeAttention: position {self.last} beyond cache capacity {k_cache.shape[2]}")
         qkv = qkv.contiguous()
         out = torch.empty(self.B, self.T, self.H * self.D, dtype=torch.float32)
         _call(

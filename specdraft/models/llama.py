@@ -399,20 +399,21 @@ class LlamaRuntime:
         w = self.w
         B, T = tokens.shape
         H, G, D = w.n_heads, w.n_kv_heads, w.head_dim
-        if int(positions.max()) >= state.capacity:
-            raise SpecdraftError(f"position {int(positions.max())} beyond cache capacity {state.capacity}")
+        last = int(positions.max())
+        if last >= state.capacity:
+            raise SpecdraftError(f"position {last} beyond cache capacity {state.capacity}")
 
         # Decode-sized causal steps: RoPE, cache write and attention in one native call
-        # (kernels.rope_attend); prefill, custom masks and bf16 compute take torch's ops.
+        # (kernels.RopeAttention); prefill, custom masks and bf16 compute take torch's ops.
         fused = attn_mask is None and self.dtype == torch.float32 and kernels.attention_supports(T, H, G, D)
         if fused:
-            attend = kernels.RopeAttention(positions, *self._rope_tables(int(positions.max()) + 1), H, G)
+            attend = kernels.RopeAttention(positions, *self._rope_tables(last + 1), H, G)
         else:
             # Where do the new keys go? One contiguous run shared by all rows (batch 1, or equal
             # lengths) is a slice write; ragged rows scatter by position.
             start = int(positions[0, 0])
             contiguous = bool((positions == start + torch.arange(T)).all())
-            S = int(positions.max()) + 1 if attn_mask is None else attn_mask.shape[-1]
+            S = last + 1 if attn_mask is None else attn_mask.shape[-1]
             if attn_mask is not None:
                 mask = attn_mask.unsqueeze(1)  # (B, 1, T, S)
             elif contiguous and T == 1:
