@@ -28,7 +28,12 @@ def _layers(text: str) -> list[int]:
 
 
 def _data_args(p: argparse.ArgumentParser, prompts: int) -> None:
-    p.add_argument("--prompts", type=int, default=prompts, help="training prompts answered by the target (gsm8k + hellaswag)")
+    p.add_argument("--prompts", type=int, default=prompts, help="training prompts answered by the target (see --sources)")
+    p.add_argument("--sources", default="gsm8k,hellaswag",
+                   help="prompt sources, round-robin: gsm8k, hellaswag, self (requests the target writes itself, Magpie-style)")
+    p.add_argument("--gen-dtype", choices=["same", "bf16", "fp32"], default="same",
+                   help="weights the target answers with when generating data (same: the --dtype runtime's; bf16 runs the "
+                        "native kernels, ~2x faster than fp32 on an AVX2 CPU)")
     p.add_argument("--val-prompts", type=int, default=48, help="held-out prompts for validation / calibration")
     p.add_argument("--max-new-tokens", type=int, default=160, help="answer length cap when generating data")
     p.add_argument("--gen-batch", type=int, default=32, help="rows decoded together when generating data")
@@ -104,6 +109,17 @@ def _pipe(args):
     return pipe
 
 
+def _data_kw(args) -> dict:
+    """target_data keywords shared by every design action."""
+    import torch
+
+    from specdraft.design.data import parse_sources
+
+    gen = {"same": None, "bf16": torch.bfloat16, "fp32": torch.float32}[args.gen_dtype]
+    return dict(max_new_tokens=args.max_new_tokens, batch_size=args.gen_batch, sources=parse_sources(args.sources),
+                gen_dtype=gen, hidden=True, progress=not args.quiet)
+
+
 def run(args: argparse.Namespace) -> int:
     return {"data": _data, "search": _search, "build": _build, "export": _export, "compare": _compare}[args.action](args)
 
@@ -113,8 +129,7 @@ def _data(args) -> int:
 
     pipe = _pipe(args)
     for split, n in (("train", args.prompts), ("val", args.val_prompts)):
-        d = target_data(pipe, n_prompts=n, split=split, max_new_tokens=args.max_new_tokens, batch_size=args.gen_batch,
-                        hidden=True, progress=not args.quiet)
+        d = target_data(pipe, n_prompts=n, split=split, **_data_kw(args))
         print(f"{split}: {len(d)} answers, {d.num_response_tokens} tokens")
     return 0
 
@@ -124,8 +139,7 @@ def _search(args) -> int:
     from specdraft.design.search import search_layers
 
     pipe = _pipe(args)
-    calib = target_data(pipe, n_prompts=args.val_prompts, split="val", max_new_tokens=args.max_new_tokens,
-                        batch_size=args.gen_batch, hidden=True, progress=not args.quiet)
+    calib = target_data(pipe, n_prompts=args.val_prompts, split="val", **_data_kw(args))
     log = None if args.quiet else (lambda line: print(line, file=sys.stderr))
     extra = [_layers(x) for x in args.candidates.split(";")] if args.candidates else None
     cands = search_layers(pipe.runtime.w, calib, max_depth=args.max_depth, beam=args.beam, k_max=args.k_max, extra=extra, log=log)
@@ -147,6 +161,7 @@ def _build(args) -> int:
     cfg = BuildConfig(
         layers=args.layers, head=args.head, kv_heads=args.kv_heads, q_per_kv=args.q_per_kv, ffn=args.ffn,
         prompts=args.prompts, val_prompts=args.val_prompts, max_new_tokens=args.max_new_tokens, gen_batch=args.gen_batch,
+        sources=_data_kw(args)["sources"], gen_dtype=args.gen_dtype,
         train=TrainConfig(steps=max(args.steps, 1), batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                           checkpoint_every=args.checkpoint_every, eval_every=args.eval_every),
         on_policy=OnPolicyConfig(rounds=args.on_policy_rounds, prompts_per_round=args.on_policy_prompts, seed=args.seed),
@@ -179,7 +194,7 @@ def _compare(args) -> int:
     pipe = _pipe(args)
     rows = compare_depth_width(pipe, budget_layers=args.budget_layers, deep=args.deep, kv_heads=args.kv_heads, q_per_kv=args.q_per_kv,
                                steps=args.steps, lr=args.lr, head=args.head, prompts=args.prompts, val_prompts=args.val_prompts,
-                               max_new_tokens=args.max_new_tokens, gen_batch=args.gen_batch, progress=not args.quiet)
+                               data_kw=_data_kw(args))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"kind": "depth_vs_width", "target": args.target, "rows": rows}, indent=1))
     for r in rows:

@@ -35,6 +35,8 @@ class BuildConfig:
         val_prompts: held-out prompts for validation acceptance.
         max_new_tokens: answer length cap when generating data.
         gen_batch: rows decoded together when generating data.
+        sources: prompt sources (:func:`~specdraft.design.data.training_prompts`).
+        gen_dtype: ``same`` (the pipeline's runtime), ``bf16`` or ``fp32``: the target's weights when answering.
         train: offline distillation settings (``steps = 0``: no training, an untrained pruned draft).
         on_policy: on-policy settings (``rounds = 0``: none).
         dtype: storage dtype of the saved draft (``fp32`` or ``bf16``).
@@ -50,10 +52,16 @@ class BuildConfig:
     val_prompts: int = 48
     max_new_tokens: int = 160
     gen_batch: int = 32
+    sources: tuple[str, ...] = SOURCES
+    gen_dtype: str = "same"
     train: TrainConfig = field(default_factory=TrainConfig)
     on_policy: OnPolicyConfig = field(default_factory=lambda: OnPolicyConfig(rounds=0))
     dtype: str = "fp32"
     kind: str = "layers"
+
+
+SOURCE_NAMES = {"gsm8k": "../shared/data/gsm8k/train.jsonl", "hellaswag": "../shared/data/hellaswag_prompts.jsonl",
+                "self": "requests the target wrote itself (Magpie-style, sampled from its chat template's user turn)"}
 
 
 def head_subset(data: TargetData, n: int, vocab_size: int, eos_ids, prompt_counts: torch.Tensor | None = None) -> VocabSubset | None:
@@ -103,8 +111,10 @@ def build_draft(pipe, cfg: BuildConfig, out: str | Path, *, work: str | Path | N
     work = Path(work) if work else out.with_name(out.name + ".work")
     times = {}
     t = time.perf_counter()
-    data = target_data(pipe, n_prompts=cfg.prompts, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.gen_batch, hidden=True, progress=progress)
-    val = target_data(pipe, n_prompts=cfg.val_prompts, split="val", max_new_tokens=cfg.max_new_tokens, batch_size=cfg.gen_batch, hidden=True, progress=progress)
+    kw = dict(max_new_tokens=cfg.max_new_tokens, batch_size=cfg.gen_batch, hidden=True, progress=progress, sources=cfg.sources,
+              gen_dtype={"same": None, "bf16": torch.bfloat16, "fp32": torch.float32}[cfg.gen_dtype])
+    data = target_data(pipe, n_prompts=cfg.prompts, **kw)
+    val = target_data(pipe, n_prompts=cfg.val_prompts, split="val", **kw)
     times["data_s"] = round(time.perf_counter() - t, 1)
     log(f"data: {len(data)} answers, {data.num_response_tokens} tokens (validation {len(val)}, {val.num_response_tokens}) in {times['data_s']:.0f} s")
 
@@ -147,10 +157,11 @@ def build_draft(pipe, cfg: BuildConfig, out: str | Path, *, work: str | Path | N
         "seed": cfg.train.seed,
         "config": asdict(cfg),
         "data": {
-            "sources": [f"../shared/data/{'gsm8k/train.jsonl' if s == 'gsm8k' else 'hellaswag_prompts.jsonl'}" for s in SOURCES],
+            "sources": [SOURCE_NAMES[s] for s in cfg.sources],
             "train_prompts": len(data), "train_tokens": data.num_response_tokens,
             "val_prompts": len(val), "val_tokens": val.num_response_tokens,
-            "generation": f"target greedy, chat template, max {cfg.max_new_tokens} new tokens",
+            "generation": f"target greedy, chat template, max {cfg.max_new_tokens} new tokens"
+                          + ("" if cfg.gen_dtype == "same" else f", {cfg.gen_dtype} weights"),
         },
         "time_s": {**times, "total_s": round(sum(times.values()), 1)},
         "threads": torch.get_num_threads(),

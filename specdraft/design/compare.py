@@ -34,15 +34,18 @@ def spread(n_layers: int, depth: int) -> list[int]:
 
 
 def compare_depth_width(pipe, *, budget_layers=2, deep=(4,), kv_heads=None, q_per_kv=None, steps=0, lr=1e-3, head=0,
-                        prompts=0, val_prompts=48, max_new_tokens=160, gen_batch=32, work=None, progress=True) -> list[dict]:
-    """Build (and optionally distil) each draft, then measure it; returns the result rows."""
+                        prompts=0, val_prompts=48, data_kw: dict | None = None, work=None, progress=True) -> list[dict]:
+    """Build (and optionally distil) each draft, then measure it; returns the result rows.
+
+    ``data_kw``: :func:`~specdraft.design.data.target_data` keywords (answer length, batch, sources...)."""
     from specdraft.design.build import head_subset, prompt_token_counts
 
     target = pipe.target.model
     cfg = target.config
     n = cfg.num_hidden_layers
-    val = target_data(pipe, n_prompts=val_prompts, split="val", max_new_tokens=max_new_tokens, batch_size=gen_batch, hidden=True, progress=progress)
-    data = target_data(pipe, n_prompts=prompts, max_new_tokens=max_new_tokens, batch_size=gen_batch, hidden=True, progress=progress) if (steps or head) else None
+    kw = {"hidden": True, "progress": progress, **(data_kw or {})}
+    val = target_data(pipe, n_prompts=val_prompts, split="val", **kw)
+    data = target_data(pipe, n_prompts=prompts, **kw) if (steps or head) else None
     sub = head_subset(data, head, cfg.vocab_size, pipe.eos_ids, prompt_token_counts(pipe)) if data is not None and head else None
 
     wide = depth_prune(target, spread(n, budget_layers))

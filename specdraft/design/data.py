@@ -5,6 +5,13 @@ Prompts come from the training sets only (``<data>/gsm8k/train.jsonl`` questions
 never read here. A fixed slice of each file (:data:`VAL_PER_SOURCE` prompts from its end after a
 seeded shuffle) is held out for validation.
 
+A third source, ``self``, widens the topics beyond grade-school maths and story endings: user
+requests the target writes itself (Magpie, Xu et al. 2024): given only its chat template up to the
+start of a user turn, an instruct model samples a plausible user message (temperature 1, top-p 0.95).
+They are cached per target and seed (:func:`self_prompts`); validation requests come from their
+own seeds. Sources are interleaved round-robin (``sources=("gsm8k", "hellaswag", "self")``: a third
+each).
+
 The target answers each prompt (chat template, greedy) through the :class:`~specdraft.engine.Engine`
 in a continuously refilled batch. A thin recording wrapper around the target runtime keeps, for every
 response token, what distillation needs:
@@ -41,7 +48,9 @@ from specdraft.policy import FixedK
 
 FORMAT = 1
 VAL_PER_SOURCE = 200
-SOURCES = ("gsm8k", "hellaswag")
+SOURCES = ("gsm8k", "hellaswag")  # the default
+ALL_SOURCES = ("gsm8k", "hellaswag", "self")
+SELF_MAX_TOKENS = 96  # cap on a self-written request
 
 
 # ------------------------------------------------------------------------------------ prompts
@@ -69,26 +78,118 @@ def _read_source(name: str, root: Path) -> list[str]:
     return out
 
 
-def training_prompts(n: int, split: str = "train", seed: int = 0, root: Path | None = None) -> list[str]:
-    """``n`` training prompts, alternating gsm8k and hellaswag, in a seeded order.
+def parse_sources(spec: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """``"gsm8k,hellaswag,self"`` (or a sequence) -> a checked tuple of source names."""
+    names = tuple(x.strip() for x in (spec.split(",") if isinstance(spec, str) else spec) if x.strip())
+    bad = [x for x in names if x not in ALL_SOURCES]
+    if bad or not names or len(set(names)) != len(names):
+        raise SpecdraftError(f"bad prompt sources {spec!r}: a comma-separated subset of {', '.join(ALL_SOURCES)}")
+    return names
+
+
+def training_prompts(n: int, split: str = "train", seed: int = 0, root: Path | None = None,
+                     sources: tuple[str, ...] = SOURCES, pipe=None, runtime=None, progress: bool = False) -> list[str]:
+    """``n`` training prompts, round-robin over ``sources``, in a seeded order.
 
     Args:
         n: how many (capped by what the split holds).
-        split: ``train``, or ``val`` (the held-out last :data:`VAL_PER_SOURCE` of each source).
-        seed: shuffles each source before the split (the split itself is the same for every seed
+        split: ``train``, or ``val`` (the held-out last :data:`VAL_PER_SOURCE` of each file).
+        seed: shuffles each file before the split (the split itself is the same for every seed
             0 run; other seeds give other splits).
         root: data directory (default :func:`data_dir`).
+        sources: which of :data:`ALL_SOURCES`; ``self`` needs ``pipe`` (the target writes them,
+            with ``runtime`` if given, else the pipeline's).
     """
     if split not in ("train", "val"):
         raise SpecdraftError(f"unknown split {split!r}: use train or val")
+    sources = parse_sources(sources)
     root = root or data_dir()
     per_source = []
-    for name in SOURCES:
+    share = -(-n // len(sources))  # prompts each source must supply
+    for name in sources:
+        if name == "self":
+            if pipe is None:
+                raise SpecdraftError("the 'self' prompt source needs the target (pipe=)")
+            per_source.append(self_prompts(pipe, share, split=split, seed=seed, runtime=runtime, progress=progress))
+            continue
         texts = _read_source(name, root)
         random.Random(f"{seed}-{name}").shuffle(texts)
         per_source.append(texts[-VAL_PER_SOURCE:] if split == "val" else texts[:-VAL_PER_SOURCE])
-    mixed = [t for pair in zip(*per_source) for t in pair]
+    mixed = [t for group in zip(*per_source) for t in group]
     return mixed[:n]
+
+
+def self_prompts(pipe, n: int, *, split: str = "train", seed: int = 0, batch_size: int = 32, cache: Path | None = None,
+                 runtime=None, min_words: int = 3, max_tokens: int = SELF_MAX_TOKENS, max_tries: int | None = None,
+                 progress: bool = True) -> list[str]:
+    """``n`` user requests written by the target itself (Magpie), cached; see the module docstring.
+
+    Request i is sampled with its own seed (``seed``, ``split``, i), so it does not depend on the
+    batch it was decoded in. Requests that do not end within ``max_tokens`` tokens, have
+    fewer than ``min_words`` words, or repeat an earlier one are skipped (the next seed is drawn
+    instead); after ``max_tries`` samples (default ``20 n + 64``) without enough, an error says so.
+    The cache (one JSON line per sample, kept or not) makes a killed run resume where it stopped.
+    """
+    from tqdm import tqdm
+
+    from specdraft.models.loading import cache_root
+    from specdraft.verify import SamplingParams
+
+    tok = pipe.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise SpecdraftError("the 'self' prompt source needs an instruct target with a chat template")
+    marker = "\x00specdraft\x00"
+    text = tok.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=False, tokenize=False)
+    prefix = tok(text[: text.index(marker)], add_special_tokens=False)["input_ids"]
+    key = hashlib.sha256(json.dumps({"format": FORMAT, "target": pipe.target.name, "prefix": prefix, "seed": seed,
+                                     "split": split, "max": max_tokens}).encode()).hexdigest()[:12]
+    path = (Path(cache) if cache else cache_root() / "design") / f"self-prompts-{key}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    kept, tried = [], 0
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            rec = json.loads(line)
+            tried = max(tried, rec["i"] + 1)
+            if rec["text"] is not None:
+                kept.append(rec["text"])
+    if len(kept) >= n:
+        return kept[:n]
+    base = (seed * 7919 + (0 if split == "train" else 1_000_003)) * 1_000_000
+    engine = Engine(runtime or pipe.runtime, None, FixedK(0))
+    seen = set(kept)
+    bar = tqdm(total=n, initial=len(kept), desc=f"self prompts ({split})", unit="req", disable=not progress, dynamic_ncols=True)
+    with path.open("a", encoding="utf-8") as f:
+        limit = max_tries if max_tries is not None else 20 * n + 64
+        while len(kept) < n:
+            if tried >= limit:
+                raise SpecdraftError(f"the target wrote only {len(kept)} usable requests in {tried} samples "
+                                     f"(wanted {n}); is it an instruct model?")
+            todo = range(tried, tried + max(batch_size, 1))
+            params = [SamplingParams(temperature=1.0, top_p=0.95, seed=base + i) for i in todo]
+            reqs = [Request(list(prefix), max_tokens, p, pipe.eos_ids) for p in params]
+            rid = engine.add(reqs)
+            out = {r: [] for r in rid}
+            done = {}
+            while engine.active:
+                for ev in engine.step():
+                    out[ev.request_id] += ev.tokens
+                    if ev.finished:
+                        done[ev.request_id] = ev.finish_reason
+            for i, r in zip(todo, rid):
+                toks = out[r]
+                ended = bool(toks) and toks[-1] in pipe.eos_ids
+                req = tok.decode(toks[:-1] if ended else toks, skip_special_tokens=True).strip()
+                ok = ended and bool(req) and len(req.split()) >= min_words and req not in seen
+                f.write(json.dumps({"i": i, "text": req if ok else None}) + "\n")
+                if ok:
+                    seen.add(req)
+                    if len(kept) < n:
+                        kept.append(req)
+                        bar.update(1)
+            f.flush()
+            tried = todo[-1] + 1
+    bar.close()
+    return kept[:n]
 
 
 # ------------------------------------------------------------------------------------ records
@@ -308,6 +409,8 @@ def target_data(
     batch_size: int = 16,
     topk: int = 32,
     hidden: bool = False,
+    sources: tuple[str, ...] = SOURCES,
+    gen_dtype: torch.dtype | None = None,
     cache: Path | None = None,
     progress: bool = True,
 ) -> TargetData:
@@ -322,18 +425,28 @@ def target_data(
         batch_size: rows decoded together.
         topk: K target log-probs kept per response token.
         hidden: also keep the target's final hidden states.
+        sources: prompt sources (:func:`training_prompts`).
+        gen_dtype: answer with the target's weights in this dtype (e.g. bf16 through the native
+            kernels: ~2x faster than fp32 on an AVX2 CPU, and what the bf16 runtime computes at
+            inference); None: the pipeline's own runtime.
         cache: directory for the shards (default ``<cache>/design/``).
     """
     from specdraft.models.loading import cache_root
 
+    sources = parse_sources(sources)
+    runtime = generation_runtime(pipe, gen_dtype)
     spec = {"split": split, "seed": seed, "max_new": max_new_tokens, "topk": topk, "hidden": hidden}
+    if sources != SOURCES:  # (the default keeps the keys of caches made before sources existed)
+        spec["sources"] = list(sources)
+    if runtime is not pipe.runtime:
+        spec["gen_dtype"] = str(gen_dtype).removeprefix("torch.")
     root = Path(cache) if cache else cache_root() / "design"
     d = root / f"data-{_cache_key(pipe.target.name, pipe.runtime.vocab_size, spec)}"
     d.mkdir(parents=True, exist_ok=True)
     meta = {"target": pipe.target.name, "source": pipe.target.source, **spec}
     (d / "meta.json").write_text(json.dumps(meta, indent=2))
 
-    texts = training_prompts(n_prompts, split, seed)
+    texts = training_prompts(n_prompts, split, seed, sources=sources, pipe=pipe, runtime=runtime, progress=progress)
 
     def cached() -> TargetData:
         data = TargetData()
@@ -353,11 +466,21 @@ def target_data(
 
         hidden_layer = -1 if hidden else None
         generate_target_data(
-            pipe.runtime, ids, eos_ids=pipe.eos_ids, max_new_tokens=max_new_tokens, batch_size=batch_size,
+            runtime, ids, eos_ids=pipe.eos_ids, max_new_tokens=max_new_tokens, batch_size=batch_size,
             topk=topk, hidden_layer=hidden_layer, skip=done, on_shard=write, progress=progress,
         )
         data = cached()  # what is on disk (fp16 log-probs), the same on every later run
     return _subset(data, sorted(range(len(data)), key=lambda i: data.prompt_ids[i]))
+
+
+def generation_runtime(pipe, dtype: torch.dtype | None):
+    """The runtime that answers training prompts: the pipeline's, or its target's weights in ``dtype``."""
+    from specdraft.models.llama import LlamaRuntime, LlamaWeights
+
+    rt = pipe.runtime
+    if dtype is None or not isinstance(rt, LlamaRuntime) or rt.dtype == dtype and rt.w.dtype == dtype:
+        return rt
+    return LlamaRuntime(LlamaWeights.from_hf(pipe.target.model, dtype))
 
 
 def _subset(data: TargetData, order: list[int]) -> TargetData:

@@ -1,0 +1,60 @@
+"""Training prompts: sources, the target's self-written requests (Magpie-style), generation dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdraft.design import data as D
+from specdraft.errors import SpecdraftError
+
+
+def test_sources_are_checked():
+    assert D.parse_sources("gsm8k, self") == ("gsm8k", "self")
+    for bad in ("", "gsm8k,foo", "self,self"):
+        with pytest.raises(SpecdraftError, match="prompt sources"):
+            D.parse_sources(bad)
+    with pytest.raises(SpecdraftError, match="needs the target"):
+        D.training_prompts(4, sources=("self",))
+
+
+def test_default_sources_keep_the_old_prompts_and_round_robin():
+    default = D.training_prompts(10)
+    assert default == D.training_prompts(10, sources=("gsm8k", "hellaswag"))
+    swapped = D.training_prompts(10, sources=("hellaswag", "gsm8k"))
+    assert swapped[0::2] == default[1::2] and swapped[1::2] == default[0::2]
+    assert D.training_prompts(3, sources=("gsm8k",)) == default[0:6:2]
+
+
+def _self(pipe, n, cache, **kw):
+    return D.self_prompts(pipe, n, cache=cache, **{"min_words": 1, "max_tokens": 16, "progress": False, **kw})
+
+
+def test_self_prompts_do_not_depend_on_the_batch_and_resume_from_the_cache(tiny_pipe, tmp_path, monkeypatch):
+    a = _self(tiny_pipe, 5, tmp_path / "a", batch_size=8)
+    assert len(a) == 5 and len(set(a)) == 5 and all(x.strip() for x in a)
+    assert _self(tiny_pipe, 5, tmp_path / "b", batch_size=3) == a  # one seed per request
+    assert _self(tiny_pipe, 5, tmp_path / "a", split="val", batch_size=8) != a  # held-out requests differ
+    monkeypatch.setattr(D, "Engine", None)  # from the cache: no decoding at all
+    assert _self(tiny_pipe, 3, tmp_path / "a") == a[:3]
+
+
+def test_self_prompts_give_up_with_a_clear_error(tiny_pipe, tmp_path):
+    with pytest.raises(SpecdraftError, match="usable requests"):
+        _self(tiny_pipe, 3, tmp_path, min_words=10_000, max_tries=8, batch_size=4)
+
+
+def test_target_data_from_self_prompts_with_bf16_generation(tiny_pipe, tmp_path, monkeypatch):
+    real = D.self_prompts
+    monkeypatch.setattr(D, "self_prompts", lambda pipe, n, **kw: real(pipe, n, cache=tmp_path / "p", min_words=1, max_tokens=16,
+                                                                        split=kw["split"], runtime=kw["runtime"], progress=False))
+    rt = D.generation_runtime(tiny_pipe, torch.bfloat16)
+    assert rt is not tiny_pipe.runtime and rt.w.dtype == torch.bfloat16
+    assert D.generation_runtime(tiny_pipe, None) is tiny_pipe.runtime
+    assert D.generation_runtime(tiny_pipe, torch.float32) is tiny_pipe.runtime  # already fp32
+    d = D.target_data(tiny_pipe, n_prompts=4, sources=("self",), gen_dtype=torch.bfloat16, max_new_tokens=6, batch_size=4,
+                      topk=4, cache=tmp_path / "data", progress=False)
+    assert len(d) == 4 and all(len(t) > p for t, p in zip(d.tokens, d.prompt_lens))
+    (key,) = [x.name for x in (tmp_path / "data").iterdir()]
+    meta = (tmp_path / "data" / key / "meta.json").read_text()
+    assert '"sources"' in meta and '"gen_dtype": "bfloat16"' in meta
