@@ -146,9 +146,14 @@ def main() -> int:
     for c in categories["designed"]:
         print(f"  {c:<15} " + "   ".join(f"{n} {categories[n][c]['mean_accepted_length']:.2f} / {categories[n][c]['acceptance_rate']:.1%}" for n in categories))
     cost = getattr(pipe.drafter, "cost", None)
+    needed = None
     if cost is not None:
         print("designed draft's measured cost model: T_target(n)/T_target(1) = " + ", ".join(f"{x:.2f}" for x in cost.target)
               + f"; T_draft/T_target(1) = {cost.draft:.3f}")
+        needed = acceptance_needed(cost, categories["designed"]["all"]["mean_accepted_length"], args.k, ratios)
+        print(f"per-token acceptance the designed draft would need for 2.0x plain decoding with this cost model: "
+              + (f"{needed['alpha_for_2x']:.2f} (at k = {needed['k_for_2x']})" if needed["alpha_for_2x"] is not None else "unreachable")
+              + (f"; measured here: {needed['alpha_measured']:.2f}" if needed["alpha_measured"] is not None else ""))
     cmd = "python " + " ".join(sys.argv)
     print(f"\nreproduce: {cmd}")
     if args.json:
@@ -159,8 +164,23 @@ def main() -> int:
             "tokens_per_s": tps, "decode_tokens_per_s": dec, "ratios": ratios, "mismatches": dict(mismatches),
             "acceptance_per_category": categories,
             "cost_model": None if cost is None else {"target": cost.target, "draft": cost.draft},
+            "acceptance_needed": needed,
         }, indent=1))
     return 0
+
+
+def acceptance_needed(cost, mean_accepted: float, k, ratios: dict) -> dict:
+    """The per-token acceptance (analytic model, :mod:`specdraft.analytic`) that 2.0x plain needs
+    with the measured cost model, and the one measured (from the mean accepted length at fixed k)."""
+    from specdraft.analytic import alpha_from_mean_accepted, alpha_needed
+
+    def t_target(n: int) -> float:
+        return cost.target[min(n, len(cost.target)) - 1]
+
+    need = alpha_needed(2.0, cost.draft, t_target, k_max=len(cost.target) - 1)
+    fixed = str(k).isdigit() and int(k) > 0
+    return {"alpha_for_2x": None if need is None else round(need[0], 3), "k_for_2x": None if need is None else need[1],
+            "alpha_measured": round(alpha_from_mean_accepted(mean_accepted, int(k)), 3) if fixed else None}
 
 
 if __name__ == "__main__":

@@ -64,6 +64,24 @@ def best_k(alpha: float, t_draft: float, t_target: "callable", k_max: int = 8) -
     return max(range(k_max + 1), key=lambda k: throughput(alpha, k, t_draft, t_target))
 
 
+def alpha_needed(target: float, t_draft: float, t_target: "callable", k_max: int = 8, tol: float = 1e-4) -> tuple[float, int] | None:
+    """The smallest per-token acceptance alpha for which some k in 1..k_max reaches ``target``
+    speedup over plain decoding, and that k; None if even alpha = 1 does not reach it."""
+    def best(alpha: float) -> tuple[float, int]:
+        return max((speedup(alpha, k, t_draft, t_target), k) for k in range(1, k_max + 1))
+
+    if best(1.0)[0] < target:
+        return None
+    lo, hi = 0.0, 1.0
+    while hi - lo > tol:  # the best speedup grows with alpha
+        mid = (lo + hi) / 2
+        if best(mid)[0] < target:
+            lo = mid
+        else:
+            hi = mid
+    return hi, best(hi)[1]
+
+
 # ------------------------------------------------------------------------------------------------
 # Batches, measured acceptance, and checking predictions against measurements (the study, issue 3)
 # ------------------------------------------------------------------------------------------------

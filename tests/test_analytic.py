@@ -36,3 +36,13 @@ def test_throughput_speedup_best_k():
     assert best >= 3
     assert analytic.best_k(0.1, 0.03, t_target, 10) == 0  # speculation does not pay
     assert analytic.best_k(1.0, 0.0, lambda n: 0.03, 6) == 6  # free, perfect draft: draft the most
+
+
+def test_alpha_needed_is_the_least_acceptance_that_reaches_the_speedup():
+    t_target = lambda n: 1.0 + 0.05 * (n - 1)  # relative to a 1-token step
+    alpha, k = analytic.alpha_needed(2.0, 0.13, t_target, k_max=8)
+    assert analytic.speedup(alpha, k, 0.13, t_target) >= 2.0 - 1e-6
+    below = alpha - 1e-3
+    assert all(analytic.speedup(below, j, 0.13, t_target) < 2.0 for j in range(1, 9))
+    assert 0 < analytic.alpha_needed(1.0, 0.13, t_target)[0] < alpha  # breaking even asks for less
+    assert analytic.alpha_needed(10.0, 0.13, t_target, k_max=4) is None  # at most 5 tokens per step
