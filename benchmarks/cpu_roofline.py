@@ -10,6 +10,18 @@ on a CPU without native bf16), the floors T(n) >= max(weight bytes / bandwidth, 
 and the runtime's own T(1), T(8) at a 200-token context (medians of interleaved rounds). The
 floors cover the linears only, and assume perfect overlap of streaming and arithmetic.
 
+Then what the project's packed kernel (:mod:`specdraft.kernels`) reaches:
+
+- its arithmetic rate for 8 rows with the weight in cache (one 576 x 1536 bf16 weight, called
+  back to back through ctypes): the most an 8-row product can do here, DRAM aside;
+- the model's linears alone, called back to back (1 and 8 rows), and inside the forward (the
+  forward with the kernel calls timed).
+
+With ``L8 = 2 * 8 * params / in-cache rate`` (the 8-row linears at that rate with the weight stream
+perfectly hidden) and ``L1`` = the stream floor, a forward with ``O`` ms of other work (attention,
+norms, activations, Python) has ``T8 / T1 >= (L8 + O) / (L1 + O)``: it is printed for the runtime's
+own O, with the O at which the bound reaches 1.2.
+
     .venv/bin/python benchmarks/cpu_roofline.py --threads 2
 """
 
@@ -17,17 +29,21 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specdraft import api  # noqa: E402
+from specdraft import api, kernels  # noqa: E402
 from specdraft.bench.profile import profile_latency  # noqa: E402
+
+_PEAK = [float("nan")]  # the measured FMA peak, GFLOP/s
 
 PROBE = r"""
 #include <immintrin.h>
@@ -99,6 +115,7 @@ def main(argv=None) -> int:
         src.write_text(PROBE)
         subprocess.run(["gcc", "-O3", "-mavx2", "-mfma", "-fopenmp", str(src), "-o", str(exe)], check=True)
         peak = probe("fma", args.threads, exe)
+        _PEAK[0] = peak
         bw = probe("stream", args.threads, exe)
     pipe = api.load(args.target, "none", dtype="auto", threads=args.threads)
     w = pipe.runtime.w
@@ -116,7 +133,91 @@ def main(argv=None) -> int:
     for n, t in ((1, t1), (8, t8)):
         print(f"| {n} | {weight_gb / bw * 1e3:.1f} | {2 * n * params / 1e9 / peak * 1e3:.1f} | {floor[n]:.1f} | {t:.1f} |")
     print(f"T8/T1: floors {floor[8] / floor[1]:.2f}, runtime {t8 / t1:.2f}")
+    if kernels.available() and w.dtype == torch.bfloat16:
+        kernel_bound(pipe, params, weight_gb / bw * 1e3, args)
     return 0
+
+
+def _median_ms(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def kernel_bound(pipe, params: int, stream_floor_ms: float, args) -> None:
+    """The packed kernel's in-cache 8-row rate, its linears alone and in the forward, and the T8/T1 bound."""
+    lib = kernels._lib
+    threads = torch.get_num_threads()
+    g = torch.Generator().manual_seed(0)
+    wc = kernels.packed((torch.randn(1536, 576, generator=g) * 0.05).to(torch.bfloat16))
+    x8 = torch.randn(8, 1536, generator=g)
+    y8 = torch.empty(8, 1536)
+    calls = 200
+
+    def in_cache():
+        for _ in range(calls):
+            lib.packed_bf16(x8.data_ptr(), wc.data_ptr(), y8.data_ptr(), 8, 576, 1536, threads)
+
+    in_cache()
+    rate = 2 * 8 * 576 * 1536 * calls / (_median_ms(in_cache, args.repeats) / 1e3) / 1e9
+
+    w = pipe.runtime.w
+    weights = [t for layer in w.layers for t in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)] + [w.lm_head]
+    shapes = [(kernels.packed(t), t.shape[1], t.shape[0]) for t in weights]
+    x = torch.randn(8, max(k for _, k, _ in shapes), generator=g)
+    y = torch.empty(8, max(n for _, _, n in shapes))
+
+    def linears(m: int):
+        for wp, k, n in shapes:
+            lib.packed_bf16(x.data_ptr(), wp.data_ptr(), y.data_ptr(), m, k, n, threads)
+
+    alone = {}
+    for _ in range(2):  # interleaved, the second round counts
+        alone = {m: _median_ms(lambda m=m: linears(m), args.repeats) for m in (1, 8)}
+    inside = forward_linears_ms(pipe.runtime, args.context, args.repeats)
+    l8 = 2 * 8 * params / 1e9 / rate * 1e3
+    other = {n: inside[n][0] - inside[n][1] for n in (1, 8)}
+    o = other[1]
+    print(f"\npacked kernel, 8 rows, weight in cache: {rate:.0f} GFLOP/s ({rate / _PEAK[0] * 100:.0f}% of the FMA peak)")
+    print("| rows | linears alone ms | linears in the forward ms | forward ms | other work in the forward ms |")
+    print("|---|---|---|---|---|")
+    for n in (1, 8):
+        print(f"| {n} | {alone[n]:.1f} | {inside[n][1]:.1f} | {inside[n][0]:.1f} | {other[n]:.1f} |")
+    print(f"8-row linears at the in-cache rate, stream hidden: L8 = {l8:.1f} ms; 1-row stream floor L1 = {stream_floor_ms:.1f} ms")
+    need = (l8 - 1.2 * stream_floor_ms) / 0.2
+    print(f"bound T8/T1 >= (L8 + O) / (L1 + O) = {(l8 + o) / (stream_floor_ms + o):.2f} with this runtime's O = {o:.1f} ms "
+          f"(1-token forward minus its linears); it reaches 1.2 only for O >= {need:.1f} ms")
+
+
+def forward_linears_ms(runtime, context: int, repeats: int) -> dict[int, tuple[float, float]]:
+    """{n: (forward ms, of which kernel matmul ms)}: medians over interleaved rounds at ``context``."""
+    state = runtime.new_state(1, context + 16)
+    runtime.forward(state, torch.randint(0, 1000, (1, context)), torch.arange(context).unsqueeze(0))
+    spent = [0.0]
+    real = kernels._call
+
+    def timed(name, fn, *a):
+        t0 = time.perf_counter()
+        fn(*a)
+        if name == kernels.PROFILE_NAME:
+            spent[0] += time.perf_counter() - t0
+
+    out: dict[int, list] = {1: [], 8: []}
+    kernels._call = timed
+    try:
+        for r in range(repeats + 2):
+            for n in (1, 8):
+                spent[0] = 0.0
+                t0 = time.perf_counter()
+                runtime.forward(state, torch.randint(0, 1000, (1, n)), (context + torch.arange(n)).unsqueeze(0))
+                if r >= 2:
+                    out[n].append((time.perf_counter() - t0, spent[0]))
+    finally:
+        kernels._call = real
+    return {n: (statistics.median(a for a, _ in v) * 1e3, statistics.median(b for _, b in v) * 1e3) for n, v in out.items()}
 
 
 if __name__ == "__main__":
