@@ -214,3 +214,46 @@ def test_rope_attention_rejects_mismatched_inputs():
     small = torch.zeros(1, 2, 3, 32)  # slot 3 does not exist
     with pytest.raises(ValueError, match="beyond cache capacity"):
         att(torch.zeros(1, 1, 8 * 32), small, small.clone())
+
+
+@needs_kernel
+def test_native_decoder_layers_match_layer_by_layer_and_keep_rows_independent(monkeypatch):
+    """kernels.DecodeLayers (every layer of a decode step in one native call): close to the
+    layer-by-layer forward, and each row's logits bit-identical whatever else is in the step."""
+    model = tiny_llama(vocab_size=256, dtype=torch.float32, hidden_size=64, num_heads=4, num_kv_heads=2, seed=5)
+    rt = LlamaRuntime(LlamaWeights.from_hf(model, torch.bfloat16, compute=torch.float32))
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, 256, (2, 12), generator=g)
+    new = torch.randint(0, 256, (2, 5), generator=g)
+    pos = torch.stack([torch.arange(12, 17), torch.arange(9, 14)])  # ragged: row 1 continues from position 9
+
+    def step(native: bool, rows=(0, 1), T=5, hidden=()):
+        monkeypatch.setattr(kernels, "USE_NATIVE_LAYERS", native)
+        st = rt.new_state(len(rows), 32)
+        rt.forward(st, prompts[list(rows)], torch.arange(12).expand(len(rows), 12))
+        if T == 5:
+            return rt.forward(st, new[list(rows)], pos[list(rows)], hidden_layers=hidden), st
+        outs = [rt.forward(st, new[list(rows), i : i + 1], pos[list(rows), i : i + 1]).logits for i in range(5)]
+        return torch.cat(outs, 1), st
+
+    calls = []
+    real = kernels.DecodeLayers.__call__
+    monkeypatch.setattr(kernels.DecodeLayers, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
+    native, st_native = step(True, hidden=(-1,))
+    assert calls, "the native layers did not run"
+    layerwise, st_layer = step(False, hidden=(-1,))
+    assert torch.equal(native.logits.argmax(-1), layerwise.logits.argmax(-1))
+    assert torch.allclose(native.logits, layerwise.logits, atol=1e-4)
+    assert torch.allclose(native.hidden[-1], layerwise.hidden[-1], atol=1e-4)
+    for a, b in zip(st_native.k + st_native.v, st_layer.k + st_layer.v):
+        assert torch.allclose(a, b, atol=1e-5)
+
+    for r in (0, 1):  # a row alone, and the same row one token at a time: bit for bit
+        assert torch.equal(step(True, rows=(r,))[0].logits[0], native.logits[r])
+        assert torch.equal(step(True, rows=(r,), T=1)[0][0], native.logits[r])
+
+    st = rt.new_state(2, 32)
+    rt.forward(st, prompts, torch.arange(12).expand(2, 12))
+    calls.clear()
+    rt.forward(st, new, pos, hidden_layers=(0,))  # a hidden state inside the stack: layer by layer
+    assert not calls

@@ -35,6 +35,7 @@ MAX_ROWS = 16  # above this, torch's GEMM is as fast or faster (benchmarks/bench
 # (3072 x 576 weights, 2 threads, a busy machine) the packed kernel was ~3x faster up to 128 rows
 # and still faster at 256
 PACKED_MAX_ROWS = 256
+USE_NATIVE_LAYERS = True  # decode steps run all decoder layers in one native call (DecodeLayers); False: layer by layer
 USE_PACKED = True  # bf16 weights through the packed kernel (benchmarks/bench_linear.py compares without)
 
 PROFILE_NAME = "specdraft::fewrows_matmul"  # the name torch.profiler shows for the kernel
@@ -112,6 +113,9 @@ def _load() -> ctypes.CDLL | None:
             lib.rope_attend.restype = None
             lib.rmsnorm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_float]
             lib.rmsnorm_f32.restype = None
+            lib.decode_layers.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int] * 8 + [ctypes.c_float, ctypes.c_int]
+                                          + [ctypes.c_void_p] * 10 + [ctypes.c_int])
+            lib.decode_layers.restype = None
             _lib, _why = lib, "ok"
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _why = f"build failed: {e}"
@@ -268,3 +272,79 @@ class RopeAttention:
             self.G, self.D, k_cache.shape[2], self.threads,
         )
         return out
+
+
+class DecodeLayers:
+    """The decoder layers of a decode / verification step in one native call (``decode_layers`` in
+    fewrows.c): RMSNorm, the four matmuls through the packed bf16 kernel, the fused RoPE + cache
+    write + attention, SiLU and the residual adds, with no Python between the layers. For bf16
+    Llama-family weights without biases and fp32 activations; see :meth:`supports`.
+
+    Args:
+        layers: the runtime's layer weights (``LayerWeights``), in order.
+        n_heads, n_kv_heads, head_dim, eps: the model's.
+    """
+
+    def __init__(self, layers: list, n_heads: int, n_kv_heads: int, head_dim: int, eps: float):
+        self.layers = layers
+        self.H, self.G, self.D, self.eps = n_heads, n_kv_heads, head_dim, eps
+        self._ptrs = None  # (weight versions, keep-alive tensors, pointer arrays)
+
+    @staticmethod
+    def supports(T: int, rows: int, n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
+        """Whether :meth:`__call__` takes a step of T new tokens over ``rows = B T`` rows (given
+        layers that :meth:`supports_layers`)."""
+        return USE_PACKED and rows <= PACKED_MAX_ROWS and attention_supports(T, n_heads, n_kv_heads, head_dim)
+
+    @staticmethod
+    def supports_layers(layers: list) -> bool:
+        """Whether these layer weights can run here: bf16 matmul weights with widths the packed
+        kernel takes, fp32 norms, no biases, no int8, and the kernels built."""
+        if not available():
+            return False
+        for lw in layers:
+            if lw.bqkv is not None or lw.q_qkv is not None or lw.attn_norm.dtype != torch.float32:
+                return False
+            for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down):
+                if w.dtype != torch.bfloat16 or w.shape[0] % 16 or w.shape[1] % 8 or not w.is_contiguous():
+                    return False
+        return True
+
+    def _pointers(self):
+        versions = [w._version for lw in self.layers for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)]
+        if self._ptrs is None or self._ptrs[0] != versions:
+            keep, arrays = [], []
+            for name in ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down"):
+                ts = [getattr(lw, name) for lw in self.layers]
+                ts = [t.contiguous() if name.endswith("norm") else packed(t) for t in ts]
+                keep.append(ts)
+                arrays.append((ctypes.c_void_p * len(ts))(*[t.data_ptr() for t in ts]))
+            self._ptrs = (versions, keep, arrays, [ctypes.addressof(a) for a in arrays])
+        return self._ptrs[3]
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, k_caches: list, v_caches: list, cos: torch.Tensor,
+                 sin: torch.Tensor) -> torch.Tensor:
+        """``x (B, T, C)`` fp32 (the embeddings) -> the residual stream after the last layer,
+        computed in place in ``x`` (made contiguous first); writes each layer's new keys and values
+        into its ``(B, G, cap, D)`` caches."""
+        B, T, C = x.shape
+        F = self.layers[0].w_down.shape[1]
+        cap = k_caches[0].shape[2]
+        last = int(positions.max())
+        if last >= cap or cos.shape[0] <= last:
+            raise ValueError(f"DecodeLayers: position {last} beyond the cache ({cap}) or the RoPE tables ({cos.shape[0]})")
+        if C % 8 or F % 8:
+            raise ValueError("DecodeLayers: widths must be multiples of 8")
+        for t in (*k_caches, *v_caches):
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.shape[0] != B or t.shape[2] != cap:
+                raise ValueError("DecodeLayers: caches must be contiguous float32 (B, G, cap, D)")
+        if x.dtype != torch.float32 or cos.dtype != torch.float32 or sin.dtype != torch.float32:
+            raise ValueError("DecodeLayers: activations and RoPE tables must be float32")
+        x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+        pos = positions.to(torch.int64).contiguous()
+        kc = (ctypes.c_void_p * len(k_caches))(*[t.data_ptr() for t in k_caches])
+        vc = (ctypes.c_void_p * len(v_caches))(*[t.data_ptr() for t in v_caches])
+        _call("specdraft::decode_layers", _lib.decode_layers, x.data_ptr(), pos.data_ptr(), B, T, C, self.H, self.G, self.D, F,
+              cap, self.eps, len(self.layers), *self._pointers(), ctypes.addressof(kc), ctypes.addressof(vc), cos.data_ptr(),
+              sin.data_ptr(), torch.get_num_threads())
+        return x

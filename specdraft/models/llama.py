@@ -360,6 +360,7 @@ class LlamaRuntime:
         self.dtype = weights.compute_dtype  # activations, KV cache, hidden states
         self._rope_len = 0
         self._cos = self._sin = None
+        self._decode_layers = None  # kernels.DecodeLayers, or False where the layers cannot run natively
 
     def __repr__(self) -> str:
         return f"LlamaRuntime(layers={len(self.layers)}/{len(self.w.layers)}, {self.w.precision})"
@@ -379,6 +380,15 @@ class LlamaRuntime:
             self._sin = (emb.sin() * self.w.rope_scale).to(self.dtype)
             self._rope_len = n
         return self._cos, self._sin
+
+    def _native_layers(self, T: int, rows: int) -> bool:
+        """Whether this step's layers run in one native call (:class:`specdraft.kernels.DecodeLayers`)."""
+        w = self.w
+        if self._decode_layers is None:  # decided once: the layers' dtypes and shapes do not change
+            ok = kernels.DecodeLayers.supports_layers(self.layers)
+            self._decode_layers = kernels.DecodeLayers(self.layers, w.n_heads, w.n_kv_heads, w.head_dim, w.eps) if ok else False
+        return bool(self._decode_layers) and kernels.USE_NATIVE_LAYERS and kernels.DecodeLayers.supports(
+            T, rows, w.n_heads, w.n_kv_heads, w.head_dim)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self._rope_tables(int(positions.max()) + 1)
@@ -406,7 +416,11 @@ class LlamaRuntime:
         # Decode-sized causal steps: RoPE, cache write and attention in one native call
         # (kernels.RopeAttention); prefill, custom masks and bf16 compute take torch's ops.
         fused = attn_mask is None and self.dtype == torch.float32 and kernels.attention_supports(T, H, G, D)
-        if fused:
+        # ... and, where the layers allow it, all of them in one native call (kernels.DecodeLayers)
+        native = fused and set(hidden_layers) <= {-1} and self._native_layers(T, B * T)
+        if native:
+            pass
+        elif fused:
             attend = kernels.RopeAttention(positions, *self._rope_tables(last + 1), H, G)
         else:
             # Where do the new keys go? One contiguous run shared by all rows (batch 1, or equal
@@ -429,7 +443,9 @@ class LlamaRuntime:
         x = w.embed[tokens].to(self.dtype)  # (B, T, C)
         wanted = set(hidden_layers)
         hidden: dict[int, torch.Tensor] = {}
-        for li, (layer, k_cache, v_cache) in enumerate(zip(self.layers, state.k, state.v)):
+        if native:  # no per-op overhead between the layers
+            x = self._decode_layers(x, positions, state.k, state.v, *self._rope_tables(last + 1))
+        for li, (layer, k_cache, v_cache) in enumerate([] if native else zip(self.layers, state.k, state.v)):
             h = rms_norm(x, layer.attn_norm, w.eps)
             qkv = linear(h, layer.wqkv, layer.bqkv, layer.q_qkv)  # (B, T, (H + 2G) * D)
             if fused:
