@@ -122,13 +122,22 @@ KERNEL(fewrows_bf16, uint16_t, load_bf16)
  * 16 C weights once and broadcasts R values of x: up to 12 FMAs per 32 bytes of weights, against
  * 8 FMAs and 9 loads per 8 weights in the row-dot kernel above. M = 1 takes 4 blocks at a time
  * (8 accumulators hide FMA latency), M = 2 two, M >= 3 one block of up to 6 rows; more rows run
- * in balanced groups of <= 6 over K chunks of KC, the chunk's panel staying in L1 between groups.
+ * in balanced groups of <= 6 over K chunks of at most KC (K split evenly: 576 -> 2 x 288, 1536 ->
+ * 5 x 308), the chunk's panel staying in L1 between groups. While the groups work on one chunk
+ * from cache, the first two passes prefetch the next chunk into L2, half each (the weight stream
+ * then keeps flowing during the passes that read no new weights; before, DRAM idled while later
+ * groups ran, and a short last chunk stalled the stream). SmolLM2's linears alone, 2 threads,
+ * interleaved (a throwaway C harness over the model's 121 weight shapes): 8 rows 25.8-26.2 ms ->
+ * 20.1-21.3 ms, 1 row unchanged (12.6-14.4 ms); the whole forward with the native layers below, both
+ * kernels loaded in one process and alternated (60 rounds, two runs): 8 tokens 18.3 -> 16.5-17.4 ms,
+ * 1 token unchanged (~12 ms).
  * Whole SmolLM2 forward at a 200-token context, 2 threads, against the row-dot tiles in the same
- * run (benchmarks/bench_linear.py): T1 26.6 -> 23.4 ms, T4 30.5 -> 23.6 ms, T8 43.2 -> 29.8 ms.
+ * run (benchmarks/bench_linear.py): T1 26.6 -> 23.4 ms, T4 30.5 -> 23.6 ms, T8 43.2 -> 29.8 ms
+ * (before the next-chunk prefetch).
  *
  * Every y[m, n] is one fp32 FMA chain over k = 0..K-1 in order (partial sums between K chunks go
  * through y, exactly), whatever M, the tile shape or the thread: rows stay independent. */
-#define KC 256  /* K chunk when rows take several groups */
+#define KC 320  /* largest K chunk when rows take several groups */
 #define PPF 2048 /* prefetch distance in packed elements (128 k ahead, 4 KB: DRAM latency at FMA speed) */
 
 /* Named accumulators (gcc keeps an array of 12+ vectors in memory): a<r><c>l / a<r><c>h hold
@@ -167,6 +176,23 @@ KERNEL(fewrows_bf16, uint16_t, load_bf16)
 #define A51(M) A41(M) M(4, 0)
 #define A61(M) A51(M) M(5, 0)
 #define ROW1(r) BCAST(r) FMA(r, 0)
+/* The same tiles for row groups: the prefetch goes to pf + 8 (k - k0), into L2 (a half of the next chunk in the
+ * first two passes; later passes point it at the current chunk, already cached). */
+#define WLOADG                                                                                    \
+    __m256i v0 = _mm256_loadu_si256((const __m256i *)(wp + (long)k * 16));                        \
+    _mm_prefetch((const char *)(pf + (long)(k - k0) * 8), _MM_HINT_T1);                           \
+    __m256 l0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));                                   \
+    __m256 h0 = _mm256_castsi256_ps(_mm256_and_si256(v0, _mm256_set1_epi32((int)0xFFFF0000u)));
+#define MICROG(NAME, ACCS, BODY)                                                                  \
+    static void NAME(const float *x, long K, const uint16_t *wp, float *y, long N, int k0, int k1, \
+                     int first, const uint16_t *pf) {                                             \
+        ACCS(DECL)                                                                                \
+        for (int k = k0; k < k1; k++) {                                                           \
+            WLOADG                                                                                \
+            BODY                                                                                  \
+        }                                                                                         \
+        ACCS(STORE)                                                                               \
+    }
 MICRO(micro_1_4, A14, WLOAD(0) WLOAD(1) WLOAD(2) WLOAD(3), BCAST(0) FMA(0, 0) FMA(0, 1) FMA(0, 2) FMA(0, 3))
 MICRO(micro_2_2, A22, WLOAD(0) WLOAD(1), BCAST(0) BCAST(1) FMA(0, 0) FMA(0, 1) FMA(1, 0) FMA(1, 1))
 MICRO(micro_1_1, A11, WLOAD(0), ROW1(0))
@@ -175,6 +201,25 @@ MICRO(micro_3_1, A31, WLOAD(0), ROW1(0) ROW1(1) ROW1(2))
 MICRO(micro_4_1, A41, WLOAD(0), ROW1(0) ROW1(1) ROW1(2) ROW1(3))
 MICRO(micro_5_1, A51, WLOAD(0), ROW1(0) ROW1(1) ROW1(2) ROW1(3) ROW1(4))
 MICRO(micro_6_1, A61, WLOAD(0), ROW1(0) ROW1(1) ROW1(2) ROW1(3) ROW1(4) ROW1(5))
+
+MICROG(group_1, A11, ROW1(0))
+MICROG(group_2, A21, ROW1(0) ROW1(1))
+MICROG(group_3, A31, ROW1(0) ROW1(1) ROW1(2))
+MICROG(group_4, A41, ROW1(0) ROW1(1) ROW1(2) ROW1(3))
+MICROG(group_5, A51, ROW1(0) ROW1(1) ROW1(2) ROW1(3) ROW1(4))
+MICROG(group_6, A61, ROW1(0) ROW1(1) ROW1(2) ROW1(3) ROW1(4) ROW1(5))
+
+static void group_tile(int R, const float *x, long K, const uint16_t *wp, float *y, long N, int k0, int k1, int first,
+                       const uint16_t *pf) {
+    switch (R) {
+    case 1: group_1(x, K, wp, y, N, k0, k1, first, pf); break;
+    case 2: group_2(x, K, wp, y, N, k0, k1, first, pf); break;
+    case 3: group_3(x, K, wp, y, N, k0, k1, first, pf); break;
+    case 4: group_4(x, K, wp, y, N, k0, k1, first, pf); break;
+    case 5: group_5(x, K, wp, y, N, k0, k1, first, pf); break;
+    default: group_6(x, K, wp, y, N, k0, k1, first, pf);
+    }
+}
 
 static void packed_tile(int R, int C, const float *x, long K, const uint16_t *wp, long ps, float *y,
                         long N, int k0, int k1, int first) {
@@ -195,19 +240,26 @@ static void packed_blocks(const float *x, const uint16_t *wp, float *y, int M, i
     const long ps = (long)K * 16;
     const int C = M == 1 ? 4 : M == 2 ? 2 : 1;
     const int groups = (M + 5) / 6;
-    const int kc = groups == 1 ? K : KC;
+    if (groups > 1) { /* one block at a time; K in even chunks of <= KC, row groups in turn */
+        const int kc = (K + (K + KC - 1) / KC - 1) / ((K + KC - 1) / KC);
+        for (int b = b0; b < b1; b++) {
+            const uint16_t *wb = wp + (long)b * ps;
+            for (int k0 = 0; k0 < K; k0 += kc) {
+                const int k1 = k0 + kc < K ? k0 + kc : K;
+                for (int q = 0, m0 = 0; q < groups; q++) { /* passes 0 and 1 prefetch the next chunk, half each */
+                    const int rows = (M - m0) / (groups - q);
+                    group_tile(rows, x + (long)m0 * K, K, wb, y + (long)m0 * N + b * 16, N, k0, k1, k0 == 0,
+                               wb + (q < 2 ? (long)k1 * 16 + (long)q * (k1 - k0) * 8 : (long)k0 * 16));
+                    m0 += rows;
+                }
+            }
+        }
+        return;
+    }
     for (int b = b0; b < b1;) {
         const int cc = b + C <= b1 ? C : 1;
         const uint16_t *wb = wp + (long)b * ps;
-        for (int k0 = 0; k0 < K; k0 += kc) {
-            const int k1 = k0 + kc < K ? k0 + kc : K;
-            for (int q = 0, m0 = 0; q < groups; q++) {
-                const int rows = (M - m0) / (groups - q);
-                packed_tile(cc == 1 ? rows : M, cc, x + (long)m0 * K, K, wb, ps, y + (long)m0 * N + b * 16, N, k0,
-                            k1, k0 == 0);
-                m0 += rows;
-            }
-        }
+        packed_tile(M, cc, x, K, wb, ps, y + b * 16, N, 0, K, 1);
         b += cc;
     }
 }
