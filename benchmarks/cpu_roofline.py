@@ -14,13 +14,13 @@ Then what the project's packed kernel (:mod:`specdraft.kernels`) reaches:
 
 - its arithmetic rate for 8 rows with the weight in cache (one 576 x 1536 bf16 weight, called
   back to back through ctypes): the most an 8-row product can do here, DRAM aside;
-- the model's linears alone, called back to back (1 and 8 rows), and inside the forward (the
-  forward with the kernel calls timed).
+- the model's linears alone, called back to back (1 and 8 rows), against the whole forward;
+  ``O = forward - linears alone`` is the other work (attention, norms, activations, Python).
 
 With ``L8 = 2 * 8 * params / in-cache rate`` (the 8-row linears at that rate with the weight stream
-perfectly hidden) and ``L1`` = the stream floor, a forward with ``O`` ms of other work (attention,
-norms, activations, Python) has ``T8 / T1 >= (L8 + O) / (L1 + O)``: it is printed for the runtime's
-own O, with the O at which the bound reaches 1.2.
+perfectly hidden) and ``L1`` = the stream floor, a forward with ``O`` ms of other work has
+``T8 / T1 >= (L8 + O) / (L1 + O)``: it is printed for the runtime's own 1-token O, with the O at
+which the bound reaches 1.2.
 
     .venv/bin/python benchmarks/cpu_roofline.py --threads 2
 """
@@ -174,50 +174,34 @@ def kernel_bound(pipe, params: int, stream_floor_ms: float, args) -> None:
         for wp, k, n in shapes:
             lib.packed_bf16(x.data_ptr(), wp.data_ptr(), y.data_ptr(), m, k, n, threads)
 
-    alone = {}
-    for _ in range(2):  # interleaved, the second round counts
-        alone = {m: _median_ms(lambda m=m: linears(m), args.repeats) for m in (1, 8)}
-    inside = forward_linears_ms(pipe.runtime, args.context, args.repeats)
+    rt = pipe.runtime
+    state = rt.new_state(1, args.context + 16)
+    rt.forward(state, torch.randint(0, 1000, (1, args.context)), torch.arange(args.context).unsqueeze(0))
+
+    def forward(n: int):
+        rt.forward(state, torch.randint(0, 1000, (1, n)), (args.context + torch.arange(n)).unsqueeze(0))
+
+    times: dict[str, list] = {}
+    for r in range(args.repeats + 2):  # linears alone and whole forwards interleaved; 2 warm-up rounds
+        for name, fn in (("lin1", lambda: linears(1)), ("lin8", lambda: linears(8)), ("fwd1", lambda: forward(1)),
+                         ("fwd8", lambda: forward(8))):
+            t0 = time.perf_counter()
+            fn()
+            if r >= 2:
+                times.setdefault(name, []).append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     l8 = 2 * 8 * params / 1e9 / rate * 1e3
-    other = {n: inside[n][0] - inside[n][1] for n in (1, 8)}
+    other = {n: med[f"fwd{n}"] - med[f"lin{n}"] for n in (1, 8)}
     o = other[1]
     print(f"\npacked kernel, 8 rows, weight in cache: {rate:.0f} GFLOP/s ({rate / _PEAK[0] * 100:.0f}% of the FMA peak)")
-    print("| rows | linears alone ms | linears in the forward ms | forward ms | other work in the forward ms |")
-    print("|---|---|---|---|---|")
+    print("| rows | linears alone ms | forward ms | other work ms (forward - linears) |")
+    print("|---|---|---|---|")
     for n in (1, 8):
-        print(f"| {n} | {alone[n]:.1f} | {inside[n][1]:.1f} | {inside[n][0]:.1f} | {other[n]:.1f} |")
+        print(f"| {n} | {med[f'lin{n}']:.1f} | {med[f'fwd{n}']:.1f} | {other[n]:.1f} |")
     print(f"8-row linears at the in-cache rate, stream hidden: L8 = {l8:.1f} ms; 1-row stream floor L1 = {stream_floor_ms:.1f} ms")
     need = (l8 - 1.2 * stream_floor_ms) / 0.2
     print(f"bound T8/T1 >= (L8 + O) / (L1 + O) = {(l8 + o) / (stream_floor_ms + o):.2f} with this runtime's O = {o:.1f} ms "
           f"(1-token forward minus its linears); it reaches 1.2 only for O >= {need:.1f} ms")
-
-
-def forward_linears_ms(runtime, context: int, repeats: int) -> dict[int, tuple[float, float]]:
-    """{n: (forward ms, of which kernel matmul ms)}: medians over interleaved rounds at ``context``."""
-    state = runtime.new_state(1, context + 16)
-    runtime.forward(state, torch.randint(0, 1000, (1, context)), torch.arange(context).unsqueeze(0))
-    spent = [0.0]
-    real = kernels._call
-
-    def timed(name, fn, *a):
-        t0 = time.perf_counter()
-        fn(*a)
-        if name == kernels.PROFILE_NAME:
-            spent[0] += time.perf_counter() - t0
-
-    out: dict[int, list] = {1: [], 8: []}
-    kernels._call = timed
-    try:
-        for r in range(repeats + 2):
-            for n in (1, 8):
-                spent[0] = 0.0
-                t0 = time.perf_counter()
-                runtime.forward(state, torch.randint(0, 1000, (1, n)), (context + torch.arange(n)).unsqueeze(0))
-                if r >= 2:
-                    out[n].append((time.perf_counter() - t0, spent[0]))
-    finally:
-        kernels._call = real
-    return {n: (statistics.median(a for a, _ in v) * 1e3, statistics.median(b for _, b in v) * 1e3) for n, v in out.items()}
 
 
 if __name__ == "__main__":
