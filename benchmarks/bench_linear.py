@@ -8,7 +8,9 @@ computed three ways on the same fp32 weights, plus the bf16-weight runtime:
   off (an ``(in, out)`` copy for M <= 3 rows, ``(W x^T)^T`` for M = 4-5);
 - ``native kernel``: :mod:`specdraft.kernels` (fp32 weights), the default where it builds;
 - ``native kernel, bf16 weights``: the ``--dtype bf16`` runtime on a CPU without native bf16
-  (bf16 weights widened to fp32 as they stream; half the memory traffic), the default runtime;
+  (bf16 weights widened to fp32 as they stream; half the memory traffic), the default runtime: every
+  decoder layer of the step in one native call (:class:`specdraft.kernels.DecodeLayers`);
+- ``... layer by layer``: the same kernels called layer by layer from Python (the rows below too);
 - ``... row-dot tiles``: the same with bf16 weights in torch's layout through the row-dot kernel
   instead of the packed outer-product one;
 - ``... torch attention``: the same with the attention block in torch's ops instead of the fused
@@ -63,24 +65,26 @@ def main(argv=None) -> int:
 
     ours, supports, att_supports = llama.linear, kernels.supports, kernels.attention_supports
     have_kernel = kernels.available()
-    strategies = {  # name: (runtime, linear, kernel on, fused attention on, packed bf16 on)
-        "F.linear": ("fp32", lambda x, w, b, packed: F.linear(x, w, b), False, True, True),
-        "torch few-row forms": ("fp32", ours, False, True, True),
+    strategies = {  # name: (runtime, linear, kernel on, fused attention on, packed bf16 on, native layers on)
+        "F.linear": ("fp32", lambda x, w, b, packed: F.linear(x, w, b), False, True, True, True),
+        "torch few-row forms": ("fp32", ours, False, True, True, True),
     }
     if have_kernel:
-        strategies["native kernel"] = ("fp32", ours, True, True, True)
-        strategies["native kernel, bf16 weights"] = ("bf16", ours, True, True, True)
-        strategies["native kernel, bf16 weights, row-dot tiles"] = ("bf16", ours, True, True, False)
-        strategies["native kernel, bf16 weights, torch attention"] = ("bf16", ours, True, False, True)
+        strategies["native kernel"] = ("fp32", ours, True, True, True, True)
+        strategies["native kernel, bf16 weights"] = ("bf16", ours, True, True, True, True)
+        strategies["native kernel, bf16 weights, layer by layer"] = ("bf16", ours, True, True, True, False)
+        strategies["native kernel, bf16 weights, row-dot tiles"] = ("bf16", ours, True, True, False, False)
+        strategies["native kernel, bf16 weights, torch attention"] = ("bf16", ours, True, False, True, False)
     else:
         print(f"native kernel not available: {kernels.status()}")
     sizes = (1, 2, 3, 4, 6, 8)
     times = {s: {n: [] for n in sizes} for s in strategies}
     try:
         for r in range(args.rounds + 1):
-            for name, (rt, fn, on, att, pk) in strategies.items():
+            for name, (rt, fn, on, att, pk, nl) in strategies.items():
                 llama.linear = fn
                 kernels.USE_PACKED = pk
+                kernels.USE_NATIVE_LAYERS = nl
                 kernels.supports = supports if on else (lambda x, w: False)
                 kernels.attention_supports = att_supports if att else (lambda *a: False)
                 for n in sizes:
@@ -89,7 +93,7 @@ def main(argv=None) -> int:
                         times[name][n].append(t)
     finally:
         llama.linear, kernels.supports, kernels.attention_supports = ours, supports, att_supports
-        kernels.USE_PACKED = True
+        kernels.USE_PACKED = kernels.USE_NATIVE_LAYERS = True
     med = {s: {n: statistics.median(v) * 1e3 for n, v in d.items()} for s, d in times.items()}
     print(f"\n{args.target}, {torch.get_num_threads()} thread(s), context {args.context}, median of {args.rounds} rounds")
     print("| strategy | " + " | ".join(f"T{n} ms" for n in sizes) + " | T8/T1 |")
