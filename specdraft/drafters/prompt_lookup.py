@@ -7,6 +7,7 @@ point mass, so sampling verification checks the draft against a sample from p.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from specdraft.drafters.base import DraftContext, DraftState, Proposal
@@ -28,13 +29,23 @@ class PromptLookupDrafter:
         return DraftState(batch_size)
 
     def _lookup(self, seq: torch.Tensor, k: int) -> torch.Tensor:
-        """Continuation (up to k tokens) of the latest earlier match of seq's trailing n-gram."""
-        L = seq.shape[0]
+        """Continuation (up to k tokens) of the latest earlier match of seq's trailing n-gram.
+
+        Candidates are the starts i <= L - n - 1 (the n-gram has a successor) whose first token
+        matches, narrowed one position at a time (numpy on the tensor's memory: a few tens of
+        microseconds per step, where an unfold over all windows took ~0.3 ms at SmolLM2's step of ~15 ms).
+        """
+        s = seq.numpy()
+        L = s.shape[0]
         for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
-            windows = seq[: L - 1].unfold(0, n, 1)  # (L - n, n): every n-gram that has a successor
-            hits = (windows == seq[L - n :]).all(-1).nonzero().flatten()
-            if hits.numel():
-                start = int(hits[-1]) + n
+            tail = s[L - n :]
+            starts = np.flatnonzero(s[: L - n] == tail[0])
+            for j in range(1, n):
+                if not starts.size:
+                    break
+                starts = starts[s[starts + j] == tail[j]]
+            if starts.size:
+                start = int(starts[-1]) + n
                 return seq[start : start + k]
         return seq[:0]
 

@@ -51,3 +51,22 @@ def test_bad_ngram_range():
     with pytest.raises(ValueError):
         PromptLookupDrafter(max_ngram=1, min_ngram=2)
     assert PromptLookupDrafter().vocab_size is None
+
+
+def _reference(seq: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """The definition, spelled out: longest n first, the latest earlier start with a successor."""
+    L = len(seq)
+    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
+        for i in range(L - n - 1, -1, -1):
+            if seq[i : i + n] == seq[L - n :]:
+                return seq[i + n : i + n + k]
+    return []
+
+
+@pytest.mark.parametrize("max_ngram,min_ngram", [(3, 1), (4, 2), (1, 1)])
+def test_lookup_matches_the_definition_on_random_contexts(max_ngram, min_ngram):
+    g = torch.Generator().manual_seed(max_ngram * 10 + min_ngram)
+    d = PromptLookupDrafter(max_ngram, min_ngram)
+    for _ in range(300):
+        seq = torch.randint(0, int(torch.randint(2, 6, (1,), generator=g)), (int(torch.randint(1, 50, (1,), generator=g)),), generator=g)
+        assert d._lookup(seq, 4).tolist() == _reference(seq.tolist(), 4, max_ngram, min_ngram)
