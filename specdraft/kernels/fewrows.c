@@ -176,16 +176,17 @@ KERNEL(fewrows_bf16, uint16_t, load_bf16)
 #define A51(M) A41(M) M(4, 0)
 #define A61(M) A51(M) M(5, 0)
 #define ROW1(r) BCAST(r) FMA(r, 0)
-/* The same tiles for row groups: the prefetch goes to pf + 8 (k - k0), into L2 (a half of the next chunk in the
- * first two passes; later passes point it at the current chunk, already cached). */
+/* One block of 16 columns for up to 6 rows; the prefetch goes to pf + ps (k - k0), into L2: PPF
+ * elements ahead in the panel (ps = 16) for a single row group, a half of the next K chunk (ps = 8)
+ * in the first two passes of row groups (later passes point it at the current chunk, cached). */
 #define WLOADG                                                                                    \
     __m256i v0 = _mm256_loadu_si256((const __m256i *)(wp + (long)k * 16));                        \
-    _mm_prefetch((const char *)(pf + (long)(k - k0) * 8), _MM_HINT_T1);                           \
+    _mm_prefetch((const char *)(pf + (long)(k - k0) * pstep), _MM_HINT_T1);                       \
     __m256 l0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));                                   \
     __m256 h0 = _mm256_castsi256_ps(_mm256_and_si256(v0, _mm256_set1_epi32((int)0xFFFF0000u)));
 #define MICROG(NAME, ACCS, BODY)                                                                  \
     static void NAME(const float *x, long K, const uint16_t *wp, float *y, long N, int k0, int k1, \
-                     int first, const uint16_t *pf) {                                             \
+                     int first, const uint16_t *pf, long pstep) {                                 \
         ACCS(DECL)                                                                                \
         for (int k = k0; k < k1; k++) {                                                           \
             WLOADG                                                                                \
@@ -195,13 +196,6 @@ KERNEL(fewrows_bf16, uint16_t, load_bf16)
     }
 MICRO(micro_1_4, A14, WLOAD(0) WLOAD(1) WLOAD(2) WLOAD(3), BCAST(0) FMA(0, 0) FMA(0, 1) FMA(0, 2) FMA(0, 3))
 MICRO(micro_2_2, A22, WLOAD(0) WLOAD(1), BCAST(0) BCAST(1) FMA(0, 0) FMA(0, 1) FMA(1, 0) FMA(1, 1))
-MICRO(micro_1_1, A11, WLOAD(0), ROW1(0))
-MICRO(micro_2_1, A21, WLOAD(0), ROW1(0) ROW1(1))
-MICRO(micro_3_1, A31, WLOAD(0), ROW1(0) ROW1(1) ROW1(2))
-MICRO(micro_4_1, A41, WLOAD(0), ROW1(0) ROW1(1) ROW1(2) ROW1(3))
-MICRO(micro_5_1, A51, WLOAD(0), ROW1(0) ROW1(1) ROW1(2) ROW1(3) ROW1(4))
-MICRO(micro_6_1, A61, WLOAD(0), ROW1(0) ROW1(1) ROW1(2) ROW1(3) ROW1(4) ROW1(5))
-
 MICROG(group_1, A11, ROW1(0))
 MICROG(group_2, A21, ROW1(0) ROW1(1))
 MICROG(group_3, A31, ROW1(0) ROW1(1) ROW1(2))
@@ -210,14 +204,14 @@ MICROG(group_5, A51, ROW1(0) ROW1(1) ROW1(2) ROW1(3) ROW1(4))
 MICROG(group_6, A61, ROW1(0) ROW1(1) ROW1(2) ROW1(3) ROW1(4) ROW1(5))
 
 static void group_tile(int R, const float *x, long K, const uint16_t *wp, float *y, long N, int k0, int k1, int first,
-                       const uint16_t *pf) {
+                       const uint16_t *pf, long pstep) {
     switch (R) {
-    case 1: group_1(x, K, wp, y, N, k0, k1, first, pf); break;
-    case 2: group_2(x, K, wp, y, N, k0, k1, first, pf); break;
-    case 3: group_3(x, K, wp, y, N, k0, k1, first, pf); break;
-    case 4: group_4(x, K, wp, y, N, k0, k1, first, pf); break;
-    case 5: group_5(x, K, wp, y, N, k0, k1, first, pf); break;
-    default: group_6(x, K, wp, y, N, k0, k1, first, pf);
+    case 1: group_1(x, K, wp, y, N, k0, k1, first, pf, pstep); break;
+    case 2: group_2(x, K, wp, y, N, k0, k1, first, pf, pstep); break;
+    case 3: group_3(x, K, wp, y, N, k0, k1, first, pf, pstep); break;
+    case 4: group_4(x, K, wp, y, N, k0, k1, first, pf, pstep); break;
+    case 5: group_5(x, K, wp, y, N, k0, k1, first, pf, pstep); break;
+    default: group_6(x, K, wp, y, N, k0, k1, first, pf, pstep);
     }
 }
 
@@ -225,14 +219,7 @@ static void packed_tile(int R, int C, const float *x, long K, const uint16_t *wp
                         long N, int k0, int k1, int first) {
     if (C == 4) micro_1_4(x, K, wp, ps, y, N, k0, k1, first);
     else if (C == 2) micro_2_2(x, K, wp, ps, y, N, k0, k1, first);
-    else switch (R) {
-    case 1: micro_1_1(x, K, wp, ps, y, N, k0, k1, first); break;
-    case 2: micro_2_1(x, K, wp, ps, y, N, k0, k1, first); break;
-    case 3: micro_3_1(x, K, wp, ps, y, N, k0, k1, first); break;
-    case 4: micro_4_1(x, K, wp, ps, y, N, k0, k1, first); break;
-    case 5: micro_5_1(x, K, wp, ps, y, N, k0, k1, first); break;
-    default: micro_6_1(x, K, wp, ps, y, N, k0, k1, first);
-    }
+    else group_tile(R, x, K, wp, y, N, k0, k1, first, wp + (long)k0 * 16 + PPF, 16);
 }
 
 /* Column blocks [b0, b1) of y. */
@@ -249,7 +236,7 @@ static void packed_blocks(const float *x, const uint16_t *wp, float *y, int M, i
                 for (int q = 0, m0 = 0; q < groups; q++) { /* passes 0 and 1 prefetch the next chunk, half each */
                     const int rows = (M - m0) / (groups - q);
                     group_tile(rows, x + (long)m0 * K, K, wb, y + (long)m0 * N + b * 16, N, k0, k1, k0 == 0,
-                               wb + (q < 2 ? (long)k1 * 16 + (long)q * (k1 - k0) * 8 : (long)k0 * 16));
+                               wb + (q < 2 ? (long)k1 * 16 + (long)q * (k1 - k0) * 8 : (long)k0 * 16), 8);
                     m0 += rows;
                 }
             }
