@@ -418,10 +418,9 @@ class LlamaRuntime:
         fused = attn_mask is None and self.dtype == torch.float32 and kernels.attention_supports(T, H, G, D)
         # ... and, where the layers allow it, all of them in one native call (kernels.DecodeLayers)
         native = fused and set(hidden_layers) <= {-1} and self._native_layers(T, B * T)
-        if native:
-            pass
-        elif fused:
-            attend = kernels.RopeAttention(positions, *self._rope_tables(last + 1), H, G)
+        if fused:
+            if not native:
+                attend = kernels.RopeAttention(positions, *self._rope_tables(last + 1), H, G)
         else:
             # Where do the new keys go? One contiguous run shared by all rows (batch 1, or equal
             # lengths) is a slice write; ragged rows scatter by position.
