@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specdraft import api, kernels  # noqa: E402
 from specdraft.bench.profile import profile_latency  # noqa: E402
+from specdraft.design.search import median_time  # noqa: E402
 
 _PEAK = [float("nan")]  # the measured FMA peak, GFLOP/s
 
@@ -138,15 +139,6 @@ def main(argv=None) -> int:
     return 0
 
 
-def _median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
 def kernel_bound(pipe, params: int, stream_floor_ms: float, args) -> None:
     """The packed kernel's in-cache 8-row rate, its linears alone and in the forward, and the T8/T1 bound."""
     lib = kernels._lib
@@ -162,7 +154,7 @@ def kernel_bound(pipe, params: int, stream_floor_ms: float, args) -> None:
             lib.packed_bf16(x8.data_ptr(), wc.data_ptr(), y8.data_ptr(), 8, 576, 1536, threads)
 
     in_cache()
-    rate = 2 * 8 * 576 * 1536 * calls / (_median_ms(in_cache, args.repeats) / 1e3) / 1e9
+    rate = 2 * 8 * 576 * 1536 * calls / median_time(in_cache, args.repeats) / 1e9
 
     w = pipe.runtime.w
     weights = [t for layer in w.layers for t in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)] + [w.lm_head]

@@ -111,13 +111,10 @@ def _pipe(args):
 
 def _data_kw(args) -> dict:
     """target_data keywords shared by every design action."""
-    import torch
+    from specdraft.design.data import GEN_DTYPES, parse_sources
 
-    from specdraft.design.data import parse_sources
-
-    gen = {"same": None, "bf16": torch.bfloat16, "fp32": torch.float32}[args.gen_dtype]
     return dict(max_new_tokens=args.max_new_tokens, batch_size=args.gen_batch, sources=parse_sources(args.sources),
-                gen_dtype=gen, hidden=True, progress=not args.quiet)
+                gen_dtype=GEN_DTYPES[args.gen_dtype], hidden=True, progress=not args.quiet)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -154,6 +151,7 @@ def _search(args) -> int:
 
 def _build(args) -> int:
     from specdraft.design.build import BuildConfig, build_draft
+    from specdraft.design.data import parse_sources
     from specdraft.design.train import OnPolicyConfig, TrainConfig
 
     if args.out.exists() and any(args.out.iterdir()) and not (args.out / "specdraft.json").is_file():
@@ -161,7 +159,7 @@ def _build(args) -> int:
     cfg = BuildConfig(
         layers=args.layers, head=args.head, kv_heads=args.kv_heads, q_per_kv=args.q_per_kv, ffn=args.ffn,
         prompts=args.prompts, val_prompts=args.val_prompts, max_new_tokens=args.max_new_tokens, gen_batch=args.gen_batch,
-        sources=_data_kw(args)["sources"], gen_dtype=args.gen_dtype,
+        sources=parse_sources(args.sources), gen_dtype=args.gen_dtype,
         train=TrainConfig(steps=max(args.steps, 1), batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                           checkpoint_every=args.checkpoint_every, eval_every=args.eval_every),
         on_policy=OnPolicyConfig(rounds=args.on_policy_rounds, prompts_per_round=args.on_policy_prompts, seed=args.seed),

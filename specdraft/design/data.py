@@ -169,12 +169,9 @@ def self_prompts(pipe, n: int, *, split: str = "train", seed: int = 0, batch_siz
             reqs = [Request(list(prefix), max_tokens, p, pipe.eos_ids) for p in params]
             rid = engine.add(reqs)
             out = {r: [] for r in rid}
-            done = {}
             while engine.active:
                 for ev in engine.step():
                     out[ev.request_id] += ev.tokens
-                    if ev.finished:
-                        done[ev.request_id] = ev.finish_reason
             for i, r in zip(todo, rid):
                 toks = out[r]
                 ended = bool(toks) and toks[-1] in pipe.eos_ids
@@ -471,6 +468,9 @@ def target_data(
         )
         data = cached()  # what is on disk (fp16 log-probs), the same on every later run
     return _subset(data, sorted(range(len(data)), key=lambda i: data.prompt_ids[i]))
+
+
+GEN_DTYPES = {"same": None, "bf16": torch.bfloat16, "fp32": torch.float32}  # --gen-dtype names
 
 
 def generation_runtime(pipe, dtype: torch.dtype | None):

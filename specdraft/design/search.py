@@ -48,7 +48,8 @@ def agreement(runtime, data: TargetData, head: torch.Tensor | None = None) -> fl
     return hit / total if total else 0.0
 
 
-def _median_time(fn, reps: int) -> float:
+def median_time(fn, reps: int) -> float:
+    """Median wall time of ``reps`` calls of ``fn()``, in seconds."""
     times = []
     for _ in range(reps):
         t = time.perf_counter()
@@ -110,12 +111,12 @@ def measure_latency(target, drafts: dict[str, object], ns: tuple[int, ...] = (1,
     for rep in range(reps + 1):  # the first round is a warm-up
         for n in ns:
             rt, st = runs["target"]
-            t = _median_time(lambda: rt.forward(st, prefix[:, :n], (context + torch.arange(n)).unsqueeze(0)), 1)
+            t = median_time(lambda: rt.forward(st, prefix[:, :n], (context + torch.arange(n)).unsqueeze(0)), 1)
             if rep:
                 samples.setdefault(("target", n), []).append(t)
         for name in drafts:
             rt, st = runs[name]
-            t = _median_time(lambda: rt.forward(st, prefix[:, :1], torch.tensor([[context]])), 1)
+            t = median_time(lambda: rt.forward(st, prefix[:, :1], torch.tensor([[context]])), 1)
             if rep:
                 samples.setdefault(("draft", name), []).append(t)
     for (kind, key), ts in samples.items():
