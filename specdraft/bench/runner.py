@@ -1,10 +1,11 @@
 """Spec-Bench-style evaluation: speculative vs plain decoding of the same target, interleaved.
 
-For every prompt, in one process and in this order: plain decoding with the engine (k = 0), then
-speculative decoding with the drafter, then (with ``--baselines hf``) transformers ``generate``
-plain, assisted and prompt lookup. Running the methods back to back on each prompt, after one
-warm-up of each, means a slow phase of a shared machine hits all of them, so their ratios hold
-even when absolute times drift.
+For every prompt, in one process: plain decoding with the engine (k = 0), speculative decoding
+with the drafter and (with ``--baselines hf``) transformers ``generate`` plain, assisted and prompt
+lookup, in that order for even-numbered prompts and in the reverse order for odd ones. Running
+the methods back to back on each prompt, after one warm-up of each, means a slow phase of a
+shared machine hits all of them, and alternating the order keeps a drift within a prompt from
+always favouring the same method, so their ratios hold even when absolute times drift.
 
 Conventions
 -----------
@@ -330,7 +331,9 @@ def run_bench(pipe: Pipeline, prompts: list[BenchPrompt], options: BenchOptions,
                     break
             runs: dict[str, MethodRun] = {}
             spec_stats = SpecStats()
-            for method, (decode, engine) in decoders(i, options.max_new_tokens).items():
+            methods = list(decoders(i, options.max_new_tokens).items())
+            # A B, then B A: on a host whose speed drifts, neither method always runs first
+            for method, (decode, engine) in methods if i % 2 == 0 else methods[::-1]:
                 runs[method] = _converse(pipe, prompt, decode, budget, options.long_prompts)
                 if method == "spec":
                     spec_stats = engine.stats
