@@ -25,6 +25,22 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+def expected_tokens_from_rates(rates, k: int) -> float:
+    """E[tokens | k] from per-position acceptance instead of one alpha:
+
+        E[tokens | k] = 1 + sum_{j=1..k} prod_{i<=j} c_i
+
+    where ``c_i = P(draft token i accepted | tokens 1..i-1 accepted)`` (``rates[i - 1]``, at least
+    k of them): term j is the chance that the first j drafts all survive. With every c_i = alpha
+    this is :func:`expected_tokens`; measured rates need no independence assumption.
+    """
+    total, survive = 1.0, 1.0
+    for c in rates[:k]:
+        survive *= c
+        total += survive
+    return total
+
+
 def alpha_from_mean_accepted(mean_tokens: float, k: int, tol: float = 1e-6) -> float:
     """Invert :func:`expected_tokens`: the alpha whose E[tokens | k] equals ``mean_tokens``.
 

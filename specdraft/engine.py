@@ -206,13 +206,15 @@ class Engine:
         # 1. propose
         t0 = time.perf_counter()
         draft_tokens = torch.zeros(B, 0, dtype=torch.int64)
-        draft_probs, num_valid = None, torch.zeros(B, dtype=torch.int64)
+        draft_probs, num_valid, bucket = None, torch.zeros(B, dtype=torch.int64), None
         if k > 0:
             ctx = DraftContext(self.tokens, L, params, self.generators, self.target_hidden)
             prop = self.drafter.propose(self.draft_state, ctx, k)
             draft_tokens, draft_probs = prop.tokens, prop.probs
             num_valid = prop.num_valid if prop.num_valid is not None else torch.full((B,), k)
-            k = int(num_valid.max())  # trim columns nobody proposed
+            bucket = prop.bucket
+            num_valid = self.policy.trim(num_valid, bucket)
+            k = int(num_valid.max())  # trim columns nobody proposed or verifies
             draft_tokens = draft_tokens[:, :k]
             draft_probs = draft_probs[:, :k] if draft_probs is not None else None
         t1 = time.perf_counter()
@@ -260,7 +262,7 @@ class Engine:
         self.stats.draft_time += t1 - t0
         self.stats.target_time += t2 - t1
         self.stats.observe(num_valid if k else torch.zeros(B, dtype=torch.int64), n, emitted)
-        self.policy.update(k, num_valid if k else torch.zeros(B, dtype=torch.int64), n, t1 - t0, t2 - t1)
+        self.policy.update(k, num_valid if k else torch.zeros(B, dtype=torch.int64), n, t1 - t0, t2 - t1, bucket)
         if finished:
             self._keep([b for b in range(B) if b not in finished])
         self.stats.total_time += t3 - t0

@@ -28,12 +28,17 @@ class Proposal:
             with nothing to say for a row (an n-gram with no match) proposes 0 there.
         steps: ``(B,)`` draft forwards each row needed, for a drafter that stops early (a batch
             runs the most any row needs); None = k for a draft model. Cost models use it.
+        bucket: ``(B,)`` int, the drafter's own class of each row's proposal where some classes
+            are accepted far more often than others (prompt lookup: the length of the matched
+            n-gram, 0 for none); the cost-aware policy learns acceptance per class and cuts each
+            row's proposal to its class's best length. None: one class.
     """
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
     num_valid: torch.Tensor | None = None
     steps: torch.Tensor | None = None
+    bucket: torch.Tensor | None = None
 
 
 @dataclass

@@ -29,7 +29,7 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -119,7 +119,7 @@ class RowCappedDrafter:
         if self.caps is None:
             return prop
         num_valid = prop.num_valid if prop.num_valid is not None else torch.full((prop.tokens.shape[0],), k)
-        return Proposal(prop.tokens, prop.probs, torch.minimum(num_valid, self.caps.clamp(max=k)))
+        return replace(prop, num_valid=torch.minimum(num_valid, self.caps.clamp(max=k)))
 
     def observe(self, state: DraftState, num_accepted: torch.Tensor) -> None:
         self.inner.observe(state, num_accepted)
@@ -138,8 +138,11 @@ class CappedPolicy:
         k = self.inner.choose()
         return k if self.cap is None else min(k, self.cap)
 
-    def update(self, k, num_drafted, num_accepted, draft_time, target_time) -> None:
-        self.inner.update(k, num_drafted, num_accepted, draft_time, target_time)
+    def trim(self, num_valid: torch.Tensor, bucket: torch.Tensor | None) -> torch.Tensor:
+        return self.inner.trim(num_valid, bucket)
+
+    def update(self, k, num_drafted, num_accepted, draft_time, target_time, bucket=None) -> None:
+        self.inner.update(k, num_drafted, num_accepted, draft_time, target_time, bucket)
 
     def __repr__(self) -> str:
         return f"CappedPolicy({self.inner!r})"

@@ -53,14 +53,22 @@ def test_bad_ngram_range():
     assert PromptLookupDrafter().vocab_size is None
 
 
-def _reference(seq: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
+def test_proposals_are_classed_by_the_matched_length():
+    d = PromptLookupDrafter()
+    rows = [[1, 2, 3, 9, 1, 2, 3], [1, 2, 8, 6, 1, 2], [5, 1, 2, 8, 2], [1, 2, 3, 4]]
+    prop = d.propose(d.new_state(4, 32), ctx_of(rows), 2)
+    assert prop.bucket.tolist() == [3, 2, 1, 0]  # the trigram, the bigram, one token, no match
+    assert prop.num_valid.tolist() == [2, 2, 2, 0]
+
+
+def _reference(seq: list[int], k: int, max_ngram: int, min_ngram: int) -> tuple[int, list[int]]:
     """The definition, spelled out: longest n first, the latest earlier start with a successor."""
     L = len(seq)
     for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
         for i in range(L - n - 1, -1, -1):
             if seq[i : i + n] == seq[L - n :]:
-                return seq[i + n : i + n + k]
-    return []
+                return n, seq[i + n : i + n + k]
+    return 0, []
 
 
 @pytest.mark.parametrize("max_ngram,min_ngram", [(3, 1), (4, 2), (1, 1)])
@@ -69,4 +77,5 @@ def test_lookup_matches_the_definition_on_random_contexts(max_ngram, min_ngram):
     d = PromptLookupDrafter(max_ngram, min_ngram)
     for _ in range(300):
         seq = torch.randint(0, int(torch.randint(2, 6, (1,), generator=g)), (int(torch.randint(1, 50, (1,), generator=g)),), generator=g)
-        assert d._lookup(seq, 4).tolist() == _reference(seq.tolist(), 4, max_ngram, min_ngram)
+        n, cont = d._lookup(seq, 4)
+        assert (n, cont.tolist()) == _reference(seq.tolist(), 4, max_ngram, min_ngram)
