@@ -64,6 +64,32 @@ def test_greedy_adaptive_policies_equal_plain(tiny, reference, drafter, policy):
     assert decode(engine, PROMPTS[2:3], N) == reference[2:3]
 
 
+class TrimToOne(FixedK):
+    """k = 4 asked for, then every row cut to one token; records the classes it was shown."""
+
+    def __init__(self):
+        super().__init__(4)
+        self.seen = []
+
+    def trim(self, num_valid, bucket):
+        self.seen.append(None if bucket is None else bucket.tolist())
+        return num_valid.clamp(max=1)
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "prune"])
+def test_policy_trim_cuts_proposals_and_stays_lossless(tiny, reference, drafter):
+    policy = TrimToOne()
+    engine = Engine(tiny.target, make_drafter(tiny, drafter), policy)
+    assert decode(engine, PROMPTS, N) == reference
+    assert len(engine.stats.drafted_per_position) == 1  # nothing past the first draft was verified
+    assert engine.stats.drafted > 0
+    if drafter == "lookup":  # classed by matched n-gram length (0: none), one entry per row
+        assert all(b is not None and all(0 <= n <= 3 for n in b) for b in policy.seen)
+        assert any(n > 0 for b in policy.seen for n in b)
+    else:
+        assert all(b is None for b in policy.seen)
+
+
 def test_acceptance_matches_the_drafter_kind(tiny):
     """The three model drafts are what the equality tests claim: all, none, some accepted."""
     rates = {}
