@@ -63,9 +63,10 @@ def main() -> int:
           f"{args.max_new_tokens} new tokens, threads {args.threads}", flush=True)
 
     def engine_run(drafter, k):
+        policy = make_policy(k) if drafter is not None else None  # one per method for the run, as `specdraft bench` keeps
+
         def run(ids):
-            engine = Engine(pipe.runtime, drafter, make_policy(k) if drafter is not None else None,
-                            hidden_layers=getattr(drafter, "hidden_layers", ()))
+            engine = Engine(pipe.runtime, drafter, policy, hidden_layers=getattr(drafter, "hidden_layers", ()))
             out = []
             for ev in generate(engine, [Request(list(ids), args.max_new_tokens, eos_ids=pipe.eos_ids)]):
                 out += ev.tokens

@@ -206,12 +206,13 @@ class Engine:
         # 1. propose
         t0 = time.perf_counter()
         draft_tokens = torch.zeros(B, 0, dtype=torch.int64)
-        draft_probs, num_valid, bucket = None, torch.zeros(B, dtype=torch.int64), None
+        draft_probs, num_valid, bucket, proposed = None, torch.zeros(B, dtype=torch.int64), None, 0
         if k > 0:
             ctx = DraftContext(self.tokens, L, params, self.generators, self.target_hidden)
             prop = self.drafter.propose(self.draft_state, ctx, k)
             draft_tokens, draft_probs = prop.tokens, prop.probs
             num_valid = prop.num_valid if prop.num_valid is not None else torch.full((B,), k)
+            proposed = int(num_valid.max())  # the draft time was spent on these
             bucket = prop.bucket
             num_valid = self.policy.trim(num_valid, bucket)
             k = int(num_valid.max())  # trim columns nobody proposed or verifies
@@ -255,14 +256,14 @@ class Engine:
                 finished.append(b)
         self.lengths = L + emitted
         self.generated = self.generated + emitted
-        if k > 0:
+        if proposed > 0:  # the drafter proposed, even if trim() left nothing to verify
             self.drafter.observe(self.draft_state, n)
         t3 = time.perf_counter()
 
         self.stats.draft_time += t1 - t0
         self.stats.target_time += t2 - t1
         self.stats.observe(num_valid if k else torch.zeros(B, dtype=torch.int64), n, emitted)
-        self.policy.update(k, num_valid if k else torch.zeros(B, dtype=torch.int64), n, t1 - t0, t2 - t1, bucket)
+        self.policy.update(proposed, num_valid if k else torch.zeros(B, dtype=torch.int64), n, t1 - t0, t2 - t1, bucket)
         if finished:
             self._keep([b for b in range(B) if b not in finished])
         self.stats.total_time += t3 - t0

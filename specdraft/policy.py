@@ -39,7 +39,9 @@ class KPolicy(Protocol):
 
     def update(self, k: int, num_drafted: torch.Tensor, num_accepted: torch.Tensor, draft_time: float, target_time: float,
                bucket: torch.Tensor | None = None) -> None:
-        """What the step did: ``k`` asked for, ``(B,)`` verified and accepted drafts, seconds spent."""
+        """What the step did: ``k`` tokens in the longest proposal (what the draft time was spent
+        on), ``(B,)`` drafts verified (after :meth:`trim`) and accepted, seconds spent drafting and
+        verifying, and the proposal's classes."""
         ...
 
 

@@ -47,6 +47,7 @@ Use from Python (the study imports this)::
 
 from __future__ import annotations
 
+import os
 import json
 import platform
 import statistics
@@ -328,6 +329,9 @@ def draft_breakdown(drafter, context: int = 200, vocab: int | None = None, round
         ``({bucket: seconds}, method)``; the seconds include the profiler's overhead, so use the
         shares (:func:`profile_latency` rescales them to the measured step time).
     """
+    # torch 2.13's kineto prints two "USDT: ... profiler_start/stop" lines to stderr per profiled
+    # step unless its log level is above 5 (it reads the variable when the profiler first starts)
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     from torch.profiler import ProfilerActivity, profile
 
     runtime = getattr(drafter, "runtime", None)
