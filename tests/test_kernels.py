@@ -178,7 +178,9 @@ def test_rope_attend_matches_torch(T):
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 2])
 def test_rope_attend_verification_equals_single_steps(threads):
-    """T new tokens in one call give bit-identical outputs and caches to T one-token calls."""
+    """T new tokens in one call give bit-identical outputs and caches to T one-token calls (with 2
+    threads the one-token calls give each work item one query head, the 8-token call one KV head's
+    three: a query's result must not depend on that)."""
     g = torch.Generator().manual_seed(1)
     B, H, G, D, cap, T, start = 1, 9, 3, 64, 64, 8, 21
     qkv = torch.randn(B, T, (H + 2 * G) * D, generator=g)

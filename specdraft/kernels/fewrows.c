@@ -353,9 +353,13 @@ void rope_attend(const float *qkv, const int64_t *pos, const float *cosT, const 
         }
     /* Work items: (row b, KV head g, block of up to TB tokens): the rep = H / G query heads of
      * those tokens share the item's K and V, which are then read once per item, slot block by
-     * slot block (SB slots, L1-sized), instead of once per query. */
+     * slot block (SB slots, L1-sized), instead of once per query. With fewer than two items per
+     * thread (a batch-1 decode step: G = 3 items on 2 threads left one thread a third idle) each
+     * item takes one query head instead (hs = rep items per KV head, reading its K and V rep
+     * times, from L2 after the first). A query's operations are the same either way. */
     enum { TB = 4, SB = 32 };
-    const int rep = H / G, tblocks = (T + TB - 1) / TB, items = B * G * tblocks;
+    const int rep = H / G, tblocks = (T + TB - 1) / TB;
+    const int hs = B * G * tblocks < 2 * threads ? rep : 1, hper = rep / hs, items = B * G * tblocks * hs;
     const __m256 vscale = _mm256_set1_ps(1.0f / sqrtf((float)D));
     int maxp = 0;
     for (int i = 0; i < B * T; i++) maxp = pos[i] > maxp ? (int)pos[i] : maxp;
@@ -370,12 +374,13 @@ void rope_attend(const float *qkv, const int64_t *pos, const float *cosT, const 
         float *oq[qmax];
 #pragma omp for schedule(static)
         for (int it = 0; it < items; it++) {
-            const int tb = it % tblocks, g = (it / tblocks) % G, b = it / (tblocks * G);
-            const int t0 = tb * TB, t1 = t0 + TB < T ? t0 + TB : T, nq = (t1 - t0) * rep;
+            const int hi = it % hs, rest = it / hs; /* item: query heads g rep + hi hper .. + hper - 1 */
+            const int tb = rest % tblocks, g = (rest / tblocks) % G, b = rest / (tblocks * G);
+            const int t0 = tb * TB, t1 = t0 + TB < T ? t0 + TB : T, nq = (t1 - t0) * hper;
             const float *kb = kc + ((long)b * G + g) * cap * D, *vb = vc + ((long)b * G + g) * cap * D;
             long nmax = 0;
-            for (int j = 0; j < nq; j++) { /* query j: token t0 + j / rep, head g rep + j % rep */
-                const int t = t0 + j / rep, h = g * rep + j % rep;
+            for (int j = 0; j < nq; j++) { /* query j: token t0 + j / hper, head g rep + hi hper + j % hper */
+                const int t = t0 + j / hper, h = g * rep + hi * hper + j % hper;
                 const long bt = (long)b * T + t, p = pos[bt];
                 nq_slots[j] = p + 1; /* a query at position p sees slots 0..p */
                 nmax = p + 1 > nmax ? p + 1 : nmax;
