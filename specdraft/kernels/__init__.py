@@ -288,7 +288,9 @@ class DecodeLayers:
     def __init__(self, layers: list, n_heads: int, n_kv_heads: int, head_dim: int, eps: float):
         self.layers = layers
         self.H, self.G, self.D, self.eps = n_heads, n_kv_heads, head_dim, eps
+        self._weights = [w for lw in layers for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)]
         self._ptrs = None  # (weight versions, keep-alive tensors, pointer arrays)
+        self._caches = None  # (cache data pointers and shapes, their checked pointer arrays)
 
     @staticmethod
     def supports(T: int, rows: int, n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
@@ -311,7 +313,7 @@ class DecodeLayers:
         return True
 
     def _pointers(self):
-        versions = [w._version for lw in self.layers for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)]
+        versions = [w._version for w in self._weights]
         if self._ptrs is None or self._ptrs[0] != versions:
             keep, arrays = [], []
             for name in ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down"):
@@ -335,15 +337,20 @@ class DecodeLayers:
             raise ValueError(f"DecodeLayers: position {last} beyond the cache ({cap}) or the RoPE tables ({cos.shape[0]})")
         if C % 8 or F % 8:
             raise ValueError("DecodeLayers: widths must be multiples of 8")
-        for t in (*k_caches, *v_caches):
-            if t.dtype != torch.float32 or not t.is_contiguous() or t.shape[0] != B or t.shape[2] != cap:
-                raise ValueError("DecodeLayers: caches must be contiguous float32 (B, G, cap, D)")
+        # the caches' pointer arrays, checked once per set of cache tensors (they change only when
+        # the cache is reallocated or its rows are selected)
+        key = (B, cap, *[t.data_ptr() for t in k_caches], *[t.data_ptr() for t in v_caches])
+        if self._caches is None or self._caches[0] != key:
+            for t in (*k_caches, *v_caches):
+                if t.dtype != torch.float32 or not t.is_contiguous() or t.shape[0] != B or t.shape[2] != cap:
+                    raise ValueError("DecodeLayers: caches must be contiguous float32 (B, G, cap, D)")
+            n = len(k_caches)
+            self._caches = (key, (ctypes.c_void_p * n)(*key[2 : 2 + n]), (ctypes.c_void_p * n)(*key[2 + n :]))
+        _, kc, vc = self._caches
         if x.dtype != torch.float32 or cos.dtype != torch.float32 or sin.dtype != torch.float32:
             raise ValueError("DecodeLayers: activations and RoPE tables must be float32")
         x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
         pos = positions.to(torch.int64).contiguous()
-        kc = (ctypes.c_void_p * len(k_caches))(*[t.data_ptr() for t in k_caches])
-        vc = (ctypes.c_void_p * len(v_caches))(*[t.data_ptr() for t in v_caches])
         _call("specdraft::decode_layers", _lib.decode_layers, x.data_ptr(), pos.data_ptr(), B, T, C, self.H, self.G, self.D, F,
               cap, self.eps, len(self.layers), *self._pointers(), ctypes.addressof(kc), ctypes.addressof(vc), cos.data_ptr(),
               sin.data_ptr(), torch.get_num_threads())
