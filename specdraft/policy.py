@@ -252,7 +252,7 @@ class CostAwareK:
     @property
     def probe_interval(self) -> int:
         """The current probe interval of a drafter without classes."""
-        return self._curve(None).probe_interval
+        return self.curves[None].probe_interval if None in self.curves else self.probe_every
 
     def __repr__(self) -> str:
         curves = {b: round(self.expected_tokens(self.last_k, b), 2) for b in self.curves}
