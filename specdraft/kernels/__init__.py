@@ -70,10 +70,11 @@ def _cpu_ok() -> bool:
     return "avx2" in flags and "fma" in flags
 
 
-def _build() -> Path:
-    src = SOURCE.read_bytes()
+def _build(source: Path = SOURCE) -> Path:
+    """Compile ``source`` (a C file beside this module) into the cache once per version; its path."""
+    src = source.read_bytes()
     tag = hashlib.sha256(src + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    out = cache_dir() / f"fewrows-{tag}.so"
+    out = cache_dir() / f"{source.stem}-{tag}.so"
     if out.exists():
         return out
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
@@ -83,7 +84,7 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)  # compile aside, rename into place
     os.close(fd)
     try:
-        r = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        r = subprocess.run([cc, *CFLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(f"{cc} failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
         os.replace(tmp, out)
