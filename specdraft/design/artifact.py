@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
+from specdraft import durable
 from specdraft.errors import SpecdraftError
 
 FORMAT = 1
@@ -115,21 +118,32 @@ def check_compatible(meta: DraftMeta, target_model, where: str) -> None:
 
 
 def save_draft(path: str | Path, draft, meta: DraftMeta, *, full: bool = False, dtype: torch.dtype | None = None,
-               extra: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write a draft directory (compact, or ``full`` with the shared embedding too).
+               extra: dict[str, torch.Tensor] | None = None, add_files: Callable[[Path], None] | None = None) -> Path:
+    """Write a draft directory (compact, or ``full`` with the shared embedding too), atomically.
+
+    The whole directory is written under a temporary name beside ``path``, fsynced and renamed into
+    place (:func:`specdraft.durable.replace_dir`): a kill while overwriting a draft leaves the old
+    draft or the new one, never old metadata beside new weights.
 
     Args:
-        path: the directory (created; existing files are replaced).
+        path: the directory; an existing draft directory (or an empty one) there is replaced as a
+            whole. Any other existing path is refused.
         draft: a transformers ``LlamaForCausalLM`` (its embedding is the target's).
         meta: recorded in ``specdraft.json``.
         full: also write the embedding, so plain transformers can load the directory.
         dtype: storage dtype (default: the draft's).
         extra: tensors outside the Llama (``fc.weight`` of a feature-conditioned draft).
+        add_files: called with the temporary directory to write more files that belong with the
+            draft (``RECIPE.md``, a tokenizer) before it is moved into place.
+
+    Raises:
+        SpecdraftError: ``path`` exists and is neither a draft directory nor an empty directory.
     """
     from safetensors.torch import save_file
 
     d = Path(path)
-    d.mkdir(parents=True, exist_ok=True)
+    if d.exists() and not (d.is_dir() and ((d / META_FILE).is_file() or not any(d.iterdir()))):
+        raise SpecdraftError(f"{d} exists and is not a draft directory: choose another output path")
     state = {}
     tied = bool(draft.config.tie_word_embeddings)
     for name, t in draft.state_dict().items():
@@ -141,11 +155,22 @@ def save_draft(path: str | Path, draft, meta: DraftMeta, *, full: bool = False, 
     cfg = draft.config
     if dtype is not None:
         cfg.dtype = str(dtype).removeprefix("torch.")
-    cfg.to_json_file(str(d / "config.json"))
-    tmp = d / f".{WEIGHTS_FILE}.tmp"
-    save_file(state, str(tmp), metadata={"format": "pt", "specdraft": "full" if full else "compact"})
-    tmp.rename(d / WEIGHTS_FILE)
-    (d / META_FILE).write_text(json.dumps(asdict(meta), indent=1))
+    real = d.resolve()  # (a name to put the temporary directory beside, even for ".")
+    real.parent.mkdir(parents=True, exist_ok=True)
+    tmp = real.with_name(f".{real.name}.new")
+    if tmp.exists():
+        shutil.rmtree(tmp)  # what a killed save left
+    tmp.mkdir()
+    try:
+        cfg.to_json_file(str(tmp / "config.json"))
+        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "specdraft": "full" if full else "compact"})
+        (tmp / META_FILE).write_text(json.dumps(asdict(meta), indent=1))
+        if add_files is not None:
+            add_files(tmp)
+        durable.replace_dir(tmp, real)
+    except BaseException:  # an error or Ctrl-C: the old draft stays as it was
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return d
 
 

@@ -178,8 +178,8 @@ def build_draft(pipe, cfg: BuildConfig, out: str | Path, *, work: str | Path | N
                                 width=width, recipe=recipe)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.dtype]
     extra = {"fc.weight": model.fc.weight} if cfg.kind == "feature" else None
-    save_draft(out, draft, meta, dtype=dtype, extra=extra)
-    (out / "RECIPE.md").write_text(recipe_markdown(out.name, meta))
+    save_draft(out, draft, meta, dtype=dtype, extra=extra,
+               add_files=lambda d: (d / "RECIPE.md").write_text(recipe_markdown(out.name, meta)))
     log(f"saved {out} ({recipe['params'] / 1e6:.2f} M own parameters)")
     return recipe
 

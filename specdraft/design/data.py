@@ -42,9 +42,11 @@ from pathlib import Path
 
 import torch
 
+from specdraft import durable
 from specdraft.engine import Engine, Request
 from specdraft.errors import SpecdraftError
 from specdraft.policy import FixedK
+from specdraft.study.store import read_rows, repair_tail
 
 FORMAT = 1
 VAL_PER_SOURCE = 200
@@ -146,12 +148,15 @@ def self_prompts(pipe, n: int, *, split: str = "train", seed: int = 0, batch_siz
     path = (Path(cache) if cache else cache_root() / "design") / f"self-prompts-{key}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     kept, tried = [], 0
-    if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            rec = json.loads(line)
+    if path.exists():  # a killed run's cache: a half-written last line is dropped, as in the study store
+        for lineno, rec in enumerate(read_rows(path, tolerate_truncated_tail=True), 1):
+            if not isinstance(rec.get("i"), int) or not isinstance(rec.get("text", 0), (str, type(None))):
+                raise SpecdraftError(f"{path}: record {lineno} is not {{'i': int, 'text': str or null}}; "
+                                     "delete the file and rerun")
             tried = max(tried, rec["i"] + 1)
             if rec["text"] is not None:
                 kept.append(rec["text"])
+        repair_tail(path)
     if len(kept) >= n:
         return kept[:n]
     base = (seed * 7919 + (0 if split == "train" else 1_000_003)) * 1_000_000
@@ -184,6 +189,7 @@ def self_prompts(pipe, n: int, *, split: str = "train", seed: int = 0, batch_siz
                         kept.append(req)
                         bar.update(1)
             f.flush()
+            os.fsync(f.fileno())
             tried = todo[-1] + 1
     bar.close()
     return kept[:n]
@@ -247,7 +253,7 @@ class TargetData:
             tensors["hidden"] = torch.cat(self.hidden).to(torch.float16)
         tmp = path.with_name(f".{path.name}.tmp")
         save_file(tensors, str(tmp))
-        tmp.rename(path)
+        durable.replace_file(tmp, path)
 
     @classmethod
     def load(cls, path: Path) -> "TargetData":
@@ -441,7 +447,7 @@ def target_data(
     d = root / f"data-{_cache_key(pipe.target.name, pipe.runtime.vocab_size, spec)}"
     d.mkdir(parents=True, exist_ok=True)
     meta = {"target": pipe.target.name, "source": pipe.target.source, **spec}
-    (d / "meta.json").write_text(json.dumps(meta, indent=2))
+    durable.write_text(d / "meta.json", json.dumps(meta, indent=2))
 
     texts = training_prompts(n_prompts, split, seed, sources=sources, pipe=pipe, runtime=runtime, progress=progress)
 

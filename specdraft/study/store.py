@@ -2,8 +2,9 @@
 
 A sweep appends a row as soon as it is computed and fsyncs it, so a killed sweep loses at most the
 row being written. On restart :class:`ResultStore` reads the rows already there, drops a truncated
-last line (the one a kill can leave) and the sweep skips every key it finds: no row is computed
-twice and none is lost. A malformed line anywhere else is an error naming the file and line.
+last line (the one a kill can leave; a whole row that only lacks its newline is kept) and the sweep
+skips every key it finds: no row is computed twice and none is lost. A malformed line anywhere
+else is an error naming the file and line.
 """
 
 from __future__ import annotations
@@ -84,6 +85,32 @@ def read_rows(path: Path, *, tolerate_truncated_tail: bool = False) -> list[dict
     return rows
 
 
+def repair_tail(path: Path) -> None:
+    """Make a JSONL file that a killed writer left end on a newline, fsynced.
+
+    A last line without its newline is either a whole row (the kill came between the row and its
+    newline, or another tool wrote it so): it is kept and the newline added, as :func:`read_rows`
+    counts it; or a half-written row: it is cut.
+    """
+    path = Path(path)
+    data = path.read_bytes()
+    if not data or data.endswith(b"\n"):
+        return
+    start = data.rfind(b"\n") + 1
+    try:
+        whole = isinstance(json.loads(data[start:]), dict)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        whole = False
+    with path.open("r+b") as f:
+        if whole:
+            f.seek(len(data))
+            f.write(b"\n")
+        else:
+            f.truncate(start)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 class ResultStore:
     """An append-only JSONL file of rows with unique ``key`` fields.
 
@@ -101,14 +128,8 @@ class ResultStore:
         self.keys = {r["key"] for r in self.rows if "key" in r}
 
     def _cut_partial_tail(self) -> None:
-        """Drop bytes after the last newline (a half-written row) so appends start on a new line."""
-        data = self.path.read_bytes()
-        if data and not data.endswith(b"\n"):
-            keep = data.rfind(b"\n") + 1
-            with self.path.open("r+b") as f:
-                f.truncate(keep)
-                f.flush()
-                os.fsync(f.fileno())
+        """Make the file end on a newline so appends start on a new line (see :func:`repair_tail`)."""
+        repair_tail(self.path)
 
     def __contains__(self, key: str) -> bool:
         return key in self.keys

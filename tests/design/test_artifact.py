@@ -90,3 +90,49 @@ def test_full_export_works_as_assistant_model_in_plain_transformers(target, tmp_
     plain = target.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
     assisted = target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=assistant, pad_token_id=0)
     assert assisted.tolist() == plain.tolist()
+
+
+def _files(d):
+    return {f.name: f.read_bytes() for f in d.iterdir()}
+
+
+def test_an_interrupted_overwrite_leaves_the_old_draft_whole(target, tmp_path, monkeypatch):
+    """A kill while overwriting a draft must not leave old metadata beside new weights (or the reverse)."""
+    import safetensors.torch
+
+    d = _save(target, tmp_path / "d")
+    old = _files(d)
+    real = safetensors.torch.save_file
+
+    def dies_after_writing(*a, **kw):
+        real(*a, **kw)
+        raise KeyboardInterrupt  # the kill lands after the weights, before the metadata
+
+    monkeypatch.setattr(safetensors.torch, "save_file", dies_after_writing)
+    meta = DraftMeta.for_target(target, "tiny", init_layers=[0, 1], recipe={"command": "second"})
+    with pytest.raises(KeyboardInterrupt):
+        save_draft(d, depth_prune(target, [0, 1]), meta)
+    assert _files(d) == old
+    assert [p.name for p in tmp_path.iterdir()] == ["d"]  # nothing left beside it
+    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    save_draft(d, depth_prune(target, [0, 1]), meta, add_files=lambda tmp: (tmp / "RECIPE.md").write_text("r"))
+    new = _files(d)
+    assert set(new) == {"config.json", "model.safetensors", "specdraft.json", "RECIPE.md"}
+    assert all(new[f] != old[f] for f in old)
+    assert read_meta(d).init_layers == [0, 1] and load_draft(d, target)[0].config.num_hidden_layers == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["d"]
+
+
+def test_leftovers_of_a_killed_save_are_cleared_and_other_paths_refused(target, tmp_path):
+    (tmp_path / ".d.new").mkdir()  # a save killed before its rename
+    (tmp_path / ".d.new" / "config.json").write_text("{}")
+    (tmp_path / ".d.old").mkdir()  # ... or between its two renames
+    d = _save(target, tmp_path / "d")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"] and read_meta(d).init_layers == [1]
+    (tmp_path / "e").mkdir()
+    _save(target, tmp_path / "e")  # an empty directory is fine
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("keep me")
+    with pytest.raises(SpecdraftError, match="not a draft directory"):
+        _save(target, tmp_path / "notes")
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"

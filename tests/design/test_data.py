@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -37,6 +39,21 @@ def test_self_prompts_do_not_depend_on_the_batch_and_resume_from_the_cache(tiny_
     assert _self(tiny_pipe, 5, tmp_path / "a", split="val", batch_size=8) != a  # held-out requests differ
     monkeypatch.setattr(D, "Engine", None)  # from the cache: no decoding at all
     assert _self(tiny_pipe, 3, tmp_path / "a") == a[:3]
+
+
+def test_self_prompts_resume_after_a_kill_mid_line(tiny_pipe, tmp_path):
+    """A kill leaves the cache's last line half-written: it is dropped (and cut), the run goes on."""
+    a = _self(tiny_pipe, 6, tmp_path / "a", batch_size=4)
+    b = _self(tiny_pipe, 3, tmp_path / "b", batch_size=4)
+    (path,) = (tmp_path / "b").glob("self-prompts-*.jsonl")
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2])  # the last record, cut short
+    assert _self(tiny_pipe, 6, tmp_path / "b", batch_size=4) == a and b == a[:3]
+    recs = [json.loads(line) for line in path.read_text().splitlines()]  # every line whole again
+    assert [r["i"] for r in recs] == list(range(len(recs)))  # each sample once, none lost
+    path.write_text('{"i": 0, "text": "ok"}\n{"i": 1}\n')
+    with pytest.raises(SpecdraftError, match="record 2"):
+        _self(tiny_pipe, 6, tmp_path / "b")
 
 
 def test_self_prompts_give_up_with_a_clear_error(tiny_pipe, tmp_path):

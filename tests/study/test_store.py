@@ -39,6 +39,19 @@ def test_truncated_last_line_is_dropped_and_cut(tmp_path):
     assert [json.loads(line)["key"] for line in path.read_text().splitlines()] == ["a", "b"]
 
 
+def test_whole_last_row_without_newline_is_kept_on_disk_once(tmp_path):
+    """A kill between a row and its newline: the row counts as done, so it must stay in the file."""
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps({"key": "a"}) + "\n" + json.dumps({"key": "b", "x": 1}))
+    s = ResultStore(path)
+    assert s.keys == {"a", "b"}
+    assert not s.append({"key": "b", "x": 2})  # done: not recomputed
+    assert s.append({"key": "c"})
+    again = ResultStore(path)
+    assert [r["key"] for r in again.rows] == ["a", "b", "c"] and again.rows[1]["x"] == 1
+    assert [json.loads(line)["key"] for line in path.read_text().splitlines()] == ["a", "b", "c"]
+
+
 def test_malformed_line_names_file_and_line(tmp_path):
     path = tmp_path / "r.jsonl"
     path.write_text('{"key": "a"}\n{oops\n{"key": "c"}\n')
