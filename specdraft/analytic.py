@@ -13,9 +13,16 @@ and one step costs k draft steps plus one target forward over k + 1 tokens
 (Yan, Agarwal, Venkataraman, "Decoding Speculative Decoding", NAACL 2025, Sec. 3: throughput is
 E[tokens] / T_step; unlike Leviathan's c = T_draft / T_target, T_target depends on k here, which on
 a CPU is far from constant). Plain decoding is k = 0: one token per T_target(1).
+
+T_target comes from measurements: :class:`LatencyCurve` interpolates the measured points (the
+profiler in :mod:`specdraft.bench.profile` and the online estimate in :mod:`specdraft.policy`).
 """
 
 from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Mapping
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -128,13 +135,6 @@ def batch_throughput(mean_tokens: float, k: int, batch: int, t_draft: "callable"
     return batch * mean_tokens / batch_step_time(k, batch, t_draft, t_target, draft_calls)
 
 
-def best_k_measured(mean_tokens_by_k: dict[int, float], batch: int, t_draft: "callable", t_target: "callable") -> int:
-    """The k with the highest :func:`batch_throughput`, given measured mean accepted lengths per k
-    (k = 0, plain decoding, is always a candidate with 1 token per step)."""
-    candidates = {0: 1.0, **mean_tokens_by_k}
-    return max(candidates, key=lambda k: batch_throughput(candidates[k], k, batch, t_draft, t_target))
-
-
 def relative_error(predicted: float, measured: float) -> float:
     """|predicted - measured| / measured, the error the study reports for each prediction."""
     if measured <= 0:
@@ -149,3 +149,85 @@ def median_relative_error(pairs: "list[tuple[float, float]]") -> float:
         raise ValueError("no (predicted, measured) pairs")
     mid = len(errors) // 2
     return errors[mid] if len(errors) % 2 else (errors[mid - 1] + errors[mid]) / 2
+
+
+# ------------------------------------------------------------------------------------------------
+# The measured target latency T_target(b, n)
+# ------------------------------------------------------------------------------------------------
+
+MIN_SECONDS = 1e-6  # floor of an interpolated time (extrapolating two noisy medians can go below zero)
+
+
+def interp(points: Mapping[float, float], x: float, beyond: str = "clamp") -> float:
+    """Piecewise-linear y(x) through measured ``points`` ``{x: y}``.
+
+    At a measured x its y; between two neighbouring measured xs the straight line through them.
+    Outside the measured range ``beyond`` decides: ``"clamp"`` holds the nearest measured y,
+    ``"linear"`` extends the nearest segment. One point is flat either way.
+    """
+    if beyond not in ("clamp", "linear"):
+        raise ValueError(f"beyond must be 'clamp' or 'linear', got {beyond!r}")
+    if x in points:
+        return points[x]
+    xs = sorted(points)
+    if not xs:
+        raise ValueError("no measured points to interpolate")
+    if len(xs) == 1:
+        return points[xs[0]]
+    if beyond == "clamp":
+        x = min(max(x, xs[0]), xs[-1])
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)  # the segment xs[i - 1]..xs[i] (nearest one outside)
+    x0, x1 = xs[i - 1], xs[i]
+    y0, y1 = points[x0], points[x1]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+@dataclass
+class LatencyCurve:
+    """T_target(b, n): seconds of one target forward over n new tokens for each of b rows, from
+    measured points (the profiler's medians, or the policy's running averages).
+
+    With ``T_b(n)`` the measured row of batch size b (:func:`interp` over n):
+
+        T(b, n) = T_b(n)                                     b measured
+                = (1 - w) * T_b0(n) + w * T_b1(n)            b0 < b < b1, the measured sizes around b,
+                                                             w = (b - b0) / (b1 - b0)
+                = T_b0(n) at the nearest measured b0         outside the measured sizes
+
+    In n, between measured sizes the line through the two around n; beyond them ``beyond``:
+    ``"linear"`` extends the nearest segment (on a CPU a forward's cost grows about linearly with
+    n), ``"flat"`` holds the nearest measured time. One measured n is flat. A computed time is
+    never below :data:`MIN_SECONDS`.
+
+    Attributes:
+        points: ``{b: {n: seconds}}``; the ``t_target`` table of a profile's JSON (whose string keys
+            :meth:`from_dict` turns back into integers).
+        beyond: ``"linear"`` or ``"flat"``, how n outside the measured sizes is read.
+    """
+
+    points: dict[int, dict[int, float]]
+    beyond: str = "linear"
+
+    def __post_init__(self):
+        if self.beyond not in ("linear", "flat"):
+            raise ValueError(f"LatencyCurve.beyond must be 'linear' or 'flat', got {self.beyond!r}")
+
+    def time(self, n: int, batch: int = 1) -> float:
+        """T_target(batch, n) in seconds (class docstring)."""
+        if not self.points:
+            raise ValueError("LatencyCurve has no measured points")
+        mode = "linear" if self.beyond == "linear" else "clamp"
+        if batch in self.points:
+            t = interp(self.points[batch], n, mode)
+        else:
+            t = interp({b: interp(row, n, mode) for b, row in self.points.items()}, batch, "clamp")
+        return max(t, MIN_SECONDS)
+
+    def to_dict(self) -> dict[int, dict[int, float]]:
+        """``{b: {n: seconds}}``, as stored in JSON (keys become strings there)."""
+        return {b: dict(row) for b, row in self.points.items()}
+
+    @classmethod
+    def from_dict(cls, d: Mapping, beyond: str = "linear") -> "LatencyCurve":
+        """The inverse of :meth:`to_dict`, also from JSON (string keys)."""
+        return cls({int(b): {int(n): float(t) for n, t in row.items()} for b, row in d.items()}, beyond)

@@ -119,9 +119,10 @@ class CostAwareK:
         E[tokens | k] = 1 + sum_{j<=k} prod_{i<=j} c_i          (analytic.expected_tokens_from_rates)
         T_step(k)     = k * T_draft + T_target(k + 1)           (analytic.step_time)
 
-    with ``T_target(n)`` measured per n. It asks for the k that maximises E[tokens | k] / T_step(k)
-    (the most any class would verify, for a drafter with classes), and :meth:`trim` cuts each row
-    to its class's best length, the draft cost then being spent already. A single alpha, as
+    with ``T_target(n)`` measured per n (:meth:`latency`). It asks for the k that maximises
+    E[tokens | k] / T_step(k) (the most any class would verify, for a drafter with classes), and
+    :meth:`trim` cuts each row to its class's best length, the draft cost then being spent
+    already. A single alpha, as
     before, misjudges drafts whose acceptance comes in bursts: prompt lookup after a 3-token match
     is accepted ~0.8 of the time here, after a 1-token match ~0.2.
 
@@ -149,19 +150,11 @@ class CostAwareK:
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
 
-    def target_time(self, n: int) -> float:
-        """Measured T_target(n), linearly inter/extrapolated from the sizes seen so far."""
-        if n in self.t_target:
-            return self.t_target[n]
-        known = sorted(self.t_target)
-        if len(known) == 1:
-            return self.t_target[known[0]]  # no slope yet: assume flat (optimistic, then measured)
-        lo = max([m for m in known if m < n], default=known[0])
-        hi = min([m for m in known if m > n], default=known[-1])
-        if lo == hi:
-            lo, hi = known[-2], known[-1]
-        slope = (self.t_target[hi] - self.t_target[lo]) / (hi - lo)
-        return max(self.t_target[lo] + slope * (n - lo), 1e-6)
+    def latency(self) -> analytic.LatencyCurve:
+        """T_target(n) as measured so far (at the batch size being decoded), read through
+        :class:`specdraft.analytic.LatencyCurve`: linear between and beyond the measured n, flat
+        while only one n is measured (optimistic until the next size is measured)."""
+        return analytic.LatencyCurve({1: self.t_target})
 
     def _curve(self, bucket: int | None) -> _Curve:
         if bucket not in self.curves:
@@ -184,7 +177,8 @@ class CostAwareK:
     def _best(self, bucket: int | None, t_draft: float) -> int:
         """The k in 0..k_max with the highest E[tokens | k] / T_step(k) for a class."""
         if self._times is None:
-            self._times = [self.target_time(n) for n in range(1, self.k_max + 2)]
+            curve = self.latency()
+            self._times = [curve.time(n) for n in range(1, self.k_max + 2)]
         times, rates = self._times, self.rates(bucket)
         return max(range(self.k_max + 1), key=lambda k: analytic.expected_tokens_from_rates(rates, k)
                    / analytic.step_time(k, t_draft, lambda n: times[n - 1]))

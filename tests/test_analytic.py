@@ -46,3 +46,43 @@ def test_alpha_needed_is_the_least_acceptance_that_reaches_the_speedup():
     assert all(analytic.speedup(below, j, 0.13, t_target) < 2.0 for j in range(1, 9))
     assert 0 < analytic.alpha_needed(1.0, 0.13, t_target)[0] < alpha  # breaking even asks for less
     assert analytic.alpha_needed(10.0, 0.13, t_target, k_max=4) is None  # at most 5 tokens per step
+
+
+def test_interp_between_and_beyond_the_measured_points():
+    pts = {1: 1.0, 3: 3.0, 5: 4.0}
+    assert analytic.interp(pts, 3) == 3.0
+    assert analytic.interp(pts, 2) == pytest.approx(2.0) and analytic.interp(pts, 4) == pytest.approx(3.5)
+    assert analytic.interp(pts, 7, "linear") == pytest.approx(5.0)  # the last segment's slope
+    assert analytic.interp(pts, 0, "linear") == pytest.approx(0.0)  # the first segment's
+    assert analytic.interp(pts, 7) == 4.0 and analytic.interp(pts, 0) == 1.0  # clamped
+    assert analytic.interp({2: 0.5}, 9, "linear") == 0.5  # one point: flat
+    with pytest.raises(ValueError):
+        analytic.interp({}, 1)
+    with pytest.raises(ValueError):
+        analytic.interp(pts, 1, "cubic")
+
+
+def test_latency_curve_reads_n_then_batch():
+    curve = analytic.LatencyCurve({1: {1: 0.010, 3: 0.014}, 4: {1: 0.020, 3: 0.032}})
+    assert curve.time(1) == 0.010 and curve.time(2) == pytest.approx(0.012)
+    assert curve.time(5) == pytest.approx(0.018)  # linear beyond the measured n
+    assert curve.time(2, batch=4) == pytest.approx(0.026)
+    # batch 2 is a third of the way from 1 to 4: T = 2/3 T_1(n) + 1/3 T_4(n)
+    assert curve.time(3, batch=2) == pytest.approx(2 / 3 * 0.014 + 1 / 3 * 0.032)
+    assert curve.time(1, batch=8) == 0.020  # clamped to the largest measured batch
+    flat = analytic.LatencyCurve(curve.points, beyond="flat")
+    assert flat.time(5) == 0.014 and flat.time(2) == curve.time(2)
+    falling = analytic.LatencyCurve({1: {1: 0.010, 2: 0.005}})
+    assert falling.time(9) == analytic.MIN_SECONDS  # extrapolated below zero: floored
+    with pytest.raises(ValueError):
+        analytic.LatencyCurve({}).time(1)
+    with pytest.raises(ValueError):
+        analytic.LatencyCurve(curve.points, beyond="cubic")
+
+
+def test_latency_curve_round_trips_through_json():
+    import json
+
+    curve = analytic.LatencyCurve({1: {1: 0.01, 2: 0.0125}, 2: {1: 0.02}})
+    back = analytic.LatencyCurve.from_dict(json.loads(json.dumps(curve.to_dict())))
+    assert back == curve and back.time(2, 2) == curve.time(2, 2)

@@ -154,3 +154,17 @@ def test_cost_aware_files_target_time_under_the_tokens_actually_scored():
     assert set(p.t_target) == {2} and p.t_target[2] == pytest.approx(0.021)
     p.update(4, torch.tensor([0]), torch.tensor([0]), 1e-4, 0.020)
     assert p.t_target[1] == pytest.approx(0.020)
+    assert p.latency().time(2) == pytest.approx(0.021) and p.latency().time(1) == pytest.approx(0.020)
+
+
+def test_cost_aware_reads_unmeasured_sizes_off_the_latency_curve():
+    """Sizes not yet scored are read off the measured ones: flat while one is known, then linear
+    between and beyond them; the choice of k uses those times."""
+    p = CostAwareK(k_max=4)
+    p.update(0, t(0), t(0), 0.0, 0.010)
+    assert [p.latency().time(n) for n in (1, 3, 5)] == [0.010] * 3
+    p.update(2, t(2), t(2), 0.002, 0.014)  # n = 3
+    assert p.latency().time(2) == pytest.approx(0.012) and p.latency().time(5) == pytest.approx(0.018)
+    assert p.latency() == analytic.LatencyCurve({1: p.t_target})
+    p.choose()
+    assert p._times == [p.latency().time(n) for n in range(1, 6)]  # what the choice of k was scored with

@@ -27,13 +27,6 @@ def test_batch_one_with_expected_tokens_is_the_leviathan_model():
     assert per_row == pytest.approx(analytic.throughput(alpha, k, t_draft(1), lambda n: t_target(1, n)))
 
 
-def test_best_k_measured():
-    # acceptance saturates at 2 tokens: beyond k = 1 drafting only costs
-    assert analytic.best_k_measured({1: 1.9, 2: 2.0, 3: 2.0}, 1, t_draft, t_target) == 1
-    # a useless draft: plain decoding (k = 0) wins
-    assert analytic.best_k_measured({1: 1.0, 2: 1.0}, 1, t_draft, t_target) == 0
-
-
 def test_relative_errors():
     assert analytic.relative_error(110, 100) == pytest.approx(0.1)
     assert analytic.relative_error(90, 100) == pytest.approx(0.1)
