@@ -227,35 +227,46 @@ class GenerationResult:
 
 
 class Detokenizer:
-    """Incremental detokenization with stop strings.
+    """Incremental detokenization with stop strings; the work per push is O(new tokens).
 
-    Decodes the whole output each time (outputs are short next to the model cost) and releases only
-    text that can no longer be the start of a stop string or an incomplete UTF-8 character.
+    Each push decodes a small window, not the whole output (as TGI and vLLM do): the tokens since
+    the last release plus those of the release before, as context. The new text is the window's
+    text minus the context's, so tokenizers whose decode treats the first token specially (a
+    dropped leading space) stay consistent. Text is held back while it ends in an incomplete UTF-8
+    character (``"\\ufffd"``) and while its last ``len(stop) - 1`` characters could still begin a stop
+    string; the concatenated releases equal ``tokenizer.decode(all tokens)``, cut before the
+    earliest stop string.
     """
 
     def __init__(self, tokenizer, stop: list[str]):
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        self.hold = max((len(s) - 1 for s in self.stop), default=0)
         self.tokens: list[int] = []
-        self.sent = 0
+        self.prefix_offset = 0  # the window starts here: the context's first token
+        self.read_offset = 0  # tokens before this have been decoded into released or pending text
+        self.pending = ""  # decoded, not released: it may be the start of a stop string
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True) if tokens else ""
 
     def push(self, tokens: list[int], final: bool) -> tuple[str, bool]:
         """Add tokens; return (new text to release, whether a stop string was hit)."""
         self.tokens += tokens
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        for s in self.stop:
-            i = text.find(s, max(self.sent - len(s), 0))
-            if i != -1:
-                out = text[self.sent : i]
-                self.sent = i
-                return out, True
-        hold = 0
-        if not final:
-            if text.endswith("\ufffd"):
-                return "", False
-            hold = max((len(s) - 1 for s in self.stop), default=0)
-        end = max(len(text) - hold, self.sent)
-        out, self.sent = text[self.sent : end], end
+        context = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+        text = self._decode(self.tokens[self.prefix_offset :])
+        new = text[len(context) :]
+        # a stop string lies wholly in unreleased text: released text never holds the start of one
+        found = [i for i in ((self.pending + new).find(s) for s in self.stop) if i != -1]
+        if found:
+            out = (self.pending + new)[: min(found)]
+            self.pending = ""
+            return out, True
+        if new and (final or not new.endswith("\ufffd")):  # else: a character is half there
+            self.pending += new
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        end = len(self.pending) if final else max(len(self.pending) - self.hold, 0)
+        out, self.pending = self.pending[:end], self.pending[end:]
         return out, False
 
 
