@@ -1,8 +1,9 @@
 """The ``specdraft`` command: one table from subcommand to the module that implements it.
 
 Each module in :mod:`specdraft.commands` defines ``add_arguments(parser)`` and ``run(args) -> int``
-and a one-line ``HELP``. Errors a user can cause (:class:`SpecdraftError`) print as one line on
-stderr with exit status 2, never a traceback.
+and a one-line ``HELP``. Errors a user can cause (:class:`SpecdraftError`, and arguments argparse
+refuses, which are checked while parsing, before any model loads) print as one line on stderr with
+exit status 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -27,8 +28,22 @@ COMMANDS = {
 }
 
 
+class BadArguments(Exception):
+    """What :class:`Parser` raises instead of printing the usage and exiting."""
+
+    def __init__(self, prog: str, message: str):
+        super().__init__(f"{prog}: error: {message} (see '{prog} --help')")
+
+
+class Parser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line: :func:`main` prints them and returns 2."""
+
+    def error(self, message: str):
+        raise BadArguments(self.prog, message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specdraft", description="Speculative decoding: run it, measure it, design drafts.")
+    parser = Parser(prog="specdraft", description="Speculative decoding: run it, measure it, design drafts.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, module_name in COMMANDS.items():
         module = importlib.import_module(module_name)
@@ -43,7 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' "Loading weights" bar: stderr stays one line
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except BadArguments as e:
+        print(e, file=sys.stderr)
+        return 2
     try:
         return int(args._run(args) or 0)
     except SpecdraftError as e:

@@ -59,7 +59,7 @@ def test_generate_json_matches_plain(capsys):
         (["generate", "--target", "no-such-model", "hi"], "unknown model 'no-such-model'"),
         (["generate", *TINY, "--draft", "no-such-draft", "hi"], "unknown model 'no-such-draft'"),
         (["generate", *TINY, "--max-new-tokens", "600", "hi"], "context window"),
-        (["generate", *TINY, "--max-new-tokens", "0", "hi"], "max_new_tokens"),
+        (["generate", *TINY, "--max-new-tokens", "0", "hi"], "--max-new-tokens: must be >= 1, got 0"),
         (["generate", *TINY, "--temperature", "-1", "hi"], "temperature"),
         (["generate", *TINY, "--draft", "prune:x", "hi"], "bad prune spec"),
         (["check", *TINY, "--draft", "none", "--prompt", "hi"], "nothing to check"),
@@ -73,6 +73,36 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     assert len(lines) == 1 and message in lines[0], err
     assert lines[0].startswith(f"specdraft {argv[0]}: error:")
     assert "Traceback" not in err + out
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["serve", "--port", "70000"], "argument --port: must be a TCP port (0-65535), got 70000"),
+        (["serve", "--port", "-1"], "argument --port: must be >= 0, got -1"),
+        (["serve", "--k", "-1"], "argument --k: draft length k must be >= 0, got -1"),
+        (["generate", "--threads", "0", "hi"], "argument --threads: must be >= 1, got 0"),
+        (["generate", "--max-new-tokens", "0", "hi"], "argument --max-new-tokens: must be >= 1, got 0"),
+        (["generate", "--k", "-1", "hi"], "argument --k: draft length k must be >= 0, got -1"),
+        (["generate", "--k", "two", "hi"], "argument --k: --k must be an integer >= 0"),
+        (["generate", "--threads", "many", "hi"], "argument --threads: expected an integer, got 'many'"),
+        (["check", "--max-new-tokens", "0", "--prompt", "hi"], "argument --max-new-tokens: must be >= 1"),
+        (["demo", "--threads", "0"], "argument --threads: must be >= 1, got 0"),
+        (["generate", "--dtype", "fp8", "hi"], "argument --dtype: invalid choice: 'fp8'"),
+    ],
+)
+def test_bad_arguments_are_refused_before_the_model_loads(capsys, monkeypatch, argv, message):
+    """The default target (the real SmolLM2) would load first if these were checked after parsing."""
+    from specdraft import api
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model loaded before the arguments were checked")
+
+    monkeypatch.setattr(api, "load", no_load)
+    rc, out, err = run_cli(capsys, *argv)
+    assert rc == 2 and out == ""
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"specdraft {argv[0]}: error: {message}"), err
 
 
 def test_vocab_mismatch_in_a_real_process(other_tokenizer_dir):

@@ -4,7 +4,49 @@ from __future__ import annotations
 
 import argparse
 
+from specdraft.errors import SpecdraftError
 from specdraft.models.loading import DEFAULT_TARGET
+
+# Argument types: argparse calls them while parsing, so a bad value is refused before anything
+# loads; the CLI shows the ArgumentTypeError as one line (specdraft.cli).
+
+
+def int_at_least(low: int):
+    """An argparse type: an integer >= ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"  # what argparse names in its own messages
+    return parse
+
+
+positive_int = int_at_least(1)
+
+
+def port(text: str) -> int:
+    """An argparse type: a TCP port, 0 (any free port) to 65535."""
+    value = int_at_least(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port (0-65535), got {value}")
+    return value
+
+
+def k_spec(text: str) -> str:
+    """An argparse type: a --k that :func:`specdraft.policy.make_policy` accepts, kept as given."""
+    from specdraft.policy import make_policy
+
+    try:
+        make_policy(text)
+    except SpecdraftError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def add_model_arguments(p: argparse.ArgumentParser, draft: bool = True) -> None:
@@ -12,12 +54,12 @@ def add_model_arguments(p: argparse.ArgumentParser, draft: bool = True) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help="model alias (smollm2-135m, gemma3-270m), HF directory or GGUF path")
     if draft:
         p.add_argument("--draft", default="default", help="none | default | prune:0,1,2,29 | lookup[:N] | self | model alias/path")
-        p.add_argument("--k", default="auto", help="draft length: 'auto' (cost-aware, the default: measures latency and acceptance and picks k, 0 included), an integer >= 0 or 'heuristic'")
+        p.add_argument("--k", type=k_spec, default="auto", help="draft length: 'auto' (cost-aware, the default: measures latency and acceptance and picks k, 0 included), an integer >= 0 or 'heuristic'")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                    help="target precision; auto: bf16 where the CPU has native bf16, else fp32")
     p.add_argument("--draft-dtype", default="auto", choices=["auto", "bf16", "fp32", "int8"],
                    help="draft precision (never changes the output); auto: bf16 where native or run by the native kernels, else int8")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
     p.add_argument("--runtime", default="auto", choices=["auto", "compact", "hf"], help="model runtime")
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from specdraft.commands import add_model_arguments
+from specdraft.commands import add_model_arguments, positive_int
 from specdraft.errors import SpecdraftError
 
 HELP = "check that greedy speculative output equals plain greedy output (bf16: up to near-ties)"
@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--prompts", help="prompt file: JSONL (Spec-Bench 'turns' or 'prompt'; first turn used) or one prompt per line")
     src.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts of the file")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=positive_int, default=32)
     p.add_argument("--tol", type=float, default=None, help="near-tie margin (default: 0 in fp32, lossless.DEFAULT_TOLERANCE otherwise)")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--drift", action="store_true", help="also measure the logit drift of (k + 1)-token vs 1-token forwards")
@@ -55,8 +55,6 @@ def run(args: argparse.Namespace) -> int:
     prompts = read_prompt_file(args.prompts, args.limit) if args.prompts else args.prompt
     if any(not p.strip() for p in prompts):
         raise SpecdraftError("empty prompt")
-    if args.max_new_tokens < 1:
-        raise SpecdraftError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     pipe = api.load(args.target, args.draft, dtype=args.dtype, runtime=args.runtime, threads=args.threads, draft_dtype=args.draft_dtype)
     if pipe.drafter is None:
         raise SpecdraftError("--draft none has nothing to check: give a drafter")

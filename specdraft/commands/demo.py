@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from specdraft.commands import add_model_arguments
+from specdraft.commands import add_model_arguments, positive_int
 
 RESERVE_S = 45.0  # seconds kept for the profile and the report after the bench
 
@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
     p.add_argument("--limit", type=int, default=1, help="questions per Spec-Bench category")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="generation budget per turn")
+    p.add_argument("--max-new-tokens", type=positive_int, default=32, help="generation budget per turn")
     p.add_argument("--max-prompt-tokens", type=int, default=256, help="longer prompts (rag, summarization) are truncated")
     p.add_argument("--prompts", default=None, help="JSONL prompt file (default: Spec-Bench)")
     g = p.add_mutually_exclusive_group()

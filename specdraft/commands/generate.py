@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from specdraft.commands import add_model_arguments, add_sampling_arguments, sampling_from_args
+from specdraft.commands import add_model_arguments, add_sampling_arguments, positive_int, sampling_from_args
 from specdraft.errors import SpecdraftError
 
 HELP = "generate text for a prompt with speculative decoding"
@@ -18,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="prompt text ('-' reads stdin)")
     add_model_arguments(p)
     add_sampling_arguments(p)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--color", action="store_true", help="colour tokens that came from the draft")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from specdraft.commands import add_model_arguments
+from specdraft.commands import add_model_arguments, port
 
 HELP = "serve /v1/completions and /v1/chat/completions (OpenAI API) with speculative decoding"
 
@@ -12,7 +12,7 @@ HELP = "serve /v1/completions and /v1/chat/completions (OpenAI API) with specula
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed on stderr)")
+    p.add_argument("--port", type=port, default=8000, help="0 picks a free port (printed on stderr)")
     p.add_argument("--max-batch", type=int, default=16, help="requests decoded together (1 for non-Llama targets)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a batch row before 429")
     p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
@@ -23,10 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from specdraft import api
-    from specdraft.policy import make_policy
     from specdraft.server import ServerConfig, create_app, run_server
 
-    make_policy(args.k)  # a bad --k fails before the model loads
     config = ServerConfig(
         model_name=args.served_model_name or args.target,
         k=args.k,
