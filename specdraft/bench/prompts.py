@@ -9,8 +9,10 @@ Two line formats are read, and may be mixed in one file:
 - ``{"prompt": "..."}``, optionally with ``"category"``; without one the category is the file's
   stem (``hellaswag_prompts.jsonl`` -> ``hellaswag_prompts``).
 
-The default suite is ``../shared/data/spec_bench/question.jsonl`` relative to the repository root
-(480 questions, 13 categories); ``$SPECDRAFT_DATA`` points to another data directory.
+The default suite is Spec-Bench's ``spec_bench/question.jsonl`` (480 questions, 13 categories),
+shipped in ``specdraft/data`` with the training prompt sets (see its README for sources and
+licences). :func:`data_file` looks a data file up in ``$SPECDRAFT_DATA`` first, then in the shipped
+copy.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from specdraft.errors import SpecdraftError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+SHIPPED_DATA = Path(__file__).resolve().parents[1] / "data"  # specdraft/data, installed as package data
 SPEC_BENCH = Path("spec_bench") / "question.jsonl"
 
 
@@ -41,15 +44,21 @@ class BenchPrompt:
     turns: tuple[str, ...]
 
 
-def data_dir() -> Path:
-    """``$SPECDRAFT_DATA`` if set, else ``<repo>/../shared/data``."""
+def data_file(relative: str | Path) -> Path:
+    """A data file by its path inside a data directory (``spec_bench/question.jsonl``).
+
+    ``$SPECDRAFT_DATA/<relative>`` when that variable is set and the file exists there, else the
+    copy shipped in ``specdraft/data``. When neither exists, the path in ``$SPECDRAFT_DATA`` (else
+    the shipped one), so that the "not found" message names where it was looked for.
+    """
     env = os.environ.get("SPECDRAFT_DATA")
-    return Path(env).expanduser() if env else REPO_ROOT.parent / "shared" / "data"
+    candidates = ([Path(env).expanduser() / relative] if env else []) + [SHIPPED_DATA / relative]
+    return next((c for c in candidates if c.is_file()), candidates[0])
 
 
 def default_prompts_path() -> Path:
-    """The Spec-Bench question file (``<data>/spec_bench/question.jsonl``)."""
-    return data_dir() / SPEC_BENCH
+    """The Spec-Bench question file (:func:`data_file` ``spec_bench/question.jsonl``)."""
+    return data_file(SPEC_BENCH)
 
 
 def _parse_line(obj, path: Path, lineno: int) -> BenchPrompt:

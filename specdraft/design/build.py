@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
+from specdraft.bench.prompts import REPO_ROOT, data_file
 from specdraft.design.artifact import DraftMeta, save_draft
-from specdraft.design.data import GEN_DTYPES, SOURCES, TargetData, target_data, training_prompts
+from specdraft.design.data import GEN_DTYPES, SOURCE_FILES, SOURCES, TargetData, target_data, training_prompts
 from specdraft.design.prune import depth_prune, importance, param_count, width_prune
 from specdraft.design.train import DraftLM, OnPolicyConfig, TrainConfig, train_offline, train_on_policy, validate
 from specdraft.design.vocab import VocabSubset, token_counts, top_tokens
@@ -60,8 +61,16 @@ class BuildConfig:
     kind: str = "layers"
 
 
-SOURCE_NAMES = {"gsm8k": "../shared/data/gsm8k/train.jsonl", "hellaswag": "../shared/data/hellaswag_prompts.jsonl",
-                "self": "requests the target wrote itself (Magpie-style, sampled from its chat template's user turn)"}
+SELF_SOURCE = "requests the target wrote itself (Magpie-style, sampled from its chat template's user turn)"
+
+
+def source_name(source: str) -> str:
+    """What a recipe records for a prompt source: the file read (relative to the repository when
+    inside it: ``specdraft/data/gsm8k/train.jsonl``), or what ``self`` is."""
+    if source == "self":
+        return SELF_SOURCE
+    path = data_file(SOURCE_FILES[source]).resolve()
+    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
 
 
 def head_subset(data: TargetData, n: int, vocab_size: int, eos_ids, prompt_counts: torch.Tensor | None = None) -> VocabSubset | None:
@@ -157,7 +166,7 @@ def build_draft(pipe, cfg: BuildConfig, out: str | Path, *, work: str | Path | N
         "seed": cfg.train.seed,
         "config": asdict(cfg),
         "data": {
-            "sources": [SOURCE_NAMES[s] for s in cfg.sources],
+            "sources": [source_name(s) for s in cfg.sources],
             "train_prompts": len(data), "train_tokens": data.num_response_tokens,
             "val_prompts": len(val), "val_tokens": val.num_response_tokens,
             "generation": f"target greedy, chat template, max {cfg.max_new_tokens} new tokens"

@@ -1,9 +1,9 @@
 """Training data for a draft: the target's own greedy responses to training prompts, cached.
 
-Prompts come from the training sets only (``<data>/gsm8k/train.jsonl`` questions and
-``<data>/hellaswag_prompts.jsonl`` contexts, alternating); Spec-Bench is evaluation-only and is
-never read here. A fixed slice of each file (:data:`VAL_PER_SOURCE` prompts from its end after a
-seeded shuffle) is held out for validation.
+Prompts come from the training sets only (``gsm8k/train.jsonl`` questions and
+``hellaswag_prompts.jsonl`` contexts, alternating, shipped in ``specdraft/data``); Spec-Bench is
+evaluation-only and is never read here. A fixed slice of each file (:data:`VAL_PER_SOURCE` prompts
+from its end after a seeded shuffle) is held out for validation.
 
 A third source, ``self``, widens the topics beyond grade-school maths and story endings: user
 requests the target writes itself (Magpie, Xu et al. 2024): given only its chat template up to the
@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from specdraft import durable
+from specdraft.bench.prompts import data_file
 from specdraft.engine import Engine, Request
 from specdraft.errors import SpecdraftError
 from specdraft.policy import FixedK
@@ -56,14 +57,11 @@ SELF_MAX_TOKENS = 96  # cap on a self-written request
 
 
 # ------------------------------------------------------------------------------------ prompts
-def data_dir() -> Path:
-    """``$SPECDRAFT_DATA`` if set, else ``<repo>/../shared/data``."""
-    env = os.environ.get("SPECDRAFT_DATA")
-    return Path(env).expanduser() if env else Path(__file__).resolve().parents[3] / "shared" / "data"
+SOURCE_FILES = {"gsm8k": "gsm8k/train.jsonl", "hellaswag": "hellaswag_prompts.jsonl"}  # in a data directory
 
 
-def _read_source(name: str, root: Path) -> list[str]:
-    path = root / ("gsm8k/train.jsonl" if name == "gsm8k" else "hellaswag_prompts.jsonl")
+def _read_source(name: str, root: Path | None) -> list[str]:
+    path = root / SOURCE_FILES[name] if root else data_file(SOURCE_FILES[name])
     if not path.is_file():
         raise SpecdraftError(f"training prompts not found: {path} (set SPECDRAFT_DATA to the data directory)")
     key = "question" if name == "gsm8k" else "prompt"
@@ -98,14 +96,14 @@ def training_prompts(n: int, split: str = "train", seed: int = 0, root: Path | N
         split: ``train``, or ``val`` (the held-out last :data:`VAL_PER_SOURCE` of each file).
         seed: shuffles each file before the split (the split itself is the same for every seed
             0 run; other seeds give other splits).
-        root: data directory (default :func:`data_dir`).
+        root: data directory (default: :func:`~specdraft.bench.prompts.data_file`, i.e.
+            ``$SPECDRAFT_DATA``, then the copy shipped in ``specdraft/data``).
         sources: which of :data:`ALL_SOURCES`; ``self`` needs ``pipe`` (the target writes them,
             with ``runtime`` if given, else the pipeline's).
     """
     if split not in ("train", "val"):
         raise SpecdraftError(f"unknown split {split!r}: use train or val")
     sources = parse_sources(sources)
-    root = root or data_dir()
     per_source = []
     share = -(-n // len(sources))  # prompts each source must supply
     for name in sources:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from specdraft.bench.prompts import BenchPrompt, data_dir, default_prompts_path, fit_context, read_prompts
+from specdraft.bench.prompts import BenchPrompt, data_file, default_prompts_path, fit_context, read_prompts
 from specdraft.errors import SpecdraftError
 from specdraft.study.offline import Sequence, cached_continuations
 from specdraft.study.sweep import HELLASWAG, Dataset
@@ -24,7 +24,7 @@ HELDOUT = "hellaswag-heldout"
 
 
 def default_hellaswag_path() -> Path:
-    return data_dir() / "hellaswag_prompts.jsonl"
+    return data_file("hellaswag_prompts.jsonl")
 
 
 def select_prompts(

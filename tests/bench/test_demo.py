@@ -46,3 +46,20 @@ def test_demo_time_budget_leaves_prompts_out(tmp_path):
     # the first question always runs; with a zero budget no other starts
     assert bench["overall"]["prompts"] == 1
     assert [s["reason"] for s in bench["skipped"]] == ["time budget", "time budget"]
+
+
+def test_demo_runs_from_a_clone_with_no_data_folder(tmp_path, monkeypatch):
+    """No ``--prompts`` and ``$SPECDRAFT_DATA`` pointing nowhere: the shipped Spec-Bench suite is used."""
+    monkeypatch.setenv("SPECDRAFT_DATA", str(tmp_path / "nonexistent"))
+    out = tmp_path / "demo"
+    threads = torch.get_num_threads()
+    try:
+        argv = ["demo", "--target", "tiny", "--draft", "prune:0", "--dtype", "fp32", "--threads", "1", "--no-baselines",
+                "--out", str(out), "--max-new-tokens", "2", "--time-budget", "0"]
+        assert cli.main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
+    bench = json.loads((out / "bench.json").read_text())
+    # --limit 1 (the default) of each of Spec-Bench's 13 categories; the zero budget runs only the first
+    assert bench["overall"]["prompts"] == 1 and list(bench["categories"]) == ["writing"]
+    assert len(bench["skipped"]) == 12

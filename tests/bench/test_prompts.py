@@ -3,7 +3,9 @@ import json
 import pytest
 
 from specdraft.bench.prompts import (
+    SHIPPED_DATA,
     BenchPrompt,
+    data_file,
     default_prompts_path,
     fit_context,
     load_prompts,
@@ -91,14 +93,25 @@ def test_parse_categories():
     assert parse_categories("") is None and parse_categories(None) is None
 
 
-def test_default_suite_follows_specdraft_data(tmp_path, monkeypatch):
+def test_default_suite_is_shipped_and_specdraft_data_overrides_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDRAFT_DATA", str(tmp_path / "nonexistent"))  # a clone with no data folder beside it
+    assert default_prompts_path() == SHIPPED_DATA / "spec_bench" / "question.jsonl"
+    shipped = load_prompts()
+    assert len(shipped) == 480 and len({p.category for p in shipped}) == 13
     monkeypatch.setenv("SPECDRAFT_DATA", str(tmp_path))
-    assert default_prompts_path() == tmp_path / "spec_bench" / "question.jsonl"
-    with pytest.raises(SpecdraftError, match="SPECDRAFT_DATA"):
-        load_prompts()
     (tmp_path / "spec_bench").mkdir()
     write(tmp_path / "spec_bench" / "question.jsonl", [{"question_id": 1, "category": "qa", "turns": ["hi"]}])
-    assert load_prompts()[0].category == "qa"
+    assert default_prompts_path() == tmp_path / "spec_bench" / "question.jsonl"
+    assert [p.category for p in load_prompts()] == ["qa"]
+
+
+def test_a_missing_data_file_names_where_it_was_looked_for(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDRAFT_DATA", str(tmp_path))
+    assert data_file("nothing.jsonl") == tmp_path / "nothing.jsonl"
+    monkeypatch.delenv("SPECDRAFT_DATA")
+    assert data_file("nothing.jsonl") == SHIPPED_DATA / "nothing.jsonl"
+    with pytest.raises(SpecdraftError, match="prompt file not found: .*nothing.jsonl"):
+        read_prompts(data_file("nothing.jsonl"))
 
 
 def test_fit_context_truncates_the_middle_or_skips():
