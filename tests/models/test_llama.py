@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 
+from specdraft import kernels
 from specdraft.errors import SpecdraftError
 from specdraft.models.hf import HFRuntime
 from specdraft.models.llama import LlamaRuntime, LlamaWeights
@@ -252,3 +253,61 @@ def test_linear_matches_f_linear_for_every_row_count(rows):
     x = torch.randn(1, rows, 24)
     torch.testing.assert_close(linear(x, w, b, None), torch.nn.functional.linear(x, w, b))
     torch.testing.assert_close(linear(x.view(rows, 1, 24), w, None, None), torch.nn.functional.linear(x.view(rows, 1, 24), w))
+
+
+def _prefilled_rows(rt, prompts: torch.Tensor, capacity: int):
+    """A batch state whose rows were each prefilled on their own and then appended (how requests
+    join a batch), so that every row's cache is bit for bit what that row alone would have."""
+    B, P = prompts.shape
+    rows = []
+    for b in range(B):
+        rows.append(rt.new_state(1, capacity))
+        last = torch.tensor([[P - 1]])
+        rt.forward(rows[-1], prompts[b : b + 1], torch.arange(P).unsqueeze(0), logits_index=last)
+    for one in rows[1:]:
+        rows[0].append(one)
+    return rows[0]
+
+
+@pytest.mark.skipif(not kernels.available(), reason=f"native kernels: {kernels.status()}")
+@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "B,T",
+    [(3, 20), (6, 4), (20, 1), (1, 17), (17, 16)],
+    ids=["rows-and-tokens", "rows", "plain-batch", "tokens", "beyond-256-rows"],
+)
+def test_scoring_steps_beyond_the_kernels_limits_equal_one_token_steps(weights, B, T):
+    """A step of T new tokens for B rows, with B x T rows beyond the kernels' 16 (fp32 weights) or
+    256 (bf16 weights) or T beyond the fused attention's 16, gives each row's logits and cache
+    entries bit for bit what that row alone gets from T one-token steps."""
+    dtype = torch.float32 if weights == "fp32" else torch.bfloat16
+    rt = LlamaRuntime(LlamaWeights.from_hf(tiny_llama(seed=0), dtype, compute=torch.float32))
+    g = torch.Generator().manual_seed(B * 100 + T)
+    P, cap = 9, 9 + T + 1
+    prompts, new = torch.randint(0, 254, (B, P), generator=g), torch.randint(0, 254, (B, T), generator=g)
+
+    state = _prefilled_rows(rt, prompts, cap)
+    step = rt.forward(state, new, (P + torch.arange(T)).expand(B, T)).logits  # (B, T, V)
+    for b in range(B):
+        one = _prefilled_rows(rt, prompts[b : b + 1], cap)
+        singles = torch.cat(
+            [rt.forward(one, new[b : b + 1, t : t + 1], torch.tensor([[P + t]])).logits for t in range(T)], 1
+        )  # (1, T, V)
+        assert torch.equal(step[b], singles[0]), f"row {b}: {float((step[b] - singles[0]).abs().max())}"
+        for big, small in zip(state.k + state.v, one.k + one.v):
+            assert torch.equal(big[b], small[0])
+
+
+@pytest.mark.skipif(not kernels.available(), reason=f"native kernels: {kernels.status()}")
+def test_prefill_keeps_torch_for_many_rows_and_tokens(monkeypatch):
+    """A prefill (logits_index given) of many tokens stays on torch's matmuls and attention, which
+    are faster there; only scoring steps need the kernels beyond their limits."""
+    rt = LlamaRuntime(LlamaWeights.from_hf(tiny_llama(seed=0), torch.float32))
+    calls = []
+    real = kernels.fewrows_matmul
+    monkeypatch.setattr(kernels, "fewrows_matmul", lambda x, w: calls.append(x.shape) or real(x, w))
+    monkeypatch.setattr(kernels, "RopeAttention", lambda *a: pytest.fail("fused attention in a prefill"))
+    ids = torch.randint(0, 254, (2, 40), generator=torch.Generator().manual_seed(0))
+    last = torch.tensor([[39], [39]])
+    rt.forward(rt.new_state(2, 48), ids, torch.arange(40).expand(2, 40), logits_index=last)
+    assert calls == [(2, 1, 64)]  # only the LM head over the two selected positions
