@@ -1,0 +1,455 @@
+"""A quantized Llama-family runtime that runs a GGUF file's own weight blocks.
+
+The compact runtime (:mod:`specdraft.models.llama`) takes its weights from a transformers model
+that de-quantized the GGUF to floats; this one multiplies the file's Q4_0 / Q4_1 / Q8_0 blocks
+directly (``specdraft/kernels/quant.c``), read in place through a memory map: no transformers
+model, no de-quantized copy. Activations are quantized per row (8-bit blocks of 32, one scale
+each) and multiplied with integer dot products, so each output row depends on its own input row
+only and a (k + 1)-token verification gives bit-identical logits to k + 1 one-token steps.
+
+What it shares with the compact runtime: the position-indexed cache (:class:`LlamaKV`, fp32) and
+the fused RoPE + cache write + attention and RMSNorm kernels of ``fewrows.c`` (passed to the
+quantized layer loop as function pointers). Not supported (refused with a clear error): custom
+attention masks (tree verification), biases (Qwen2), other block types (K-quants, F16 matrices).
+
+The GGUF's tensor table is read with the ``gguf`` library once and kept as a small JSON index in
+the cache (``<cache>/quant/<key>.json``, keyed by the file's path, size and mtime): parsing the
+file's 49k-entry vocabulary with ``gguf.GGUFReader`` takes 15-30 s on this project's machine,
+reading the index a millisecond.
+
+Shapes: B batch rows, T new tokens, C hidden size, H query heads, G key/value heads, D head dim,
+F MLP width, V vocabulary, L layers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specdraft import kernels
+from specdraft.errors import SpecdraftError
+from specdraft.models.llama import LlamaKV
+from specdraft.models.runtime import ForwardOutput
+
+QTYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}  # ggml type id -> name: the matmul types quant.c takes
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # bytes per 32 weights
+F32 = 0
+VARIANTS = {"ref": 0, "avx2": 1}  # kernel variants; "ref" is the scalar reference
+SOURCE = Path(kernels.__file__).with_name("quant.c")
+_INDEX_FORMAT = 1
+
+_lib: ctypes.CDLL | None = None
+
+
+class QMat(ctypes.Structure):
+    """``qmat`` in quant.c: one (N, K) weight matrix in GGUF blocks."""
+
+    _fields_ = [("w", ctypes.c_void_p), ("type", ctypes.c_int), ("rows", ctypes.c_int), ("cols", ctypes.c_int),
+                ("row_bytes", ctypes.c_long), ("omap", ctypes.c_void_p)]
+
+
+MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # per layer, in qlayer's order
+
+
+class QLayer(ctypes.Structure):
+    """``qlayer`` in quant.c: one decoder layer's norms and matrices."""
+
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p)] + [(n, QMat) for n in MATRICES]
+
+
+def lib() -> ctypes.CDLL:
+    """quant.c, built on first use like fewrows.c (which it needs for attention and RMSNorm)."""
+    global _lib
+    if _lib is not None:
+        return _lib
+    if not kernels.available():
+        raise SpecdraftError(f"the quantized runtime needs the native kernels ({kernels.status()})")
+    try:
+        so = ctypes.CDLL(str(kernels._build(SOURCE)))
+    except (OSError, RuntimeError) as e:
+        raise SpecdraftError(f"the quantized kernels did not build: {e}") from e
+    vp, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    so.quant_quantize.argtypes = [vp, vp, i, i]
+    so.quant_matmul.argtypes = [vp, vp, vp, i, ctypes.c_long, i, i]
+    so.quant_dequant.argtypes = [vp, vp, i, vp]
+    so.quant_layers.argtypes = [vp, vp] + [i] * 8 + [f, i] + [vp] * 7 + [i, i]
+    for fn in (so.quant_quantize, so.quant_matmul, so.quant_dequant, so.quant_layers):
+        fn.restype = None
+    _lib = so
+    return so
+
+
+def variants() -> list[str]:
+    """The kernel variants this CPU runs (the fastest last)."""
+    flags = kernels._cpu_flags()
+    return ["ref"] + (["avx2"] if "avx2" in flags and "fma" in flags and "f16c" in flags else [])
+
+
+@dataclass
+class QuantMatrix:
+    """One weight matrix as the file stores it.
+
+    Attributes:
+        data: ``(N, row_bytes)`` uint8, the blocks (a view of the memory-mapped file).
+        type: ggml type id (see :data:`QTYPES`).
+        cols: K, the input width (a multiple of 32).
+        omap: optional ``(N,)`` int32: output column n is written at ``omap[n]``.
+    """
+
+    data: np.ndarray
+    type: int
+    cols: int
+    omap: torch.Tensor | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0]
+
+    def struct(self) -> QMat:
+        omap = None if self.omap is None else self.omap.data_ptr()
+        return QMat(self.data.ctypes.data, self.type, self.rows, self.cols, self.data.shape[1], omap)
+
+
+def quant_matmul(w: QuantMatrix, x: torch.Tensor, variant: str = "avx2", threads: int | None = None) -> torch.Tensor:
+    """``quantize(x) @ W^T`` for fp32 ``x (..., K)``: each row quantized on its own; ``(..., N)``."""
+    if x.dtype != torch.float32 or x.shape[-1] != w.cols:
+        raise ValueError(f"quant_matmul: x must be float32 (..., {w.cols})")
+    x = x.contiguous()
+    M = x.numel() // w.cols
+    y = torch.empty(*x.shape[:-1], w.rows, dtype=torch.float32)
+    s = w.struct()
+    lib().quant_matmul(ctypes.byref(s), x.data_ptr(), y.data_ptr(), M, w.rows, VARIANTS[variant],
+                       threads or torch.get_num_threads())
+    return y
+
+
+def dequantize_rows(w: QuantMatrix, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of W as fp32, ``ids.shape + (K,)``: the exact block values (the embedding)."""
+    ids64 = ids.to(torch.int64).contiguous()
+    if ids64.numel() and (int(ids64.min()) < 0 or int(ids64.max()) >= w.rows):
+        raise SpecdraftError(f"token id out of range for a {w.rows}-row embedding")
+    out = torch.empty(*ids.shape, w.cols, dtype=torch.float32)
+    s = w.struct()
+    lib().quant_dequant(ctypes.byref(s), ids64.data_ptr(), ids64.numel(), out.data_ptr())
+    return out
+
+
+def llama_rope_map(n_heads: int, head_dim: int) -> torch.Tensor:
+    """Where the GGUF llama converter's q / k row r' belongs in the transformers layout.
+
+    The converter reorders each head's rows from half-split ``(j, i)`` (r = j D/2 + i, j in {0, 1})
+    to interleaved ``(i, j)`` (r' = 2 i + j) for ggml's RoPE; the runtime's attention kernel
+    rotates half-split pairs, so the matmul writes output r' at r.
+    """
+    D = head_dim
+    i = torch.arange(D // 2).repeat_interleave(2)
+    j = torch.arange(2).repeat(D // 2)
+    within = j * (D // 2) + i  # (D,) r for r' = 0..D-1
+    return (torch.arange(n_heads).unsqueeze(1) * D + within).reshape(-1).to(torch.int32)
+
+
+# --------------------------------------------------------------------------------------------
+# The GGUF index: config and tensor table, cached as JSON
+# --------------------------------------------------------------------------------------------
+
+
+def _index_path(gguf: Path) -> Path:
+    from specdraft.models.loading import cache_root
+
+    st = gguf.stat()
+    key = hashlib.sha256(f"{_INDEX_FORMAT}\0{gguf.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_root() / "quant" / f"{gguf.stem}-{key}.json"
+
+
+def _read_index(gguf: Path) -> dict:
+    """Config and tensor table of a GGUF file (``gguf.GGUFReader``; slow for large vocabularies)."""
+    import gguf as gguf_lib
+
+    try:
+        reader = gguf_lib.GGUFReader(gguf)
+    except (ValueError, OSError, IndexError) as e:
+        raise SpecdraftError(f"cannot read {gguf.name} as a GGUF file: {e}") from e
+    fields = {}
+    for name, field in reader.fields.items():
+        if name.startswith("tokenizer.") or name.startswith("GGUF."):
+            continue
+        value = field.contents()
+        if isinstance(value, (int, float, str)):
+            fields[name] = value
+    tensors = {
+        t.name: {"type": int(t.tensor_type), "shape": [int(n) for n in t.shape], "offset": int(t.data_offset),
+                 "bytes": int(t.n_bytes)}
+        for t in reader.tensors
+    }
+    return {"format": _INDEX_FORMAT, "fields": fields, "tensors": tensors}
+
+
+def gguf_index(gguf: Path) -> dict:
+    """:func:`_read_index`, from the cache when this file was indexed before (written atomically)."""
+    path = _index_path(gguf)
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    index = _read_index(gguf)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(index, f)
+    os.replace(tmp, path)
+    return index
+
+
+@dataclass
+class QuantLayer:
+    attn_norm: torch.Tensor  # (C,) fp32
+    ffn_norm: torch.Tensor  # (C,) fp32
+    q: QuantMatrix  # (H D, C)
+    k: QuantMatrix  # (G D, C)
+    v: QuantMatrix  # (G D, C)
+    o: QuantMatrix  # (C, H D)
+    gate: QuantMatrix  # (F, C)
+    up: QuantMatrix  # (F, C)
+    down: QuantMatrix  # (C, F)
+
+
+@dataclass
+class QuantWeights:
+    """A Llama-family GGUF's weights, in place in the file.
+
+    Attributes:
+        path: the GGUF file; ``mm`` its read-only memory map (every matrix is a view of it).
+        embed: ``(V, C)`` token embedding; ``head`` the LM head (the same matrix when tied).
+        inv_freq: ``(D/2,)`` RoPE inverse frequencies (llama3-style ``rope_freqs`` applied).
+    """
+
+    path: Path
+    mm: np.ndarray
+    embed: QuantMatrix
+    head: QuantMatrix
+    norm: torch.Tensor
+    layers: list[QuantLayer]
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden: int
+    ffn: int
+    eps: float
+    inv_freq: torch.Tensor
+    max_context: int
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> "QuantWeights":
+        """Map a GGUF file's Llama-family weights (Q4_0 / Q4_1 / Q8_0 matrices, F32 norms).
+
+        Raises:
+            SpecdraftError: not a GGUF, an architecture other than llama, biases, or block types
+                the kernels do not take.
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise SpecdraftError(f"GGUF file not found: {path}")
+        index = gguf_index(path)
+        fields, tensors = index["fields"], index["tensors"]
+        arch = fields.get("general.architecture")
+        if arch != "llama":
+            raise SpecdraftError(f"the quantized runtime takes llama-architecture GGUFs, not {arch!r}")
+        if any(name.endswith(".bias") for name in tensors):
+            raise SpecdraftError("the quantized runtime does not take biases (Qwen2-style q/k/v biases)")
+        scaling = fields.get(f"{arch}.rope.scaling.type", "none")
+        if scaling not in ("none", ""):
+            raise SpecdraftError(f"the quantized runtime does not take RoPE scaling {scaling!r}")
+
+        def num(key: str, default=None):
+            value = fields.get(f"{arch}.{key}", default)
+            if value is None:
+                raise SpecdraftError(f"{path.name}: GGUF field {arch}.{key} missing")
+            return value
+
+        H, G = int(num("attention.head_count")), int(num("attention.head_count_kv", num("attention.head_count")))
+        C, L = int(num("embedding_length")), int(num("block_count"))
+        D = int(num("attention.key_length", C // H))
+        mm = np.memmap(path, dtype=np.uint8, mode="r")
+
+        def raw(name: str) -> tuple[dict, np.ndarray]:
+            info = tensors.get(name)
+            if info is None:
+                raise SpecdraftError(f"{path.name}: tensor {name} missing")
+            return info, mm[info["offset"] : info["offset"] + info["bytes"]]
+
+        def vector(name: str) -> torch.Tensor:
+            info, data = raw(name)
+            if info["type"] != F32:
+                raise SpecdraftError(f"{path.name}: {name} is type {info['type']}, expected F32")
+            return torch.from_numpy(np.array(data.view(np.float32)))  # small: copied
+
+        def matrix(name: str, omap: torch.Tensor | None = None) -> QuantMatrix:
+            info, data = raw(name)
+            t = info["type"]
+            if t not in QTYPES:
+                raise SpecdraftError(
+                    f"{path.name}: {name} has ggml type {t}; the quantized runtime takes "
+                    f"{', '.join(QTYPES.values())}")
+            K, N = info["shape"][0], info["shape"][-1]
+            row_bytes = K // 32 * BLOCK_BYTES[t]
+            if K % 32 or row_bytes * N != info["bytes"]:
+                raise SpecdraftError(f"{path.name}: {name} has an unexpected size")
+            return QuantMatrix(data.reshape(N, row_bytes), t, K, omap)
+
+        qmap, kmap = llama_rope_map(H, D), llama_rope_map(G, D)
+        layers = [
+            QuantLayer(
+                attn_norm=vector(f"blk.{i}.attn_norm.weight"),
+                ffn_norm=vector(f"blk.{i}.ffn_norm.weight"),
+                q=matrix(f"blk.{i}.attn_q.weight", qmap),
+                k=matrix(f"blk.{i}.attn_k.weight", kmap),
+                v=matrix(f"blk.{i}.attn_v.weight"),
+                o=matrix(f"blk.{i}.attn_output.weight"),
+                gate=matrix(f"blk.{i}.ffn_gate.weight"),
+                up=matrix(f"blk.{i}.ffn_up.weight"),
+                down=matrix(f"blk.{i}.ffn_down.weight"),
+            )
+            for i in range(L)
+        ]
+        embed = matrix("token_embd.weight")
+        head = matrix("output.weight") if "output.weight" in tensors else embed
+        base = float(num("rope.freq_base", 10000.0))
+        inv_freq = 1.0 / (base ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
+        if "rope_freqs.weight" in tensors:  # llama3-style per-frequency factors: theta / factor
+            inv_freq = inv_freq / vector("rope_freqs.weight")
+        F = layers[0].gate.rows
+        if D % 16 or C % 32 or F % 32 or H % G or H * D % 32:
+            raise SpecdraftError(f"{path.name}: widths the quantized kernels do not take (C={C}, F={F}, D={D})")
+        return cls(path=path, mm=mm, embed=embed, head=head, norm=vector("output_norm.weight"), layers=layers,
+                   n_heads=H, n_kv_heads=G, head_dim=D, hidden=C, ffn=F, eps=float(num("attention.layer_norm_rms_epsilon")),
+                   inv_freq=inv_freq, max_context=int(num("context_length", 2048)))
+
+    @property
+    def types(self) -> dict[str, int]:
+        """How many matrices of each block type."""
+        out: dict[str, int] = {}
+        for m in [self.embed, *(getattr(ly, n) for ly in self.layers for n in MATRICES)]:
+            out[QTYPES[m.type]] = out.get(QTYPES[m.type], 0) + 1
+        return out
+
+
+class QuantRuntime:
+    """A Llama-family GGUF run on its own quantized blocks (the :class:`Runtime` protocol).
+
+    Args:
+        weights: :class:`QuantWeights` (or a GGUF path).
+        variant: kernel variant, ``"avx2"`` or ``"ref"`` (scalar reference; slow, for tests).
+    """
+
+    def __init__(self, weights: QuantWeights | str | Path, variant: str | None = None):
+        self.w = weights if isinstance(weights, QuantWeights) else QuantWeights.from_gguf(weights)
+        self.variant = variant or variants()[-1]
+        if self.variant not in variants():
+            raise SpecdraftError(f"kernel variant {self.variant!r} not available here: {', '.join(variants())}")
+        self.vocab_size = self.w.head.rows
+        self.max_context = self.w.max_context
+        self.dtype = torch.float32  # activations, KV cache, logits
+        self._lib = lib()
+        fewrows = kernels._load()
+        self._attend = ctypes.cast(fewrows.rope_attend, ctypes.c_void_p).value
+        self._rmsnorm_fn = fewrows.rmsnorm_f32
+        self._rmsnorm = ctypes.cast(fewrows.rmsnorm_f32, ctypes.c_void_p).value
+        L = len(self.w.layers)
+        self._layers = (QLayer * L)(*[
+            QLayer(ly.attn_norm.data_ptr(), ly.ffn_norm.data_ptr(), *[getattr(ly, n).struct() for n in MATRICES])
+            for ly in self.w.layers
+        ])
+        self._head = self.w.head.struct()
+        self._rope_len = 0
+        self._cos = self._sin = None
+        self._caches = None  # (cache data pointers, their pointer arrays)
+
+    def __repr__(self) -> str:
+        types = ", ".join(f"{n} {t}" for t, n in self.w.types.items())
+        return f"QuantRuntime({len(self.w.layers)} layers, {types}, {self.variant})"
+
+    def new_state(self, batch_size: int, capacity: int) -> LlamaKV:
+        w = self.w
+        return LlamaKV(len(w.layers), batch_size, w.n_kv_heads, capacity, w.head_dim, torch.float32)
+
+    def _rope_tables(self, need: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(n, D)`` half-split cos and sin tables covering positions below ``need``."""
+        if need > self._rope_len:
+            n = max(need, 2 * self._rope_len, 1024)
+            freqs = torch.outer(torch.arange(n, dtype=torch.float32), self.w.inv_freq)  # (n, D/2)
+            emb = torch.cat((freqs, freqs), dim=-1)  # (n, D)
+            self._cos, self._sin = emb.cos().contiguous(), emb.sin().contiguous()
+            self._rope_len = n
+        return self._cos, self._sin
+
+    def _cache_arrays(self, state: LlamaKV):
+        key = tuple(t.data_ptr() for t in (*state.k, *state.v))
+        if self._caches is None or self._caches[0] != key:
+            for t in (*state.k, *state.v):
+                if t.dtype != torch.float32 or not t.is_contiguous():
+                    raise ValueError("QuantRuntime: caches must be contiguous float32")
+            n = len(state.k)
+            self._caches = (key, (ctypes.c_void_p * n)(*key[:n]), (ctypes.c_void_p * n)(*key[n:]))
+        return self._caches[1], self._caches[2]
+
+    def _layers_call(self, x, pos, B, T, cap, first, last, kc, vc, cos, sin):
+        w = self.w
+        L = last - first
+        layers = ctypes.byref(self._layers, first * ctypes.sizeof(QLayer))
+        kcs = ctypes.byref(kc, first * ctypes.sizeof(ctypes.c_void_p))
+        vcs = ctypes.byref(vc, first * ctypes.sizeof(ctypes.c_void_p))
+        kernels._call("specdraft::quant_layers", self._lib.quant_layers, x.data_ptr(), pos.data_ptr(), B, T, w.hidden,
+                      w.n_heads, w.n_kv_heads, w.head_dim, w.ffn, cap, w.eps, L, layers, kcs, vcs, cos.data_ptr(),
+                      sin.data_ptr(), self._attend, self._rmsnorm, VARIANTS[self.variant], torch.get_num_threads())
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        state: LlamaKV,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        hidden_layers: tuple[int, ...] = (),
+        attn_mask: torch.Tensor | None = None,
+        logits_index: torch.Tensor | None = None,
+    ) -> ForwardOutput:
+        if attn_mask is not None:
+            raise SpecdraftError("the quantized runtime does not take attention masks (tree verification)")
+        w = self.w
+        B, T = tokens.shape
+        last = int(positions.max())
+        if last >= state.capacity:
+            raise SpecdraftError(f"position {last} beyond cache capacity {state.capacity}")
+        if state.batch_size != B:
+            raise SpecdraftError(f"cache has {state.batch_size} rows, tokens {B}")
+        x = dequantize_rows(w.embed, tokens)  # (B, T, C)
+        pos = positions.to(torch.int64).contiguous()
+        cos, sin = self._rope_tables(last + 1)
+        kc, vc = self._cache_arrays(state)
+        hidden: dict[int, torch.Tensor] = {}
+        first = 0
+        for li in sorted({i for i in hidden_layers if i >= 0}) + [len(w.layers) - 1]:
+            if li >= len(w.layers):
+                raise SpecdraftError(f"hidden layer {li} beyond the model's {len(w.layers)} layers")
+            if li + 1 > first:
+                self._layers_call(x, pos, B, T, state.capacity, first, li + 1, kc, vc, cos, sin)
+                first = li + 1
+            if li in hidden_layers:
+                hidden[li] = x.clone()
+        normed = torch.empty_like(x)
+        kernels._call("specdraft::rms_norm", self._rmsnorm_fn, x.data_ptr(), w.norm.data_ptr(), normed.data_ptr(),
+                      B * T, w.hidden, w.eps)
+        if -1 in hidden_layers:
+            hidden[-1] = normed
+        if logits_index is not None:
+            normed = normed.gather(1, logits_index.unsqueeze(-1).expand(-1, -1, w.hidden))
+        logits = quant_matmul(w.head, normed, self.variant)  # (B, n, V)
+        return ForwardOutput(logits=logits, hidden=hidden)
