@@ -23,8 +23,8 @@ Reverse KL is mode-seeking (the draft concentrates on the target's mode, which i
 acceptance rewards); p outside the cached top-K is taken as the leftover mass spread uniformly.
 Earlier positions weigh more: a rejection at position i discards every later draft token.
 
-Checkpoints: every ``checkpoint_every`` steps the trainable weights, optimizer state, step and RNG
-go to ``<out>/checkpoint.pt`` (written to a temporary file, then renamed). A run started again with
+Checkpoints: every ``checkpoint_every`` steps the trainable weights, optimizer state, step, RNG and
+running loss go to ``<out>/checkpoint.pt`` (written to a temporary file, fsynced, then renamed). A run started again with
 the same output directory resumes there; a killed run loses at most one interval. The data order is
 a function of (seed, step), so a resumed run continues exactly where the killed one was.
 """
@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specdraft import analytic
+from specdraft import analytic, durable
 from specdraft.design.data import TargetData
 from specdraft.errors import SpecdraftError
 
@@ -287,8 +287,11 @@ def validate(model, data: TargetData, max_len: int = 320, batch_size: int = 8, k
 
 
 # ------------------------------------------------------------------------------------ checkpoints
-def save_checkpoint(path: Path, model: DraftLM, opt, step: int, config: dict, history: list, elapsed: float) -> None:
+def save_checkpoint(path: Path, model: DraftLM, opt, step: int, config: dict, history: list, elapsed: float,
+                    loss_ema: float | None = None) -> None:
+    """Everything a resumed run needs to go on exactly as an uninterrupted one (written atomically)."""
     state = {
+        "loss_ema": loss_ema,
         "step": step,
         "model": model.own_state(),
         "opt": opt.state_dict(),
@@ -299,7 +302,7 @@ def save_checkpoint(path: Path, model: DraftLM, opt, step: int, config: dict, hi
     }
     tmp = path.with_name(f".{path.name}.tmp")
     torch.save(state, tmp)
-    tmp.replace(path)
+    durable.replace_file(tmp, path)
 
 
 def load_checkpoint(path: Path) -> dict:
@@ -390,16 +393,15 @@ def train_offline(
     model.train()
     opt = torch.optim.AdamW(model.trainable(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     config = {"phase": "offline", **asdict(cfg)}
-    step, history, elapsed = 0, [], 0.0
+    step, history, elapsed, loss_ema = 0, [], 0.0, None
     if ckpt.is_file():
         ck = _restore(ckpt, model, opt, config)
-        step, history, elapsed = ck["step"], ck["history"], ck["elapsed"]
+        step, history, elapsed, loss_ema = ck["step"], ck["history"], ck["elapsed"], ck.get("loss_ema")
     start_step = step
     per_epoch = max(len(data) // cfg.batch_size, 1)
     val_stats = history[-1].get("val", {}) if history else {}
     bar = tqdm(total=cfg.steps, initial=step, desc="distill", unit="step", disable=not progress, dynamic_ncols=True)
     t0 = time.perf_counter() - elapsed
-    loss_ema = None
     while step < cfg.steps:
         if stop_after is not None and step - start_step >= stop_after:
             break
@@ -424,7 +426,7 @@ def train_offline(
         bar.update(1)
         bar.set_postfix(loss=f"{loss_ema:.3f}", val_alpha=f"{val_stats.get('alpha', float('nan')):.3f}")
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-            save_checkpoint(ckpt, model, opt, step, config, history, time.perf_counter() - t0)
+            save_checkpoint(ckpt, model, opt, step, config, history, time.perf_counter() - t0, loss_ema)
     bar.close()
     model.eval()
     return TrainResult(step, time.perf_counter() - t0, history, val_stats, start_step)

@@ -46,14 +46,15 @@ def test_loss_falls_and_validation_acceptance_rises(tiny_pipe, data, tmp_path):
 
 def test_killed_run_resumes_and_matches_an_uninterrupted_run(tiny_pipe, data, tmp_path):
     full = _model(tiny_pipe)
-    train_offline(full, data, None, TrainConfig(**CFG), tmp_path / "a", progress=False)
+    res_full = train_offline(full, data, data, TrainConfig(**CFG), tmp_path / "a", progress=False)
 
     part = _model(tiny_pipe)
-    train_offline(part, data, None, TrainConfig(**CFG), tmp_path / "b", progress=False, stop_after=5)  # "killed" at step 5
+    train_offline(part, data, data, TrainConfig(**CFG), tmp_path / "b", progress=False, stop_after=5)  # "killed" at step 5
     assert load_checkpoint(tmp_path / "b" / CHECKPOINT)["step"] == 4  # lost at most one interval
     resumed = _model(tiny_pipe)  # a new process: fresh weights, everything from the checkpoint
-    res = train_offline(resumed, data, None, TrainConfig(**CFG), tmp_path / "b", progress=False)
+    res = train_offline(resumed, data, data, TrainConfig(**CFG), tmp_path / "b", progress=False)
     assert res.resumed_from == 4 and res.steps == 6
+    assert res.history == res_full.history and len(res.history) == 2  # the running loss is resumed too
     for (name, a), b in zip(full.own_state().items(), resumed.own_state().values()):
         torch.testing.assert_close(a, b, msg=name)
 
