@@ -41,8 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specdraft import api, kernels  # noqa: E402
-from specdraft.bench.profile import profile_latency  # noqa: E402
-from specdraft.design.search import median_time  # noqa: E402
+from specdraft.bench.profile import median_time, profile_latency  # noqa: E402
 
 _PEAK = [float("nan")]  # the measured FMA peak, GFLOP/s
 

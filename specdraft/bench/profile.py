@@ -13,7 +13,11 @@ How they are measured: the context is prefilled once per batch size (random toke
 position-indexed cache makes every timed forward rewrite the same slots, so nothing grows), then
 after ``warmup`` untimed rounds, ``repeats`` rounds each time every (b, n) configuration once, in
 turn (A B C A B C ...), so a slow phase of a shared machine hits all of them alike. The figure is
-the median of the rounds. The torch thread count is recorded with the result.
+the median of the rounds. The torch thread count is recorded with the result. The same rounds
+serve :func:`profile_latency` (one draft, several batch sizes, the breakdown; what ``specdraft
+profile`` and the study store) and :func:`measure_latency` (several draft runtimes at batch 1,
+timed against each other; what the draft search compares). ``T_target(b, n)`` between and beyond
+the measured sizes is read through :class:`specdraft.analytic.LatencyCurve`.
 
 Breakdown of a batch-1 draft step (:func:`draft_breakdown`): one forward of the draft runs under
 ``torch.profiler`` and each top-level ATen op is put in a bucket by its place in the compact
@@ -40,15 +44,15 @@ Use from Python (the study imports this)::
     from specdraft.bench.profile import profile_pipeline, profile_latency, LatencyProfile
     pipe = api.load("smollm2-135m", draft="prune:0,1,2,29", dtype="fp32", threads=1)
     prof = profile_pipeline(pipe, batch_sizes=(1, 2, 4, 8), new_tokens=range(1, 10), context=200)
-    prof.target_time(n=4, batch=2)   # seconds, interpolated over the measured n
+    prof.target_time(n=4, batch=2)   # seconds, interpolated over the measured n (prof.curve)
     prof.draft_time(batch=1)         # seconds per draft step
     prof.save("runs/profile.json"); LatencyProfile.load("runs/profile.json")
 """
 
 from __future__ import annotations
 
-import os
 import json
+import os
 import platform
 import statistics
 import time
@@ -59,6 +63,7 @@ from typing import Iterable
 import torch
 
 from specdraft import kernels
+from specdraft.analytic import LatencyCurve
 from specdraft.drafters.base import DraftContext
 from specdraft.errors import SpecdraftError
 from specdraft.models.llama import LlamaRuntime
@@ -108,19 +113,17 @@ class LatencyProfile:
     cpu: str = ""
     torch_version: str = torch.__version__
 
+    @property
+    def curve(self) -> LatencyCurve:
+        """``t_target`` as a :class:`~specdraft.analytic.LatencyCurve` (linear beyond the measured n,
+        interpolated between measured batch sizes)."""
+        return LatencyCurve(self.t_target)
+
     def target_time(self, n: int, batch: int = 1) -> float:
-        """T_target(batch, n) in seconds; linear interpolation (or extrapolation) over measured n."""
-        row = self._row(self.t_target, batch, "target")
-        if n in row:
-            return row[n]
-        known = sorted(row)
-        if len(known) == 1:
-            return row[known[0]]
-        lo = max([m for m in known if m < n], default=known[0])
-        hi = min([m for m in known if m > n], default=known[-1])
-        if lo == hi:  # outside the measured range: extend the nearest segment
-            lo, hi = (known[0], known[1]) if n < known[0] else (known[-2], known[-1])
-        return max(row[lo] + (row[hi] - row[lo]) * (n - lo) / (hi - lo), 0.0)
+        """T_target(batch, n) in seconds at a measured batch size, read off :attr:`curve` (linear
+        interpolation, or extrapolation, over the measured n)."""
+        self._row(self.t_target, batch, "target")
+        return self.curve.time(n, batch)
 
     def draft_time(self, batch: int = 1) -> float:
         """T_draft(batch): seconds per draft step."""
@@ -146,7 +149,7 @@ class LatencyProfile:
     @classmethod
     def from_dict(cls, d: dict) -> "LatencyProfile":
         d = dict(d)
-        d["t_target"] = {int(b): {int(n): float(t) for n, t in row.items()} for b, row in d["t_target"].items()}
+        d["t_target"] = LatencyCurve.from_dict(d["t_target"]).points
         d["t_draft"] = {int(b): float(t) for b, t in d.get("t_draft", {}).items()}
         return cls(**d)
 
@@ -205,14 +208,48 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def median_time(fn, reps: int) -> float:
+    """Median wall time of ``reps`` calls of ``fn()``, in seconds."""
+    return statistics.median(_timed(fn) for _ in range(reps))
+
+
+def _round_robin(jobs: list[tuple[tuple, object]], repeats: int, warmup: int) -> dict[tuple, float]:
+    """``{key: median seconds}`` of ``(key, fn)`` jobs timed in turn (A B C A B C ...), ``warmup``
+    untimed rounds first, then ``repeats`` timed ones."""
+    samples: dict[tuple, list[float]] = {key: [] for key, _ in jobs}
+    for r in range(warmup + repeats):
+        for key, fn in jobs:
+            t = _timed(fn)
+            if r >= warmup:
+                samples[key].append(t)
+    return {key: statistics.median(ts) for key, ts in samples.items()}
+
+
+def _target_jobs(target: Runtime, batch: int, context: int, new_tokens: list[int]) -> list[tuple]:
+    """``(("target", batch, n), fn)`` for each n: one target forward over n new tokens per row."""
+    state = _prefilled(target, batch, context, context + max(new_tokens) + 1)
+    jobs = []
+    for n in new_tokens:
+        tokens = torch.zeros(batch, n, dtype=torch.int64)
+        positions = context + torch.arange(n).expand(batch, n)
+        jobs.append((("target", batch, n), lambda s=state, t=tokens, p=positions: target.forward(s, t, p)))
+    return jobs
+
+
+def _runtime_step(runtime: Runtime, batch: int, context: int):
+    """A callable running one model-draft step: one forward of one token per row at ``context``,
+    then the argmax."""
+    state = _prefilled(runtime, batch, context, context + 2, seed=1)
+    tok = torch.zeros(batch, 1, dtype=torch.int64)
+    pos = torch.full((batch, 1), context)
+    return lambda: runtime.forward(state, tok, pos).logits[:, -1].argmax(-1)
+
+
 def _draft_step(drafter, batch: int, context: int, vocab: int):
-    """A callable running one draft step (one token per row) at ``context``, and its name."""
+    """A callable running one draft step (one token per row) at ``context``."""
     runtime = getattr(drafter, "runtime", None)
-    if runtime is not None:  # a model draft: one forward of one token per row, then the argmax
-        state = _prefilled(runtime, batch, context, context + 2, seed=1)
-        tok = torch.zeros(batch, 1, dtype=torch.int64)
-        pos = torch.full((batch, 1), context)
-        return lambda: runtime.forward(state, tok, pos).logits[:, -1].argmax(-1)
+    if runtime is not None:  # a model draft
+        return _runtime_step(runtime, batch, context)
     # a drafter without a model: propose one token from a random context
     g = torch.Generator().manual_seed(2)
     ctx = DraftContext(
@@ -223,6 +260,18 @@ def _draft_step(drafter, batch: int, context: int, vocab: int):
     )
     state = drafter.new_state(batch, context + 2)
     return lambda: drafter.propose(state, ctx, 1)
+
+
+def _check(target: Runtime, batch_sizes: list[int], new_tokens: list[int], context: int, repeats: int,
+           warmup: int) -> None:
+    """One clear error for sizes the profiler cannot measure."""
+    if not batch_sizes or min(batch_sizes) < 1 or not new_tokens or min(new_tokens) < 1:
+        raise SpecdraftError("batch sizes and new-token counts must be >= 1")
+    if repeats < 1 or warmup < 0 or context < 1:
+        raise SpecdraftError("need repeats >= 1, warmup >= 0 and context >= 1")
+    if context + max(new_tokens) > target.max_context:
+        raise SpecdraftError(f"context {context} + {max(new_tokens)} new tokens exceeds the target's window "
+                             f"({target.max_context})")
 
 
 def profile_latency(
@@ -256,37 +305,20 @@ def profile_latency(
         A :class:`LatencyProfile`.
     """
     batch_sizes, new_tokens = sorted(set(batch_sizes)), sorted(set(new_tokens))
-    if not batch_sizes or min(batch_sizes) < 1 or not new_tokens or min(new_tokens) < 1:
-        raise SpecdraftError("batch sizes and new-token counts must be >= 1")
-    if repeats < 1 or warmup < 0 or context < 1:
-        raise SpecdraftError("need repeats >= 1, warmup >= 0 and context >= 1")
-    if context + max(new_tokens) > target.max_context:
-        raise SpecdraftError(f"context {context} + {max(new_tokens)} new tokens exceeds the target's window ({target.max_context})")
-
-    jobs = []  # (kind, batch, n, fn)
+    _check(target, batch_sizes, new_tokens, context, repeats, warmup)
+    jobs = []
     for b in batch_sizes:
-        state = _prefilled(target, b, context, context + max(new_tokens) + 1)
-        for n in new_tokens:
-            tokens = torch.zeros(b, n, dtype=torch.int64)
-            positions = context + torch.arange(n).expand(b, n)
-            jobs.append(("target", b, n, lambda s=state, t=tokens, p=positions: target.forward(s, t, p)))
+        jobs += _target_jobs(target, b, context, new_tokens)
         if drafter is not None:
-            jobs.append(("draft", b, 1, _draft_step(drafter, b, context, target.vocab_size)))
-
-    samples: dict[tuple, list[float]] = {(kind, b, n): [] for kind, b, n, _ in jobs}
-    for r in range(warmup + repeats):
-        for kind, b, n, fn in jobs:
-            t = _timed(fn)
-            if r >= warmup:
-                samples[(kind, b, n)].append(t)
+            jobs.append((("draft", b, 1), _draft_step(drafter, b, context, target.vocab_size)))
 
     t_target: dict[int, dict[int, float]] = {}
     t_draft: dict[int, float] = {}
-    for (kind, b, n), ts in samples.items():
+    for (kind, b, n), t in _round_robin(jobs, repeats, warmup).items():
         if kind == "target":
-            t_target.setdefault(b, {})[n] = statistics.median(ts)
+            t_target.setdefault(b, {})[n] = t
         else:
-            t_draft[b] = statistics.median(ts)
+            t_draft[b] = t
 
     parts, method = {}, ""
     if drafter is not None and breakdown:
@@ -319,6 +351,57 @@ def profile_pipeline(pipe, **kwargs) -> LatencyProfile:
     kwargs.setdefault("target_name", pipe.target.name)
     kwargs.setdefault("draft_name", pipe.draft_spec)
     return profile_latency(pipe.runtime, pipe.drafter, **kwargs)
+
+
+@dataclass
+class DraftLatencies:
+    """Batch-1 latencies of one target and several draft runtimes, measured together.
+
+    Attributes:
+        draft: ``{name: seconds per draft token}``.
+        target: ``{n: seconds for a target forward over n tokens}``.
+        context: cached positions the forwards attend to.
+    """
+
+    draft: dict[str, float] = field(default_factory=dict)
+    target: dict[int, float] = field(default_factory=dict)
+    context: int = 256
+
+    def curve(self) -> LatencyCurve:
+        """T_target(n): linear between the measured n and flat beyond them (as the draft search
+        has always read its table)."""
+        return LatencyCurve({1: self.target}, beyond="flat")
+
+    def target_fn(self):
+        """``T_target(n)`` as a function of n (:meth:`curve`)."""
+        return self.curve().time
+
+
+@torch.inference_mode()
+def measure_latency(target: Runtime, drafts: dict[str, Runtime], ns: Iterable[int] = (1, 2, 4, 6, 8),
+                    context: int = 256, reps: int = 9) -> DraftLatencies:
+    """Median batch-1 latencies of the target over each n in ``ns`` and of one step of each draft
+    runtime, all timed in turn (module docstring) after one warm-up round.
+
+    Args:
+        target: the target runtime.
+        drafts: ``{name: runtime}`` draft runtimes (one token per forward, then the argmax, as when
+            drafting).
+        ns: target forward sizes (tokens fed at once).
+        context: positions already in the caches.
+        reps: timed rounds.
+    """
+    ns = sorted(set(ns))
+    _check(target, [1], ns, context, reps, 1)
+    jobs = _target_jobs(target, 1, context, ns)
+    jobs += [(("draft", name, 1), _runtime_step(rt, 1, context)) for name, rt in drafts.items()]
+    lat = DraftLatencies(context=context)
+    for (kind, key, n), t in _round_robin(jobs, reps, warmup=1).items():
+        if kind == "target":
+            lat.target[n] = t
+        else:
+            lat.draft[key] = t
+    return lat
 
 
 # ------------------------------------------------------------------------------------ breakdown

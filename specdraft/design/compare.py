@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import torch
 
+from specdraft.bench.profile import measure_latency
 from specdraft.design.data import target_data
 from specdraft.design.prune import depth_prune, ffn_for_budget, importance, param_count, width_prune
-from specdraft.design.search import measure_latency, predict
+from specdraft.design.search import predict
 from specdraft.design.train import DraftLM, TrainConfig, train_offline, validate
 from specdraft.drafters.designed import SubsetHeadRuntime, draft_weights
 from specdraft.models.llama import LlamaRuntime
@@ -79,7 +80,7 @@ def compare_depth_width(pipe, *, budget_layers=2, deep=(4,), kv_heads=None, q_pe
             "steps": steps, "alpha": round(alpha, 4),
         })
     lat = measure_latency(pipe.runtime, runtimes)
-    t_target = lat.target_fn()
+    t_target = lat.curve().time
     for row in rows:
         t_d = lat.draft[row["name"]]
         p = predict(row["alpha"], t_d, t_target)

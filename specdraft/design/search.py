@@ -6,7 +6,8 @@ For a candidate layer subset the search needs two numbers:
   the target's argmax given the target's own prefix, so alpha is the draft's teacher-forced
   agreement with the target's answers on calibration prompts (training prompts, never Spec-Bench).
 - latencies: ``T_draft`` (one draft token at depth d; it depends on the depth, not on which
-  layers) and ``T_target(n)`` (the target scoring n tokens), measured here, interleaved.
+  layers) and ``T_target(n)`` (the target scoring n tokens), measured together by
+  :func:`specdraft.bench.profile.measure_latency`.
 
 :func:`specdraft.analytic.throughput` combines them (E[tokens | k] / (k T_draft + T_target(k + 1)),
 maximised over k). The subset search is a beam search: the best ``beam`` subsets of depth d are
@@ -15,13 +16,12 @@ extended by every unused layer (kept in the target's order) to depth d + 1.
 
 from __future__ import annotations
 
-import statistics
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
 from specdraft import analytic
+from specdraft.bench.profile import DraftLatencies, measure_latency
 from specdraft.design.data import TargetData
 from specdraft.models.llama import LlamaRuntime, LlamaWeights
 
@@ -46,82 +46,6 @@ def agreement(runtime, data: TargetData, head: torch.Tensor | None = None) -> fl
         hit += int((pred == tokens[P:]).sum())
         total += S - P
     return hit / total if total else 0.0
-
-
-def median_time(fn, reps: int) -> float:
-    """Median wall time of ``reps`` calls of ``fn()``, in seconds."""
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-@dataclass
-class Latency:
-    """Measured seconds: one draft token per draft name, the target over n tokens.
-
-    Attributes:
-        draft: ``{name: seconds per draft token}``.
-        target: ``{n: seconds for a forward over n tokens}``.
-        context: cached positions the forwards attend to.
-    """
-
-    draft: dict[str, float] = field(default_factory=dict)
-    target: dict[int, float] = field(default_factory=dict)
-    context: int = 256
-
-    def target_fn(self):
-        """``T_target(n)``, linear between measured sizes (flat beyond)."""
-        known = sorted(self.target)
-
-        def t(n: int) -> float:
-            if n in self.target:
-                return self.target[n]
-            lo = max([m for m in known if m <= n], default=known[0])
-            hi = min([m for m in known if m >= n], default=known[-1])
-            if lo == hi:
-                return self.target[lo]
-            return self.target[lo] + (self.target[hi] - self.target[lo]) * (n - lo) / (hi - lo)
-
-        return t
-
-
-@torch.inference_mode()
-def measure_latency(target, drafts: dict[str, object], ns: tuple[int, ...] = (1, 2, 4, 6, 8), context: int = 256, reps: int = 9) -> Latency:
-    """Median latencies, measured round-robin (target sizes and drafts interleaved) after a warm-up.
-
-    Args:
-        target: the target runtime.
-        drafts: ``{name: runtime}`` draft runtimes (one token per forward, as when drafting).
-        ns: target forward sizes (tokens fed at once).
-        context: positions already in the caches.
-    """
-    g = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, target.vocab_size, (1, context), generator=g)
-    pos0 = torch.arange(context).unsqueeze(0)
-    runs = {}
-    for name, rt in [("target", target), *drafts.items()]:
-        st = rt.new_state(1, context + max(ns) + 1)
-        rt.forward(st, prefix, pos0, logits_index=torch.tensor([[context - 1]]))
-        runs[name] = (rt, st)
-    lat = Latency(context=context)
-    samples: dict = {}
-    for rep in range(reps + 1):  # the first round is a warm-up
-        for n in ns:
-            rt, st = runs["target"]
-            t = median_time(lambda: rt.forward(st, prefix[:, :n], (context + torch.arange(n)).unsqueeze(0)), 1)
-            if rep:
-                samples.setdefault(("target", n), []).append(t)
-        for name in drafts:
-            rt, st = runs[name]
-            t = median_time(lambda: rt.forward(st, prefix[:, :1], torch.tensor([[context]])), 1)
-            if rep:
-                samples.setdefault(("draft", name), []).append(t)
-    for (kind, key), ts in samples.items():
-        (lat.target if kind == "target" else lat.draft)[key] = statistics.median(ts)
-    return lat
 
 
 def predict(alpha: float, t_draft: float, t_target, k_max: int = 8) -> dict:
@@ -158,7 +82,7 @@ def search_layers(
     max_depth: int = 4,
     beam: int = 1,
     k_max: int = 8,
-    latency: Latency | None = None,
+    latency: DraftLatencies | None = None,
     extra: list[list[int]] | None = None,
     log=None,
 ) -> list[Candidate]:
@@ -187,7 +111,7 @@ def search_layers(
     if latency is None:
         drafts = {f"depth{d}": LlamaRuntime(weights, list(range(d))) for d in depths}
         latency = measure_latency(target, drafts)
-    t_target = latency.target_fn()
+    t_target = latency.curve().time
     evaluated: dict[tuple, Candidate] = {}
 
     def score(layers: tuple[int, ...]) -> Candidate:

@@ -5,30 +5,19 @@ decode at many context lengths (a Spec-Bench ``qa`` prompt is ~40 tokens, a ``ra
 at batch sizes that shrink as rows finish, so :class:`Latencies` holds profiles at a few context
 lengths and interpolates linearly between them, in context (attention cost is linear in it) and in
 batch size (between the measured sizes), clamped to the measured range: profile at the shortest and
-longest context a sweep decodes at. Nothing here times anything itself.
+longest context a sweep decodes at. In n each profile's :class:`specdraft.analytic.LatencyCurve`
+reads T_target (linear beyond the measured n). Nothing here times anything itself.
 """
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Callable
 
+from specdraft.analytic import interp
 from specdraft.bench.profile import LatencyProfile, profile_latency
-
-
-def _interp(xs: list[int], ys: list[float], x: float) -> float:
-    """Piecewise-linear interpolation over sorted ``xs``, clamped to their range (extrapolating
-    two noisy medians can go anywhere, even below zero)."""
-    if len(xs) == 1:
-        return ys[0]
-    x = min(max(x, xs[0]), xs[-1])
-    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
-    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
 @dataclass
@@ -48,25 +37,15 @@ class Latencies:
 
     def target_time(self, batch: int, n: int, context: int) -> float:
         """T_target(batch, n) at ``context`` tokens, seconds."""
-        ctxs = sorted(self.target)
-        return _interp(ctxs, [self._by_batch(self.target[c], batch, lambda p, b: p.target_time(n, b)) for c in ctxs], context)
+        return interp({c: p.curve.time(n, batch) for c, p in self.target.items()}, context)
 
     def draft_time(self, draft: str, batch: int, context: int) -> float:
         """T_draft(batch) of ``draft`` at ``context`` tokens, seconds per draft step."""
-        profiles = self.drafts[draft]
-        ctxs = sorted(profiles)
-        return _interp(ctxs, [self._by_batch(profiles[c], batch, lambda p, b: p.draft_time(b)) for c in ctxs], context)
+        return interp({c: interp(p.t_draft, batch) for c, p in self.drafts[draft].items()}, context)
 
     def draft_calls(self, draft: str, k: int) -> int:
         """Draft steps per speculative step: k for a model draft, one search for prompt lookup."""
         return min(k, 1) if self.draft_kinds.get(draft) == "lookup" else k
-
-    @staticmethod
-    def _by_batch(profile: LatencyProfile, batch: int, get: Callable[[LatencyProfile, int], float]) -> float:
-        sizes = sorted(profile.t_target)
-        if batch in sizes:
-            return get(profile, batch)
-        return _interp(sizes, [get(profile, b) for b in sizes], batch)
 
     def breakdown(self, draft: str) -> dict[str, float]:
         """Where a batch-1 draft step's time goes (the profile at the shortest context that has one)."""
