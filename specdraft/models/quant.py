@@ -179,7 +179,7 @@ def _read_index(gguf: Path) -> dict:
         raise SpecdraftError(f"cannot read {gguf.name} as a GGUF file: {e}") from e
     fields = {}
     for name, field in reader.fields.items():
-        if name.startswith("tokenizer.") or name.startswith("GGUF."):
+        if name.startswith(("tokenizer.", "GGUF.")):
             continue
         value = field.contents()
         if isinstance(value, (int, float, str)):
@@ -247,7 +247,7 @@ class QuantWeights:
     max_context: int
 
     @classmethod
-    def from_gguf(cls, path: str | Path) -> "QuantWeights":
+    def from_gguf(cls, path: str | Path) -> QuantWeights:
         """Map a GGUF file's Llama-family weights (Q4_0 / Q4_1 / Q8_0 matrices, F32 norms).
 
         Raises:
