@@ -104,3 +104,45 @@ def test_designed_draft_with_a_head_subset_is_broken_down_by_its_compact_runtime
     prof = profile_latency(pipe.runtime, drafter, new_tokens=(1,), context=16, repeats=2, warmup=0)
     assert "SubsetHead" in type(drafter.runtime).__name__
     assert prof.breakdown_method.startswith("compact-runtime") and prof.draft_breakdown["lm_head"] > 0
+
+
+class _Counting:
+    """A runtime wrapper that counts its forwards (named ``runtime`` like a subset-head wrapper's
+    inner model: the profiler must time the wrapper itself)."""
+
+    def __init__(self, runtime):
+        self.runtime, self.calls = runtime, 0
+
+    def __getattr__(self, name):
+        return getattr(self.runtime, name)
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        return self.runtime.forward(*args, **kwargs)
+
+
+def test_measure_latency_times_target_sizes_and_drafts_in_turn(pipe):
+    from specdraft.bench.profile import measure_latency
+
+    target, draft = _Counting(pipe.runtime), _Counting(pipe.drafter.runtime)
+    lat = measure_latency(target, {"d": draft}, ns=(4, 1, 2), context=24, reps=3)
+    assert sorted(lat.target) == [1, 2, 4] and set(lat.draft) == {"d"} and lat.context == 24
+    assert all(t > 0 for t in [*lat.target.values(), *lat.draft.values()])
+    # one prefill each, then a warm-up round and three timed rounds of every job
+    assert target.calls == 1 + 4 * 3 and draft.calls == 1 + 4
+    t = lat.target_fn()
+    assert t(2) == lat.target[2] and t(3) == pytest.approx((lat.target[2] + lat.target[4]) / 2)
+    assert t(9) == lat.target[4]  # flat beyond the measured sizes
+    with pytest.raises(SpecdraftError):
+        measure_latency(pipe.runtime, {}, ns=(0, 1))
+
+
+def test_profile_json_loads_into_the_same_latency_curve(tmp_path):
+    """A stored profile (string keys in JSON) reads the same T_target as the one that wrote it."""
+    prof = LatencyProfile("t", "d", "fp32", 1, 200, 3, 1, t_target={1: {1: 0.01, 4: 0.016}, 4: {1: 0.03, 4: 0.05}})
+    prof.save(tmp_path / "p.json")
+    raw = json.loads((tmp_path / "p.json").read_text())
+    assert raw["t_target"] == {"1": {"1": 0.01, "4": 0.016}, "4": {"1": 0.03, "4": 0.05}}
+    back = LatencyProfile.load(tmp_path / "p.json")
+    assert back.curve == prof.curve and back.target_time(2, batch=4) == pytest.approx(0.03 + 0.02 / 3)
+    assert back.curve.time(1, batch=2) == pytest.approx(0.01 + 0.02 / 3)  # between measured batch sizes
