@@ -11,9 +11,11 @@ Draft specs (``--draft`` on the CLI):
 
 - ``none``: plain autoregressive decoding.
 - ``default`` (what leaving ``--draft`` out means): prompt lookup, the fastest drafter measured on
-  this CPU (``results/engine-packed``: 1.14x plain on Spec-Bench; the designed draft 0.98x,
-  ``drafts/results/bench_designed_auto.json``). ``designed:auto`` is the draft designed for this target and committed
-  under ``drafts/`` when there is one (SmolLM2-135M), else prompt lookup.
+  this CPU (Spec-Bench, both turns, ``--k auto``: 1.20x plain decoding,
+  ``results/engine-2026-12-01c/bench_engine_c_lookup_limit4_head.json``; the designed draft 0.96x,
+  ``drafts/results/bench_designed_auto_curve.json``; the README's drafter table has the commands).
+  ``designed:auto`` is the draft designed for this target and committed under ``drafts/`` when
+  there is one (SmolLM2-135M), else prompt lookup.
 - ``prune:0,1,2,29``: the target's own layers 0, 1, 2 and 29 at full width, with its embedding and
   LM head: the untrained "shallow and wide" layer-pruned self-draft.
 - ``lookup`` or ``lookup:N``: prompt lookup with n-grams up to N (default 3).
@@ -69,9 +71,8 @@ def resolve_dtype(name: str | torch.dtype, draft: bool = False, runtime: str = "
     last-bit float differences between a (k + 1)-token verification and a 1-token step flip
     roundings and the output would not be exactly the target's. Drafts (whose precision changes
     only how often they are accepted, never the output): ``auto`` is bf16 where the CPU has it
-    natively or the native kernels run it (bf16 weights, fp32 arithmetic: a 2-layer designed draft
-    step cost 0.11 of a target step against 0.16 in int8 on this project's AVX2 CPU, ``specdraft
-    profile --draft-dtype``), else int8 (fbgemm).
+    natively or the native kernels run it (bf16 weights, fp32 arithmetic; ``specdraft profile
+    --draft-dtype bf16`` or ``int8`` compares their step times), else int8 (fbgemm).
     """
     if isinstance(name, torch.dtype):
         dt = name

@@ -39,8 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", default=None, help="JSONL prompt file (default: Spec-Bench)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--baselines", dest="baselines", action="store_true", default=False,
-                   help="also run the transformers baselines (generate, assisted generation, prompt lookup): about 3x "
-                        "the time per question, so on 2 cores only about 4 of the 13 questions fit the time budget")
+                   help="also run the transformers baselines (generate, assisted generation, prompt lookup): three "
+                        "more runs of each question, so on 2 cores only part of the 13 questions fit the time budget")
     g.add_argument("--no-baselines", dest="baselines", action="store_false", help="skip them (the default)")
     p.add_argument("--time-budget", type=float, default=270.0,
                    help="seconds for the whole demo: the bench starts no new question once the profile and report would not fit")
@@ -101,8 +101,7 @@ def demo_threads() -> int:
     """All cores on an idle machine; one thread when others are running (load average >= 1).
 
     Several threads per process on a machine whose cores are already busy make every thread
-    wait for the others: on this project's shared 2-core machine (load 3 to 6) SmolLM2 decoded
-    about 1 to 1.5 tokens/s with 2 threads and about 5 tokens/s with 1.
+    wait for the others, so a busy machine gets one.
     """
     import os
 

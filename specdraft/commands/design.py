@@ -33,7 +33,7 @@ def _data_args(p: argparse.ArgumentParser, prompts: int) -> None:
                    help="prompt sources, round-robin: gsm8k, hellaswag, self (requests the target writes itself, Magpie-style)")
     p.add_argument("--gen-dtype", choices=["same", "bf16", "fp32"], default="same",
                    help="weights the target answers with when generating data (same: the --dtype runtime's; bf16 runs the "
-                        "native kernels, 1.5-1.7x the speed of fp32 on an AVX2 CPU)")
+                        "native kernels, half the weight bytes of fp32)")
     p.add_argument("--val-prompts", type=int, default=48, help="held-out prompts for validation / calibration")
     p.add_argument("--max-new-tokens", type=int, default=160, help="answer length cap when generating data")
     p.add_argument("--gen-batch", type=int, default=32, help="rows decoded together when generating data")

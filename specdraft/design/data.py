@@ -428,7 +428,7 @@ def target_data(
         hidden: also keep the target's final hidden states.
         sources: prompt sources (:func:`training_prompts`).
         gen_dtype: answer with the target's weights in this dtype (e.g. bf16 through the native
-            kernels: 1.5-1.7x the tokens/s of fp32 on this AVX2 CPU (batch 32), and what the bf16 runtime computes at
+            kernels: half the weight bytes of fp32, and what the bf16 runtime computes at
             inference); None: the pipeline's own runtime.
         cache: directory for the shards (default ``<cache>/design/``).
     """
