@@ -244,10 +244,33 @@ class LlamaKV:
         self.v = [torch.cat([a, b]) for a, b in zip(self.v, other.v)]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as transformers' Llama computes it: statistics in float32, weight in model dtype."""
+def by_rows(fn, x: torch.Tensor, n: int = kernels.MAX_ROWS) -> torch.Tensor | None:
+    """``fn(x)`` computed ``n`` rows of ``x (..., K)`` at a time, or None where ``fn`` declines.
+
+    The native kernels compute each row on its own, so chunking rows changes no bit of the result;
+    this is how a scoring step (see :meth:`LlamaRuntime.forward`) stays on them beyond their row
+    limit instead of switching to torch's ops, whose results depend on the row count.
+    """
+    x2 = x.reshape(-1, x.shape[-1])  # (M, K)
+    if x2.shape[0] <= n:
+        return fn(x)
+    parts = [fn(x2[i : i + n]) for i in range(0, x2.shape[0], n)]
+    if parts[0] is None:
+        return None
+    return torch.cat(parts).view(*x.shape[:-1], parts[0].shape[-1])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, exact: bool = False) -> torch.Tensor:
+    """RMSNorm as transformers' Llama computes it: statistics in float32, weight in model dtype.
+
+    ``exact``: any number of fp32 rows through the kernel (:func:`by_rows`), each row bit-identical
+    to a one-row call; otherwise the kernel takes decode-sized inputs and torch the rest.
+    """
     if x.dtype == torch.float32:
-        y = kernels.rms_norm(x, weight, eps)  # decode-sized inputs
+        if exact:
+            y = by_rows(lambda part: kernels.rms_norm(part, weight, eps), x)
+        else:
+            y = kernels.rms_norm(x, weight, eps)  # decode-sized inputs
         return F.rms_norm(x, weight.shape, weight, eps) if y is None else y
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
@@ -303,7 +326,9 @@ def transposed(w: torch.Tensor) -> torch.Tensor:
     return hit[1]
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed, exact: bool = False
+) -> torch.Tensor:
     """``x @ w.T + b`` for fp32 activations, the matmul chosen by weight dtype and row count M.
 
     - int8 weights (``packed``, drafts only): :func:`int8_linear`.
@@ -311,6 +336,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed) -> 
       M <= ``MAX_ROWS`` with fp32 weights, row by row; M <= ``PACKED_MAX_ROWS`` with bf16 weights,
       through a packed copy): :func:`specdraft.kernels.fewrows_matmul`, each row's result
       independent of the other rows.
+    - ``exact`` (a scoring step, see :meth:`LlamaRuntime.forward`) with more rows than that: the
+      same kernel, ``MAX_ROWS`` rows at a time (:func:`by_rows`), so every row stays bit-identical
+      to a one-row product.
     - bf16 weights otherwise (long prefills): widened to fp32 for ``F.linear``.
     - fp32 weights without the kernel: ``x @ W^T`` on an ``(in, out)`` copy for M <= 3
       (:func:`transposed`), ``(W @ x^T)^T`` for M = 4, 5, ``F.linear`` beyond; with them a whole
@@ -321,6 +349,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed) -> 
         return int8_linear(x, packed, b)
     if kernels.supports(x, w):
         y = kernels.fewrows_matmul(x, w)
+        return y if b is None else y + b
+    if exact and kernels.supports(x.reshape(-1, x.shape[-1])[: kernels.MAX_ROWS], w):
+        y = by_rows(lambda part: kernels.fewrows_matmul(part, w), x)
         return y if b is None else y + b
     if w.dtype != x.dtype:  # bf16 weights, fp32 activations, many rows (prefill)
         return F.linear(x, w.to(x.dtype), b)
@@ -407,6 +438,15 @@ class LlamaRuntime:
         attn_mask: torch.Tensor | None = None,
         logits_index: torch.Tensor | None = None,
     ) -> ForwardOutput:
+        """Run the layers over new tokens (see :class:`specdraft.models.runtime.Runtime`).
+
+        A *scoring step* (causal, no ``logits_index``: a decode step, or a verification of draft
+        tokens) in fp32 gives each row and token bit for bit what that row alone gets one token at
+        a time, whatever B and T: it runs on the native kernels, which compute every row and query
+        the same way at any size, beyond the size limits that otherwise send many rows or tokens to
+        torch's ops (where torch is faster but its results depend on the row count). A forward with
+        ``logits_index`` (a prefill) or ``attn_mask`` keeps the size-based choice.
+        """
         w = self.w
         B, T = tokens.shape
         H, G, D = w.n_heads, w.n_kv_heads, w.head_dim
@@ -414,11 +454,13 @@ class LlamaRuntime:
         if last >= state.capacity:
             raise SpecdraftError(f"position {last} beyond cache capacity {state.capacity}")
 
+        exact = attn_mask is None and logits_index is None and self.dtype == torch.float32
+        Tk = 1 if exact else T  # the kernels' size limits apply to other steps only
         # Decode-sized causal steps: RoPE, cache write and attention in one native call
         # (kernels.RopeAttention); prefill, custom masks and bf16 compute take torch's ops.
-        fused = attn_mask is None and self.dtype == torch.float32 and kernels.attention_supports(T, H, G, D)
+        fused = attn_mask is None and self.dtype == torch.float32 and kernels.attention_supports(Tk, H, G, D)
         # ... and, where the layers allow it, all of them in one native call (kernels.DecodeLayers)
-        native = fused and set(hidden_layers) <= {-1} and self._native_layers(T, B * T)
+        native = fused and set(hidden_layers) <= {-1} and self._native_layers(Tk, 1 if exact else B * T)
         if fused:
             if not native:
                 attend = kernels.RopeAttention(positions, *self._rope_tables(last + 1), H, G)
@@ -446,8 +488,8 @@ class LlamaRuntime:
         if native:  # no per-op overhead between the layers
             x = self._decode_layers(x, positions, state.k, state.v, *self._rope_tables(last + 1))
         for li, (layer, k_cache, v_cache) in enumerate([] if native else zip(self.layers, state.k, state.v)):
-            h = rms_norm(x, layer.attn_norm, w.eps)
-            qkv = linear(h, layer.wqkv, layer.bqkv, layer.q_qkv)  # (B, T, (H + 2G) * D)
+            h = rms_norm(x, layer.attn_norm, w.eps, exact)
+            qkv = linear(h, layer.wqkv, layer.bqkv, layer.q_qkv, exact)  # (B, T, (H + 2G) * D)
             if fused:
                 att = attend(qkv, k_cache, v_cache)  # (B, T, H * D)
             else:
@@ -464,16 +506,16 @@ class LlamaRuntime:
                     q, k_cache[:, :, :S], v_cache[:, :, :S], attn_mask=mask, enable_gqa=G != H
                 )  # (B, H, T, D)
                 att = att.transpose(1, 2).reshape(B, T, H * D)
-            x = x + linear(att, layer.wo, None, layer.q_o)
-            h = rms_norm(x, layer.mlp_norm, w.eps)
-            gate, up = linear(h, layer.w_gate_up, None, layer.q_gate_up).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, layer.w_down, None, layer.q_down)
+            x = x + linear(att, layer.wo, None, layer.q_o, exact)
+            h = rms_norm(x, layer.mlp_norm, w.eps, exact)
+            gate, up = linear(h, layer.w_gate_up, None, layer.q_gate_up, exact).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, layer.w_down, None, layer.q_down, exact)
             if li in wanted:
                 hidden[li] = x
-        x = rms_norm(x, w.norm, w.eps)
+        x = rms_norm(x, w.norm, w.eps, exact)
         if -1 in wanted:
             hidden[-1] = x
         if logits_index is not None:
             x = x.gather(1, logits_index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
-        logits = linear(x, w.lm_head, None, w.q_head).float()  # (B, T, V)
+        logits = linear(x, w.lm_head, None, w.q_head, exact).float()  # (B, T, V)
         return ForwardOutput(logits=logits, hidden=hidden)
