@@ -1,9 +1,12 @@
 """The decoding loop: greedy speculative output is token-identical to plain greedy in float32 for
 every drafter, k, policy and batch shape; EOS, budgets, cancel, rows joining, statistics."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
+from specdraft import kernels
 from specdraft.drafters.model import ModelDrafter
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.engine import Engine, Request, generate
@@ -334,3 +337,61 @@ def test_a_long_prompt_joining_late_rows_stays_inside_the_caches(tiny, drafter):
             out.setdefault(ev.request_id, []).extend(ev.tokens)
     assert out[first[0]] == plain_greedy(tiny.target, short, 40)
     assert out[second[0]] == plain_greedy(tiny.target, long, 4)
+
+
+# ------------------------------------------------------------------ beyond the kernels' size limits
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"native kernels: {kernels.status()}")
+JOINING = random_prompts([1, 5, 9, 13, 3, 7], seed=21)
+
+
+@pytest.fixture(scope="module")
+def near_tie(tiny):
+    """The tiny target with each odd row of the LM head one ulp (relative) from the even row before
+    it: which twin wins is decided by rounding, so a step whose logits differ from a one-token
+    step's in the last bit flips tokens (greedy equality cannot hold by luck here)."""
+    head = tiny.weights.lm_head.clone()
+    head[1::2] = head[0::2] * (1 + 2**-23)
+    return LlamaRuntime(replace(tiny.weights, lm_head=head))
+
+
+def decode_joining(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Each request prefilled alone and then joining the batch (how the server adds them), so every
+    row's cache is what it would be at batch 1; output tokens per prompt."""
+    ids = [engine.add([Request(list(p), max_new_tokens)])[0] for p in prompts]
+    out: dict[int, list[int]] = {i: [] for i in ids}
+    while engine.active:
+        for ev in engine.step():
+            out[ev.request_id].extend(ev.tokens)
+    return [out[i] for i in ids]
+
+
+@needs_kernels
+@pytest.mark.parametrize("k", [4, 20], ids=["6x5-rows", "21-tokens-per-row"])
+@pytest.mark.parametrize("drafter", ["self", "other", "lookup"])
+def test_greedy_beyond_the_kernels_limits_equals_plain(tiny, near_tie, monkeypatch, drafter, k):
+    """fp32 verification steps of batch x (k + 1) = 30 rows (over the kernels' 16) and of 21 new
+    tokens per row (over the fused attention's 16) give plain greedy's tokens, row by row."""
+    reference = [plain_greedy(near_tie, p, N) for p in JOINING]
+    if drafter == "lookup":
+        draft = PromptLookupDrafter()
+    else:  # always k tokens: the target itself (mostly accepted) or another model (mostly rejected)
+        draft = ModelDrafter(near_tie, "self") if drafter == "self" else ModelDrafter(tiny.other, "other")
+    steps = []  # (B, T) of the scoring steps (no logits_index) on the target's weights
+
+    def forward(state, tokens, positions, **kw):
+        if kw.get("logits_index") is None:
+            steps.append(tokens.shape)
+        return LlamaRuntime.forward(near_tie, state, tokens, positions, **kw)
+
+    monkeypatch.setattr(near_tie, "forward", forward)
+    assert decode_joining(Engine(near_tie, draft, FixedK(k)), JOINING, N) == reference
+    assert max(B * T for B, T in steps) > kernels.MAX_ROWS
+    if k == 20 and drafter != "lookup":  # lookup proposes only where the context repeats itself
+        assert max(T for _, T in steps) == k + 1 > kernels.MAX_ROWS
+
+
+@needs_kernels
+def test_plain_batch_beyond_the_kernels_limits_equals_batch_one(near_tie):
+    """Plain decoding of 18 rows (one-token steps over 18 rows) gives each row its batch-1 tokens."""
+    prompts = random_prompts([2 + i % 7 for i in range(18)], seed=22)
+    assert decode_joining(Engine(near_tie), prompts, 8) == [plain_greedy(near_tie, p, 8) for p in prompts]
