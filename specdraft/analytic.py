@@ -176,7 +176,7 @@ def interp(points: Mapping[float, float], x: float, beyond: str = "clamp") -> fl
         return points[xs[0]]
     if beyond == "clamp":
         x = min(max(x, xs[0]), xs[-1])
-    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)  # the segment xs[i - 1]..xs[i] (nearest one outside)
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)  # segment xs[i - 1]..xs[i], or the nearest one
     x0, x1 = xs[i - 1], xs[i]
     y0, y1 = points[x0], points[x1]
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
@@ -196,8 +196,8 @@ class LatencyCurve:
 
     In n, between measured sizes the line through the two around n; beyond them ``beyond``:
     ``"linear"`` extends the nearest segment (on a CPU a forward's cost grows about linearly with
-    n), ``"flat"`` holds the nearest measured time. One measured n is flat. A computed time is
-    never below :data:`MIN_SECONDS`.
+    n), ``"flat"`` holds the nearest measured time. One measured n is flat. ``T_b(n)`` is never
+    below :data:`MIN_SECONDS`.
 
     Attributes:
         points: ``{b: {n: seconds}}``; the ``t_target`` table of a profile's JSON (whose string keys
@@ -217,11 +217,13 @@ class LatencyCurve:
         if not self.points:
             raise ValueError("LatencyCurve has no measured points")
         mode = "linear" if self.beyond == "linear" else "clamp"
+
+        def row(b: int) -> float:  # T_b(n)
+            return max(interp(self.points[b], n, mode), MIN_SECONDS)
+
         if batch in self.points:
-            t = interp(self.points[batch], n, mode)
-        else:
-            t = interp({b: interp(row, n, mode) for b, row in self.points.items()}, batch, "clamp")
-        return max(t, MIN_SECONDS)
+            return row(batch)
+        return interp({b: row(b) for b in self.points}, batch, "clamp")
 
     def to_dict(self) -> dict[int, dict[int, float]]:
         """``{b: {n: seconds}}``, as stored in JSON (keys become strings there)."""
