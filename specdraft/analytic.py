@@ -21,8 +21,8 @@ profiler in :mod:`specdraft.bench.profile` and the online estimate in :mod:`spec
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -67,27 +67,28 @@ def alpha_from_mean_accepted(mean_tokens: float, k: int, tol: float = 1e-6) -> f
     return (lo + hi) / 2
 
 
-def step_time(k: int, t_draft: float, t_target: "callable") -> float:
+def step_time(k: int, t_draft: float, t_target: Callable[..., float]) -> float:
     """T_step(k) = k * T_draft + T_target(k + 1); ``t_target(n)`` is a forward over n tokens."""
     return k * t_draft + t_target(k + 1)
 
 
-def throughput(alpha: float, k: int, t_draft: float, t_target: "callable") -> float:
+def throughput(alpha: float, k: int, t_draft: float, t_target: Callable[..., float]) -> float:
     """Predicted tokens per second per row: E[tokens | k] / T_step(k)."""
     return expected_tokens(alpha, k) / step_time(k, t_draft, t_target)
 
 
-def speedup(alpha: float, k: int, t_draft: float, t_target: "callable") -> float:
+def speedup(alpha: float, k: int, t_draft: float, t_target: Callable[..., float]) -> float:
     """Predicted speedup over plain decoding (k = 0) with the same target."""
     return throughput(alpha, k, t_draft, t_target) / throughput(alpha, 0, t_draft, t_target)
 
 
-def best_k(alpha: float, t_draft: float, t_target: "callable", k_max: int = 8) -> int:
+def best_k(alpha: float, t_draft: float, t_target: Callable[..., float], k_max: int = 8) -> int:
     """The draft length in 0..k_max with the highest predicted throughput (0 = do not speculate)."""
     return max(range(k_max + 1), key=lambda k: throughput(alpha, k, t_draft, t_target))
 
 
-def alpha_needed(target: float, t_draft: float, t_target: "callable", k_max: int = 8, tol: float = 1e-4) -> tuple[float, int] | None:
+def alpha_needed(target: float, t_draft: float, t_target: Callable[..., float], k_max: int = 8,
+                 tol: float = 1e-4) -> tuple[float, int] | None:
     """The smallest per-token acceptance alpha for which some k in 1..k_max reaches ``target``
     speedup over plain decoding, and that k; None if even alpha = 1 does not reach it."""
     def best(alpha: float) -> tuple[float, int]:
@@ -110,7 +111,8 @@ def alpha_needed(target: float, t_draft: float, t_target: "callable", k_max: int
 # ------------------------------------------------------------------------------------------------
 
 
-def batch_step_time(k: int, batch: int, t_draft: "callable", t_target: "callable", draft_calls: int | None = None) -> float:
+def batch_step_time(k: int, batch: int, t_draft: Callable[..., float], t_target: Callable[..., float],
+                    draft_calls: int | None = None) -> float:
     """One speculative step of ``batch`` rows decoded together:
 
         T_step(b, k) = c(k) * T_draft(b) + T_target(b, k + 1)
@@ -123,7 +125,8 @@ def batch_step_time(k: int, batch: int, t_draft: "callable", t_target: "callable
     return calls * t_draft(batch) + t_target(batch, k + 1)
 
 
-def batch_throughput(mean_tokens: float, k: int, batch: int, t_draft: "callable", t_target: "callable", draft_calls: int | None = None) -> float:
+def batch_throughput(mean_tokens: float, k: int, batch: int, t_draft: Callable[..., float], t_target: Callable[..., float],
+                     draft_calls: int | None = None) -> float:
     """Predicted tokens per second of a batch from a *measured* mean accepted length:
 
         throughput(b, k) = b * E[tokens | k] / T_step(b, k)
@@ -142,7 +145,7 @@ def relative_error(predicted: float, measured: float) -> float:
     return abs(predicted - measured) / measured
 
 
-def median_relative_error(pairs: "list[tuple[float, float]]") -> float:
+def median_relative_error(pairs: list[tuple[float, float]]) -> float:
     """Median of :func:`relative_error` over ``(predicted, measured)`` pairs."""
     errors = sorted(relative_error(p, m) for p, m in pairs)
     if not errors:
@@ -230,6 +233,6 @@ class LatencyCurve:
         return {b: dict(row) for b, row in self.points.items()}
 
     @classmethod
-    def from_dict(cls, d: Mapping, beyond: str = "linear") -> "LatencyCurve":
+    def from_dict(cls, d: Mapping, beyond: str = "linear") -> LatencyCurve:
         """The inverse of :meth:`to_dict`, also from JSON (string keys)."""
         return cls({int(b): {int(n): float(t) for n, t in row.items()} for b, row in d.items()}, beyond)

@@ -33,10 +33,10 @@ exactly four matmuls (q/k/v, output projection, gate/up, down) and the LM head i
 - ``python``: wall time between ops (interpreter and dispatch), i.e. the profiled wall time minus
   the ops' time.
 
-Each bucket is the median over a few profiled steps, and the shares are scaled to the unprofiled median ``T_draft(1)`` (the profiler's own overhead
-inflates every op). Runtimes that are not the compact one get the buckets ``matmul``,
-``attention``, ``other`` and ``python`` by op name; drafters without a model (prompt lookup) get
-one bucket, ``lookup``.
+Each bucket is the median over a few profiled steps, and the shares are scaled to the unprofiled
+median ``T_draft(1)`` (the profiler's own overhead inflates every op). Runtimes that are not the
+compact one get the buckets ``matmul``, ``attention``, ``other`` and ``python`` by op name;
+drafters without a model (prompt lookup) get one bucket, ``lookup``.
 
 Use from Python (the study imports this)::
 
@@ -56,9 +56,9 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable
 
 import torch
 
@@ -147,14 +147,14 @@ class LatencyProfile:
         Path(path).write_text(json.dumps(self.as_dict(), indent=2))
 
     @classmethod
-    def from_dict(cls, d: dict) -> "LatencyProfile":
+    def from_dict(cls, d: dict) -> LatencyProfile:
         d = dict(d)
         d["t_target"] = LatencyCurve.from_dict(d["t_target"]).points
         d["t_draft"] = {int(b): float(t) for b, t in d.get("t_draft", {}).items()}
         return cls(**d)
 
     @classmethod
-    def load(cls, path: str | Path) -> "LatencyProfile":
+    def load(cls, path: str | Path) -> LatencyProfile:
         try:
             return cls.from_dict(json.loads(Path(path).read_text()))
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -166,14 +166,17 @@ class LatencyProfile:
         head = ["batch"] + [f"T_target n={n}" for n in ns] + (["T_draft"] if self.t_draft else [])
         lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
         for b in sorted(self.t_target):
-            cells = [str(b)] + [f"{self.t_target[b][n] * 1e3:.2f}" if n in self.t_target[b] else "-" for n in ns]
+            row = self.t_target[b]
+            cells = [str(b)] + [f"{row[n] * 1e3:.2f}" if n in row else "-" for n in ns]
             if self.t_draft:
                 cells.append(f"{self.t_draft[b] * 1e3:.2f}" if b in self.t_draft else "-")
             lines.append("| " + " | ".join(cells) + " |")
-        text = "\n".join(lines) + f"\n\nmilliseconds, median of {self.repeats}; context {self.context}; {self.threads} threads; {self.dtype}"
+        text = "\n".join(lines) + (f"\n\nmilliseconds, median of {self.repeats}; context {self.context}; "
+                                   f"{self.threads} threads; {self.dtype}")
         if self.draft_breakdown:
             total = sum(self.draft_breakdown.values()) or 1.0
-            parts = ", ".join(f"{k} {v * 1e3:.2f} ms ({v / total:.0%})" for k, v in self.draft_breakdown.items())
+            parts = ", ".join(f"{k} {v * 1e3:.2f} ms ({v / total:.0%})"
+                              for k, v in self.draft_breakdown.items())
             precision = f", {self.draft_dtype}" if self.draft_dtype else ""
             text += f"\ndraft step ({self.draft}{precision}, batch 1): {parts}"
         return text
@@ -405,7 +408,8 @@ def measure_latency(target: Runtime, drafts: dict[str, Runtime], ns: Iterable[in
 
 
 # ------------------------------------------------------------------------------------ breakdown
-def draft_breakdown(drafter, context: int = 200, vocab: int | None = None, rounds: int = 7) -> tuple[dict[str, float], str]:
+def draft_breakdown(drafter, context: int = 200, vocab: int | None = None,
+                    rounds: int = 7) -> tuple[dict[str, float], str]:
     """Profiled seconds per bucket of one batch-1 draft step: per bucket the median over ``rounds`` steps.
 
     Returns:

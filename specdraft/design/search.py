@@ -40,7 +40,8 @@ def agreement(runtime, data: TargetData, head: torch.Tensor | None = None) -> fl
         S = tokens.shape[0]
         state = runtime.new_state(1, S)
         idx = torch.arange(P - 1, S - 1).unsqueeze(0)  # (1, R) positions that predict the answer
-        logits = runtime.forward(state, tokens[:-1].unsqueeze(0), torch.arange(S - 1).unsqueeze(0), logits_index=idx).logits[0]
+        out = runtime.forward(state, tokens[:-1].unsqueeze(0), torch.arange(S - 1).unsqueeze(0), logits_index=idx)
+        logits = out.logits[0]
         pred = logits[:, head].argmax(-1) if head is not None else logits.argmax(-1)
         pred = head[pred] if head is not None else pred
         hit += int((pred == tokens[P:]).sum())
@@ -118,7 +119,8 @@ def search_layers(
         if layers not in evaluated:
             t_draft = latency.draft[f"depth{len(layers)}"]
             alpha = agreement(LlamaRuntime(weights, list(layers)), calib)
-            evaluated[layers] = c = Candidate(list(layers), alpha, t_draft, **predict(alpha, t_draft, t_target, k_max))
+            c = Candidate(list(layers), alpha, t_draft, **predict(alpha, t_draft, t_target, k_max))
+            evaluated[layers] = c
             if log:
                 log(f"layers {list(layers)}: alpha {alpha:.3f}, predicted {c.speedup:.2f}x at k={c.k}")
         return evaluated[layers]
