@@ -125,8 +125,8 @@ def batch_step_time(k: int, batch: int, t_draft: Callable[..., float], t_target:
     return calls * t_draft(batch) + t_target(batch, k + 1)
 
 
-def batch_throughput(mean_tokens: float, k: int, batch: int, t_draft: Callable[..., float], t_target: Callable[..., float],
-                     draft_calls: int | None = None) -> float:
+def batch_throughput(mean_tokens: float, k: int, batch: int, t_draft: Callable[..., float],
+                     t_target: Callable[..., float], draft_calls: int | None = None) -> float:
     """Predicted tokens per second of a batch from a *measured* mean accepted length:
 
         throughput(b, k) = b * E[tokens | k] / T_step(b, k)

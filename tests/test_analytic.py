@@ -32,7 +32,8 @@ def test_throughput_speedup_best_k():
     tp = analytic.throughput(0.8, 4, 0.005, t_target)
     assert tp == pytest.approx(analytic.expected_tokens(0.8, 4) / (4 * 0.005 + 0.038))
     best = analytic.best_k(0.8, 0.005, t_target, 10)
-    assert all(analytic.throughput(0.8, best, 0.005, t_target) >= analytic.throughput(0.8, k, 0.005, t_target) for k in range(11))
+    best_rate = analytic.throughput(0.8, best, 0.005, t_target)
+    assert all(best_rate >= analytic.throughput(0.8, k, 0.005, t_target) for k in range(11))
     assert best >= 3
     assert analytic.best_k(0.1, 0.03, t_target, 10) == 0  # speculation does not pay
     assert analytic.best_k(1.0, 0.0, lambda n: 0.03, 6) == 6  # free, perfect draft: draft the most

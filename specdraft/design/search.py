@@ -40,8 +40,8 @@ def agreement(runtime, data: TargetData, head: torch.Tensor | None = None) -> fl
         S = tokens.shape[0]
         state = runtime.new_state(1, S)
         idx = torch.arange(P - 1, S - 1).unsqueeze(0)  # (1, R) positions that predict the answer
-        out = runtime.forward(state, tokens[:-1].unsqueeze(0), torch.arange(S - 1).unsqueeze(0), logits_index=idx)
-        logits = out.logits[0]
+        positions = torch.arange(S - 1).unsqueeze(0)
+        logits = runtime.forward(state, tokens[:-1].unsqueeze(0), positions, logits_index=idx).logits[0]
         pred = logits[:, head].argmax(-1) if head is not None else logits.argmax(-1)
         pred = head[pred] if head is not None else pred
         hit += int((pred == tokens[P:]).sum())

@@ -125,6 +125,6 @@ def measure_draft(runtime, drafter, spec: str, *, batch_sizes, contexts, repeats
         quiet = _quiet_stderr_fd() if c == contexts[0] else contextlib.nullcontext()
         with quiet:
             out[c] = profile_latency(runtime, drafter, batch_sizes=batch_sizes, new_tokens=(1,), context=c,
-                                     repeats=repeats, warmup=warmup, breakdown=c == contexts[0], target_name=name,
-                                     draft_name=spec)
+                                     repeats=repeats, warmup=warmup, breakdown=c == contexts[0],
+                                     target_name=name, draft_name=spec)
     return out

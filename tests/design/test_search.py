@@ -14,14 +14,17 @@ from specdraft.models.llama import LlamaRuntime
 from tests.helpers import random_prompts
 
 # T_target(n) measured at n = 1, 2, 4, 8 (n = 9 is read flat: 17 ms), T_draft by depth
-LATENCY = DraftLatencies(draft={"depth1": 0.002, "depth2": 0.004}, target={1: 0.010, 2: 0.011, 4: 0.013, 8: 0.017})
+LATENCY = DraftLatencies(
+    draft={"depth1": 0.002, "depth2": 0.004}, target={1: 0.010, 2: 0.011, 4: 0.013, 8: 0.017}
+)
 
 
 @pytest.fixture(scope="module")
 def calib(tiny_pipe):
     prompts = random_prompts([5, 8, 6, 9], seed=3)
-    return generate_target_data(tiny_pipe.runtime, prompts, eos_ids=(), max_new_tokens=12, batch_size=4, topk=4,
-                                progress=False)
+    return generate_target_data(
+        tiny_pipe.runtime, prompts, eos_ids=(), max_new_tokens=12, batch_size=4, topk=4, progress=False
+    )
 
 
 def test_agreement_is_teacher_forced_greedy_acceptance(tiny_pipe, calib):
@@ -63,18 +66,31 @@ def test_search_layers_measures_latency_when_none_is_given(tiny_pipe, calib):
 
 
 def test_compare_depth_width_rows(tiny_pipe, tmp_path):
-    rows = compare_depth_width(tiny_pipe, budget_layers=1, deep=(2,), val_prompts=3, progress=False,
-                               data_kw={"max_new_tokens": 6, "batch_size": 3, "sources": ("gsm8k",), "cache": tmp_path})
+    rows = compare_depth_width(
+        tiny_pipe,
+        budget_layers=1,
+        deep=(2,),
+        val_prompts=3,
+        progress=False,
+        data_kw={"max_new_tokens": 6, "batch_size": 3, "sources": ("gsm8k",), "cache": tmp_path},
+    )
     assert [r["name"] for r in rows] == ["shallow-wide 1L", "deep-narrow 2L"]
     wide, deep = rows
     assert wide["depth"] == 1 and wide["layers"] == [0] and deep["layers"] == spread(2, 2) == [0, 1]
     assert deep["params"] <= wide["params"] * 1.1  # narrowed to the shallow draft's budget
     assert deep["kv_heads"] <= wide["kv_heads"] and deep["ffn"] < wide["ffn"]
     for r in rows:
-        assert 0.0 <= r["alpha"] <= 1.0 and r["t_draft_ms"] > 0 and 0 <= r["k"] <= 8 and r["predicted_speedup"] > 0
+        assert (
+            0.0 <= r["alpha"] <= 1.0
+            and r["t_draft_ms"] > 0
+            and 0 <= r["k"] <= 8
+            and r["predicted_speedup"] > 0
+        )
         assert sorted(r["t_target_ms"]) == [1, 2, 4, 6, 8]
         # the prediction reads the measured table flat beyond n = 8 (figures rounded to microseconds)
-        t_target = analytic.LatencyCurve({1: {n: ms / 1e3 for n, ms in r["t_target_ms"].items()}}, beyond="flat").time
+        t_target = analytic.LatencyCurve(
+            {1: {n: ms / 1e3 for n, ms in r["t_target_ms"].items()}}, beyond="flat"
+        ).time
         speedup = analytic.speedup(r["alpha"], r["k"], r["t_draft_ms"] / 1e3, t_target)
         assert r["predicted_speedup"] == pytest.approx(speedup, rel=0.05)
 

@@ -15,15 +15,26 @@ def prune_pipe():
 
 def test_measure_target_and_draft_then_read_between_contexts(prune_pipe):
     rt = prune_pipe.runtime
-    target = measure_target(rt, batch_sizes=(1, 2), k_max=2, contexts=(16, 32), repeats=1, warmup=0, name="tiny")
+    target = measure_target(
+        rt, batch_sizes=(1, 2), k_max=2, contexts=(16, 32), repeats=1, warmup=0, name="tiny"
+    )
     assert sorted(target) == [16, 32]
     for c, prof in target.items():
         assert prof.context == c and prof.target == "tiny" and prof.draft == "none"
         assert set(prof.t_target) == {1, 2} and all(set(row) == {1, 2, 3} for row in prof.t_target.values())
-    drafts = measure_draft(rt, prune_pipe.drafter, "prune:0", batch_sizes=(1, 2), contexts=(32, 16), repeats=1, warmup=0)
-    assert sorted(drafts) == [16, 32] and all(set(p.t_draft) == {1, 2} and p.draft == "prune:0" for p in drafts.values())
-    assert drafts[16].draft_breakdown and not drafts[32].draft_breakdown  # the breakdown at the first context only
-    assert draft_kind(prune_pipe.drafter) == "model" and draft_kind(api.load("tiny", "lookup").drafter) == "lookup"
+    drafts = measure_draft(
+        rt, prune_pipe.drafter, "prune:0", batch_sizes=(1, 2), contexts=(32, 16), repeats=1, warmup=0
+    )
+    assert sorted(drafts) == [16, 32] and all(
+        set(p.t_draft) == {1, 2} and p.draft == "prune:0" for p in drafts.values()
+    )
+    assert (
+        drafts[16].draft_breakdown and not drafts[32].draft_breakdown
+    )  # the breakdown at the first context only
+    assert (
+        draft_kind(prune_pipe.drafter) == "model"
+        and draft_kind(api.load("tiny", "lookup").drafter) == "lookup"
+    )
 
     lat = Latencies(target=target, drafts={"prune:0": drafts}, draft_kinds={"prune:0": "model"})
     t16, t32 = target[16].t_target[2][3], target[32].t_target[2][3]
