@@ -139,7 +139,8 @@ def test_measure_latency_times_target_sizes_and_drafts_in_turn(pipe):
 
 def test_profile_json_loads_into_the_same_latency_curve(tmp_path):
     """A stored profile (string keys in JSON) reads the same T_target as the one that wrote it."""
-    prof = LatencyProfile("t", "d", "fp32", 1, 200, 3, 1, t_target={1: {1: 0.01, 4: 0.016}, 4: {1: 0.03, 4: 0.05}})
+    table = {1: {1: 0.01, 4: 0.016}, 4: {1: 0.03, 4: 0.05}}
+    prof = LatencyProfile("t", "d", "fp32", 1, 200, 3, 1, t_target=table)
     prof.save(tmp_path / "p.json")
     raw = json.loads((tmp_path / "p.json").read_text())
     assert raw["t_target"] == {"1": {"1": 0.01, "4": 0.016}, "4": {"1": 0.03, "4": 0.05}}
