@@ -16,7 +16,12 @@ and tokenizer files, under ``<cache>/models/<slug>-<key>/``, where ``<cache>`` i
 ``<key>`` hashes the GGUF's path, size and mtime (so a replaced file is converted again). Later
 loads read that directory in a second or two. Float32 is stored so that a float32 load is exactly
 what the GGUF de-quantises to; other dtypes are cast from it. The cache is written to a temporary
-directory and renamed into place, so a conversion killed halfway leaves no half cache behind.
+directory and renamed into place, so a conversion killed halfway leaves no half cache behind. Its
+marker file records each file's size and sha256, checked on every load: an entry whose files were
+damaged since is converted again.
+
+A GGUF is checked before transformers reads it (:func:`check_gguf`): a truncated or corrupt file
+is one :class:`SpecdraftError` line, as is a transformers directory whose weights cannot be read.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import re
 import shutil
@@ -43,6 +49,8 @@ from specdraft.errors import SpecdraftError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+log = logging.getLogger("specdraft")
 
 DEFAULT_TARGET = "smollm2-135m"
 TINY = "tiny"
@@ -260,53 +268,150 @@ def _cache_dir(slug: str, fingerprint_files: list[Path]) -> Path:
     return cache_root() / "models" / f"{slug}-{h.hexdigest()[:12]}"
 
 
+def _file_records(directory: Path) -> dict[str, dict]:
+    """Size and sha256 of each file in ``directory`` but the marker (written into the marker)."""
+    records = {}
+    for f in sorted(directory.iterdir()):
+        if f.is_file() and f.name != _CACHE_MARKER:
+            with f.open("rb") as fh:
+                digest = hashlib.file_digest(fh, "sha256").hexdigest()
+            records[f.name] = {"size": f.stat().st_size, "sha256": digest}
+    return records
+
+
+def _cache_damage(cache: Path) -> str | None:
+    """None when ``cache`` is a complete entry whose files have the sizes and sha256 hashes its
+    marker recorded; otherwise what is wrong (no marker: a conversion that did not finish).
+
+    Hashing costs about a second per 500 MB of weights, a fraction of what loading them costs.
+    """
+    marker = cache / _CACHE_MARKER
+    if not marker.is_file():
+        return "no marker"
+    try:
+        files = json.loads(marker.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "the marker has no file record"
+    for name, want in files.items():
+        f = cache / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != want["size"]:
+            return f"{name} has {f.stat().st_size} bytes, not {want['size']}"
+    got = _file_records(cache)
+    for name, want in files.items():
+        if got[name]["sha256"] != want["sha256"]:
+            return f"{name} does not match its recorded sha256"
+    return None
+
+
 def _is_complete(cache: Path) -> bool:
-    return (cache / _CACHE_MARKER).is_file()
+    return _cache_damage(cache) is None
 
 
 def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Model and tokenizer from a transformers directory.
+
+    Raises:
+        SpecdraftError: a file there is truncated or corrupt (safetensors, config, tokenizer).
+    """
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    except (SafetensorError, OSError, ValueError) as e:  # OSError: transformers' unreadable config
+        raise SpecdraftError(f"cannot load {path}: {type(e).__name__}: {_first_line(e)}") from None
     return model, tokenizer
+
+
+def check_gguf(path: Path) -> None:
+    """Read a GGUF's header, metadata and tensor table, and check that every tensor's data lies
+    inside the file: a truncated or corrupt file fails here, with one line, before transformers
+    reads it (whose reader raises IndexError, struct.error and others, or loops for a long time
+    on a count read past the end of the file).
+
+    Raises:
+        SpecdraftError: the file is not a complete, readable GGUF.
+    """
+    import numpy as np
+    from gguf import GGUFReader
+
+    class StrictReader(GGUFReader):
+        # GGUFReader slices a memory map and does not check that the slice is as long as it
+        # asked for: past the end of the file it gets short arrays, or empty ones.
+        def _get(self, offset, dtype, count=1, override_order=None):
+            arr = super()._get(offset, dtype, count, override_order)
+            if len(arr) != int(count):
+                raise EOFError(f"reading {int(count)} x {np.dtype(dtype).name} at byte {offset}")
+            return arr
+
+    size = path.stat().st_size
+    try:
+        reader = StrictReader(path)
+        for t in reader.tensors:
+            if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
+                raise EOFError(f"tensor {t.name} ends at byte {t.data_offset + t.n_bytes}")
+    except (EOFError, ValueError, KeyError, IndexError, OverflowError, MemoryError, OSError) as e:
+        # ValueError covers bad magic / version / type codes, UnicodeDecodeError and reshapes
+        raise SpecdraftError(
+            f"{path.name} is not a complete GGUF file: truncated or corrupt "
+            f"({size} bytes; {type(e).__name__}: {_first_line(e)})"
+        ) from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _convert_gguf(gguf: Path, cache: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """De-quantise ``gguf`` to float32, save it at ``cache`` atomically, return model and tokenizer.
 
     Raises:
-        SpecdraftError: transformers cannot read this GGUF (unsupported architecture, say).
+        SpecdraftError: the file is truncated or corrupt (:func:`check_gguf`), or transformers
+            cannot read it (unsupported architecture, say).
     """
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
+    check_gguf(gguf)
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=str(gguf), local_files_only=True)
         # dequantize=True: plain dense nn.Linear weights, which save_pretrained can write (weights
         # kept in GGUF blocks cannot be saved, and need the `kernels` package anyway).
-        model = AutoModelForCausalLM.from_pretrained(
+        model, info = AutoModelForCausalLM.from_pretrained(
             gguf.parent,
             gguf_file=str(gguf),
             quantization_config=GgufConfig(dequantize=True),
             dtype=torch.float32,
             local_files_only=True,
+            output_loading_info=True,
         )
-    except (ValueError, KeyError, NotImplementedError) as e:
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    except Exception as e:
+        # The file passed check_gguf, so what fails here is its content: an unsupported
+        # architecture (ValueError, NotImplementedError), or metadata that a corrupt header still
+        # parses into (fuzzing found KeyError, RuntimeError for shapes that do not match the
+        # config, huggingface_hub's StrictDataclassError for an impossible config, struct.error).
         raise SpecdraftError(
-            f"transformers {transformers.__version__} cannot load {gguf.name}: {first_line}"
+            f"transformers {transformers.__version__} cannot load {gguf.name}: "
+            f"{type(e).__name__}: {_first_line(e)}"
         ) from e
+    # transformers fills weights the file lacks with random ones (a corrupt tensor name, say)
+    missing = sorted(info["missing_keys"]) + sorted(str(k) for k in info["mismatched_keys"])
+    if missing:
+        raise SpecdraftError(f"{gguf.name} is corrupt or incomplete: no weights for {', '.join(missing[:3])}")
 
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{cache.name}.", dir=cache.parent))
     try:
         model.save_pretrained(tmp)  # safetensors, float32
         tokenizer.save_pretrained(tmp)
-        marker = {"gguf": str(gguf), "transformers": transformers.__version__}
+        marker = {"gguf": str(gguf), "transformers": transformers.__version__, "files": _file_records(tmp)}
         (tmp / _CACHE_MARKER).write_text(json.dumps(marker, indent=2))
         if cache.exists() and not _is_complete(cache):
-            shutil.rmtree(cache)  # not ours to explain; never load it
+            shutil.rmtree(cache)  # unfinished or damaged; never load it
         try:
             tmp.rename(cache)
         except OSError:
@@ -326,9 +431,12 @@ def _load_gguf_cached(
         Model, tokenizer, and a note for :attr:`LoadedModel.source` ("cached at ...").
     """
     cache = _cache_dir(slug, fingerprint_files)
-    if _is_complete(cache):
+    damage = _cache_damage(cache) if cache.exists() else "no entry"
+    if damage is None:
         model, tokenizer = _load_hf_dir(cache, dtype)
         return model, tokenizer, f"cached at {cache}"
+    if (cache / _CACHE_MARKER).is_file():
+        log.warning("specdraft: the cached model at %s is damaged (%s); converting it again", cache, damage)
     cache.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".scratch-", dir=cache.parent) as scratch:
         gguf = materialize(Path(scratch))

@@ -44,7 +44,7 @@ def test_file_that_is_not_gguf_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"not a gguf file")
-    with pytest.raises(SpecdraftError, match="cannot load broken.gguf") as e:
+    with pytest.raises(SpecdraftError, match="broken.gguf is not a complete GGUF file") as e:
         load_model(str(bad))
     _one_line(e)
     assert not list((tmp_path / "cache" / "models").iterdir())  # no half cache, no scratch left
