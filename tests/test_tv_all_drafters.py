@@ -1,0 +1,322 @@
+"""Every drafter, and every rule that cuts a proposal short, keeps speculative sampling lossless.
+
+Rejection sampling reproduces p only if each proposed token is distributed as the q it is
+verified against. A rule that decides whether to propose position i from the token drawn there
+(the gated draft once used the sampled token's own q) breaks that: the proposed tokens are then a
+filtered sample. So the rule deciding position i may only read what was known before token i was
+drawn (earlier tokens, the draft's distribution at i, the request, the policy's history).
+
+The statistical test is the one of ``tests/test_sampling.py`` (target: a tiny Llama, vocabulary
+8, its head scaled up; every output of NEW tokens enumerated exactly), run for every drafter class
+and every path that cuts a proposal: a model draft, prompt lookup (no q), the target drafting for
+itself, a layer-pruned draft, the gated designed draft (best prefix and early stop), the feature
+draft, the cost-aware policy's per-class trim and the server's per-row caps. Each case also
+checks that its cut really happened, and the old gating rule is shown to fail the same test.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from specdraft.drafters.base import DraftContext, Proposal
+from specdraft.drafters.designed import FeatureDrafter, GatedDrafter, VerifyCost, best_prefix
+from specdraft.drafters.model import ModelDrafter
+from specdraft.drafters.prompt_lookup import PromptLookupDrafter
+from specdraft.engine import Engine, Request
+from specdraft.models.llama import LlamaRuntime, LlamaWeights
+from specdraft.models.tiny import tiny_llama
+from specdraft.policy import CostAwareK, FixedK
+from specdraft.server.scheduler import CappedPolicy, RowCappedDrafter
+from specdraft.stats import SpecStats
+from specdraft.verify import SamplingParams, logits_to_probs, verify_sampling
+
+V = 8
+NEW = 2  # 64 outcomes: small enough that n = 1200 samples separate a biased sampler
+PROMPT = [1, 2, 3, 1, 2]
+N = 1200
+DELTA = 1e-6
+PARAMS = SamplingParams(temperature=1.0)
+
+
+def peaked(seed: int, scale: float) -> LlamaRuntime:
+    w = LlamaWeights.from_hf(tiny_llama(vocab_size=V, seed=seed), torch.float32)
+    w.lm_head = w.lm_head * scale  # untied: only the head is scaled
+    return LlamaRuntime(w)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return peaked(seed=10, scale=12.0)
+
+
+@pytest.fixture(scope="module")
+def exact(target):
+    """P(output = x) for every x in V^NEW (index sum x_j V^(NEW-1-j))."""
+    outs = torch.cartesian_prod(*[torch.arange(V)] * NEW)  # (V^NEW, NEW)
+    seqs = torch.cat([torch.tensor(PROMPT).expand(len(outs), -1), outs], 1)
+    T = seqs.shape[1]
+    logits = target.forward(target.new_state(len(seqs), T), seqs, torch.arange(T).expand(len(seqs), T)).logits
+    probs = logits_to_probs(logits[:, len(PROMPT) - 1 : -1], PARAMS)  # (V^NEW, NEW, V)
+    return probs.gather(-1, outs.unsqueeze(-1)).squeeze(-1).prod(-1)
+
+
+def tv(idx: torch.Tensor, exact: torch.Tensor) -> float:
+    freq = torch.bincount(idx, minlength=len(exact)).double() / len(idx)
+    return 0.5 * float((freq - exact.double()).abs().sum())
+
+
+def bound(exact: torch.Tensor, n: int) -> float:
+    """E[TV] <= 1/2 sum_x sqrt(p(x)(1 - p(x)) / n), plus McDiarmid's t at confidence 1 - DELTA."""
+    p = exact.double()
+    return 0.5 * float((p * (1 - p) / n).sqrt().sum()) + math.sqrt(math.log(1 / DELTA) / (2 * n))
+
+
+# ------------------------------------------------------------------ recording wrappers
+class Recorder:
+    """Wraps a drafter; keeps each proposal's per-row ``num_valid`` and ``steps``."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.name, self.vocab_size = inner.name, inner.vocab_size
+        self.hidden_layers = getattr(inner, "hidden_layers", ())
+        self.num_valid: list[torch.Tensor] = []
+        self.steps: list[torch.Tensor] = []
+
+    def new_state(self, batch_size, capacity):
+        return self.inner.new_state(batch_size, capacity)
+
+    def propose(self, state, ctx, k) -> Proposal:
+        prop = self.inner.propose(state, ctx, k)
+        B = prop.tokens.shape[0]
+        self.num_valid.append(prop.num_valid if prop.num_valid is not None else torch.full((B,), k))
+        if prop.steps is not None:
+            self.steps.append(prop.steps)
+        return prop
+
+    def observe(self, state, num_accepted):
+        self.inner.observe(state, num_accepted)
+
+
+class SteadyClock:
+    """A policy fed fixed latencies (a draft token 0.1, verifying n tokens 1 + 0.2 (n - 1)), so that
+    its choices depend on acceptance only; records what :meth:`trim` cut."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.k_max = inner.k_max
+        self.cut = 0  # rows trim() shortened
+        self.kept = 0  # rows it left with at least one token
+
+    def choose(self):
+        return self.inner.choose()
+
+    def trim(self, num_valid, bucket):
+        out = self.inner.trim(num_valid, bucket)
+        self.cut += int((out < num_valid).sum())
+        self.kept += int((out > 0).sum())
+        return out
+
+    def update(self, k, num_drafted, num_accepted, draft_time, target_time, bucket=None):
+        n = int(num_drafted.max()) if num_drafted.numel() else 0
+        self.inner.update(k, num_drafted, num_accepted, 0.1 * k, 1.0 + 0.2 * n, bucket)
+
+
+class SampledTokenGate(GatedDrafter):
+    """The old gating rule, kept here to show the test catches it: proposes the best prefix of
+    confidences taken from the *sampled* tokens' own q (so whether token i is proposed depends on
+    token i). Early stop never changed that prefix, so drafting all k gives the same proposal."""
+
+    def propose(self, state, ctx, k):
+        prop = ModelDrafter.propose(self, state, ctx, k)
+        conf = prop.probs.gather(-1, prop.tokens.unsqueeze(-1)).squeeze(-1)  # (B, k): q(x_i)
+        return replace(prop, num_valid=best_prefix(conf, self.cost))
+
+
+# ------------------------------------------------------------------ the cases
+@dataclass
+class Case:
+    """A drafter, a policy, and what to run before each engine step (the server sets caps)."""
+
+    drafter: object
+    policy: object
+    batch: int = N  # rows per engine (the cost-aware policy learns across several engines)
+    before_step: Callable | None = None
+    check: Callable | None = None  # (recorder, policy) -> None: asserts that the cut path ran
+
+
+def _distilled():
+    """A draft with the target's ranking but flatter (its head at 8/12 of the target's scale): its
+    top token often sits near a gate's threshold, where the old rule was most biased."""
+    return peaked(seed=10, scale=8.0)
+
+
+def _lengths(*want: int) -> Callable:
+    """A check that proposals of each length in ``want`` (after any cut) occurred."""
+
+    def check(rec, policy):
+        seen = set(torch.cat(rec.num_valid).tolist())
+        assert set(want) <= seen, (want, seen)
+
+    return check
+
+
+def _early_stop(rec, policy):
+    assert bool((torch.cat(rec.steps) < 3).any())  # the draft stopped before its k = 3 forwards
+    _lengths(0, 1, 2)(rec, policy)  # plain steps and proposals of several lengths
+
+
+def _trimmed(rec, policy):
+    assert policy.cut > 0 and policy.kept > 0, (policy.cut, policy.kept)  # trim cut some rows, not all
+
+
+def make_case(name: str, target: LlamaRuntime) -> Case:
+    """The case ``name``."""
+    if name == "model":
+        return Case(ModelDrafter(peaked(seed=11, scale=12.0), "other"), FixedK(2))
+    if name == "lookup":
+        return Case(PromptLookupDrafter(), FixedK(3))
+    if name == "self":
+        return Case(ModelDrafter(target, "self"), FixedK(2))
+    if name == "pruned":
+        return Case(ModelDrafter(LlamaRuntime(target.w, [0]), "prune:0"), FixedK(2))
+    if name == "gated-best-prefix":
+        # a second token costs less than the first: whether the first pays can hang on the second
+        gated = GatedDrafter(_distilled(), "gated", cost=VerifyCost([1.0, 1.4, 1.6], 0.0))
+        return Case(gated, FixedK(2), check=_lengths(1, 2))
+    if name == "gated-early-stop":
+        gated = GatedDrafter(_distilled(), "gated", cost=VerifyCost([1.0, 1.6, 1.8, 2.4], 0.05))
+        return Case(gated, FixedK(3), check=_early_stop)
+    if name == "feature":
+        w = LlamaWeights.from_hf(tiny_llama(vocab_size=V, seed=12), torch.float32)
+        w.lm_head = w.lm_head * 12.0
+        fc = torch.randn(w.embed.shape[1], 2 * w.embed.shape[1], generator=torch.Generator().manual_seed(0)) * 0.1
+        # rows without the target's features yet (the first step) propose nothing
+        return Case(FeatureDrafter(LlamaRuntime(w), fc, target.w.embed, "feature"), FixedK(2), check=_lengths(0, 2))
+    if name == "cost-aware-trim":
+        policy = SteadyClock(CostAwareK(k_max=3, k_start=3, probe_every=2))
+        return Case(PromptLookupDrafter(), policy, batch=100, check=_trimmed)
+    if name == "server-row-caps":
+        drafter, policy = RowCappedDrafter(ModelDrafter(peaked(seed=11, scale=12.0), "other")), CappedPolicy(FixedK(3))
+
+        def before_step(engine):  # as Scheduler._step: per-request caps (off, 1, none), the batch's k
+            caps = [(0, 1, policy.k_max)[r.params.seed % 3] for r in engine.requests]
+            policy.cap = max(caps)
+            drafter.caps = torch.tensor(caps)
+
+        return Case(drafter, policy, before_step=before_step, check=_lengths(0, 1, 3))
+    if name == "old-gate":
+        return Case(SampledTokenGate(_distilled(), "old", cost=VerifyCost([1.0, 1.4, 1.6], 0.0)), FixedK(2))
+    raise ValueError(name)
+
+
+def sample_outputs(target: LlamaRuntime, case: Case, n: int) -> tuple[torch.Tensor, Recorder, SpecStats]:
+    """n speculative samples of NEW tokens (request i seeded with i), as outcome indices; the
+    proposals and the engines' statistics."""
+    rec = Recorder(case.drafter)
+    stats = SpecStats()
+    idx = []
+    for start in range(0, n, case.batch):
+        engine = Engine(target, rec, case.policy, hidden_layers=rec.hidden_layers)
+        reqs = [Request(PROMPT, NEW, replace(PARAMS, seed=start + i)) for i in range(min(case.batch, n - start))]
+        engine.add(reqs)
+        out: dict[int, list[int]] = {}
+        while engine.active:
+            if case.before_step is not None:
+                case.before_step(engine)
+            for ev in engine.step():
+                out.setdefault(ev.request_id, []).extend(ev.tokens)
+        stats.merge(engine.stats)
+        for r in reqs:
+            idx.append(sum(t * V ** (NEW - 1 - j) for j, t in enumerate(out[r.id])))
+    return torch.tensor(idx), rec, stats
+
+
+CASES = ["model", "lookup", "self", "pruned", "gated-best-prefix", "gated-early-stop", "feature",
+         "cost-aware-trim", "server-row-caps"]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_sampled_output_follows_the_target_distribution(target, exact, name):
+    case = make_case(name, target)
+    idx, rec, stats = sample_outputs(target, case, N)
+    small, large = tv(idx[: N // 4], exact), tv(idx, exact)
+    assert small < bound(exact, N // 4), (small, bound(exact, N // 4))
+    assert large < bound(exact, N), (large, bound(exact, N))
+    assert large < small  # shrinks with the sample count
+    assert stats.accepted > 0  # drafts were verified and accepted
+    assert stats.accepted < stats.drafted or name == "self"  # and rejected (the target's own drafts never are)
+    if case.check is not None:
+        case.check(rec, case.policy)
+
+
+def test_the_old_gating_rule_fails_this_test(target, exact):
+    """Gating on the sampled token's own q (the bug) is far outside the bound with the same draft."""
+    case = make_case("old-gate", target)
+    idx, rec, _ = sample_outputs(target, case, N)
+    nv = torch.cat(rec.num_valid)
+    assert bool((nv == 0).any()) and bool((nv > 0).any())
+    assert tv(idx, exact) > bound(exact, N), (tv(idx, exact), bound(exact, N))
+
+
+# ------------------------------------------------------------------ the issue's worked example
+class FixedQ:
+    """A draft runtime whose every next-token distribution is ``q`` (a 2-token vocabulary)."""
+
+    def __init__(self, q: torch.Tensor):
+        self.logits = q.log()
+        self.vocab_size, self.max_context, self.dtype = q.numel(), 64, torch.float32
+
+    def new_state(self, batch_size, capacity):
+        return None
+
+    def forward(self, state, tokens, positions, logits_index=None, **kw):
+        T = tokens.shape[1] if logits_index is None else logits_index.shape[1]
+        return SimpleNamespace(logits=self.logits.expand(tokens.shape[0], T, -1).clone())
+
+
+def gated_output(q: torch.Tensor, p: torch.Tensor, proposed: torch.Tensor) -> torch.Tensor:
+    """The exact output distribution of one k = 1 step when the drawn token x is proposed iff
+    ``proposed[x]``: proposed, x is accepted with ``min(1, p(x)/q(x))``, else the residual
+    ``norm(max(p - q, 0))`` is sampled; not proposed, the step samples p."""
+    accept = (p / q).clamp(max=1)  # (V,)
+    residual = (p - q).clamp(min=0)
+    residual = residual / residual.sum()
+    out = torch.zeros_like(p)
+    for x in range(len(q)):
+        if proposed[x]:
+            out += q[x] * ((1 - accept[x]) * residual + accept[x] * torch.nn.functional.one_hot(torch.tensor(x), len(q)))
+        else:
+            out += q[x] * p
+    return out
+
+
+def first_token_frequency(drafter, p: torch.Tensor, rows: int) -> float:
+    """Propose k = 1 for ``rows`` independent rows and verify against p; P(output token 0)."""
+    gens = [torch.Generator().manual_seed(i) for i in range(rows)]
+    ctx = DraftContext(torch.zeros(rows, 4, dtype=torch.int64), torch.full((rows,), 2), [PARAMS] * rows, gens)
+    prop = drafter.propose(drafter.new_state(rows, 8), ctx, 1)
+    verdict = verify_sampling(prop.tokens, prop.probs, p.expand(rows, 2, -1), gens, prop.num_valid)
+    return float((verdict.tokens[:, 0] == 0).double().mean())
+
+
+def test_worked_example_gate_on_the_sampled_token_gives_042_and_the_fix_gives_03():
+    """k = 1, q = (0.6, 0.4), p = (0.3, 0.7); proposing pays when the confidence exceeds 0.5
+    (verifying 2 tokens costs 1.5 plain steps). Gating on q of the sampled token proposes A only:
+    P(A) = 0.6 * 0.3 / 0.6 + 0.4 * 0.3 = 0.42. Gating on the distribution (max q = 0.6) always
+    proposes, and rejection sampling gives p(A) = 0.3."""
+    q, p = torch.tensor([0.6, 0.4]), torch.tensor([0.3, 0.7])
+    cost = VerifyCost([1.0, 1.5], 0.0)
+    exact_old = gated_output(q, p, proposed=q > 0.5)  # (True, False): only A is proposed
+    exact_new = gated_output(q, p, proposed=torch.full((2,), bool(q.max() > 0.5)))  # always proposed
+    assert float(exact_old[0]) == pytest.approx(0.42) and float(exact_new[0]) == pytest.approx(0.3)
+    rows = 4000  # standard error ~0.007
+    old = first_token_frequency(SampledTokenGate(FixedQ(q), "old", cost=cost), p, rows)
+    new = first_token_frequency(GatedDrafter(FixedQ(q), "gated", cost=cost), p, rows)
+    assert old == pytest.approx(0.42, abs=0.035)
+    assert new == pytest.approx(0.3, abs=0.035)
