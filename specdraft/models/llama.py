@@ -267,10 +267,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, exact: bool = Fa
     to a one-row call; otherwise the kernel takes decode-sized inputs and torch the rest.
     """
     if x.dtype == torch.float32:
-        if exact:
+        y = kernels.rms_norm(x, weight, eps)  # decode-sized inputs
+        if y is None and exact:  # more rows than the kernel's limit
             y = by_rows(lambda part: kernels.rms_norm(part, weight, eps), x)
-        else:
-            y = kernels.rms_norm(x, weight, eps)  # decode-sized inputs
         return F.rms_norm(x, weight.shape, weight, eps) if y is None else y
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
