@@ -180,7 +180,8 @@ def _export(args) -> int:
     draft, meta, extra = load_draft(src, pipe.target.model)
     if meta.kind != "layers":
         raise SpecdraftError(f"{src} is a {meta.kind} draft: it exports only in its own format (copy the directory)")
-    save_draft(args.out, draft, read_meta(src), full=True, add_files=lambda d: pipe.tokenizer.save_pretrained(str(d)))
+    save_draft(args.out, draft, read_meta(src), full=True,
+               add_files=lambda d: pipe.tokenizer.save_pretrained(str(d)))  # lands with the draft
     print(f"wrote {args.out}: transformers AutoModelForCausalLM.from_pretrained loads it (embedding included)")
     return 0
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -74,7 +74,7 @@ class DraftMeta:
     format: int = FORMAT
 
     @classmethod
-    def for_target(cls, target_model, target_name: str, kind: str = "layers", head=None, **kw) -> "DraftMeta":
+    def for_target(cls, target_model, target_name: str, kind: str = "layers", head=None, **kw) -> DraftMeta:
         """Meta for a draft of ``target_model``; ``head`` is a :class:`~specdraft.design.vocab.VocabSubset` or None."""
         cfg = target_model.config
         return cls(
@@ -118,7 +118,8 @@ def check_compatible(meta: DraftMeta, target_model, where: str) -> None:
 
 
 def save_draft(path: str | Path, draft, meta: DraftMeta, *, full: bool = False, dtype: torch.dtype | None = None,
-               extra: dict[str, torch.Tensor] | None = None, add_files: Callable[[Path], None] | None = None) -> Path:
+               extra: dict[str, torch.Tensor] | None = None,
+               add_files: Callable[[Path], None] | None = None) -> Path:
     """Write a draft directory (compact, or ``full`` with the shared embedding too), atomically.
 
     The whole directory is written under a temporary name beside ``path``, fsynced and renamed into
@@ -163,7 +164,8 @@ def save_draft(path: str | Path, draft, meta: DraftMeta, *, full: bool = False, 
     tmp.mkdir()
     try:
         cfg.to_json_file(str(tmp / "config.json"))
-        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "specdraft": "full" if full else "compact"})
+        kind = "full" if full else "compact"
+        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "specdraft": kind})
         (tmp / META_FILE).write_text(json.dumps(asdict(meta), indent=1))
         if add_files is not None:
             add_files(tmp)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import specdraft
 from specdraft.errors import SpecdraftError

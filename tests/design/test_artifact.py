@@ -115,7 +115,8 @@ def test_an_interrupted_overwrite_leaves_the_old_draft_whole(target, tmp_path, m
     assert _files(d) == old
     assert [p.name for p in tmp_path.iterdir()] == ["d"]  # nothing left beside it
     monkeypatch.setattr(safetensors.torch, "save_file", real)
-    save_draft(d, depth_prune(target, [0, 1]), meta, add_files=lambda tmp: (tmp / "RECIPE.md").write_text("r"))
+    save_draft(d, depth_prune(target, [0, 1]), meta,
+               add_files=lambda tmp: (tmp / "RECIPE.md").write_text("r"))
     new = _files(d)
     assert set(new) == {"config.json", "model.safetensors", "specdraft.json", "RECIPE.md"}
     assert all(new[f] != old[f] for f in old)
