@@ -25,7 +25,7 @@ wrote, as in a speculative run), and every position's logits are compared. On th
 EPYC, AVX2 only, torch 2.13 CPU), the real SmolLM2-135M-Instruct in bf16, with::
 
     specdraft check --target smollm2-135m --draft prune:0,1,2,29 --dtype bf16 --k K --threads 1 \
-        --prompts specdraft/data/spec_bench/question.jsonl --limit 6 --max-new-tokens 32 --drift
+        --prompts ../shared/data/spec_bench/question.jsonl --limit 6 --max-new-tokens 32 --drift
 
 for K = 1, 3, 8, and on six short chat prompts (K = 8, ``--max-new-tokens 24``: "What is speculative
 decoding?", "List three facts about the planet Mars.", "Write a haiku about autumn.", "Translate

@@ -9,23 +9,26 @@ Two line formats are read, and may be mixed in one file:
 - ``{"prompt": "..."}``, optionally with ``"category"``; without one the category is the file's
   stem (``hellaswag_prompts.jsonl`` -> ``hellaswag_prompts``).
 
-The default suite is Spec-Bench's ``spec_bench/question.jsonl`` (480 questions, 13 categories),
-shipped in ``specdraft/data`` with the training prompt sets (see its README for sources and
-licences). :func:`data_file` looks a data file up in ``$SPECDRAFT_DATA`` first, then in the shipped
-copy.
+The default suite is Spec-Bench's ``spec_bench/question.jsonl`` (480 questions, 13 categories).
+:func:`data_file` finds a data file in ``$SPECDRAFT_DATA``, else in the project's read-only data
+folder ``../shared/data`` beside the repository, else in the small slices shipped in
+``specdraft/data`` (52 Spec-Bench questions, 4 per category; see its README), with a note on stderr.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdraft.data.make_slices import BY_PATH
 from specdraft.errors import SpecdraftError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SHIPPED_DATA = Path(__file__).resolve().parents[1] / "data"  # specdraft/data, installed as package data
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"  # the full data files, read-only, beside the repository
+SHIPPED_DATA = Path(__file__).resolve().parents[1] / "data"  # the slices in specdraft/data (package data)
 SPEC_BENCH = Path("spec_bench") / "question.jsonl"
 
 
@@ -47,13 +50,38 @@ class BenchPrompt:
 def data_file(relative: str | Path) -> Path:
     """A data file by its path inside a data directory (``spec_bench/question.jsonl``).
 
-    ``$SPECDRAFT_DATA/<relative>`` when that variable is set and the file exists there, else the
-    copy shipped in ``specdraft/data``. When neither exists, the path in ``$SPECDRAFT_DATA`` (else
-    the shipped one), so that the "not found" message names where it was looked for.
+    The first that exists of ``$SPECDRAFT_DATA/<relative>`` (when the variable is set),
+    ``../shared/data/<relative>`` (:data:`SHARED_DATA`) and the slice shipped in ``specdraft/data``
+    (:data:`SHIPPED_DATA`; a one-line note on stderr the first time each slice is used). When none
+    exists, the first of those paths, so that the "not found" message names where it was looked for.
     """
     env = os.environ.get("SPECDRAFT_DATA")
-    candidates = ([Path(env).expanduser() / relative] if env else []) + [SHIPPED_DATA / relative]
-    return next((c for c in candidates if c.is_file()), candidates[0])
+    candidates = [Path(env).expanduser() / relative] if env else []
+    candidates += [SHARED_DATA / relative, SHIPPED_DATA / relative]
+    found = next((c for c in candidates if c.is_file()), None)
+    if found is None:
+        return candidates[0]
+    if found == candidates[-1]:
+        _note_slice(Path(relative).as_posix())
+    return found
+
+
+_noted: set[str] = set()
+
+
+def _note_slice(relative: str) -> None:
+    if relative in _noted:
+        return
+    _noted.add(relative)
+    s = BY_PATH.get(relative)
+    what = f"the {s.lines}-{s.unit} slice of {s.name}" if s else f"the {relative} slice"
+    print(f"note: using {what} shipped in specdraft/data; set SPECDRAFT_DATA for the full set",
+          file=sys.stderr)
+
+
+def is_shipped_slice(path: Path) -> bool:
+    """Whether ``path`` (from :func:`data_file`) is one of the slices shipped in ``specdraft/data``."""
+    return Path(path).resolve().is_relative_to(SHIPPED_DATA)
 
 
 def default_prompts_path() -> Path:

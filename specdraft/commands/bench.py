@@ -16,7 +16,9 @@ HELP = "benchmark speculative vs plain decoding on Spec-Bench prompts (optionall
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     add_sampling_arguments(p)
-    p.add_argument("--prompts", default=None, help="JSONL prompt file (default: Spec-Bench, specdraft/data/spec_bench/question.jsonl)")
+    p.add_argument("--prompts", default=None,
+                   help="JSONL prompt file (default: Spec-Bench spec_bench/question.jsonl from "
+                        "$SPECDRAFT_DATA or ../shared/data, else the 52-question slice in specdraft/data)")
     p.add_argument("--categories", default=None, help="comma-separated categories to keep (default: all)")
     p.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
     p.add_argument("--max-new-tokens", type=int, default=128, help="generation budget per turn")

@@ -43,8 +43,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=_ints, default=[1, 2, 4, 8], help="batch sizes (default 1,2,4,8)")
     p.add_argument("--datasets", default=None,
                    help="comma-separated dataset names (Spec-Bench categories, hellaswag); default all")
-    p.add_argument("--spec-bench", default=None, help="Spec-Bench question file (default: the shipped specdraft/data/spec_bench/question.jsonl); 'none' to leave out")
-    p.add_argument("--hellaswag", default=None, help="HellaSwag prompt file (default: the shipped specdraft/data/hellaswag_prompts.jsonl); 'none' to leave out")
+    p.add_argument("--spec-bench", default=None,
+                   help="Spec-Bench question file (default: spec_bench/question.jsonl from $SPECDRAFT_DATA "
+                        "or ../shared/data, else the slice in specdraft/data); 'none' to leave out")
+    p.add_argument("--hellaswag", default=None,
+                   help="HellaSwag prompt file (default: hellaswag_prompts.jsonl from $SPECDRAFT_DATA or "
+                        "../shared/data, else the slice in specdraft/data); 'none' to leave out")
     p.add_argument("--prompts-per-dataset", type=int, default=8)
     p.add_argument("--heldout", type=int, default=16, help="held-out HellaSwag prompts for draft perplexity/agreement")
     p.add_argument("--max-new-tokens", type=int, default=64, help="length of each cached target continuation")

@@ -6,6 +6,7 @@ command line, seed, data (sources, prompts, tokens), steps, and the time each ph
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 import time
@@ -15,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from specdraft.bench.prompts import REPO_ROOT, data_file
+from specdraft.bench import prompts as bench_prompts
+from specdraft.bench.prompts import REPO_ROOT, data_file, is_shipped_slice
 from specdraft.design.artifact import DraftMeta, save_draft
 from specdraft.design.data import GEN_DTYPES, SOURCE_FILES, SOURCES, TargetData, target_data, training_prompts
 from specdraft.design.prune import depth_prune, importance, param_count, width_prune
@@ -65,12 +67,19 @@ SELF_SOURCE = "requests the target wrote itself (Magpie-style, sampled from its 
 
 
 def source_name(source: str) -> str:
-    """What a recipe records for a prompt source: the file read (relative to the repository when
-    inside it: ``specdraft/data/gsm8k/train.jsonl``), or what ``self`` is."""
+    """What a recipe records for a prompt source: the file read, relative to the repository when
+    it lies in it or in ``../shared/data`` (``../shared/data/gsm8k/train.jsonl``, as the committed
+    drafts' recipes name it), marked when it is a shipped slice; or what ``self`` is."""
     if source == "self":
         return SELF_SOURCE
     path = data_file(SOURCE_FILES[source]).resolve()
-    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
+    if path.is_relative_to(REPO_ROOT) or path.is_relative_to(bench_prompts.SHARED_DATA.resolve()):
+        name = os.path.relpath(path, REPO_ROOT)
+    else:
+        name = str(path)
+    if is_shipped_slice(path):
+        name += " (the slice shipped with specdraft, specdraft/data/README.md)"
+    return name
 
 
 def head_subset(data: TargetData, n: int, vocab_size: int, eos_ids, prompt_counts: torch.Tensor | None = None) -> VocabSubset | None:

@@ -1,7 +1,8 @@
 """Training data for a draft: the target's own greedy responses to training prompts, cached.
 
 Prompts come from the training sets only (``gsm8k/train.jsonl`` questions and
-``hellaswag_prompts.jsonl`` contexts, alternating, shipped in ``specdraft/data``); Spec-Bench is
+``hellaswag_prompts.jsonl`` contexts, alternating; found by :func:`~specdraft.bench.prompts.data_file`:
+``$SPECDRAFT_DATA``, ``../shared/data``, else the slices shipped in ``specdraft/data``); Spec-Bench is
 evaluation-only and is never read here. A fixed slice of each file (:data:`VAL_PER_SOURCE` prompts
 from its end after a seeded shuffle) is held out for validation.
 
@@ -43,7 +44,7 @@ from pathlib import Path
 import torch
 
 from specdraft import durable
-from specdraft.bench.prompts import data_file
+from specdraft.bench.prompts import data_file, is_shipped_slice
 from specdraft.engine import Engine, Request
 from specdraft.errors import SpecdraftError
 from specdraft.policy import FixedK
@@ -97,7 +98,7 @@ def training_prompts(n: int, split: str = "train", seed: int = 0, root: Path | N
         seed: shuffles each file before the split (the split itself is the same for every seed
             0 run; other seeds give other splits).
         root: data directory (default: :func:`~specdraft.bench.prompts.data_file`, i.e.
-            ``$SPECDRAFT_DATA``, then the copy shipped in ``specdraft/data``).
+            ``$SPECDRAFT_DATA``, ``../shared/data``, then the slices shipped in ``specdraft/data``).
         sources: which of :data:`ALL_SOURCES`; ``self`` needs ``pipe`` (the target writes them,
             with ``runtime`` if given, else the pipeline's).
     """
@@ -441,6 +442,11 @@ def target_data(
         spec["sources"] = list(sources)
     if runtime is not pipe.runtime:
         spec["gen_dtype"] = str(gen_dtype).removeprefix("torch.")
+    files = {s: data_file(SOURCE_FILES[s]) for s in sources if s in SOURCE_FILES}
+    slices = {s: hashlib.sha256(f.read_bytes()).hexdigest()[:12]
+              for s, f in files.items() if is_shipped_slice(f)}
+    if slices:  # (prompts from a shipped slice are others than the full file's: another key)
+        spec["slices"] = slices
     root = Path(cache) if cache else cache_root() / "design"
     d = root / f"data-{_cache_key(pipe.target.name, pipe.runtime.vocab_size, spec)}"
     d.mkdir(parents=True, exist_ok=True)
