@@ -3,6 +3,7 @@ import json
 import torch
 
 from specdraft import cli
+from specdraft.bench import prompts
 
 
 def test_demo_writes_bench_profile_and_report(tmp_path, capsys):
@@ -48,9 +49,12 @@ def test_demo_time_budget_leaves_prompts_out(tmp_path):
     assert [s["reason"] for s in bench["skipped"]] == ["time budget", "time budget"]
 
 
-def test_demo_runs_from_a_clone_with_no_data_folder(tmp_path, monkeypatch):
-    """No ``--prompts`` and ``$SPECDRAFT_DATA`` pointing nowhere: the shipped Spec-Bench suite is used."""
+def test_demo_runs_from_a_clone_with_no_data_folder(tmp_path, monkeypatch, capsys):
+    """No ``--prompts``, ``$SPECDRAFT_DATA`` pointing nowhere and no ``../shared/data``: the Spec-Bench
+    slice shipped in specdraft/data is used, with a note."""
     monkeypatch.setenv("SPECDRAFT_DATA", str(tmp_path / "nonexistent"))
+    monkeypatch.setattr(prompts, "SHARED_DATA", tmp_path / "no-shared")
+    monkeypatch.setattr(prompts, "_noted", set())
     out = tmp_path / "demo"
     threads = torch.get_num_threads()
     try:
@@ -63,3 +67,5 @@ def test_demo_runs_from_a_clone_with_no_data_folder(tmp_path, monkeypatch):
     # --limit 1 (the default) of each of Spec-Bench's 13 categories; the zero budget runs only the first
     assert bench["overall"]["prompts"] == 1 and list(bench["categories"]) == ["writing"]
     assert len(bench["skipped"]) == 12
+    err = capsys.readouterr().err
+    assert "note: using the 52-question slice of Spec-Bench shipped in specdraft/data" in err

@@ -2,6 +2,7 @@ import json
 
 import pytest
 
+from specdraft.bench import prompts
 from specdraft.bench.prompts import (
     SHIPPED_DATA,
     BenchPrompt,
@@ -93,11 +94,13 @@ def test_parse_categories():
     assert parse_categories("") is None and parse_categories(None) is None
 
 
-def test_default_suite_is_shipped_and_specdraft_data_overrides_it(tmp_path, monkeypatch):
+def test_default_suite_falls_back_to_the_shipped_slice_and_specdraft_data_overrides_it(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDRAFT_DATA", str(tmp_path / "nonexistent"))  # a clone with no data folder beside it
+    monkeypatch.setattr(prompts, "SHARED_DATA", tmp_path / "no-shared")
     assert default_prompts_path() == SHIPPED_DATA / "spec_bench" / "question.jsonl"
     shipped = load_prompts()
-    assert len(shipped) == 480 and len({p.category for p in shipped}) == 13
+    assert len(shipped) == 52 and len({p.category for p in shipped}) == 13  # 4 per category
+    assert [p.id for p in load_prompts(categories=["writing"])] == ["81", "82", "83", "84"]
     monkeypatch.setenv("SPECDRAFT_DATA", str(tmp_path))
     (tmp_path / "spec_bench").mkdir()
     write(tmp_path / "spec_bench" / "question.jsonl", [{"question_id": 1, "category": "qa", "turns": ["hi"]}])
@@ -105,11 +108,21 @@ def test_default_suite_is_shipped_and_specdraft_data_overrides_it(tmp_path, monk
     assert [p.category for p in load_prompts()] == ["qa"]
 
 
+def test_the_full_suite_comes_from_shared_data_when_present(monkeypatch):
+    monkeypatch.delenv("SPECDRAFT_DATA", raising=False)
+    if not (prompts.SHARED_DATA / "spec_bench" / "question.jsonl").is_file():
+        pytest.skip("no ../shared/data beside this checkout")
+    assert default_prompts_path() == prompts.SHARED_DATA / "spec_bench" / "question.jsonl"
+    full = load_prompts()
+    assert len(full) == 480 and len({p.category for p in full}) == 13
+
+
 def test_a_missing_data_file_names_where_it_was_looked_for(tmp_path, monkeypatch):
+    monkeypatch.setattr(prompts, "SHARED_DATA", tmp_path / "shared")
     monkeypatch.setenv("SPECDRAFT_DATA", str(tmp_path))
     assert data_file("nothing.jsonl") == tmp_path / "nothing.jsonl"
     monkeypatch.delenv("SPECDRAFT_DATA")
-    assert data_file("nothing.jsonl") == SHIPPED_DATA / "nothing.jsonl"
+    assert data_file("nothing.jsonl") == tmp_path / "shared" / "nothing.jsonl"
     with pytest.raises(SpecdraftError, match="prompt file not found: .*nothing.jsonl"):
         read_prompts(data_file("nothing.jsonl"))
 
