@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from specdraft.commands import add_model_arguments, port
 
@@ -18,7 +19,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: --target)")
     p.add_argument("--shutdown-grace", type=float, default=5.0, help="seconds in-flight requests may finish after SIGTERM")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require Authorization: Bearer KEY on /v1/* (default: $SPECDRAFT_API_KEY; none: no auth)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="end a request still waiting or decoding after this long with a 408 (default: off)",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """``--api-key``, else ``$SPECDRAFT_API_KEY`` (unset or empty: no key)."""
+    return args.api_key if args.api_key is not None else os.environ.get("SPECDRAFT_API_KEY") or None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -32,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         default_max_tokens=args.default_max_tokens,
         shutdown_grace=args.shutdown_grace,
+        api_key=api_key(args),
+        request_timeout=args.request_timeout,
     )
     pipe = api.load(args.target, args.draft, dtype=args.dtype, runtime=args.runtime, threads=args.threads, draft_dtype=args.draft_dtype)
     return run_server(create_app(pipe, config), args.host, args.port, args.log_level)

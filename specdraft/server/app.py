@@ -4,22 +4,30 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming and n
 ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
 
 Status codes: 400 for any bad request (malformed JSON, missing or mistyped field, unsupported
-option, prompt or ``max_tokens`` beyond the context window: code ``context_length_exceeded``), 404
-for an unknown model or route, 413 for a body over ``max_body_bytes``, 429 (with ``Retry-After``)
-when ``max_batch`` requests are decoding and ``max_queue`` are waiting, 503 while shutting down.
-Every error body is OpenAI's ``{"error": {"message", "type", "param", "code"}}``.
+option, prompt or ``max_tokens`` beyond the context window: code ``context_length_exceeded``), 401
+for a missing or wrong API key (with ``api_key`` set), 404 for an unknown model or route, 408 when a
+request outlives ``request_timeout``, 413 for a body over ``max_body_bytes``, 415 for a body that is
+not ``application/json``, 429 (with ``Retry-After``) when ``max_batch`` requests are decoding and
+``max_queue`` are waiting, 500 for an internal error, 503 while shutting down or after the
+scheduler thread died. Every error body is OpenAI's ``{"error": {"message", "type", "param", "code"}}``.
+
+Exposure. With ``api_key`` set, every ``/v1/*`` request needs ``Authorization: Bearer <key>``, as
+vLLM's ``--api-key``; ``/health`` and ``/metrics`` stay open. A JSON body is required with its
+Content-Type: a web page can POST ``text/plain`` to a loopback server without a CORS preflight,
+and such a request is refused before anything runs. Parsing and tokenization run in a worker
+thread, so a huge prompt does not hold up other streams on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import signal
 import socket
 import sys
 import threading
-import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -27,6 +35,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdraft.api import Pipeline
@@ -53,6 +62,10 @@ class ServerConfig:
         max_body_bytes: larger request bodies get 413.
         shutdown_grace: seconds in-flight requests may keep decoding after SIGTERM before they
             end with ``finish_reason: "abort"``.
+        api_key: when set, ``/v1/*`` requests need ``Authorization: Bearer <api_key>`` (401
+            otherwise); None: no authentication.
+        request_timeout: seconds a request may wait and decode before it ends with a 408 and its
+            row is freed; None: no limit.
     """
 
     model_name: str
@@ -62,6 +75,8 @@ class ServerConfig:
     default_max_tokens: int = 256
     max_body_bytes: int = 4 * 1024 * 1024
     shutdown_grace: float = 5.0
+    api_key: str | None = None
+    request_timeout: float | None = None
 
     def __post_init__(self):
         if self.max_batch < 1:
@@ -72,6 +87,10 @@ class ServerConfig:
             raise SpecdraftError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if self.shutdown_grace < 0:
             raise SpecdraftError(f"shutdown_grace must be >= 0, got {self.shutdown_grace}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise SpecdraftError("the API key is empty; give a non-empty key or none")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise SpecdraftError(f"request_timeout must be > 0 seconds, got {self.request_timeout}")
 
 
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
@@ -101,11 +120,40 @@ class _CountRequests:
             self.metrics.http_requests.labels(endpoint=endpoint, status=str(status)).inc()
 
 
+class _RequireKey:
+    """ASGI middleware: ``/v1`` requests without ``Authorization: Bearer <key>`` get a 401."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not (scope["path"] + "/").startswith("/v1/") or self._authorized(scope):
+            return await self.app(scope, receive, send)
+        err = P.APIError(
+            401,
+            "missing or invalid API key: send the header Authorization: Bearer <key>",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+        await JSONResponse(err.body(), status_code=401, headers=err.headers)(scope, receive, send)
+
+    def _authorized(self, scope) -> bool:
+        scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.key)
+
+
 def create_app(pipe: Pipeline, config: ServerConfig) -> FastAPI:
     """The ASGI app; its lifespan starts and stops the scheduler thread."""
     metrics = Metrics()
     policy = make_policy(config.k)
-    scheduler = Scheduler(pipe, policy, max_batch=config.max_batch, max_queue=config.max_queue, metrics=metrics)
+    scheduler = Scheduler(
+        pipe,
+        policy,
+        max_batch=config.max_batch,
+        max_queue=config.max_queue,
+        metrics=metrics,
+        request_timeout=config.request_timeout,
+    )
     created = P.now()
 
     @asynccontextmanager
@@ -118,7 +166,9 @@ def create_app(pipe: Pipeline, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="specdraft", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.scheduler, app.state.metrics, app.state.config = scheduler, metrics, config
-    app.add_middleware(_CountRequests, metrics=metrics)
+    if config.api_key is not None:
+        app.add_middleware(_RequireKey, key=config.api_key)
+    app.add_middleware(_CountRequests, metrics=metrics)  # the outer one: 401s are counted too
 
     @app.exception_handler(P.APIError)
     async def api_error(request: Request, e: P.APIError):
@@ -146,6 +196,8 @@ def create_app(pipe: Pipeline, config: ServerConfig) -> FastAPI:
             "max_batch": scheduler.max_batch,
             "max_queue": scheduler.max_queue,
         }
+        if scheduler.dead is not None:
+            body["error"] = f"the scheduler stopped: {scheduler.dead}"
         return JSONResponse(body, status_code=200 if scheduler.accepting else 503)
 
     @app.get("/metrics")
@@ -163,22 +215,35 @@ def create_app(pipe: Pipeline, config: ServerConfig) -> FastAPI:
         }
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        req = P.parse_request(P.CompletionRequest, await _read_body(request, config.max_body_bytes))
+    def prepare_completion(body: bytes) -> tuple[P.CompletionRequest, list[int]]:
+        req = P.parse_request(P.CompletionRequest, body)
         _check_request(req, config)
         prompt = req.single_prompt()
         ids = _check_ids(prompt, pipe) if isinstance(prompt, list) else _encode(pipe, prompt, chat=False)
-        return await _serve(request, req, ids, req.max_tokens, _Renderer("cmpl", config.model_name, chat=False))
+        return req, ids
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        req = P.parse_request(P.ChatCompletionRequest, await _read_body(request, config.max_body_bytes))
+    def prepare_chat(body: bytes) -> tuple[P.ChatCompletionRequest, list[int]]:
+        req = P.parse_request(P.ChatCompletionRequest, body)
         _check_request(req, config)
         if not pipe.target.is_chat():
             raise P.APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-        messages = [m.as_template_message() for m in req.messages]
-        ids = _encode(pipe, messages, chat=True)
+        return req, _encode(pipe, [m.as_template_message() for m in req.messages], chat=True)
+
+    # parsing and tokenization run in a worker thread: a multi-megabyte prompt takes seconds to
+    # encode, and the event loop must keep streaming the other requests' tokens meanwhile
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        _check_content_type(request)
+        body = await _read_body(request, config.max_body_bytes)
+        req, ids = await asyncio.to_thread(prepare_completion, body)
+        renderer = _Renderer("cmpl", config.model_name, chat=False)
+        return await _serve(request, req, ids, req.max_tokens, renderer)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        _check_content_type(request)
+        body = await _read_body(request, config.max_body_bytes)
+        req, ids = await asyncio.to_thread(prepare_chat, body)
         renderer = _Renderer("chatcmpl", config.model_name, chat=True)
         return await _serve(request, req, ids, req.requested_max_tokens, renderer)
 
@@ -210,6 +275,15 @@ def _check_request(req, config: ServerConfig) -> None:
     if req.model is not None and req.model != config.model_name:
         message = f"the model `{req.model}` does not exist; this server serves `{config.model_name}`"
         raise P.APIError(404, message, param="model", code="model_not_found")
+
+
+def _check_content_type(request: Request) -> None:
+    """415 unless the body is declared JSON (a browser sends text/plain cross-site without a preflight)."""
+    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media != "application/json":
+        got = f"`{media}`" if media else "none"
+        message = f"the request body must be JSON with Content-Type: application/json (got {got})"
+        raise P.APIError(415, message, code="unsupported_media_type")
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -388,7 +462,8 @@ def run_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> i
     sched: Scheduler = app.state.scheduler
     print(
         f"specdraft serve: listening on http://{host}:{bound} (model {cfg.model_name}, k {cfg.k}, "
-        f"max batch {sched.max_batch}, max queue {sched.max_queue})",
+        f"max batch {sched.max_batch}, max queue {sched.max_queue}"
+        f"{', API key required' if cfg.api_key else ''})",
         file=sys.stderr,
         flush=True,
     )

@@ -24,6 +24,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256  # characters per stop string: each is searched in the text at every step
 
 
 class APIError(Exception):
@@ -109,6 +110,8 @@ class _GenerationRequest(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stop) > MAX_STOP_STRINGS:
             raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings", param="stop")
+        if any(len(s) > MAX_STOP_LENGTH for s in stop):
+            raise APIError(400, f"a stop string may have at most {MAX_STOP_LENGTH} characters", param="stop")
         return [s for s in stop if s]
 
     @property

@@ -19,7 +19,13 @@ pay for drafting the batch's k (their drafted tokens are simply ignored).
 
 Isolation: any exception while admitting or delivering to one job fails that job only (its row is
 cancelled); an exception inside ``engine.step`` fails the rows of that batch, and the scheduler
-starts a fresh engine, so later requests are served normally.
+starts a fresh engine, so later requests are served normally. If the thread itself dies (the error
+handling failed too), every job in the system, waiting or running, ends at once with a 500, and the
+scheduler refuses new jobs (``/health`` answers 503): nothing waits on a thread that is gone.
+
+Timeouts: with ``request_timeout`` set, a job still waiting or decoding that many seconds after
+it was submitted ends with a 408 error (``finish_reason`` ``timeout`` in the metrics) and its row
+is freed.
 """
 
 from __future__ import annotations
@@ -53,8 +59,8 @@ class Output:
     Attributes:
         text: text released since the previous output (may be empty on the last one).
         num_tokens: generated tokens behind this output.
-        finish_reason: ``stop``, ``length``, ``cancelled`` or ``abort`` (server shutdown); None
-            while generation continues.
+        finish_reason: ``stop``, ``length``, ``cancelled``, ``abort`` (server shutdown), ``error`` or
+            ``timeout`` (both with ``error`` set); None while generation continues.
         error: set when the request failed inside the scheduler.
     """
 
@@ -76,6 +82,7 @@ class Job:
         k_cap: at most this many draft tokens per step; None: the server's policy decides.
         ignore_eos: generate past EOS until ``max_tokens``.
         loop, queue: where outputs are posted.
+        deadline: ``time.monotonic()`` after which the job ends with a timeout (set on submit).
     """
 
     prompt: list[int]
@@ -87,6 +94,7 @@ class Job:
     queue: asyncio.Queue
     ignore_eos: bool = False
     arrival: float = field(default_factory=time.monotonic)
+    deadline: float | None = None
     row_id: int = -1
     detok: Detokenizer | None = None
     completion_tokens: int = 0
@@ -169,16 +177,29 @@ class Scheduler:
         max_queue: jobs allowed to wait for a row; beyond ``max_batch + max_queue`` jobs in the
             system, :meth:`submit` answers 429.
         metrics: where counters go.
+        request_timeout: seconds a job may wait and decode before it ends with a 408; None: no limit.
     """
 
-    def __init__(self, pipe: Pipeline, policy: KPolicy, *, max_batch: int, max_queue: int, metrics: Metrics):
+    def __init__(
+        self,
+        pipe: Pipeline,
+        policy: KPolicy,
+        *,
+        max_batch: int,
+        max_queue: int,
+        metrics: Metrics,
+        request_timeout: float | None = None,
+    ):
         if max_batch < 1 or max_queue < 0:
             raise SpecdraftError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} and {max_queue}")
+        if request_timeout is not None and not request_timeout > 0:
+            raise SpecdraftError(f"request_timeout must be > 0 seconds, got {request_timeout}")
         self.pipe = pipe
         self.batch_capable = supports_batches(pipe)
         self.max_batch = max_batch if self.batch_capable else 1
         self.max_queue = max_queue
         self.metrics = metrics
+        self.request_timeout = request_timeout
         self.drafter = RowCappedDrafter(pipe.drafter) if pipe.drafter is not None else None
         self.policy = CappedPolicy(policy)
         self.engine = self._new_engine()
@@ -186,9 +207,9 @@ class Scheduler:
         self._cond = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._cancels: list[Job] = []
-        self._admitting: list[Job] = []
-        self._in_system = 0  # submitted and not done
+        self._live: set[Job] = set()  # submitted and not done: what a dying thread must fail
         self._draining = False
+        self._dead: str | None = None  # why the thread died
         self._abort_at: float | None = None
         self._thread: threading.Thread | None = None
 
@@ -203,19 +224,28 @@ class Scheduler:
 
     @property
     def accepting(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._draining
+        alive = self._thread is not None and self._thread.is_alive()
+        return alive and not self._draining and self._dead is None
+
+    @property
+    def dead(self) -> str | None:
+        """Why the scheduler thread died, or None while it runs (or after a clean stop)."""
+        return self._dead
 
     def load(self) -> tuple[int, int]:
         """(running, waiting) jobs."""
         with self._cond:
-            return self._in_system - len(self._waiting), len(self._waiting)
+            return len(self._live) - len(self._waiting), len(self._waiting)
 
     def submit(self, job: Job) -> None:
         """Queue a job, or raise 429 when the system is full and 503 when shutting down."""
         with self._cond:
+            if self._dead is not None:
+                message = f"the scheduler stopped after an internal error ({self._dead}); restart the server"
+                raise APIError(503, message, type="server_error", code="unavailable")
             if not self.accepting:
                 raise APIError(503, "the server is shutting down", type="server_error", code="unavailable")
-            if self._in_system >= self.max_batch + self.max_queue:
+            if len(self._live) >= self.max_batch + self.max_queue:
                 raise APIError(
                     429,
                     f"server busy: {self.max_batch} requests decoding and {self.max_queue} waiting; retry later",
@@ -223,7 +253,9 @@ class Scheduler:
                     code="rate_limit_exceeded",
                     headers={"Retry-After": "1"},
                 )
-            self._in_system += 1
+            if self.request_timeout is not None:
+                job.deadline = time.monotonic() + self.request_timeout
+            self._live.add(job)
             self._waiting.append(job)
             self.metrics.waiting.set(len(self._waiting))
             self._cond.notify()
@@ -258,10 +290,10 @@ class Scheduler:
     def _mark_done(self, job: Job, reason: str) -> None:
         """Bookkeeping for a job that ended (call with ``self._cond`` held)."""
         job.done, job.finish_reason = True, reason
-        self._in_system -= 1
+        self._live.discard(job)
         self.metrics.request_finished.labels(finished_reason=reason).inc()
         self.metrics.waiting.set(len(self._waiting))
-        self.metrics.running.set(self._in_system - len(self._waiting))
+        self.metrics.running.set(len(self._live) - len(self._waiting))
 
     def _finish(self, job: Job, reason: str, text: str = "", error: APIError | None = None) -> None:
         if self._rows.pop(job.row_id, None) is not None:
@@ -275,18 +307,43 @@ class Scheduler:
         job.post(Output(text, 0, reason, error))
 
     def _run(self) -> None:
-        while True:
-            try:
-                if not self._iterate():
-                    return
-            except Exception as e:  # noqa: BLE001 - a bug here must not leave requests hanging
-                log.exception("scheduler iteration failed; failing the requests it held")
-                held = list(self._rows.values()) + self._admitting
-                self._rows.clear()
-                self._admitting = []
-                self.engine = self._new_engine()
-                for job in held:
-                    self._fail(job, APIError(500, f"internal error: {e}", type="server_error"))
+        try:
+            while True:
+                try:
+                    if not self._iterate():
+                        return
+                except Exception as e:  # noqa: BLE001 - a bug here must not leave requests hanging
+                    log.exception("scheduler iteration failed; failing the requests it held")
+                    with self._cond:  # every job out of the queue: rows, half-admitted, cancelling
+                        waiting = set(self._waiting)
+                        held = [j for j in self._live if j not in waiting]
+                    self._rows.clear()
+                    self.engine = self._new_engine()
+                    for job in held:
+                        self._fail(job, APIError(500, f"internal error: {e}", type="server_error"))
+        except BaseException as e:  # noqa: BLE001 - the error handling failed too: the thread is lost
+            self._die(e)
+
+    def _die(self, e: BaseException) -> None:
+        """End every job in the system with a 500 and refuse new ones; the thread then exits."""
+        reason = f"{type(e).__name__}: {e}"
+        with self._cond:
+            self._dead = reason
+            jobs = [j for j in self._live if not j.done]
+            self._waiting.clear()
+            self._live.clear()
+            for job in jobs:
+                job.done, job.finish_reason = True, "error"
+        error = APIError(500, f"internal error: the scheduler stopped ({reason})", type="server_error")
+        for job in jobs:  # first, before anything else can fail: nobody may wait on a dead thread
+            job.post(Output("", 0, "error", error))
+        try:
+            log.critical("the scheduler thread died; failed %d requests", len(jobs), exc_info=e)
+            self.metrics.request_finished.labels(finished_reason="error").inc(len(jobs))
+            self.metrics.waiting.set(0)
+            self.metrics.running.set(0)
+        except Exception:  # noqa: BLE001, S110 - the requests are answered; nothing more to do
+            pass
 
     def _iterate(self) -> bool:
         """Cancellations, admissions, one step. Returns False once drained after a shutdown."""
@@ -296,6 +353,11 @@ class Scheduler:
             if self._draining and not (self._rows or self._waiting):
                 return False
             cancels, self._cancels = self._cancels, []
+            now = time.monotonic()
+            expired = [j for j in self._waiting if j.deadline is not None and now >= j.deadline]
+            for job in expired:
+                self._waiting.remove(job)
+            expired += [j for j in self._rows.values() if j.deadline is not None and now >= j.deadline]
             free = self.max_batch - len(self._rows)
             admit = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
             abort = self._draining and time.monotonic() >= self._abort_at
@@ -304,14 +366,16 @@ class Scheduler:
                 self._waiting.clear()
         for job in cancels:
             self._finish(job, "cancelled")
+        for job in expired:
+            message = f"the request outlived the server's request timeout ({self.request_timeout:g} s)"
+            error = APIError(408, message, type="timeout_error", code="request_timeout")
+            self._finish(job, "timeout", error=error)
         if abort:
             for job in admit + list(self._rows.values()):
                 self._finish(job, "abort")
             return True
         if admit:
-            self._admitting = admit  # out of the queue, not yet rows: the guard in _run fails them
-            self._admit(admit)
-            self._admitting = []
+            self._admit(admit)  # should this raise, the guard in _run fails the admitted jobs
         if self._rows:
             self._step()
         return True
@@ -342,7 +406,7 @@ class Scheduler:
             self.metrics.prompt_tokens.inc(len(job.prompt))
         with self._cond:
             self.metrics.waiting.set(len(self._waiting))
-            self.metrics.running.set(self._in_system - len(self._waiting))
+            self.metrics.running.set(len(self._live) - len(self._waiting))
 
     def _fail(self, job: Job, error: APIError) -> None:
         self._finish(job, "error", error=error)

@@ -108,3 +108,7 @@ def server(launch):
     srv = launch("--draft", "prune:0", "--k", "3", "--max-batch", "64", "--max-queue", "64")
     yield srv
     assert srv.terminate() == 0, srv.output()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "soak: a bounded load test of about a minute (test_soak.py)")

@@ -7,6 +7,8 @@ import pytest
 
 CONTEXT = 4096  # the tiny model's context window (conftest.CONTEXT)
 
+LONG_STOP = b'{"prompt": "hi", "stop": "' + b"x" * 257 + b'"}'
+
 CASES = [
     # (name, path, raw body, status, param, code)
     ("malformed JSON", "/v1/completions", b'{"prompt": "hi",', 400, None, "invalid_json"),
@@ -36,6 +38,7 @@ CASES = [
     ("messages a string", "/v1/chat/completions", b'{"messages": "hi"}', 400, "messages", None),
     ("unknown role", "/v1/chat/completions", b'{"messages": [{"role": "robot", "content": "x"}]}', 400, "messages.0.role", None),
     ("tools", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}', 400, "tools", None),
+    ("stop string too long", "/v1/completions", LONG_STOP, 400, "stop", None),
     ("stream not a bool", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "stream": "yes"}', 400, "stream", None),
 ]
 
@@ -86,3 +89,26 @@ def test_server_still_serves_after_bad_input(server):
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "still here", "max_tokens": 5, "temperature": 0}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
     assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+
+
+@pytest.mark.parametrize(
+    "content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data", None]
+)
+def test_a_body_not_declared_json_is_415_and_not_run(server, content_type):
+    """A web page can POST text/plain (or a form) to a loopback server without a CORS preflight."""
+    before = httpx.get(f"{server.url}/metrics").text
+    body = b'{"prompt": "from a web page", "max_tokens": 5}'
+    headers = {} if content_type is None else {"content-type": content_type}
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        r = httpx.post(f"{server.url}{path}", content=body, headers=headers, timeout=30)
+        assert check_error_body(r, 415)["code"] == "unsupported_media_type"
+    after = httpx.get(f"{server.url}/metrics").text
+    tokens = [ln for ln in (before + after).splitlines() if ln.startswith("specdraft:prompt_tokens_total")]
+    assert len(tokens) == 2 and tokens[0] == tokens[1]  # nothing was admitted
+
+
+def test_json_with_a_charset_and_a_256_character_stop_string_are_accepted(server):
+    body = b'{"prompt": "hi", "max_tokens": 2, "stop": "' + b"x" * 256 + b'"}'
+    headers = {"content-type": "application/json; charset=utf-8"}
+    r = httpx.post(f"{server.url}/v1/completions", content=body, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text

@@ -216,3 +216,85 @@ def test_full_system_is_429(pipe):
 
     err = asyncio.run(main())
     assert err.status == 429 and err.headers["Retry-After"] == "1" and err.code == "rate_limit_exceeded"
+
+
+@pytest.mark.parametrize("handler", ["_new_engine", "_fail"])
+def test_a_dead_thread_ends_every_running_and_waiting_job_with_500_at_once(pipe, handler):
+    """The engine step raises, and so does the error handling (``_new_engine`` or ``_fail``, which
+    both handlers use): the thread is lost. Nothing may keep waiting for it."""
+    s = Scheduler(pipe, FixedK(3), max_batch=2, max_queue=4, metrics=Metrics())
+    s.start()
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("simulated failure")
+
+    async def main():
+        jobs = [new_job(pipe.encode(f"job {i}", chat=False), 2000, ignore_eos=True) for i in range(4)]
+        for j in jobs:
+            s.submit(j)
+        await asyncio.gather(jobs[0].queue.get(), jobs[1].queue.get())  # two decoding, two waiting
+        setattr(s, handler, boom)
+        s.engine.step = boom
+        start = asyncio.get_running_loop().time()
+        ends = await asyncio.gather(*(drain(j) for j in jobs))
+        with pytest.raises(APIError) as refused:
+            s.submit(new_job([1, 2, 3]))
+        return ends, asyncio.get_running_loop().time() - start, refused.value
+
+    ends, took, refused = asyncio.run(main())
+    s._thread.join(10)
+    assert [(reason, err.status) for _, reason, err in ends] == [("error", 500)] * 4
+    assert all("scheduler stopped" in err.message for _, _, err in ends)
+    assert took < 10
+    assert not s._thread.is_alive() and not s.accepting and s.dead is not None
+    assert refused.status == 503 and "restart" in refused.message
+    assert s.load() == (0, 0)
+
+
+def test_request_timeout_ends_waiting_and_running_jobs_and_frees_the_row(pipe, reference):
+    s = Scheduler(pipe, FixedK(3), max_batch=1, max_queue=4, metrics=Metrics(), request_timeout=0.5)
+    s.start()
+    quick = pipe.encode("quick", chat=False)
+
+    async def main():
+        slow = [new_job(pipe.encode(f"slow {i}", chat=False), 3000, ignore_eos=True) for i in range(2)]
+        for j in slow:  # the first decodes, the second waits for its row
+            j.k_cap = 0  # plain decoding: thousands of steps, far beyond the timeout
+            s.submit(j)
+        ended = await asyncio.gather(*(drain(j) for j in slow))
+        after = new_job(quick)
+        s.submit(after)
+        return ended, await drain(after), [j.completion_tokens for j in slow]
+
+    try:
+        ended, (text, reason, err), generated = asyncio.run(main())
+    finally:
+        s.stop()
+    assert [(r, e.status, e.code) for _, r, e in ended] == [("timeout", 408, "request_timeout")] * 2
+    assert 0 < generated[0] < 3000 and generated[1] == 0  # cut while decoding; never admitted
+    assert err is None and (text, reason) == alone(reference, quick)  # later requests are served
+    assert s.load() == (0, 0) and s.engine.active == 0
+
+
+def test_after_the_thread_died_health_is_503_and_requests_get_500_or_503(tiny_dir, pipe):
+    from fastapi.testclient import TestClient
+
+    from specdraft.server import ServerConfig, create_app
+
+    app = create_app(pipe, ServerConfig(model_name="tiny", k="3"))
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("simulated failure")
+
+    body = {"prompt": "hello", "max_tokens": 8}
+    with TestClient(app) as c:
+        assert c.get("/health").status_code == 200
+        sched = app.state.scheduler
+        sched.engine.step = boom
+        sched._new_engine = boom
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 500 and "scheduler stopped" in r.json()["error"]["message"]
+        health = c.get("/health")
+        assert health.status_code == 503 and "scheduler stopped" in health.json()["error"]
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"
