@@ -31,7 +31,11 @@ def _trained(kind: str):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
 
 
-TOKENIZERS = {"tiny": tiny_tokenizer, "byte-level": lambda: _trained("byte-level"), "metaspace": lambda: _trained("x")}
+TOKENIZERS = {
+    "tiny": tiny_tokenizer,
+    "byte-level": lambda: _trained("byte-level"),
+    "metaspace": lambda: _trained("metaspace"),
+}
 
 
 class CountingTokenizer:
