@@ -320,3 +320,31 @@ def test_worked_example_gate_on_the_sampled_token_gives_042_and_the_fix_gives_03
     new = first_token_frequency(GatedDrafter(FixedQ(q), "gated", cost=cost), p, rows)
     assert old == pytest.approx(0.42, abs=0.035)
     assert new == pytest.approx(0.3, abs=0.035)
+
+
+def test_whether_a_position_is_proposed_never_depends_on_its_own_token(target):
+    """The property behind the fix, checked row by row: sampling rows that drew the same tokens
+    before position i agree on whether position i is proposed, whatever they drew at i. Greedy rows
+    in the same batch propose what an all-greedy batch proposes (their rule is unchanged)."""
+    gated = GatedDrafter(_distilled(), "gated", cost=VerifyCost([1.0, 1.6, 1.8, 2.4], 0.05))
+    B, k, greedy_rows = 400, 3, 4
+    params = [SamplingParams()] * greedy_rows + [replace(PARAMS, seed=i) for i in range(B - greedy_rows)]
+    gens = [torch.Generator().manual_seed(i) for i in range(B)]
+    tokens = torch.tensor(PROMPT + [0] * 8).expand(B, -1).clone()
+    ctx = DraftContext(tokens, torch.full((B,), len(PROMPT)), params, gens)
+    prop = gated.propose(gated.new_state(B, 16), ctx, k)
+    sampled_nv, drafts = prop.num_valid[greedy_rows:], prop.tokens[greedy_rows:]
+    assert len(set(sampled_nv.tolist())) >= 2  # the decision varies across rows
+    for i in range(k):
+        reached = sampled_nv >= i  # rows whose proposal got to position i
+        groups: dict[tuple, set] = {}
+        for before, at, proposed in zip(drafts[reached, :i].tolist(), drafts[reached, i].tolist(),
+                                        (sampled_nv[reached] > i).tolist()):
+            groups.setdefault(tuple(before), set()).add((at, proposed))
+        for before, seen in groups.items():
+            assert len({proposed for _, proposed in seen}) == 1, (i, before, sorted(seen))
+    greedy_ctx = DraftContext(tokens[:1], ctx.lengths[:1], [SamplingParams()], [None])
+    alone = gated.propose(gated.new_state(1, 16), greedy_ctx, k)
+    assert prop.num_valid[:greedy_rows].tolist() == alone.num_valid.tolist() * greedy_rows
+    m = int(alone.num_valid[0])
+    assert prop.tokens[:greedy_rows, :m].tolist() == alone.tokens[:, :m].tolist() * greedy_rows
