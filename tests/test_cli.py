@@ -89,6 +89,9 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
         (["check", "--max-new-tokens", "0", "--prompt", "hi"], "argument --max-new-tokens: must be >= 1"),
         (["demo", "--threads", "0"], "argument --threads: must be >= 1, got 0"),
         (["generate", "--dtype", "fp8", "hi"], "argument --dtype: invalid choice: 'fp8'"),
+        (["bench", "--max-new-tokens", "0"], "argument --max-new-tokens: must be >= 1, got 0"),
+        (["study", "--threads", "0"], "argument --threads: must be >= 1, got 0"),
+        (["design", "data", "--max-new-tokens", "0"], "argument --max-new-tokens: must be >= 1, got 0"),
     ],
 )
 def test_bad_arguments_are_refused_before_the_model_loads(capsys, monkeypatch, argv, message):
@@ -102,7 +105,8 @@ def test_bad_arguments_are_refused_before_the_model_loads(capsys, monkeypatch, a
     rc, out, err = run_cli(capsys, *argv)
     assert rc == 2 and out == ""
     (line,) = err.strip().splitlines()
-    assert line.startswith(f"specdraft {argv[0]}: error: {message}"), err
+    prog = "specdraft " + " ".join(argv[:2] if argv[0] == "design" else argv[:1])  # design has actions
+    assert line.startswith(f"{prog}: error: {message}"), err
 
 
 def test_vocab_mismatch_in_a_real_process(other_tokenizer_dir):

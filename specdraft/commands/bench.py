@@ -8,7 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from specdraft.commands import add_model_arguments, add_sampling_arguments, sampling_from_args
+from specdraft.commands import add_model_arguments, add_sampling_arguments, positive_int, sampling_from_args
 
 HELP = "benchmark speculative vs plain decoding on Spec-Bench prompts (optionally vs transformers)"
 
@@ -21,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "$SPECDRAFT_DATA or ../shared/data, else the 52-question slice in specdraft/data)")
     p.add_argument("--categories", default=None, help="comma-separated categories to keep (default: all)")
     p.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="generation budget per turn")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128, help="generation budget per turn")
     p.add_argument("--baselines", default="", help="'hf': also transformers generate plain, assisted and prompt lookup")
     p.add_argument("--long-prompts", default="truncate", choices=["truncate", "skip"], help="prompts longer than the context window")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="truncate/skip prompts longer than this (default: context window)")

@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from specdraft.commands import add_model_arguments
+from specdraft.commands import add_model_arguments, positive_int
 from specdraft.errors import SpecdraftError
 
 HELP = "design a draft from the target: search, prune, build (distil), export, compare"
@@ -35,7 +35,7 @@ def _data_args(p: argparse.ArgumentParser, prompts: int) -> None:
                    help="weights the target answers with when generating data (same: the --dtype runtime's; bf16 runs the "
                         "native kernels, half the weight bytes of fp32)")
     p.add_argument("--val-prompts", type=int, default=48, help="held-out prompts for validation / calibration")
-    p.add_argument("--max-new-tokens", type=int, default=160, help="answer length cap when generating data")
+    p.add_argument("--max-new-tokens", type=positive_int, default=160, help="answer length cap when generating data")
     p.add_argument("--gen-batch", type=int, default=32, help="rows decoded together when generating data")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from specdraft.commands import positive_int
 from specdraft.errors import SpecdraftError
 from specdraft.models.loading import DEFAULT_TARGET
 
@@ -59,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="target dtype (auto: bf16 where native or run by the few-row kernel, else fp32)")
     p.add_argument("--draft-dtype", default="same", choices=["same", "fp32", "bf16", "int8"],
                    help="draft precision (same: the target's; layer-pruned drafts then share its weights)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads per process (default 1)")
     p.add_argument("--executor", default="local", choices=["local", "ray"], help="local process pool or Ray tasks")
     p.add_argument("--address", default=None, help="Ray cluster address (with --executor ray); default: start a local one")
     p.add_argument("--workers", type=int, default=2, help="worker processes (local; 0 = in this process) or local Ray CPUs")
