@@ -328,13 +328,22 @@ def load(
     Args:
         target: model alias (``smollm2-135m``, ``gemma3-270m``), transformers directory or GGUF path.
         draft: draft spec (module docstring).
-        dtype: the target's precision: ``bf16``, ``fp32`` or ``auto`` (see :func:`resolve_dtype`).
+        dtype: the target's precision: ``bf16``, ``fp32`` or ``auto`` (see :func:`resolve_dtype`), or ``q``:
+            a GGUF target's own Q4_0 / Q4_1 / Q8_0 blocks (:class:`specdraft.models.quant.QuantRuntime`).
         runtime: ``auto`` (compact for Llama-family, else transformers), ``compact`` or ``hf``.
         threads: torch intra-op threads.
         draft_dtype: the draft's precision: ``auto``, ``bf16``, ``fp32`` or ``int8``.
     """
     set_threads(threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if dtype == "q":  # the GGUF's own quantized blocks (specdraft.models.quant); opt-in
+        from specdraft.models.quant import QuantRuntime, gguf_path
+
+        if runtime not in ("auto", "quant"):
+            raise SpecdraftError(f"--dtype q runs the quantized runtime, not {runtime!r}")
+        rt = QuantRuntime(gguf_path(target))
+        loaded = load_model(target, torch.float32)  # the tokenizer (and a model for drafters that need one)
+        return Pipeline(loaded, rt, make_drafter(draft, loaded, rt, resolve_dtype(draft_dtype, draft=True)), draft)
     if dtype == "auto" and not cpu_has_fast_bf16():
         # the runtime decides (bf16 weights for the compact one, fp32 for transformers'), so load
         # in fp32 and let the compact runtime cast its copy

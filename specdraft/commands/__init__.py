@@ -55,9 +55,10 @@ def add_model_arguments(p: argparse.ArgumentParser, draft: bool = True) -> None:
     if draft:
         p.add_argument("--draft", default="default", help="none | default | prune:0,1,2,29 | lookup[:N] | self | model alias/path")
         p.add_argument("--k", type=k_spec, default="auto", help="draft length: 'auto' (cost-aware, the default: measures latency and acceptance and picks k, 0 included), an integer >= 0 or 'heuristic'")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "q"],
                    help="target precision; auto: bf16 (without native bf16: bf16 weights with fp32 arithmetic through "
-                        "the native kernels; fp32 without them or with --runtime hf)")
+                        "the native kernels; fp32 without them or with --runtime hf); q: a GGUF target's own quantized "
+                        "blocks (Q4_0/Q4_1/Q8_0, the quantized runtime; opt-in)")
     p.add_argument("--draft-dtype", default="auto", choices=["auto", "bf16", "fp32", "int8"],
                    help="draft precision (never changes the output); auto: bf16 where native or run by the native kernels, else int8")
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")

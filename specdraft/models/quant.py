@@ -453,3 +453,22 @@ class QuantRuntime:
             normed = normed.gather(1, logits_index.unsqueeze(-1).expand(-1, -1, w.hidden))
         logits = quant_matmul(w.head, normed, self.variant)  # (B, n, V)
         return ForwardOutput(logits=logits, hidden=hidden)
+
+
+def gguf_path(name: str) -> Path:
+    """The GGUF file a target name refers to (an alias that ships one, or a ``.gguf`` path).
+
+    Raises:
+        SpecdraftError: the name is not a GGUF (a transformers directory, ``tiny``).
+    """
+    from specdraft.models.loading import resolve_model_path
+
+    ref = resolve_model_path(name)
+    if ref.kind == "gguf":
+        return ref.path
+    if ref.kind == "alias":
+        files = ref.package.fingerprint_files()
+        if len(files) == 1 and files[0].suffix == ".gguf":  # shipped whole (gemma3-270m ships chunks)
+            return files[0]
+        raise SpecdraftError(f"{name} ships its GGUF in chunks; give the assembled .gguf file's path")
+    raise SpecdraftError(f"the quantized runtime needs a GGUF target, not {name!r}")

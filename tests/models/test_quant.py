@@ -229,3 +229,10 @@ def test_unsupported_gguf_is_refused(tmp_path, monkeypatch):
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf")
     with pytest.raises(SpecdraftError, match="GGUF"):
         QuantRuntime(tmp_path / "junk.gguf")
+
+
+def test_gguf_path(tmp_path):
+    (tmp_path / "x.gguf").touch()
+    assert quant.gguf_path(str(tmp_path / "x.gguf")) == tmp_path / "x.gguf"
+    with pytest.raises(SpecdraftError, match="GGUF target"):
+        quant.gguf_path("tiny")

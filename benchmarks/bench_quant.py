@@ -1,0 +1,206 @@
+"""The quantized runtime (the GGUF's own Q4_1 / Q8_0 blocks) against today's bf16 compact runtime.
+
+In one run, on the same chat-templated token ids and thread count:
+
+- decode rate: plain greedy generation, runtimes alternating prompt by prompt (A B, then B A),
+  tokens after the first over the time after the first (prefill excluded), and end to end;
+- T(n) / T(1), n = 1..9: one forward of n new tokens at a ``--context``-token cache, rounds
+  alternating between the runtimes, medians;
+- greedy agreement: the fraction of prompts whose outputs are identical, the mean common prefix,
+  and the position-wise token agreement;
+- start to first token and peak RSS: a fresh Python process per runtime (warm caches), each
+  loading what a generation needs (tokenizer included) and running one prefill; peak RSS is the
+  process's VmHWM (ru_maxrss would carry over the parent's peak through fork and exec).
+
+    .venv/bin/python benchmarks/bench_quant.py --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from specdraft.engine import Engine, Request, generate
+from specdraft.models import loading
+from specdraft.models.llama import LlamaRuntime, LlamaWeights
+from specdraft.models.quant import QuantRuntime
+
+PROMPTS = [
+    "Explain why the sky is blue in two short paragraphs.",
+    "Write a Python function that checks whether a string is a palindrome.",
+    "List five tips for staying focused while studying.",
+    "What is the difference between a list and a tuple in Python?",
+    "Summarize the plot of Romeo and Juliet.",
+    "Give me a recipe for a simple tomato soup.",
+]
+
+CHILD = {
+    "bf16 compact": """
+import torch
+from specdraft.models.loading import load_model
+from specdraft.models.llama import LlamaRuntime, LlamaWeights
+torch.set_num_threads({threads})
+m = load_model("smollm2-135m", torch.float32)
+rt = LlamaRuntime(LlamaWeights.from_hf(m.model, torch.bfloat16))
+tok = m.tokenizer
+""",
+    "quantized": """
+import torch
+from transformers import AutoTokenizer
+from specdraft.models.quant import QuantRuntime
+torch.set_num_threads({threads})
+rt = QuantRuntime({gguf!r})
+tok = AutoTokenizer.from_pretrained({cache!r}, local_files_only=True)
+""",
+}
+CHILD_TAIL = """
+ids = tok("<|im_start|>user\\nHello<|im_end|>\\n<|im_start|>assistant\\n")["input_ids"]
+ids = torch.tensor([list(ids)])
+out = rt.forward(rt.new_state(1, 64), ids, torch.arange(ids.shape[1]).unsqueeze(0))
+hwm = [line for line in open("/proc/self/status") if line.startswith("VmHWM")][0]  # this process's peak
+print(int(out.logits[0, -1].argmax()), int(hwm.split()[1]) // 1024)
+"""
+
+
+def chat_ids(tok, text: str) -> list[int]:
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
+
+
+def startup(name: str, threads: int, gguf: Path, cache: Path) -> tuple[float, int]:
+    """Seconds from process start to the first token's logits, and peak RSS (MB)."""
+    code = CHILD[name].format(threads=threads, gguf=str(gguf), cache=str(cache)) + CHILD_TAIL
+    t = time.perf_counter()
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, cwd=Path(__file__).resolve().parents[1])
+    dt = time.perf_counter() - t
+    if r.returncode:
+        raise RuntimeError(r.stderr[-2000:])
+    return dt, int(r.stdout.split()[-1])
+
+
+def run_plain(rt, prompt: list[int], n: int) -> tuple[list[int], float, float]:
+    """Greedy tokens, seconds for all of them, seconds after the first."""
+    eng = Engine(rt)
+    toks: list[int] = []
+    t0 = time.perf_counter()
+    t1 = None
+    for ev in generate(eng, [Request(list(prompt), n, eos_ids=())]):
+        if t1 is None:
+            t1 = time.perf_counter()
+        toks.extend(ev.tokens)
+    t2 = time.perf_counter()
+    return toks, t2 - t0, t2 - t1
+
+
+def step_time(rt, n: int, context: int, reps: int) -> float:
+    state = rt.new_state(1, context + 16)
+    ids = torch.randint(0, 49000, (1, context + n), generator=torch.Generator().manual_seed(0))
+    rt.forward(state, ids[:, :context], torch.arange(context).unsqueeze(0), logits_index=torch.tensor([[context - 1]]))
+    pos = torch.arange(context, context + n).unsqueeze(0)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        rt.forward(state, ids[:, context:], pos)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--context", type=int, default=100)
+    p.add_argument("--rounds", type=int, default=7, help="T(n) rounds per runtime")
+    p.add_argument("--startup-runs", type=int, default=2)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    print("command: .venv/bin/python benchmarks/bench_quant.py " + " ".join(sys.argv[1:] if argv is None else argv), flush=True)
+    torch.set_num_threads(args.threads)
+    gguf = loading._smollm2_gguf()
+    cache = loading._cache_dir("smollm2-135m", [gguf])
+    loaded = loading.load_model("smollm2-135m", torch.float32)  # converts once, if not cached
+    tok = loaded.tokenizer
+    runtimes = {
+        "bf16 compact": LlamaRuntime(LlamaWeights.from_hf(loaded.model, torch.bfloat16)),
+        "quantized": QuantRuntime(gguf),
+    }
+    del loaded
+    print(f"threads {args.threads}; quantized runtime: {runtimes['quantized']!r}", flush=True)
+    prompts = [chat_ids(tok, q) for q in PROMPTS]
+    names = list(runtimes)
+    for rt in runtimes.values():  # warm-up
+        run_plain(rt, prompts[0], 8)
+
+    outs: dict[str, list[list[int]]] = {n: [] for n in names}
+    total = {n: 0.0 for n in names}
+    after_first = {n: 0.0 for n in names}
+    for i, prompt in enumerate(prompts):
+        for name in names if i % 2 == 0 else names[::-1]:
+            toks, dt, dt1 = run_plain(runtimes[name], prompt, args.new_tokens)
+            outs[name].append(toks)
+            total[name] += dt
+            after_first[name] += dt1
+    n_tok = {n: sum(len(t) for t in outs[n]) for n in names}
+    report = {"threads": args.threads, "decode_tokens_per_s": {}, "end_to_end_tokens_per_s": {}}
+    print(f"\nplain greedy decoding, {len(prompts)} prompts x {args.new_tokens} new tokens")
+    for n in names:
+        dec = (n_tok[n] - len(prompts)) / after_first[n]
+        e2e = n_tok[n] / total[n]
+        report["decode_tokens_per_s"][n] = dec
+        report["end_to_end_tokens_per_s"][n] = e2e
+        print(f"  {n:14s} decode {dec:6.1f} tok/s   end to end {e2e:6.1f} tok/s")
+    q, b = report["decode_tokens_per_s"]["quantized"], report["decode_tokens_per_s"]["bf16 compact"]
+    print(f"  quantized / bf16 decode: {q / b:.2f}x")
+
+    same = sum(a == c for a, c in zip(outs["quantized"], outs["bf16 compact"]))
+    prefix, agree, count = [], 0, 0
+    for a, c in zip(outs["quantized"], outs["bf16 compact"]):
+        k = next((i for i, (x, y) in enumerate(zip(a, c)) if x != y), min(len(a), len(c)))
+        prefix.append(k)
+        agree += sum(x == y for x, y in zip(a, c))
+        count += min(len(a), len(c))
+    report["agreement"] = {"identical_outputs": same, "prompts": len(prompts), "mean_common_prefix": statistics.mean(prefix),
+                           "positionwise": agree / count}
+    print(f"\ngreedy agreement quantized vs bf16: {same}/{len(prompts)} outputs identical, mean common prefix "
+          f"{statistics.mean(prefix):.1f} of {args.new_tokens} tokens, position-wise {agree / count:.3f}")
+
+    print(f"\nT(n) / T(1) at a {args.context}-token context (medians of {args.rounds} rounds, runtimes alternating)")
+    times = {n: {k: [] for k in range(1, 10)} for n in names}
+    for _ in range(args.rounds):
+        for k in range(1, 10):
+            for n in names:
+                times[n][k].append(step_time(runtimes[n], k, args.context, 1))
+    report["step_ms"] = {}
+    print("  n  " + "".join(f"{n:>26s}" for n in names))
+    for k in range(1, 10):
+        cells = []
+        for n in names:
+            t = statistics.median(times[n][k])
+            t1 = statistics.median(times[n][1])
+            report["step_ms"].setdefault(n, {})[k] = t * 1e3
+            cells.append(f"{t * 1e3:9.2f} ms  {t / t1:5.2f}x T1")
+        print(f"  {k}  " + "".join(f"{c:>26s}" for c in cells))
+
+    print(f"\nstart to first token (fresh process, warm cache, tokenizer included) and peak RSS, {args.startup_runs} runs each")
+    report["startup"] = {}
+    for n in names:
+        runs = [startup(n, args.threads, gguf, cache) for _ in range(args.startup_runs)]
+        s, rss = min(r[0] for r in runs), max(r[1] for r in runs)
+        report["startup"][n] = {"seconds_min": s, "peak_rss_mb": rss}
+        print(f"  {n:14s} {s:5.2f} s (best)   peak RSS {rss} MB")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
