@@ -88,7 +88,9 @@ async def _traffic(server, seconds: float, seed: int, want: list) -> tuple[dict,
     tally = {"finished": 0, "disconnected": 0, "slow": 0, "bad_status": [], "error_events": []}
     mismatches: list = []
     stop_at = time.monotonic() + seconds
-    limits = httpx.Limits(max_connections=2 * CLIENTS, max_keepalive_connections=CLIENTS)
+    # a connection per request: a kept-alive one that idles past uvicorn's keep-alive timeout (5 s,
+    # easily reached on a loaded machine) can be closed by the server just as the client reuses it
+    limits = httpx.Limits(max_connections=2 * CLIENTS, max_keepalive_connections=0)
 
     async def client(k: int):
         rng = random.Random(seed * 1000 + k)
@@ -118,6 +120,7 @@ def test_soak_64_streams_with_disconnects_and_slow_readers(server, reference):
     _wait_idle(server)
     rss_after = _rss_kib(server.proc.pid)
     after = _metrics(server)
+    print(f"soak {seconds:g} s: {tally} (warm-up {warm}); server RSS {rss_before} -> {rss_after} KiB")
 
     for t in (warm, tally):
         assert not t["bad_status"] and not t["error_events"], (t["bad_status"][:3], t["error_events"][:3])
