@@ -1,0 +1,146 @@
+"""Draft specs and the drafter registry: the one place a ``--draft`` string is parsed and built.
+
+A draft spec is ``KIND`` or ``KIND:ARG`` (``lookup:3``, ``prune:0,1,2,29``, ``designed:NAME``); any
+string that names no registered kind is a draft model (an alias or a path). :class:`DraftSpec`
+parses and validates it, without loading anything, so every command can refuse a bad spec before
+the target loads; :func:`make_drafter` builds the drafter through the kind's factory.
+
+Adding a drafter is one file under ``specdraft/drafters/`` with a ``from_spec(spec, target)``
+factory, and one line in :data:`DRAFTERS`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from specdraft.errors import SpecdraftError
+
+DEFAULT_DRAFT = "lookup"  # measured fastest on this project's CPUs (README, drafter table)
+
+
+def _no_arg(kind: str, arg: str) -> str:
+    if arg:
+        raise SpecdraftError(f"draft {kind!r} takes no argument, got {kind}:{arg}")
+    return arg
+
+
+def _positive_int(kind: str, arg: str) -> str:
+    if arg and (not arg.isdigit() or int(arg) < 1):
+        raise SpecdraftError(f"bad draft spec {kind}:{arg}: use {kind} or {kind}:N with N >= 1")
+    return arg
+
+
+def _layer_list(kind: str, arg: str) -> str:
+    try:
+        layers = [int(x) for x in arg.split(",") if x.strip()]
+    except ValueError:
+        layers = []
+    if not layers or min(layers) < 0 or len(set(layers)) != len(layers):
+        raise SpecdraftError(f"bad draft spec {kind}:{arg}: use {kind}:0,1,2,29 (distinct layer indices >= 0)")
+    return ",".join(map(str, layers))
+
+
+def _any(kind: str, arg: str) -> str:
+    return arg
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    """One registered kind of drafter.
+
+    Attributes:
+        build: ``build(spec, target) -> Drafter | None``; ``target`` is a
+            :class:`~specdraft.registry.Target` (loaded model, runtime, draft dtype).
+        check: ``check(kind, arg) -> arg``: validates (and normalises) the argument; raises
+            :class:`SpecdraftError` with one line.
+        usage: how the spec is written, for ``--help`` and error messages.
+    """
+
+    build: Callable
+    check: Callable[[str, str], str]
+    usage: str
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a factory may use to build a drafter for a target.
+
+    Attributes:
+        loaded: the target's :class:`~specdraft.models.loading.LoadedModel` (model, tokenizer).
+        runtime: the target's runtime.
+        dtype: the draft's precision (``torch.dtype``; ``torch.qint8`` for int8).
+    """
+
+    loaded: object
+    runtime: object
+    dtype: object
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """A parsed ``--draft`` string.
+
+    Attributes:
+        kind: a key of :data:`DRAFTERS`, or ``"model"`` for a draft model given by alias or path.
+        arg: the part after the colon (normalised by the kind's check), or the alias / path.
+    """
+
+    kind: str
+    arg: str = ""
+
+    @classmethod
+    def parse(cls, text: str | DraftSpec | None) -> DraftSpec:
+        """``"lookup:3"`` -> ``DraftSpec("lookup", "3")``; ``default`` or empty -> the default draft."""
+        if isinstance(text, DraftSpec):
+            return text
+        text = (text or "default").strip()
+        if text == "default":
+            text = DEFAULT_DRAFT
+        kind, sep, arg = text.partition(":")
+        if kind not in DRAFTERS or kind == "model":
+            return cls("model", text)
+        return cls(kind, DRAFTERS[kind].check(kind, arg))
+
+    def __str__(self) -> str:
+        if self.kind == "model":
+            return self.arg
+        return f"{self.kind}:{self.arg}" if self.arg else self.kind
+
+    @property
+    def layers(self) -> list[int]:
+        """The layer indices of a ``prune:`` spec."""
+        return [int(x) for x in self.arg.split(",")] if self.kind == "prune" else []
+
+
+def build_drafter(spec: str | DraftSpec | None, target: Target):
+    """The drafter for ``spec`` (None for plain decoding)."""
+    spec = DraftSpec.parse(spec)
+    return DRAFTERS[spec.kind].build(spec, target)
+
+
+def usage() -> str:
+    """One line listing every spec form, for ``--draft``'s help."""
+    return " | ".join(["default", *(k.usage for k in DRAFTERS.values())])
+
+
+def _lazy(module: str, name: str = "from_spec") -> Callable:
+    """A factory imported on first use, so that parsing a spec loads no drafter code."""
+
+    def build(spec, target):
+        import importlib
+
+        return getattr(importlib.import_module(module), name)(spec, target)
+
+    return build
+
+
+# kind -> factory, argument check, usage. A new drafter adds one line here.
+DRAFTERS: dict[str, DrafterKind] = {
+    "none": DrafterKind(lambda spec, target: None, _no_arg, "none"),
+    "lookup": DrafterKind(_lazy("specdraft.drafters.prompt_lookup"), _positive_int, "lookup[:N]"),
+    "self": DrafterKind(_lazy("specdraft.drafters.model", "self_from_spec"), _no_arg, "self"),
+    "prune": DrafterKind(_lazy("specdraft.drafters.model", "pruned_from_spec"), _layer_list, "prune:0,1,2,29"),
+    "designed": DrafterKind(_lazy("specdraft.design.artifact", "drafter_from_spec"), _any, "designed[:NAME|PATH|auto]"),
+    "model": DrafterKind(_lazy("specdraft.drafters.model", "model_from_spec"), _any, "MODEL_ALIAS|PATH"),
+}
