@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from specdraft import kernels
+from specdraft.kernels import build
 from specdraft.models.llama import LlamaRuntime, LlamaWeights
 from specdraft.models.tiny import tiny_llama
 
@@ -275,7 +276,7 @@ def _compile(tmp_path, c_code: str, out) -> None:
     src = tmp_path / "other.c"
     src.write_text(c_code)
     subprocess.run(["gcc", "-shared", "-fPIC", str(src), "-o", str(out)], check=True)
-    kernels._digest_file(out).write_text(kernels._file_sha256(out))
+    build.digest_file(out).write_text(build.file_sha256(out))
 
 
 @needs_cc
@@ -285,16 +286,16 @@ def test_a_damaged_cached_library_is_compiled_again(tmp_path, monkeypatch, caplo
     again (with a warning) and the new one is loaded, records this source's hash and computes.
     Damaged bytes are caught by the recorded sha256 before dlopen (a truncated library would
     die of SIGBUS there); a whole library of another source by the hash it exports."""
-    good = kernels._build()  # this session's library, in the real cache
+    good = build.build_library(kernels.SOURCE)  # this session's library, in the real cache
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
-    tag = kernels.source_hash()
-    path = kernels.cache_dir() / f"fewrows-{tag}.so"
+    tag = build.source_hash(kernels.SOURCE)
+    path = build.cache_dir() / f"fewrows-{tag}.so"
     path.parent.mkdir(parents=True)
     if damage == "garbage":
         path.write_bytes(b"\x7fELF but not really")
     elif damage == "truncated":
         path.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
-        shutil.copy(kernels._digest_file(good), kernels._digest_file(path))
+        shutil.copy(build.digest_file(good), build.digest_file(path))
     elif damage == "foreign":  # loads, has no hash
         _compile(tmp_path, "int other(void) { return 1; }\n", path)
     elif damage == "other-hash":  # loads, built from another source
@@ -303,9 +304,9 @@ def test_a_damaged_cached_library_is_compiled_again(tmp_path, monkeypatch, caplo
         _compile(tmp_path, f'const char *specdraft_source_hash(void) {{ return "{tag}"; }}\n', path)
 
     with caplog.at_level(logging.WARNING, logger="specdraft"):
-        lib = kernels.open_library(kernels.SOURCE, kernels._setup_fewrows)
+        lib = build.open_library(kernels.SOURCE, kernels._setup_fewrows)
     assert f"the cached kernel library {path} is unusable" in caplog.text
-    stamp = getattr(lib, kernels.HASH_SYMBOL)
+    stamp = getattr(lib, build.HASH_SYMBOL)
     stamp.restype = ctypes.c_char_p
     assert stamp().decode() == tag
     assert sorted(p.name for p in path.parent.iterdir()) == [path.name, f"{path.name}.sha256"]  # nothing else left
@@ -313,7 +314,7 @@ def test_a_damaged_cached_library_is_compiled_again(tmp_path, monkeypatch, caplo
     y = torch.empty(3, 40)
     lib.fewrows_f32(x.data_ptr(), w.data_ptr(), y.data_ptr(), 3, 64, 40, 1)
     torch.testing.assert_close(y, x @ w.T)
-    assert kernels._intact(path)  # the next process loads the rebuilt file as it is
+    assert build.intact(path)  # the next process loads the rebuilt file as it is
 
 
 @needs_cc
@@ -322,7 +323,7 @@ def test_a_library_that_cannot_be_rebuilt_falls_back_to_torch_with_a_warning(tmp
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setattr(kernels, "_lib", None)
     monkeypatch.setattr(kernels, "_why", None)
-    path = kernels.cache_dir() / f"fewrows-{kernels.source_hash()}.so"
+    path = build.cache_dir() / f"fewrows-{build.source_hash(kernels.SOURCE)}.so"
     path.parent.mkdir(parents=True)
     path.write_bytes(b"damaged")
     with caplog.at_level(logging.WARNING, logger="specdraft"):

@@ -8,34 +8,29 @@ arithmetic, each row's result independent of the other rows. The attention block
 (RoPE, cache write, causal attention) is one call too (:class:`RopeAttention`): in torch it is a
 dozen small ops whose overhead outweighs their arithmetic.
 
-The shared library is compiled once per source version into the user cache
-(``~/.cache/specdraft/kernels``, or ``$SPECDRAFT_CACHE/kernels``) and loaded with ctypes. It
-records the source hash it was built from (:data:`HASH_SYMBOL`), checked on load: a cached file
-that fails to load, lacks a symbol or carries another hash is compiled again
-(:func:`open_library`). Where no library can be had (no ``gcc``, no AVX2/FMA,
-``SPECDRAFT_KERNELS=0``) :func:`available` is False and the runtime falls back to torch's matmuls,
-with a warning when a build failed; :func:`status` says why.
+This module holds the ctypes wrappers. The shared library is compiled once per source version
+into the user cache and checked on load by :mod:`specdraft.kernels.build`
+(:func:`~specdraft.kernels.build.open_library`). Where no library can be had (no ``gcc``, no
+AVX2/FMA, ``SPECDRAFT_KERNELS=0``) :func:`available` is False and the runtime falls back to
+torch's matmuls, with a warning when a build failed; :func:`status` says why.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
 import logging
 import os
-import shutil
 import subprocess
-import tempfile
 import weakref
 from pathlib import Path
 
 import torch
 
+from specdraft.kernels import build
+
 log = logging.getLogger("specdraft")
 
 SOURCE = Path(__file__).with_name("fewrows.c")
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
 MAX_ROWS = 16  # above this, torch's GEMM is as fast or faster (benchmarks/bench_linear.py)
 # bf16 weights: torch would widen the whole weight to fp32 on every call; in an ad-hoc timing
 # (3072 x 576 weights, 2 threads, a busy machine) the packed kernel was ~3x faster up to 128 rows
@@ -51,128 +46,10 @@ _lib: ctypes.CDLL | None = None
 _why: str | None = None  # None: not tried yet
 
 
-def cache_dir() -> Path:
-    from specdraft.models.loading import cache_root  # at call time: loading imports transformers
-
-    return cache_root() / "kernels"
-
-
-@functools.cache
-def _cpu_flags() -> frozenset[str]:
-    try:
-        return frozenset(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return frozenset()
-
-
 def cpu_has_fast_bf16() -> bool:
     """True when the CPU has native bf16 matmul (AVX512-BF16 or AMX); elsewhere bf16 is emulated."""
-    flags = _cpu_flags()
+    flags = build.cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def _cpu_ok() -> bool:
-    flags = _cpu_flags()
-    return "avx2" in flags and "fma" in flags
-
-
-def source_hash(source: Path = SOURCE) -> str:
-    """The version of ``source`` a library is built from: sha256 of the C file and the flags."""
-    return hashlib.sha256(source.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
-
-
-HASH_SYMBOL = "specdraft_source_hash"  # every library built here exports it: const char *(void)
-
-
-def _digest_file(path: Path) -> Path:
-    """Where the sha256 of a built library's bytes is kept, beside it."""
-    return path.with_name(path.name + ".sha256")
-
-
-def _file_sha256(path: Path) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def _intact(path: Path) -> bool:
-    """Whether ``path`` has the bytes recorded when it was built. Checked before dlopen, which
-    maps a truncated library's missing pages and dies of SIGBUS touching them."""
-    try:
-        return _digest_file(path).read_text().strip() == _file_sha256(path)
-    except OSError:
-        return False
-
-
-def _build(source: Path = SOURCE, rebuild: bool = False) -> Path:
-    """Compile ``source`` (a C file beside this module) into the cache once per version; its path.
-    The library exports :data:`HASH_SYMBOL`, returning :func:`source_hash`, which
-    :func:`open_library` checks; the sha256 of its bytes is written beside it (``.so.sha256``).
-    ``rebuild``: compile again even if the file is there."""
-    tag = source_hash(source)
-    out = cache_dir() / f"{source.stem}-{tag}.so"
-    if out.exists() and not rebuild:
-        return out
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        raise RuntimeError("no C compiler (gcc) on PATH")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".build-", dir=out.parent) as d:  # compile aside, then rename
-        stamp = Path(d) / "source_hash.c"
-        stamp.write_text(f'const char *{HASH_SYMBOL}(void) {{ return "{tag}"; }}\n')
-        tmp = Path(d) / out.name
-        r = subprocess.run([cc, *CFLAGS, str(source), str(stamp), "-o", str(tmp), "-lm"],
-                           check=False, capture_output=True, text=True)
-        if r.returncode != 0:
-            last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode
-            raise RuntimeError(f"{cc} failed: {last}")
-        digest = Path(d) / "digest"
-        digest.write_text(_file_sha256(tmp) + "\n")
-        os.replace(digest, _digest_file(out))  # a kill between the two renames: a mismatch, rebuilt
-        os.replace(tmp, out)
-    return out
-
-
-def _open_checked(path: Path, tag: str, setup) -> ctypes.CDLL:
-    """dlopen ``path``, check its :data:`HASH_SYMBOL` against ``tag``, run ``setup(lib)`` (which
-    sets argument types: a missing symbol is an AttributeError there)."""
-    lib = ctypes.CDLL(str(path))
-    stamp = getattr(lib, HASH_SYMBOL)  # AttributeError: built before the hash was recorded
-    stamp.restype, stamp.argtypes = ctypes.c_char_p, []
-    got = stamp().decode()
-    if got != tag:
-        raise OSError(f"built from source {got}, not {tag}")
-    if setup is not None:
-        setup(lib)
-    return lib
-
-
-def open_library(source: Path = SOURCE, setup=None) -> ctypes.CDLL:
-    """Build ``source`` if needed and load it. A cached library whose bytes are not those built
-    (checked before dlopen), that fails to load, lacks a symbol or records another source hash
-    (a damaged or foreign file under the right name) is compiled again, with a warning, and
-    loaded under a private name (dlopen would hand back a library already loaded from the path).
-
-    Raises:
-        OSError, RuntimeError, AttributeError, subprocess.SubprocessError: no usable library,
-            even after compiling it again.
-    """
-    tag = source_hash(source)
-    path = _build(source)
-    try:
-        if not _digest_file(path).is_file():
-            raise OSError("no sha256 recorded beside it: an older build")
-        if not _intact(path):
-            raise OSError("its bytes do not match the sha256 recorded when it was built")
-        return _open_checked(path, tag, setup)
-    except (OSError, AttributeError) as e:
-        log.warning("specdraft: the cached kernel library %s is unusable (%s); compiling it again", path, e)
-    path = _build(source, rebuild=True)
-    private = path.with_name(f".{path.stem}-{os.getpid()}-{id(path):x}.so")
-    os.link(path, private)
-    try:
-        return _open_checked(private, tag, setup)
-    finally:
-        private.unlink()  # the mapping stays
 
 
 def _setup_fewrows(lib: ctypes.CDLL) -> None:
@@ -196,11 +73,11 @@ def _load() -> ctypes.CDLL | None:
         return _lib
     if os.environ.get("SPECDRAFT_KERNELS", "1") == "0":
         _why = "disabled by SPECDRAFT_KERNELS=0"
-    elif not _cpu_ok():
+    elif not build.cpu_can_build():
         _why = "CPU lacks AVX2/FMA"
     else:
         try:
-            _lib, _why = open_library(SOURCE, _setup_fewrows), "ok"
+            _lib, _why = build.open_library(SOURCE, _setup_fewrows), "ok"
         except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
             _why = f"build failed: {e}"
             log.warning("specdraft: native kernels unavailable (%s); using torch's matmuls", _why)

@@ -4,8 +4,10 @@
  *   packed_bf16                 the same for bf16 W in a packed (N/16, K, 16) layout (faster)
  *   rope_attend                 RoPE + KV-cache write + causal attention for a few new tokens
  *   rmsnorm_f32                 RMSNorm of a few rows
+ *   decode_layers               every decoder layer of such a step in one call, built from the above
  *
- * All keep each row's result independent of the other rows (see each kernel).
+ * All keep each row's result independent of the other rows (see each kernel). The ctypes wrappers
+ * are in __init__.py; build.py compiles this file with the source hash it exports.
  *
  * ---- y = x W^T, row-dot form ------------------------------------------------------------------
  *

@@ -36,6 +36,7 @@ import torch
 
 from specdraft import kernels
 from specdraft.errors import SpecdraftError
+from specdraft.kernels import build
 from specdraft.models.llama import LlamaKV
 from specdraft.models.runtime import ForwardOutput
 
@@ -73,7 +74,7 @@ def lib() -> ctypes.CDLL:
     if not kernels.available():
         raise SpecdraftError(f"the quantized runtime needs the native kernels ({kernels.status()})")
     try:
-        so = ctypes.CDLL(str(kernels._build(SOURCE)))
+        so = ctypes.CDLL(str(build.build_library(SOURCE)))
     except (OSError, RuntimeError) as e:
         raise SpecdraftError(f"the quantized kernels did not build: {e}") from e
     vp, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -89,7 +90,7 @@ def lib() -> ctypes.CDLL:
 
 def variants() -> list[str]:
     """The kernel variants this CPU runs (the fastest last)."""
-    flags = kernels._cpu_flags()
+    flags = build.cpu_flags()
     return ["ref"] + (["avx2"] if "avx2" in flags and "fma" in flags and "f16c" in flags else [])
 
 
