@@ -35,6 +35,7 @@ from specdraft.bench.prompts import fit_context, load_prompts, parse_categories 
 from specdraft.bench.runner import BenchOptions, markdown_table, run_bench, runtime_precision  # noqa: E402
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter  # noqa: E402
 from specdraft.engine import Engine, Request, generate  # noqa: E402
+from specdraft.registry import DraftSpec  # noqa: E402
 from specdraft.verify import SamplingParams  # noqa: E402
 
 
@@ -119,6 +120,7 @@ def main(argv=None) -> int:
     skip = set(parse_categories(args.skip) or [])
     prompts = load_prompts(None, parse_categories(args.categories), args.limit)
     drafts = split_drafts(args.drafts)
+    kinds = {d: DraftSpec.parse(d).kind for d in drafts}  # a bad spec fails before the target loads
     pipe = api.load(args.target, "none", dtype=args.dtype)
     draft_precision = api.resolve_dtype(args.draft_dtype, draft=True)
     precision = runtime_precision(pipe.runtime)
@@ -142,7 +144,7 @@ def main(argv=None) -> int:
         options = BenchOptions(k=args.k, max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens, progress=sys.stderr.isatty())
         for draft in drafts:
             drafter = api.make_drafter(draft, pipe.target, pipe.runtime, draft_precision)
-            if draft.startswith("designed") and isinstance(drafter, PromptLookupDrafter):
+            if kinds[draft] == "designed" and isinstance(drafter, PromptLookupDrafter):
                 print(f"\n(c) {draft}: no designed draft for this target, so it would be prompt lookup again; skipped")
                 continue
             dpipe = api.Pipeline(pipe.target, pipe.runtime, drafter, draft)

@@ -7,7 +7,8 @@
     for delta in pipe.stream("Tell me a joke"):
         print(delta.text, end="")
 
-Draft specs (``--draft`` on the CLI):
+Draft specs (``--draft`` on the CLI) are parsed by :class:`specdraft.registry.DraftSpec` and built
+by the factories of :data:`specdraft.registry.DRAFTERS`:
 
 - ``none``: plain autoregressive decoding.
 - ``default`` (what leaving ``--draft`` out means): prompt lookup, the fastest drafter measured on
@@ -22,7 +23,7 @@ Draft specs (``--draft`` on the CLI):
 - ``self``: the target drafting for itself (every draft accepted; for testing).
 - ``designed:NAME|PATH|auto``: a draft made by ``specdraft design`` (``drafts/NAME`` or a
   directory; ``auto``: the committed one for this target, else lookup). See
-  :mod:`specdraft.drafters.designed`.
+  :mod:`specdraft.design.artifact`.
 - anything else: a model alias or path, loaded as an independent draft model.
 """
 
@@ -34,35 +35,23 @@ from typing import Iterator
 
 import torch
 
-from specdraft import kernels
-from specdraft.kernels import cpu_has_fast_bf16
+from specdraft import kernels, registry
+from specdraft.dtypes import DTYPES, choices
 from specdraft.drafters.base import Drafter
-from specdraft.drafters.model import ModelDrafter
-from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.engine import Engine, Request, StepEvent, generate
 from specdraft.errors import SpecdraftError
-from specdraft.models.hf import HFRuntime
-from specdraft.models.llama import LLAMA_FAMILY, LlamaRuntime, LlamaWeights
+from specdraft.kernels import cpu_has_fast_bf16
+from specdraft.models.llama import LLAMA_FAMILY, LlamaWeights
 from specdraft.models.loading import DEFAULT_TARGET, LoadedModel, load_model
-from specdraft.models.runtime import Runtime
+from specdraft.models.runtime import Runtime, make_runtime
 from specdraft.policy import KPolicy, make_policy
 from specdraft.stats import SpecStats
 from specdraft.verify import SamplingParams
 
-DEFAULT_DRAFT = "lookup"  # measured fastest here; "designed:auto" is the committed designed draft
-DTYPES = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    # int8 weights and per-row int8 activations (fbgemm), float32 elsewhere: the fast CPU
-    # runtime where bf16 is not native. Compact runtime only.
-    "int8": torch.qint8,
-}
-
 
 def resolve_dtype(name: str | torch.dtype, draft: bool = False, runtime: str = "compact") -> torch.dtype:
-    """``bf16`` / ``fp32`` / ``int8`` / ``auto``.
+    """A precision name of :data:`specdraft.dtypes.DTYPES` (``bf16``, ``fp32``, ``int8``, ``auto``)
+    as a torch dtype.
 
     Targets: ``auto`` is bf16 where the CPU computes it natively; elsewhere it is bf16 for the
     compact runtime when the few-row kernel (:mod:`specdraft.kernels`) is available (bf16 weights,
@@ -81,10 +70,11 @@ def resolve_dtype(name: str | torch.dtype, draft: bool = False, runtime: str = "
             dt = torch.bfloat16
         else:
             dt = torch.qint8 if draft else torch.float32
-    elif name in DTYPES:
-        dt = DTYPES[name]
+    elif name in DTYPES and DTYPES[name].torch is not None:
+        dt = DTYPES[name].torch
     else:
-        raise SpecdraftError(f"unknown dtype {name!r}: use bf16, fp32, int8 or auto")
+        names = [n for n in choices("draft" if draft else "target") if n != "q"]
+        raise SpecdraftError(f"unknown dtype {name!r}: use {', '.join(names)}")
     if dt == torch.qint8 and not draft:
         raise SpecdraftError("int8 is a draft precision (--draft-dtype int8): an int8 target would not be lossless")
     return dt
@@ -96,25 +86,6 @@ def set_threads(threads: int | None) -> None:
         if threads < 1:
             raise SpecdraftError(f"threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
-
-
-def make_runtime(loaded: LoadedModel, kind: str = "auto", dtype: torch.dtype | None = None) -> Runtime:
-    """The compact runtime for Llama-family models, the transformers adapter otherwise.
-
-    ``dtype`` overrides the loaded model's dtype for the compact runtime (``torch.qint8``: int8).
-    """
-    model_type = loaded.model.config.model_type
-    if kind == "compact" or (kind == "auto" and model_type in LLAMA_FAMILY):
-        return LlamaRuntime(LlamaWeights.from_hf(loaded.model, dtype or next(loaded.model.parameters()).dtype))
-    if dtype == torch.qint8:
-        raise SpecdraftError(f"int8 needs the compact runtime (Llama family), not {model_type!r}")
-    if kind in ("auto", "hf"):
-        return HFRuntime(loaded.model)
-    raise SpecdraftError(f"unknown runtime {kind!r}: use auto, compact or hf")
-
-
-def _same_tokenizer(a, b) -> bool:
-    return len(a) == len(b) and a.get_vocab() == b.get_vocab()
 
 
 @dataclass
@@ -271,47 +242,12 @@ class Detokenizer:
         return out, False
 
 
-def make_drafter(spec: str, pipe_target: LoadedModel, runtime: Runtime, dtype: torch.dtype) -> Drafter | None:
-    """Build a drafter from a spec string (see the module docstring)."""
-    spec = (spec or "default").strip()
-    if spec == "default":
-        spec = DEFAULT_DRAFT
-    if spec == "none":
-        return None
-    if spec == "designed" or spec.startswith("designed:"):  # specdraft.drafters.designed
-        from specdraft.drafters.designed import designed_drafter
-
-        return designed_drafter(spec, pipe_target, runtime, dtype)
-    if spec == "self":
-        if isinstance(runtime, LlamaRuntime) and dtype != runtime.w.dtype:
-            return ModelDrafter(LlamaRuntime(runtime.w.subset(runtime.layer_ids, dtype)), "self")
-        return ModelDrafter(runtime, "self")
-    if spec == "lookup" or spec.startswith("lookup:"):
-        n = spec.split(":", 1)[1] if ":" in spec else "3"
-        if not n.isdigit() or int(n) < 1:
-            raise SpecdraftError(f"bad lookup spec {spec!r}: use lookup or lookup:N with N >= 1")
-        return PromptLookupDrafter(max_ngram=int(n))
-    if spec.startswith("prune:"):
-        if not isinstance(runtime, LlamaRuntime):
-            raise SpecdraftError("layer-pruned drafts need a Llama-family target (compact runtime)")
-        try:
-            layers = [int(x) for x in spec.split(":", 1)[1].split(",") if x.strip()]
-        except ValueError:
-            raise SpecdraftError(f"bad prune spec {spec!r}: use prune:0,1,2,29") from None
-        if dtype == runtime.w.dtype:  # shares the target's tensors; owns only its cache
-            return ModelDrafter(LlamaRuntime(runtime.w, layers), spec)
-        return ModelDrafter(LlamaRuntime(runtime.w.subset(layers, dtype)), spec)
-    draft = load_model(spec, torch.float32 if dtype == torch.qint8 else dtype)
-    if draft.model.config.model_type not in LLAMA_FAMILY and (
-        dtype == torch.qint8 or (dtype == torch.bfloat16 and not cpu_has_fast_bf16())
-    ):
-        dtype = torch.float32  # int8 and kernel-run bf16 need the compact runtime; torch would emulate bf16
-    if not _same_tokenizer(draft.tokenizer, pipe_target.tokenizer):
-        raise SpecdraftError(
-            f"draft {spec!r} has a different tokenizer/vocabulary than the target; "
-            "speculative decoding needs the same tokenizer"
-        )
-    return ModelDrafter(make_runtime(draft, dtype=dtype), spec)
+def make_drafter(
+    spec: str | registry.DraftSpec, target: LoadedModel, runtime: Runtime, dtype: torch.dtype
+) -> Drafter | None:
+    """The drafter for a draft spec (module docstring) over a loaded target and its runtime, at the
+    draft precision ``dtype``; None for ``none``. Parsed and built by :mod:`specdraft.registry`."""
+    return registry.build_drafter(spec, registry.Target(target, runtime, dtype))
 
 
 def load(
@@ -335,6 +271,7 @@ def load(
         draft_dtype: the draft's precision: ``auto``, ``bf16``, ``fp32`` or ``int8``.
     """
     set_threads(threads)
+    registry.DraftSpec.parse(draft)  # a bad spec fails before the target loads
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if dtype == "q":  # the GGUF's own quantized blocks (specdraft.models.quant); opt-in
         from specdraft.models.quant import QuantRuntime, gguf_path
@@ -368,4 +305,4 @@ def run_batch(pipe: Pipeline, prompts: list[list[int]], *, max_new_tokens: int, 
     return [out.get(r.id, []) for r in reqs], engine.stats
 
 
-__all__ = ["Pipeline", "load", "make_drafter", "make_runtime", "run_batch", "StepEvent", "SamplingParams"]
+__all__ = ["Pipeline", "load", "make_drafter", "run_batch", "StepEvent", "SamplingParams"]

@@ -15,6 +15,15 @@
 A policy sees a step twice: :meth:`KPolicy.choose` before the drafter runs (how many tokens to ask
 for) and :meth:`KPolicy.trim` after (how many of each row's proposal to verify); then
 :meth:`KPolicy.update` with what verification accepted.
+
+Wrappers and the prefix rule that drafters share:
+
+- :class:`CappedPolicy`: any policy with its k bounded by a cap set before each step (the server's
+  per-request caps).
+- :class:`VerifyCost` and :func:`best_prefix`: the prefix of a drafted proposal with the most
+  expected tokens per unit of step time, from the draft's own confidences (what
+  :class:`specdraft.drafters.gated.GatedDrafter` proposes), and :func:`worth_continuing`, when
+  drafting further can no longer change that choice.
 """
 
 from __future__ import annotations
@@ -266,3 +275,84 @@ def make_policy(spec: str | int) -> KPolicy:
         return FixedK(int(s))
     except ValueError:
         raise SpecdraftError(f"--k must be an integer >= 0, 'auto' or 'heuristic', got {spec!r}") from None
+
+
+class CappedPolicy:
+    """Any policy, with its k bounded by ``cap`` (None: no bound), set by the caller before each step.
+
+    The server sets ``cap`` to the largest per-request cap in the batch;
+    :class:`specdraft.drafters.capped.RowCappedDrafter` then cuts each row to its own cap.
+    """
+
+    def __init__(self, inner: KPolicy):
+        self.inner = inner
+        self.cap: int | None = None
+        # the engine reserves cache room for the largest k a policy can choose
+        self.k_max = getattr(inner, "k_max", getattr(inner, "k", 8))
+
+    def choose(self) -> int:
+        k = self.inner.choose()
+        return k if self.cap is None else min(k, self.cap)
+
+    def trim(self, num_valid: torch.Tensor, bucket: torch.Tensor | None) -> torch.Tensor:
+        return self.inner.trim(num_valid, bucket)
+
+    def update(self, k, num_drafted, num_accepted, draft_time, target_time, bucket=None) -> None:
+        self.inner.update(k, num_drafted, num_accepted, draft_time, target_time, bucket)
+
+    def __repr__(self) -> str:
+        return f"CappedPolicy({self.inner!r})"
+
+
+# ------------------------------------------------------------------------------------ best prefix
+@dataclass
+class VerifyCost:
+    """Step costs relative to a plain 1-token target step.
+
+    Attributes:
+        target: ``target[n - 1] = T_target(n) / T_target(1)`` for n = 1..len (flat beyond).
+        draft: ``T_draft / T_target(1)``, one draft token.
+    """
+
+    target: list[float]
+    draft: float
+
+    def step(self, m: int) -> float:
+        """Relative cost of a step that proposes m tokens (the first draft forward is sunk)."""
+        if m == 0:
+            return 1.0
+        return self.target[min(m + 1, len(self.target)) - 1] + (m - 1) * self.draft
+
+    @classmethod
+    def measure(cls, target, draft, n_max: int = 8, context: int = 64, reps: int = 3) -> VerifyCost:
+        """Median latencies on this machine (target sizes and the draft interleaved), read through
+        :meth:`specdraft.bench.profile.DraftLatencies.curve`."""
+        from specdraft.bench.profile import measure_latency
+
+        ns = tuple(sorted({1, 2, 3, 5, n_max + 1}))
+        lat = measure_latency(target, {"draft": draft}, ns=ns, context=context, reps=reps)
+        curve = lat.curve()
+        t1 = max(curve.time(1), 1e-9)
+        return cls([curve.time(n) / t1 for n in range(1, n_max + 2)], lat.draft["draft"] / t1)
+
+
+def best_prefix(conf: torch.Tensor, cost: VerifyCost) -> torch.Tensor:
+    """``(B, k)`` per-token confidences -> ``(B,)`` prefix lengths m maximising
+    ``(1 + sum_{i <= m} P_i) / cost(m)``, ``P_i = prod_{j <= i} conf_j``."""
+    B, k = conf.shape
+    expected = 1 + torch.cat([torch.zeros(B, 1), conf.cumprod(1).cumsum(1)], 1)  # (B, k + 1): m = 0..k
+    costs = torch.tensor([cost.step(m) for m in range(k + 1)])  # (k + 1,)
+    return (expected / costs).argmax(1)
+
+
+def worth_continuing(cum: torch.Tensor, k: int, cost: VerifyCost) -> torch.Tensor:
+    """After i drafted tokens (``cum`` ``(B, i)``: P_1..P_i), could a longer prefix still win,
+    per row? P never grows, so ``1 + sum_{j <= i} P_j + (m - i) P_i`` bounds the expected tokens of
+    every prefix m > i: stopping here never changes the chosen prefix. ``(B,)`` bool."""
+    i = cum.shape[1]
+    expected = 1 + torch.cat([torch.zeros(cum.shape[0], 1), cum.cumsum(1)], 1)  # (B, i + 1): m = 0..i
+    best = (expected / torch.tensor([cost.step(m) for m in range(i + 1)])).max(1).values
+    bound = torch.stack(
+        [(expected[:, -1] + (m - i) * cum[:, -1]) / cost.step(m) for m in range(i + 1, k + 1)]
+    ).max(0).values
+    return bound > best

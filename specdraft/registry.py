@@ -3,16 +3,18 @@
 A draft spec is ``KIND`` or ``KIND:ARG`` (``lookup:3``, ``prune:0,1,2,29``, ``designed:NAME``); any
 string that names no registered kind is a draft model (an alias or a path). :class:`DraftSpec`
 parses and validates it, without loading anything, so every command can refuse a bad spec before
-the target loads; :func:`make_drafter` builds the drafter through the kind's factory.
+the target loads; :func:`build_drafter` builds the drafter through the kind's factory
+(:func:`specdraft.api.make_drafter` and every command go through it).
 
 Adding a drafter is one file under ``specdraft/drafters/`` with a ``from_spec(spec, target)``
-factory, and one line in :data:`DRAFTERS`.
+factory, and one line in :data:`DRAFTERS` (``specdraft/drafters/bigram.py`` is the example the
+README walks through). Factories are imported on first use, so parsing a spec loads no drafter.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from specdraft.errors import SpecdraftError
 
@@ -37,7 +39,9 @@ def _layer_list(kind: str, arg: str) -> str:
     except ValueError:
         layers = []
     if not layers or min(layers) < 0 or len(set(layers)) != len(layers):
-        raise SpecdraftError(f"bad draft spec {kind}:{arg}: use {kind}:0,1,2,29 (distinct layer indices >= 0)")
+        raise SpecdraftError(
+            f"bad draft spec {kind}:{arg}: use {kind}:0,1,2,29 (distinct layer indices >= 0)"
+        )
     return ",".join(map(str, layers))
 
 
@@ -140,7 +144,12 @@ DRAFTERS: dict[str, DrafterKind] = {
     "none": DrafterKind(lambda spec, target: None, _no_arg, "none"),
     "lookup": DrafterKind(_lazy("specdraft.drafters.prompt_lookup"), _positive_int, "lookup[:N]"),
     "self": DrafterKind(_lazy("specdraft.drafters.model", "self_from_spec"), _no_arg, "self"),
-    "prune": DrafterKind(_lazy("specdraft.drafters.model", "pruned_from_spec"), _layer_list, "prune:0,1,2,29"),
-    "designed": DrafterKind(_lazy("specdraft.design.artifact", "drafter_from_spec"), _any, "designed[:NAME|PATH|auto]"),
+    "prune": DrafterKind(
+        _lazy("specdraft.drafters.model", "pruned_from_spec"), _layer_list, "prune:0,1,2,29"
+    ),
+    "designed": DrafterKind(
+        _lazy("specdraft.design.artifact", "drafter_from_spec"), _any, "designed[:NAME|PATH|auto]"
+    ),
+    "bigram": DrafterKind(_lazy("specdraft.drafters.bigram"), _no_arg, "bigram"),
     "model": DrafterKind(_lazy("specdraft.drafters.model", "model_from_spec"), _any, "MODEL_ALIAS|PATH"),
 }

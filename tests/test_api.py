@@ -9,6 +9,7 @@ from specdraft.drafters.model import ModelDrafter
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.models.hf import HFRuntime
+from specdraft.models.runtime import make_runtime
 from specdraft.models.tiny import tiny_llama, tiny_tokenizer
 from specdraft.verify import SamplingParams
 
@@ -60,7 +61,7 @@ def test_independent_draft_model_from_a_directory(pipe, draft_dirs):
     assert res.stats.drafted > 0
 
 
-@pytest.mark.parametrize("spec,match", [("prune:a", "bad prune spec"), ("prune:7", "invalid"), ("lookup:0", "bad lookup spec"),
+@pytest.mark.parametrize("spec,match", [("prune:a", "bad draft spec"), ("prune:7", "invalid"), ("lookup:0", "bad draft spec"),
                                          ("no-such-model", "unknown model")])
 def test_bad_draft_specs(pipe, spec, match):
     with pytest.raises(SpecdraftError, match=match):
@@ -173,7 +174,7 @@ def test_load_options(pipe):
     with pytest.raises(SpecdraftError, match="Llama-family"):
         api.load("tiny", draft="prune:0", dtype="fp32", runtime="hf")
     with pytest.raises(SpecdraftError, match="unknown runtime"):
-        api.make_runtime(pipe.target, "fast")
+        make_runtime(pipe.target, "fast")
 
 
 def test_int8_is_a_draft_precision_only(pipe):

@@ -61,7 +61,7 @@ def test_generate_json_matches_plain(capsys):
         (["generate", *TINY, "--max-new-tokens", "600", "hi"], "context window"),
         (["generate", *TINY, "--max-new-tokens", "0", "hi"], "--max-new-tokens: must be >= 1, got 0"),
         (["generate", *TINY, "--temperature", "-1", "hi"], "temperature"),
-        (["generate", *TINY, "--draft", "prune:x", "hi"], "bad prune spec"),
+        (["generate", *TINY, "--draft", "prune:x", "hi"], "argument --draft: bad draft spec prune:x"),
         (["check", *TINY, "--draft", "none", "--prompt", "hi"], "nothing to check"),
         (["check", *TINY, "--prompts", "/no/such/file.txt"], "prompt file not found"),
     ],

@@ -8,9 +8,10 @@ drawn (earlier tokens, the draft's distribution at i, the request, the policy's 
 
 The statistical test is the one of ``tests/test_sampling.py`` (target: a tiny Llama, vocabulary
 8, its head scaled up; every output of NEW tokens enumerated exactly), run for every drafter class
-and every path that cuts a proposal: a model draft, prompt lookup (no q), the target drafting for
-itself, a layer-pruned draft, the gated designed draft (best prefix and early stop), the feature
-draft, the cost-aware policy's per-class trim and the server's per-row caps. Each case also
+and every path that cuts a proposal: a model draft, prompt lookup (no q), the README's example
+bigram drafter (no q), the target drafting for itself, a layer-pruned draft, the gated designed
+draft (best prefix and early stop), the feature draft, the cost-aware policy's per-class trim and
+the server's per-row caps. Each case also
 checks that its cut really happened, and the old gating rule is shown to fail the same test.
 """
 
@@ -25,14 +26,16 @@ import pytest
 import torch
 
 from specdraft.drafters.base import DraftContext, Proposal
-from specdraft.drafters.designed import FeatureDrafter, GatedDrafter, VerifyCost, best_prefix
+from specdraft.drafters.bigram import BigramDrafter
+from specdraft.drafters.capped import RowCappedDrafter
+from specdraft.drafters.feature import FeatureDrafter
+from specdraft.drafters.gated import GatedDrafter
 from specdraft.drafters.model import ModelDrafter
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.engine import Engine, Request
 from specdraft.models.llama import LlamaRuntime, LlamaWeights
 from specdraft.models.tiny import tiny_llama
-from specdraft.policy import CostAwareK, FixedK
-from specdraft.server.scheduler import CappedPolicy, RowCappedDrafter
+from specdraft.policy import CappedPolicy, CostAwareK, FixedK, VerifyCost, best_prefix
 from specdraft.stats import SpecStats
 from specdraft.verify import SamplingParams, logits_to_probs, verify_sampling
 
@@ -181,6 +184,8 @@ def make_case(name: str, target: LlamaRuntime) -> Case:
         return Case(ModelDrafter(peaked(seed=11, scale=12.0), "other"), FixedK(2))
     if name == "lookup":
         return Case(PromptLookupDrafter(), FixedK(3))
+    if name == "bigram":  # the README's example drafter
+        return Case(BigramDrafter(), FixedK(3))
     if name == "self":
         return Case(ModelDrafter(target, "self"), FixedK(2))
     if name == "pruned":
@@ -237,7 +242,7 @@ def sample_outputs(target: LlamaRuntime, case: Case, n: int) -> tuple[torch.Tens
     return torch.tensor(idx), rec, stats
 
 
-CASES = ["model", "lookup", "self", "pruned", "gated-best-prefix", "gated-early-stop", "feature",
+CASES = ["model", "lookup", "bigram", "self", "pruned", "gated-best-prefix", "gated-early-stop", "feature",
          "cost-aware-trim", "server-row-caps"]
 
 

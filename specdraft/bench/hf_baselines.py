@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdraft.api import DEFAULT_DRAFT, Pipeline
+from specdraft.api import Pipeline
 from specdraft.errors import SpecdraftError
 from specdraft.models.loading import load_model
+from specdraft.registry import DraftSpec
 from specdraft.verify import SamplingParams
 
 HF_METHODS = ("hf_plain", "hf_assisted", "hf_prompt_lookup")
@@ -68,20 +69,11 @@ def pruned_hf_model(model, layers: list[int]):
     return small
 
 
-def _layers_of(spec: str) -> list[int]:
-    try:
-        return [int(x) for x in spec.split(":", 1)[1].split(",") if x.strip()]
-    except ValueError:
-        raise SpecdraftError(f"bad prune spec {spec!r}: use prune:0,1,2,29") from None
-
-
-def _designed_assistant(spec: str, pipe: Pipeline):
+def _designed_assistant(spec: DraftSpec, pipe: Pipeline):
     """A designed draft as a transformers model (full LM head), or None with the reason."""
-    from specdraft.design.artifact import load_draft, read_meta
-    from specdraft.drafters.designed import find_default, resolve_draft_dir
+    from specdraft.design.artifact import find_draft, load_draft, read_meta
 
-    name = spec.split(":", 1)[1] if ":" in spec else "auto"
-    path = find_default(pipe.target.model) if name == "auto" else resolve_draft_dir(name)
+    path = find_draft(spec.arg, pipe.target.model)
     if path is None:
         return None, f"{spec}: no designed draft for this target (prompt lookup is used; transformers' prompt lookup is the matching baseline)"
     meta = read_meta(path)
@@ -155,27 +147,26 @@ def build_hf_baselines(pipe: Pipeline, k: int | None) -> HFBaselines:
         k: fixed draft length, or None for transformers' adaptive defaults.
     """
     model = pipe.target.model
-    spec = pipe.draft_spec if pipe.draft_spec != "default" else DEFAULT_DRAFT
+    spec = DraftSpec.parse(pipe.draft_spec)
     lookup_ngram = 3
     assistant, note = None, ""
-    if spec == "none":
+    if spec.kind == "none":
         note = "no draft (--draft none)"
-    elif spec.startswith("lookup"):
+    elif spec.kind == "lookup":
         note = f"draft {spec} is not a model (transformers' prompt lookup is the matching baseline)"
-        if ":" in spec:
-            lookup_ngram = int(spec.split(":", 1)[1])
-    elif spec == "self":
+        lookup_ngram = int(spec.arg or lookup_ngram)
+    elif spec.kind == "self":
         assistant, note = model, "the target itself"
-    elif spec == "designed" or spec.startswith("designed:"):
+    elif spec.kind == "designed":
         assistant, note = _designed_assistant(spec, pipe)
-    elif spec.startswith("prune:"):
-        layers = _layers_of(spec)
+    elif spec.kind == "prune":
+        layers = spec.layers
         assistant = pruned_hf_model(model, layers)
         dtype = str(next(model.parameters()).dtype).replace("torch.", "")
         note = f"a LlamaForCausalLM with the target's layers {layers} (num_hidden_layers={len(layers)}), weights copied, {dtype}"
     else:
         dtype = next(model.parameters()).dtype
-        assistant, note = load_model(spec, dtype).model, f"draft model {spec}"
+        assistant, note = load_model(spec.arg, dtype).model, f"draft model {spec}"
     methods = tuple(m for m in HF_METHODS if m != "hf_assisted" or assistant is not None)
     if assistant is not None and k is not None:
         if assistant is model:  # do not change the target's own config: use a shallow copy

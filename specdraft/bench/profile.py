@@ -375,10 +375,6 @@ class DraftLatencies:
         has always read its table)."""
         return LatencyCurve({1: self.target}, beyond="flat")
 
-    def target_fn(self):
-        """``T_target(n)`` as a function of n (:meth:`curve`)."""
-        return self.curve().time
-
 
 @torch.inference_mode()
 def measure_latency(target: Runtime, drafts: dict[str, Runtime], ns: Iterable[int] = (1, 2, 4, 6, 8),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from specdraft import dtypes, registry
 from specdraft.errors import SpecdraftError
 from specdraft.models.loading import DEFAULT_TARGET
 
@@ -49,18 +50,23 @@ def k_spec(text: str) -> str:
     return text
 
 
+def draft_spec(text: str) -> str:
+    """An argparse type: a --draft that :class:`specdraft.registry.DraftSpec` parses, kept as given."""
+    try:
+        registry.DraftSpec.parse(text)
+    except SpecdraftError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def add_model_arguments(p: argparse.ArgumentParser, draft: bool = True) -> None:
     """--target, --draft, --k, --dtype, --threads, --runtime: the options every command shares."""
     p.add_argument("--target", default=DEFAULT_TARGET, help="model alias (smollm2-135m, gemma3-270m), HF directory or GGUF path")
     if draft:
-        p.add_argument("--draft", default="default", help="none | default | prune:0,1,2,29 | lookup[:N] | self | model alias/path")
+        p.add_argument("--draft", type=draft_spec, default="default", help=registry.usage())
         p.add_argument("--k", type=k_spec, default="auto", help="draft length: 'auto' (cost-aware, the default: measures latency and acceptance and picks k, 0 included), an integer >= 0 or 'heuristic'")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "q"],
-                   help="target precision; auto: bf16 (without native bf16: bf16 weights with fp32 arithmetic through "
-                        "the native kernels; fp32 without them or with --runtime hf); q: a GGUF target's own quantized "
-                        "blocks (Q4_0/Q4_1/Q8_0, the quantized runtime; opt-in)")
-    p.add_argument("--draft-dtype", default="auto", choices=["auto", "bf16", "fp32", "int8"],
-                   help="draft precision (never changes the output); auto: bf16 where native or run by the native kernels, else int8")
+    p.add_argument("--dtype", default="auto", choices=dtypes.choices("target"), help=dtypes.help_text("target"))
+    p.add_argument("--draft-dtype", default="auto", choices=dtypes.choices("draft"), help=dtypes.help_text("draft"))
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
     p.add_argument("--runtime", default="auto", choices=["auto", "compact", "hf"], help="model runtime")
 

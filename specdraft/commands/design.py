@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+from specdraft import dtypes
 from specdraft.commands import add_model_arguments, positive_int
 from specdraft.errors import SpecdraftError
 
@@ -31,9 +32,7 @@ def _data_args(p: argparse.ArgumentParser, prompts: int) -> None:
     p.add_argument("--prompts", type=int, default=prompts, help="training prompts answered by the target (see --sources)")
     p.add_argument("--sources", default="gsm8k,hellaswag",
                    help="prompt sources, round-robin: gsm8k, hellaswag, self (requests the target writes itself, Magpie-style)")
-    p.add_argument("--gen-dtype", choices=["same", "bf16", "fp32"], default="same",
-                   help="weights the target answers with when generating data (same: the --dtype runtime's; bf16 runs the "
-                        "native kernels, half the weight bytes of fp32)")
+    p.add_argument("--gen-dtype", choices=dtypes.choices("gen"), default="same", help=dtypes.help_text("gen"))
     p.add_argument("--val-prompts", type=int, default=48, help="held-out prompts for validation / calibration")
     p.add_argument("--max-new-tokens", type=positive_int, default=160, help="answer length cap when generating data")
     p.add_argument("--gen-batch", type=int, default=32, help="rows decoded together when generating data")
@@ -111,10 +110,10 @@ def _pipe(args):
 
 def _data_kw(args) -> dict:
     """target_data keywords shared by every design action."""
-    from specdraft.design.data import GEN_DTYPES, parse_sources
+    from specdraft.design.data import parse_sources
 
     return dict(max_new_tokens=args.max_new_tokens, batch_size=args.gen_batch, sources=parse_sources(args.sources),
-                gen_dtype=GEN_DTYPES[args.gen_dtype], hidden=True, progress=not args.quiet)
+                gen_dtype=dtypes.torch_dtype(args.gen_dtype), hidden=True, progress=not args.quiet)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -173,7 +172,7 @@ def _build(args) -> int:
 
 def _export(args) -> int:
     from specdraft.design.artifact import load_draft, read_meta, save_draft
-    from specdraft.drafters.designed import resolve_draft_dir
+    from specdraft.design.artifact import resolve_draft_dir
 
     src = resolve_draft_dir(args.draft)
     pipe = _pipe(args)

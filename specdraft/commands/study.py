@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from specdraft import dtypes
 from specdraft.commands import positive_int
 from specdraft.errors import SpecdraftError
 from specdraft.models.loading import DEFAULT_TARGET
@@ -57,9 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", type=_ints, default=None,
                    help="context lengths at which latencies are profiled (default: 32 and max-prompt-tokens + max-new-tokens)")
     p.add_argument("--profile-repeats", type=int, default=5)
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"], help="target dtype (auto: bf16 where native or run by the few-row kernel, else fp32)")
-    p.add_argument("--draft-dtype", default="same", choices=["same", "fp32", "bf16", "int8"],
-                   help="draft precision (same: the target's; layer-pruned drafts then share its weights)")
+    p.add_argument("--dtype", default="auto", choices=dtypes.choices("study-target"), help=dtypes.help_text("study-target"))
+    p.add_argument("--draft-dtype", default="same", choices=dtypes.choices("study-draft"),
+                   help=dtypes.help_text("study-draft"))
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads per process (default 1)")
     p.add_argument("--executor", default="local", choices=["local", "ray"], help="local process pool or Ray tasks")
     p.add_argument("--address", default=None, help="Ray cluster address (with --executor ray); default: start a local one")
@@ -102,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    dtype = "fp32" if api.resolve_dtype(args.dtype) == api.DTYPES["fp32"] else "bf16"  # rows record the name
+    dtype = "fp32" if api.resolve_dtype(args.dtype) == dtypes.torch_dtype("fp32") else "bf16"  # rows record the name
     if args.prompts_per_dataset < 1 or args.heldout < 0 or args.max_new_tokens < 2:
         raise SpecdraftError("need --prompts-per-dataset >= 1, --heldout >= 0 and --max-new-tokens >= 2")
     t0 = time.perf_counter()

@@ -11,7 +11,7 @@ The pipeline (``specdraft design build`` runs it end to end and records the reci
    (heads and FFN channels by importance) for deep-narrow drafts of equal parameter count;
    :mod:`~specdraft.design.compare` puts the two side by side.
 4. :mod:`~specdraft.design.vocab`: a head over the N most frequent answer tokens (lossless: the
-   target verifies over its full vocabulary; see :mod:`specdraft.drafters.designed`).
+   target verifies over its full vocabulary; see :mod:`specdraft.models.subset_head`).
 5. :mod:`~specdraft.design.train`: offline distillation (CE + KL to the target's top-K) and
    on-policy distillation (Draft-OPD style replay of real speculative decoding), checkpointed.
    :mod:`~specdraft.design.feature`: the EAGLE-style feature-conditioned variant.

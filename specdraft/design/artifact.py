@@ -16,7 +16,19 @@ works as ``assistant_model`` in transformers or as a draft model in other engine
 use the full head; the head subset in ``specdraft.json`` is a specdraft inference option.
 
 Feature-conditioned drafts (``kind = "feature"``) add ``fc.weight`` (C x 2C) and read the
-target's final hidden state; they need specdraft's drafter (see :mod:`specdraft.drafters.designed`).
+target's final hidden state; they need specdraft's drafter (:mod:`specdraft.drafters.feature`).
+
+Finding and building a designed draft (``--draft designed[:NAME|PATH|auto]``):
+
+- ``designed:PATH``: a draft directory (``specdraft design ... --out PATH``);
+- ``designed:NAME``: ``drafts/NAME`` of this repository;
+- ``designed:auto`` (and plain ``designed``): the committed draft designed for this target when
+  there is one (:func:`find_default`), else prompt lookup (so it works with every target).
+
+:func:`drafter_from_spec` is the ``designed`` kind's factory in :data:`specdraft.registry.DRAFTERS`:
+a layers draft becomes a :class:`~specdraft.drafters.gated.GatedDrafter`, a feature draft a
+:class:`~specdraft.drafters.feature.FeatureDrafter`, both over a
+:class:`~specdraft.models.subset_head.SubsetHeadRuntime` when the head is a vocabulary subset.
 """
 
 from __future__ import annotations
@@ -31,7 +43,12 @@ from pathlib import Path
 import torch
 
 from specdraft import durable
+from specdraft.drafters.feature import FeatureDrafter
+from specdraft.drafters.gated import GatedDrafter
+from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.errors import SpecdraftError
+from specdraft.models.llama import LlamaRuntime
+from specdraft.models.subset_head import SubsetHeadRuntime, draft_weights
 
 FORMAT = 1
 META_FILE = "specdraft.json"
@@ -40,6 +57,7 @@ EMBED_KEY = "model.embed_tokens.weight"
 HEAD_KEY = "lm_head.weight"
 SHARED_KEYS = (EMBED_KEY, HEAD_KEY)
 KINDS = ("layers", "feature")
+DRAFTS_DIR = Path(__file__).resolve().parents[2] / "drafts"  # the designed drafts this repository commits
 
 
 @dataclass
@@ -250,3 +268,70 @@ def build_llama(cfg, target_model):
     else:
         draft.lm_head.weight = target_model.get_output_embeddings().weight
     return draft
+
+
+# ------------------------------------------------------------------------------------ lookups
+def resolve_draft_dir(name: str) -> Path:
+    """``designed:`` argument -> directory: an existing path, else ``drafts/<name>``."""
+    p = Path(name).expanduser()
+    if p.is_dir():
+        return p
+    q = DRAFTS_DIR / name
+    if q.is_dir():
+        return q
+    have = sorted(x.name for x in DRAFTS_DIR.iterdir() if (x / META_FILE).is_file()) if DRAFTS_DIR.is_dir() else []
+    committed = ", ".join(have) or "(none committed)"
+    raise SpecdraftError(f"designed draft {name!r} not found: give a draft directory or one of {committed}")
+
+
+def find_default(target_model) -> Path | None:
+    """The committed token-level draft (``drafts/*``) designed for this target, or None.
+
+    Feature-conditioned drafts are never the default: they need engines built to hand them the
+    target's hidden state, which not every caller does."""
+    if not DRAFTS_DIR.is_dir():
+        return None
+    for d in sorted(DRAFTS_DIR.iterdir()):
+        if not (d / META_FILE).is_file():
+            continue
+        try:
+            meta = read_meta(d)
+            check_compatible(meta, target_model, str(d))
+        except SpecdraftError:
+            continue
+        if meta.kind == "layers":
+            return d
+    return None
+
+
+def find_draft(name: str, target_model) -> Path | None:
+    """A ``designed:`` argument's directory: ``auto`` (or empty) is :func:`find_default` (None when
+    there is none), anything else :func:`resolve_draft_dir`."""
+    return find_default(target_model) if name in ("", "auto") else resolve_draft_dir(name)
+
+
+def drafter_from_spec(spec, target):
+    """The drafter for a ``designed[:NAME|PATH|auto]`` spec (module docstring).
+
+    Args:
+        spec: a :class:`~specdraft.registry.DraftSpec` of kind ``designed``.
+        target: a :class:`~specdraft.registry.Target`: the loaded target (its embedding is shared),
+            its runtime (its tensors are shared when it is a compact runtime) and the draft dtype.
+    """
+    path = find_draft(spec.arg, target.loaded.model)
+    if path is None:
+        return PromptLookupDrafter()
+    dtype = target.dtype
+    dense = torch.float32 if dtype == torch.qint8 else dtype  # int8 packs the weights after loading
+    draft, meta, extra = load_draft(path, target.loaded.model, dense)
+    head = torch.tensor(meta.head_tokens, dtype=torch.int64) if meta.head_tokens else None
+    tw = target.runtime.w if isinstance(target.runtime, LlamaRuntime) else None
+    w = draft_weights(draft, tw, head, dtype)
+    rt = LlamaRuntime(w)
+    if head is not None:
+        rt = SubsetHeadRuntime(rt, head, meta.vocab_size)
+    if meta.kind == "feature":
+        if "fc.weight" not in extra:
+            raise SpecdraftError(f"feature draft {path} lacks fc.weight: corrupted")
+        return FeatureDrafter(rt, extra["fc.weight"].to(w.compute_dtype), w.embed, f"designed:{path.name}")
+    return GatedDrafter(rt, f"designed:{path.name}", target_runtime=target.runtime)

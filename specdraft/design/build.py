@@ -16,10 +16,11 @@ from pathlib import Path
 
 import torch
 
+from specdraft import dtypes
 from specdraft.bench import prompts as bench_prompts
 from specdraft.bench.prompts import REPO_ROOT, data_file, is_shipped_slice
 from specdraft.design.artifact import DraftMeta, save_draft
-from specdraft.design.data import GEN_DTYPES, SOURCE_FILES, SOURCES, TargetData, target_data, training_prompts
+from specdraft.design.data import SOURCE_FILES, SOURCES, TargetData, target_data, training_prompts
 from specdraft.design.prune import depth_prune, importance, param_count, width_prune
 from specdraft.design.train import DraftLM, OnPolicyConfig, TrainConfig, train_offline, train_on_policy, validate
 from specdraft.design.vocab import VocabSubset, token_counts, top_tokens
@@ -130,7 +131,7 @@ def build_draft(pipe, cfg: BuildConfig, out: str | Path, *, work: str | Path | N
     times = {}
     t = time.perf_counter()
     kw = dict(max_new_tokens=cfg.max_new_tokens, batch_size=cfg.gen_batch, hidden=True, progress=progress, sources=cfg.sources,
-              gen_dtype=GEN_DTYPES[cfg.gen_dtype])
+              gen_dtype=dtypes.torch_dtype(cfg.gen_dtype))
     data = target_data(pipe, n_prompts=cfg.prompts, **kw)
     val = target_data(pipe, n_prompts=cfg.val_prompts, split="val", **kw)
     times["data_s"] = round(time.perf_counter() - t, 1)

@@ -23,7 +23,7 @@ from specdraft.design.data import target_data
 from specdraft.design.prune import depth_prune, ffn_for_budget, importance, param_count, width_prune
 from specdraft.design.search import predict
 from specdraft.design.train import DraftLM, TrainConfig, train_offline, validate
-from specdraft.drafters.designed import SubsetHeadRuntime, draft_weights
+from specdraft.models.subset_head import SubsetHeadRuntime, draft_weights
 from specdraft.models.llama import LlamaRuntime
 
 

@@ -480,9 +480,6 @@ def target_data(
     return _subset(data, sorted(range(len(data)), key=lambda i: data.prompt_ids[i]))
 
 
-GEN_DTYPES = {"same": None, "bf16": torch.bfloat16, "fp32": torch.float32}  # --gen-dtype names
-
-
 def generation_runtime(pipe, dtype: torch.dtype | None):
     """The runtime that answers training prompts: the pipeline's, or its target's weights in ``dtype``."""
     from specdraft.models.llama import LlamaRuntime, LlamaWeights

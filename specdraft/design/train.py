@@ -472,7 +472,7 @@ class Replay:
 def collect_replay(model: DraftLM, target_runtime, prompts: list[list[int]], *, k: int, max_new_tokens: int, eos_ids, topk: int = 32) -> Replay:
     """Decode ``prompts`` greedily with speculative decoding using the current draft; keep each
     block's positions up to and including the first rejected one, with the target's top-K there."""
-    from specdraft.drafters.designed import SubsetHeadRuntime, draft_weights
+    from specdraft.models.subset_head import SubsetHeadRuntime, draft_weights
     from specdraft.drafters.model import ModelDrafter
     from specdraft.engine import Engine, Request
     from specdraft.models.llama import LlamaRuntime

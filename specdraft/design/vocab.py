@@ -4,7 +4,7 @@ On this CPU the SmolLM2 head (49,152 x 576) is most of a shallow draft's step; a
 8,192 most frequent output tokens costs a sixth of it. Speculative decoding stays lossless: the
 draft's q is a full-vocabulary distribution with zeros outside the subset (its logits there are
 -inf), and the target verifies over its whole vocabulary. A token the draft cannot propose just
-costs acceptance, never correctness (see :mod:`specdraft.drafters.designed` and the tests).
+costs acceptance, never correctness (see :mod:`specdraft.models.subset_head` and the tests).
 
 Counts come from the target's own responses to training prompts (:mod:`specdraft.design.data`).
 """

@@ -5,6 +5,9 @@ accepted: it fed the last committed token and d_1..d_{k-1}, so with n accepted i
 for ``L + min(n, k - 1)`` tokens (L = committed length before the step). Everything committed
 beyond that (the recovered/bonus token, and d_k when all k were accepted) is fed at the start of
 the next proposal, right-padded across rows. Rollback is that length change, never a copy.
+
+Draft specs (factories of :data:`specdraft.registry.DRAFTERS`): ``self`` (:func:`self_from_spec`),
+``prune:0,1,2,29`` (:func:`pruned_from_spec`) and a model alias or path (:func:`model_from_spec`).
 """
 
 from __future__ import annotations
@@ -12,7 +15,11 @@ from __future__ import annotations
 import torch
 
 from specdraft.drafters.base import DraftContext, DraftState, Proposal, take_token
-from specdraft.models.runtime import Runtime
+from specdraft.errors import SpecdraftError
+from specdraft.kernels import cpu_has_fast_bf16
+from specdraft.models.llama import LLAMA_FAMILY, LlamaRuntime
+from specdraft.models.loading import load_model
+from specdraft.models.runtime import Runtime, make_runtime
 
 
 def catch_up_positions(fed: torch.Tensor, L: torch.Tensor, P: int) -> torch.Tensor:
@@ -90,3 +97,43 @@ class ModelDrafter:
 
     def observe(self, state: ModelDraftState, num_accepted: torch.Tensor) -> None:
         state.fed = state.base + torch.clamp(num_accepted, max=max(state.k - 1, 0))
+
+
+# ------------------------------------------------------------------------------------ factories
+def self_from_spec(spec, target) -> ModelDrafter:
+    """``self``: the target drafting for itself (every draft accepted; for testing), at the draft
+    dtype (a copy of its weights when that differs from the target's)."""
+    rt = target.runtime
+    if isinstance(rt, LlamaRuntime) and target.dtype != rt.w.dtype:
+        return ModelDrafter(LlamaRuntime(rt.w.subset(rt.layer_ids, target.dtype)), "self")
+    return ModelDrafter(rt, "self")
+
+
+def pruned_from_spec(spec, target) -> ModelDrafter:
+    """``prune:0,1,2,29``: the target's own layers at full width, with its embedding and LM head."""
+    rt = target.runtime
+    if not isinstance(rt, LlamaRuntime):
+        raise SpecdraftError("layer-pruned drafts need a Llama-family target (compact runtime)")
+    if target.dtype == rt.w.dtype:  # shares the target's tensors; owns only its cache
+        return ModelDrafter(LlamaRuntime(rt.w, spec.layers), str(spec))
+    return ModelDrafter(LlamaRuntime(rt.w.subset(spec.layers, target.dtype)), str(spec))
+
+
+def _same_tokenizer(a, b) -> bool:
+    return len(a) == len(b) and a.get_vocab() == b.get_vocab()
+
+
+def model_from_spec(spec, target) -> ModelDrafter:
+    """A model alias or path: an independent draft model, which must share the target's tokenizer."""
+    name, dtype = spec.arg, target.dtype
+    draft = load_model(name, torch.float32 if dtype == torch.qint8 else dtype)
+    if draft.model.config.model_type not in LLAMA_FAMILY and (
+        dtype == torch.qint8 or (dtype == torch.bfloat16 and not cpu_has_fast_bf16())
+    ):
+        dtype = torch.float32  # int8 and kernel-run bf16 need the compact runtime; torch would emulate bf16
+    if not _same_tokenizer(draft.tokenizer, target.loaded.tokenizer):
+        raise SpecdraftError(
+            f"draft {name!r} has a different tokenizer/vocabulary than the target; "
+            "speculative decoding needs the same tokenizer"
+        )
+    return ModelDrafter(make_runtime(draft, dtype=dtype), name)

@@ -4,6 +4,8 @@ Find the most recent earlier occurrence of the context's trailing n-gram (n from
 down to ``min_ngram``) and propose the tokens that followed it. No model, no distribution: q is a
 point mass, so sampling verification checks the draft against a sample from p. Each proposal is
 classed by the matched n (``Proposal.bucket``), for the cost-aware policy.
+
+Draft spec: ``lookup`` or ``lookup:N`` (n-grams up to N, default 3), built by :func:`from_spec`.
 """
 
 from __future__ import annotations
@@ -66,3 +68,8 @@ class PromptLookupDrafter:
 
     def observe(self, state: DraftState, num_accepted: torch.Tensor) -> None:
         pass
+
+
+def from_spec(spec, target) -> PromptLookupDrafter:
+    """The ``lookup[:N]`` factory of :data:`specdraft.registry.DRAFTERS` (the target is not needed)."""
+    return PromptLookupDrafter(max_ngram=int(spec.arg or 3))

@@ -12,7 +12,8 @@ cache; it simply feeds the next tokens at the positions it wants to (re)write.
 Two implementations live in this package: :class:`specdraft.models.llama.LlamaRuntime`, a compact
 Llama-family forward with a preallocated position-indexed cache (batch >= 1, ragged rows), and
 :class:`specdraft.models.hf.HFRuntime`, an adapter over any transformers causal LM (batch 1,
-cache cropping). A quantized or llama.cpp-backed runtime would be a third.
+cache cropping). :class:`specdraft.models.quant.QuantRuntime` runs a GGUF's quantized blocks.
+:func:`make_runtime` picks the runtime for a loaded model.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
+
+from specdraft.errors import SpecdraftError
 
 
 @dataclass
@@ -89,3 +92,26 @@ class Runtime(Protocol):
             logits_index: optional ``(B, n)`` indices into T: compute logits only there.
         """
         ...
+
+
+def make_runtime(loaded, kind: str = "auto", dtype: torch.dtype | None = None) -> Runtime:
+    """The compact runtime for Llama-family models, the transformers adapter otherwise.
+
+    Args:
+        loaded: a :class:`~specdraft.models.loading.LoadedModel`.
+        kind: ``auto`` (compact for the Llama family, else transformers), ``compact`` or ``hf``.
+        dtype: overrides the loaded model's dtype for the compact runtime (``torch.qint8``: int8).
+    """
+    # imported here: both runtimes import this module (ForwardOutput)
+    from specdraft.models.hf import HFRuntime
+    from specdraft.models.llama import LLAMA_FAMILY, LlamaRuntime, LlamaWeights
+
+    model_type = loaded.model.config.model_type
+    if kind == "compact" or (kind == "auto" and model_type in LLAMA_FAMILY):
+        dtype = dtype or next(loaded.model.parameters()).dtype
+        return LlamaRuntime(LlamaWeights.from_hf(loaded.model, dtype))
+    if dtype == torch.qint8:
+        raise SpecdraftError(f"int8 needs the compact runtime (Llama family), not {model_type!r}")
+    if kind in ("auto", "hf"):
+        return HFRuntime(loaded.model)
+    raise SpecdraftError(f"unknown runtime {kind!r}: use auto, compact or hf")

@@ -11,8 +11,9 @@ shutdown removes a row with ``engine.cancel``, which frees its cache row at once
 
 Per-request draft length. The engine has one policy for the batch, so per-request settings are
 caps on the server's choice: the batch drafts ``k = min(policy k, max cap over rows)`` tokens and
-each row then keeps at most its own cap of them (:class:`RowCappedDrafter` lowers the row's
-``num_valid``, exactly as an n-gram drafter with no match does). A row with cap 0
+each row then keeps at most its own cap of them (:class:`specdraft.drafters.capped.RowCappedDrafter`
+lowers the row's ``num_valid``, exactly as an n-gram drafter with no match does; the batch's k is
+bounded by :class:`specdraft.policy.CappedPolicy`). A row with cap 0
 (``"speculation": "off"``) accepts no draft token: every token it gets is the target's own choice
 at the first position, which is plain decoding, so it stays exact. Rows with a smaller cap still
 pay for drafting the batch's k (their drafted tokens are simply ignored).
@@ -35,15 +36,15 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from specdraft.api import Detokenizer, Pipeline
-from specdraft.drafters.base import DraftContext, DraftState, Drafter, Proposal
+from specdraft.drafters.capped import RowCappedDrafter
 from specdraft.engine import Engine, Request
 from specdraft.errors import SpecdraftError
-from specdraft.policy import KPolicy
+from specdraft.policy import CappedPolicy, KPolicy
 from specdraft.server.metrics import Metrics
 from specdraft.server.protocol import APIError
 from specdraft.stats import SpecStats
@@ -108,52 +109,6 @@ class Job:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the event loop is gone (process exiting): nobody is listening
             pass
-
-
-class RowCappedDrafter:
-    """Wraps a drafter so each row keeps at most ``caps[row]`` of the proposed tokens."""
-
-    def __init__(self, inner: Drafter):
-        self.inner = inner
-        self.name = inner.name
-        self.vocab_size = inner.vocab_size
-        self.caps: torch.Tensor | None = None  # (B,) set by the scheduler before each step
-
-    def new_state(self, batch_size: int, capacity: int) -> DraftState:
-        return self.inner.new_state(batch_size, capacity)
-
-    def propose(self, state: DraftState, ctx: DraftContext, k: int) -> Proposal:
-        prop = self.inner.propose(state, ctx, k)
-        if self.caps is None:
-            return prop
-        num_valid = prop.num_valid if prop.num_valid is not None else torch.full((prop.tokens.shape[0],), k)
-        return replace(prop, num_valid=torch.minimum(num_valid, self.caps.clamp(max=k)))
-
-    def observe(self, state: DraftState, num_accepted: torch.Tensor) -> None:
-        self.inner.observe(state, num_accepted)
-
-
-class CappedPolicy:
-    """The server's policy, with its k bounded by ``cap`` (the largest per-row cap in the batch)."""
-
-    def __init__(self, inner: KPolicy):
-        self.inner = inner
-        self.cap: int | None = None
-        # the engine reserves cache room for the largest k a policy can choose
-        self.k_max = getattr(inner, "k_max", getattr(inner, "k", 8))
-
-    def choose(self) -> int:
-        k = self.inner.choose()
-        return k if self.cap is None else min(k, self.cap)
-
-    def trim(self, num_valid: torch.Tensor, bucket: torch.Tensor | None) -> torch.Tensor:
-        return self.inner.trim(num_valid, bucket)
-
-    def update(self, k, num_drafted, num_accepted, draft_time, target_time, bucket=None) -> None:
-        self.inner.update(k, num_drafted, num_accepted, draft_time, target_time, bucket)
-
-    def __repr__(self) -> str:
-        return f"CappedPolicy({self.inner!r})"
 
 
 def supports_batches(pipe: Pipeline) -> bool:

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from specdraft.errors import SpecdraftError
+from specdraft.registry import DraftSpec
 from specdraft.study.store import read_rows
 
 REPORT = "REPORT.md"
@@ -145,11 +146,11 @@ def spearman(x: list[float], y: list[float]) -> float | None:
 
 def short_name(spec: str) -> str:
     """``prune:0,1,2,3,29`` -> ``prune:0-3,29`` (runs of three or more layers as ranges)."""
-    if not spec.startswith("prune:"):
-        return spec
     try:
-        layers = [int(x) for x in spec[6:].split(",")]
-    except ValueError:
+        layers = DraftSpec.parse(spec).layers
+    except SpecdraftError:
+        return spec
+    if not layers:
         return spec
     parts, i = [], 0
     while i < len(layers):

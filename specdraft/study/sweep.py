@@ -38,8 +38,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-from specdraft import analytic
+from specdraft import analytic, dtypes
 from specdraft.errors import SpecdraftError
+from specdraft.registry import DraftSpec
 from specdraft.study.latency import Latencies
 from specdraft.study.offline import OfflineProposals, Sequence, Simulation, draft_quality, offline_proposals, simulate
 from specdraft.study.store import ResultStore, code_version, row_key
@@ -118,8 +119,11 @@ class StudyConfig:
             raise SpecdraftError(f"max_new_tokens must be >= 2, got {self.max_new_tokens}")
         if self.threads < 1:
             raise SpecdraftError(f"threads must be >= 1, got {self.threads}")
-        if self.draft_dtype not in ("same", "fp32", "bf16", "int8"):
-            raise SpecdraftError(f"unknown draft dtype {self.draft_dtype!r}: use same, fp32, bf16 or int8")
+        if self.draft_dtype not in dtypes.choices("study-draft"):
+            names = ", ".join(dtypes.choices("study-draft"))
+            raise SpecdraftError(f"unknown draft dtype {self.draft_dtype!r}: use {names}")
+        for draft in self.drafts:  # a bad spec fails here, before anything loads
+            DraftSpec.parse(draft)
 
     @property
     def k_max(self) -> int:
@@ -223,7 +227,7 @@ def build_drafter(pipe, spec: str, draft_dtype: str = "same"):
     if key not in _LOADED:
         weights = getattr(pipe.runtime, "w", None)  # compact runtime: share the target's weight dtype
         same = weights.dtype if weights is not None else pipe.runtime.dtype
-        dtype = same if draft_dtype == "same" else api.DTYPES[draft_dtype]
+        dtype = same if draft_dtype == "same" else dtypes.torch_dtype(draft_dtype)
         drafter = api.make_drafter(spec, pipe.target, pipe.runtime, dtype)
         if drafter is None:
             raise SpecdraftError(f"draft {spec!r} is no drafter; the study needs a draft")

@@ -130,7 +130,7 @@ def test_measure_latency_times_target_sizes_and_drafts_in_turn(pipe):
     assert all(t > 0 for t in [*lat.target.values(), *lat.draft.values()])
     # one prefill each, then a warm-up round and three timed rounds of every job
     assert target.calls == 1 + 4 * 3 and draft.calls == 1 + 4
-    t = lat.target_fn()
+    t = lat.curve().time
     assert t(2) == lat.target[2] and t(3) == pytest.approx((lat.target[2] + lat.target[4]) / 2)
     assert t(9) == lat.target[4]  # flat beyond the measured sizes
     with pytest.raises(SpecdraftError):

@@ -5,14 +5,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
 from specdraft import api
-from specdraft.drafters.base import DraftContext, DraftState, Proposal
 from specdraft.policy import FixedK
 from specdraft.server.metrics import Metrics
 from specdraft.server.protocol import APIError
-from specdraft.server.scheduler import CappedPolicy, Job, Output, RowCappedDrafter, Scheduler
+from specdraft.server.scheduler import Job, Output, Scheduler
 from specdraft.verify import SamplingParams
 
 
@@ -45,39 +43,6 @@ async def drain(job: Job) -> tuple[str, str | None, APIError | None]:
 def alone(reference, prompt: list[int], max_tokens: int = 16) -> tuple[str, str | None]:
     r = reference.generate(prompt, max_new_tokens=max_tokens, k=0, params=SamplingParams())
     return r.text, r.finish_reason
-
-
-class _FixedDrafter:
-    """Proposes token 7 everywhere, for all k positions."""
-
-    name, vocab_size = "fixed", None
-
-    def new_state(self, batch_size, capacity):
-        return DraftState(batch_size)
-
-    def propose(self, state, ctx, k):
-        return Proposal(torch.full((ctx.lengths.shape[0], k), 7))
-
-    def observe(self, state, num_accepted):
-        pass
-
-
-def test_row_caps_lower_num_valid_per_row():
-    d = RowCappedDrafter(_FixedDrafter())
-    d.caps = torch.tensor([0, 2, 5])
-    ctx = DraftContext(torch.zeros(3, 4, dtype=torch.int64), torch.tensor([2, 3, 4]), [SamplingParams()] * 3, [None] * 3)
-    prop = d.propose(d.new_state(3, 8), ctx, 3)
-    assert prop.num_valid.tolist() == [0, 2, 3]
-    assert prop.tokens.shape == (3, 3)
-
-
-def test_capped_policy_takes_the_smaller_k_and_keeps_the_reserve():
-    p = CappedPolicy(FixedK(5))
-    assert p.k_max == 5 and p.choose() == 5
-    p.cap = 2
-    assert p.choose() == 2
-    p.cap = 0
-    assert p.choose() == 0
 
 
 def test_mixed_caps_in_one_batch_equal_each_request_alone(scheduler, pipe, reference):

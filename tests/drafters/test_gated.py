@@ -1,5 +1,6 @@
-"""A smaller draft head keeps speculative decoding lossless: greedy output equals plain decoding,
-and sampled output is distributed exactly as the target's, though q is zero outside the subset."""
+"""The gated drafter and the subset-head runtime. A smaller draft head keeps speculative decoding
+lossless: greedy output equals plain decoding, and sampled output is distributed exactly as the
+target's, though q is zero outside the subset; the gate proposes only the prefix that pays."""
 
 import torch
 
@@ -8,12 +9,13 @@ from specdraft.design.artifact import DraftMeta, save_draft
 from specdraft.design.prune import depth_prune
 from specdraft.design.vocab import VocabSubset
 from specdraft.drafters.base import DraftContext
-from specdraft.drafters.designed import GatedDrafter, SubsetHeadRuntime, VerifyCost, best_prefix, draft_weights
+from specdraft.drafters.gated import GatedDrafter
 from specdraft.engine import Engine
 from specdraft.models.llama import LlamaRuntime, LlamaWeights
-from specdraft.policy import FixedK
+from specdraft.models.subset_head import SubsetHeadRuntime, draft_weights
+from specdraft.policy import FixedK, VerifyCost, best_prefix, worth_continuing
 from specdraft.verify import SamplingParams, verify_sampling
-from tests.design.conftest import head_subset
+from tests.design.conftest import head_subset, tiny_pipe  # noqa: F401 (a fixture)
 from tests.helpers import decode, random_prompts
 
 
@@ -152,11 +154,9 @@ def test_gated_drafter_stays_lossless_and_proposes_only_what_pays(tiny_pipe):
 
 
 def test_drafting_stops_once_no_longer_prefix_can_pay(tiny_pipe):
-    from specdraft.drafters.designed import _worth_continuing
-
     cost = VerifyCost(target=[1.0, 2.0, 2.4, 2.5, 2.6], draft=0.05)
-    assert not _worth_continuing(torch.tensor([[0.2]]), 4, cost)  # even 4 tokens at P = 0.2 cannot beat a plain step
-    assert _worth_continuing(torch.tensor([[0.9]]), 4, cost)
+    assert not worth_continuing(torch.tensor([[0.2]]), 4, cost)  # even 4 tokens at P = 0.2 cannot beat a plain step
+    assert worth_continuing(torch.tensor([[0.9]]), 4, cost)
     ids = head_subset(64)
     d = GatedDrafter(_subset_runtime(tiny_pipe, ids), "gated", cost=VerifyCost([1.0, 50.0], 0.0))
     state = d.new_state(1, 32)

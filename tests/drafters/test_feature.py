@@ -12,11 +12,12 @@ from specdraft.design.prune import depth_prune
 from specdraft.design.train import TrainConfig, train_offline, validate
 from specdraft.design.vocab import VocabSubset
 from specdraft.drafters.base import DraftContext
-from specdraft.drafters.designed import FeatureDrafter, SubsetHeadRuntime, draft_weights
+from specdraft.drafters.feature import FeatureDrafter
 from specdraft.engine import Engine
 from specdraft.models.llama import LlamaRuntime
+from specdraft.models.subset_head import SubsetHeadRuntime, draft_weights
 from specdraft.verify import SamplingParams
-from tests.design.conftest import head_subset
+from tests.design.conftest import head_subset, tiny_pipe  # noqa: F401 (a fixture)
 from tests.helpers import decode, random_prompts
 
 

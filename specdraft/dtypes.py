@@ -1,0 +1,88 @@
+"""Precision names: one table for every ``--dtype``-like option and the Python API.
+
+Each name maps to a torch dtype (None where the name is decided later: ``auto``, ``same``, ``q``)
+and lists the roles that accept it, with what it means there. A role is one option:
+
+- ``target``: ``--dtype``, the target's precision (:func:`specdraft.api.resolve_dtype`);
+- ``draft``: ``--draft-dtype``, the draft's precision (never changes the output);
+- ``gen``: ``specdraft design --gen-dtype``, the target's weights when it answers training prompts;
+- ``study-target`` and ``study-draft``: ``specdraft study --dtype`` and ``--draft-dtype``.
+
+The options' ``choices`` and ``help`` come from :func:`choices` and :func:`help_text`, so a new
+precision is one entry here. ``bfloat16`` and ``float32`` are accepted by the Python API only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class DType:
+    """One precision name.
+
+    Attributes:
+        torch: the torch dtype it stands for (``torch.qint8``: int8 weights and activations); None
+            when it is decided later (``auto`` by the CPU and runtime, ``same`` by the target, ``q``
+            by the GGUF file).
+        roles: ``{role: what the name means there ("" for nothing to add)}`` for every role that
+            accepts it.
+    """
+
+    torch: torch.dtype | None
+    roles: dict[str, str] = field(default_factory=dict)
+
+
+ROLES = {
+    "target": "target precision",
+    "draft": "draft precision (never changes the output)",
+    "gen": "weights the target answers with when generating data",
+    "study-target": "target dtype",
+    "study-draft": "draft precision",
+}
+"""role -> the first words of its option's help."""
+
+_ALL = {"target": "", "draft": "", "gen": "", "study-target": "", "study-draft": ""}
+
+DTYPES: dict[str, DType] = {
+    "auto": DType(None, {
+        "target": "bf16 (without native bf16: bf16 weights with fp32 arithmetic through the native kernels; "
+                  "fp32 without them or with --runtime hf)",
+        "draft": "bf16 where native or run by the native kernels, else int8",
+        "study-target": "bf16 where native or run by the few-row kernel, else fp32",
+    }),
+    "same": DType(None, {
+        "gen": "the --dtype runtime's",
+        "study-draft": "the target's; layer-pruned drafts then share its weights",
+    }),
+    "bf16": DType(torch.bfloat16, {**_ALL, "gen": "runs the native kernels, half the weight bytes of fp32"}),
+    "fp32": DType(torch.float32, dict(_ALL)),
+    # int8 weights and per-row int8 activations (fbgemm), float32 elsewhere: the fast CPU runtime
+    # where bf16 is not native. Compact runtime only; a draft precision (a target would not be exact).
+    "int8": DType(torch.qint8, {"draft": "", "study-draft": ""}),
+    "q": DType(None, {
+        "target": "a GGUF target's own quantized blocks (Q4_0/Q4_1/Q8_0, the quantized runtime; opt-in)",
+    }),
+    "bfloat16": DType(torch.bfloat16),
+    "float32": DType(torch.float32),
+}
+
+
+def choices(role: str) -> list[str]:
+    """The names ``role`` accepts, in table order."""
+    if role not in ROLES:
+        raise ValueError(f"unknown dtype role {role!r}: one of {', '.join(ROLES)}")
+    return [name for name, d in DTYPES.items() if role in d.roles]
+
+
+def help_text(role: str) -> str:
+    """``--help`` for the role's option: its purpose, then each name that needs a word."""
+    notes = [f"{name}: {DTYPES[name].roles[role]}" for name in choices(role) if DTYPES[name].roles[role]]
+    return "; ".join([ROLES[role], *notes])
+
+
+def torch_dtype(name: str) -> torch.dtype | None:
+    """The torch dtype of ``name`` (None for ``auto``, ``same`` and ``q``); KeyError when unknown."""
+    return DTYPES[name].torch
