@@ -2,6 +2,8 @@
 ``--draft bigram``, and keeps greedy output equal to plain decoding (its sampling TV check is a
 case of tests/test_tv_all_drafters.py)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -44,3 +46,17 @@ def test_registered_and_greedy_output_equals_plain_decoding():
     assert stats.drafted > 0
     with pytest.raises(SpecdraftError, match="takes no argument"):
         DraftSpec.parse("bigram:2")
+
+
+def test_the_readme_shows_this_file():
+    """The README's "Add a drafter" section shows the file as it is (less docstring and imports)."""
+    from specdraft.drafters import bigram
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("### Add a drafter") :]
+    shown = section.split("```python\n", 1)[1].split("```", 1)[0]
+    source = Path(bigram.__file__).read_text()
+    assert shown.strip() and shown.strip() in source
+    assert source.rstrip().endswith(shown.strip())
+    registry_line = section.split("```python\n", 2)[2].split("```", 1)[0].splitlines()[-1]
+    assert registry_line in Path(bigram.__file__).parents[1].joinpath("registry.py").read_text()
