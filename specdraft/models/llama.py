@@ -445,76 +445,147 @@ class LlamaRuntime:
         the same way at any size, beyond the size limits that otherwise send many rows or tokens to
         torch's ops (where torch is faster but its results depend on the row count). A forward with
         ``logits_index`` (a prefill) or ``attn_mask`` keeps the size-based choice.
+
+        Three paths (:meth:`_path`): ``"native"`` runs every layer in one native call
+        (:class:`specdraft.kernels.DecodeLayers`); ``"fused"`` runs the layers here with each
+        attention block in one native call (:class:`specdraft.kernels.RopeAttention`); ``"torch"``
+        runs them with torch's attention (:class:`TorchAttention`).
         """
-        w = self.w
-        B, T = tokens.shape
-        H, G, D = w.n_heads, w.n_kv_heads, w.head_dim
         last = int(positions.max())
         if last >= state.capacity:
             raise SpecdraftError(f"position {last} beyond cache capacity {state.capacity}")
-
         exact = attn_mask is None and logits_index is None and self.dtype == torch.float32
-        Tk = 1 if exact else T  # the kernels' size limits apply to other steps only
-        # Decode-sized causal steps: RoPE, cache write and attention in one native call
-        # (kernels.RopeAttention); prefill, custom masks and bf16 compute take torch's ops.
-        fused = attn_mask is None and self.dtype == torch.float32 and kernels.attention_supports(Tk, H, G, D)
-        # ... and, where the layers allow it, all of them in one native call (kernels.DecodeLayers)
-        native = fused and set(hidden_layers) <= {-1} and self._native_layers(Tk, 1 if exact else B * T)
-        if fused:
-            if not native:
-                attend = kernels.RopeAttention(positions, *self._rope_tables(last + 1), H, G)
-        else:
-            # Where do the new keys go? One contiguous run shared by all rows (batch 1, or equal
-            # lengths) is a slice write; ragged rows scatter by position.
-            start = int(positions[0, 0])
-            contiguous = bool((positions == start + torch.arange(T)).all())
-            S = last + 1 if attn_mask is None else attn_mask.shape[-1]
-            if attn_mask is not None:
-                mask = attn_mask.unsqueeze(1)  # (B, 1, T, S)
-            elif contiguous and T == 1:
-                mask = None  # the single query sees every slot 0..S-1
-            else:
-                mask = (torch.arange(S) <= positions.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, S)
-            if not contiguous:
-                rows = torch.arange(B).view(B, 1, 1)
-                heads = torch.arange(G).view(1, G, 1)
-                slots = positions.unsqueeze(1)  # (B, 1, T)
-            cos, sin = self._rope(positions)
-
-        x = w.embed[tokens].to(self.dtype)  # (B, T, C)
-        wanted = set(hidden_layers)
+        path = self._path(tokens.shape, hidden_layers, attn_mask, exact)
+        x = self.w.embed[tokens].to(self.dtype)  # (B, T, C)
         hidden: dict[int, torch.Tensor] = {}
-        if native:  # no per-op overhead between the layers
+        if path == "native":  # no per-op overhead between the layers
             x = self._decode_layers(x, positions, state.k, state.v, *self._rope_tables(last + 1))
-        for li, (layer, k_cache, v_cache) in enumerate([] if native else zip(self.layers, state.k, state.v)):
+        else:
+            attend = self._attention(path, positions, attn_mask)
+            x = self._run_layers(x, state, attend, exact, set(hidden_layers), hidden)
+        return self._head(x, exact, hidden_layers, hidden, logits_index)
+
+    def _path(
+        self, shape: torch.Size, hidden_layers: tuple[int, ...], attn_mask: torch.Tensor | None, exact: bool
+    ) -> str:
+        """``"native"``, ``"fused"`` or ``"torch"``: which path :meth:`forward` takes for a step of
+        ``shape = (B, T)`` tokens."""
+        w = self.w
+        B, T = shape
+        Tk = 1 if exact else T  # the kernels' size limits apply to other steps only
+        # Decode-sized causal steps: RoPE, cache write and attention in one native call;
+        # prefill, custom masks and bf16 compute take torch's ops.
+        fused = (
+            attn_mask is None
+            and self.dtype == torch.float32
+            and kernels.attention_supports(Tk, w.n_heads, w.n_kv_heads, w.head_dim)
+        )
+        if not fused:
+            return "torch"
+        # ... and, where the layers allow it, all of them in one native call
+        native = set(hidden_layers) <= {-1} and self._native_layers(Tk, 1 if exact else B * T)
+        return "native" if native else "fused"
+
+    def _attention(self, path: str, positions: torch.Tensor, attn_mask: torch.Tensor | None):
+        """This step's attention block, called per layer as ``attend(qkv, k_cache, v_cache)``."""
+        w = self.w
+        if path == "fused":
+            cos, sin = self._rope_tables(int(positions.max()) + 1)
+            return kernels.RopeAttention(positions, cos, sin, w.n_heads, w.n_kv_heads)
+        return TorchAttention(positions, *self._rope(positions), w.n_heads, w.n_kv_heads, attn_mask)
+
+    def _run_layers(
+        self, x: torch.Tensor, state: LlamaKV, attend, exact: bool, wanted: set[int], hidden: dict
+    ) -> torch.Tensor:
+        """The decoder layers over ``x (B, T, C)``, layer by layer; the hidden states of the
+        ``wanted`` layers go into ``hidden``."""
+        w = self.w
+        for li, (layer, k_cache, v_cache) in enumerate(zip(self.layers, state.k, state.v)):
             h = rms_norm(x, layer.attn_norm, w.eps, exact)
             qkv = linear(h, layer.wqkv, layer.bqkv, layer.q_qkv, exact)  # (B, T, (H + 2G) * D)
-            if fused:
-                att = attend(qkv, k_cache, v_cache)  # (B, T, H * D)
-            else:
-                qk, v = qkv.view(B, T, H + 2 * G, D).transpose(1, 2).split((H + G, G), dim=1)
-                qk = qk * cos + rotate_half(qk) * sin  # (B, H + G, T, D): RoPE on queries and keys at once
-                q, k = qk.split((H, G), dim=1)
-                if contiguous:
-                    k_cache[:, :, start : start + T] = k
-                    v_cache[:, :, start : start + T] = v
-                else:
-                    k_cache.index_put_((rows, heads, slots), k)
-                    v_cache.index_put_((rows, heads, slots), v)
-                att = F.scaled_dot_product_attention(
-                    q, k_cache[:, :, :S], v_cache[:, :, :S], attn_mask=mask, enable_gqa=G != H
-                )  # (B, H, T, D)
-                att = att.transpose(1, 2).reshape(B, T, H * D)
+            att = attend(qkv, k_cache, v_cache)  # (B, T, H * D)
             x = x + linear(att, layer.wo, None, layer.q_o, exact)
             h = rms_norm(x, layer.mlp_norm, w.eps, exact)
             gate, up = linear(h, layer.w_gate_up, None, layer.q_gate_up, exact).chunk(2, dim=-1)
             x = x + linear(F.silu(gate) * up, layer.w_down, None, layer.q_down, exact)
             if li in wanted:
                 hidden[li] = x
+        return x
+
+    def _head(
+        self,
+        x: torch.Tensor,
+        exact: bool,
+        hidden_layers: tuple[int, ...],
+        hidden: dict,
+        logits_index: torch.Tensor | None,
+    ) -> ForwardOutput:
+        """Final norm and LM head over ``x (B, T, C)`` (at ``logits_index`` only, when given)."""
+        w = self.w
         x = rms_norm(x, w.norm, w.eps, exact)
-        if -1 in wanted:
+        if -1 in hidden_layers:
             hidden[-1] = x
         if logits_index is not None:
             x = x.gather(1, logits_index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
         logits = linear(x, w.lm_head, None, w.q_head, exact).float()  # (B, T, V)
         return ForwardOutput(logits=logits, hidden=hidden)
+
+
+class TorchAttention:
+    """RoPE, the KV-cache write and attention of one step in torch's ops: the path of prefills,
+    custom masks, bf16 compute and steps beyond the native kernels' limits. Made once per forward,
+    then called per layer, as :class:`specdraft.kernels.RopeAttention`.
+
+    Args:
+        positions: ``(B, T)`` each new token's position, which is also its cache slot.
+        cos, sin: ``(B, 1, T, D)`` RoPE tables at those positions.
+        n_heads, n_kv_heads: H query heads sharing G key/value heads.
+        attn_mask: ``(B, T, S)`` boolean mask over cache slots; None: causal (a query at
+            position p sees slots 0..p).
+    """
+
+    def __init__(
+        self,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        n_heads: int,
+        n_kv_heads: int,
+        attn_mask: torch.Tensor | None = None,
+    ):
+        B, T = positions.shape
+        self.B, self.T, self.H, self.G = B, T, n_heads, n_kv_heads
+        self.cos, self.sin = cos, sin
+        # Where do the new keys go? One contiguous run shared by all rows (batch 1, or equal
+        # lengths) is a slice write; ragged rows scatter by position.
+        self.start = int(positions[0, 0])
+        self.contiguous = bool((positions == self.start + torch.arange(T)).all())
+        self.S = int(positions.max()) + 1 if attn_mask is None else attn_mask.shape[-1]
+        if attn_mask is not None:
+            self.mask = attn_mask.unsqueeze(1)  # (B, 1, T, S)
+        elif self.contiguous and T == 1:
+            self.mask = None  # the single query sees every slot 0..S-1
+        else:
+            self.mask = (torch.arange(self.S) <= positions.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, S)
+        if not self.contiguous:  # (rows, heads, slots) indices of the new keys
+            self.index = (torch.arange(B).view(B, 1, 1), torch.arange(n_kv_heads).view(1, -1, 1),
+                          positions.unsqueeze(1))  # (B, 1, 1), (1, G, 1), (B, 1, T)
+
+    def __call__(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """``qkv (B, T, (H + 2G) D)`` -> ``(B, T, H D)``; writes the new keys (rotated) and values
+        into the ``(B, G, cap, D)`` caches at the positions."""
+        B, T, H, G, S = self.B, self.T, self.H, self.G, self.S
+        D = k_cache.shape[-1]
+        qk, v = qkv.view(B, T, H + 2 * G, D).transpose(1, 2).split((H + G, G), dim=1)
+        qk = qk * self.cos + rotate_half(qk) * self.sin  # (B, H + G, T, D): RoPE on queries and keys at once
+        q, k = qk.split((H, G), dim=1)
+        if self.contiguous:
+            k_cache[:, :, self.start : self.start + T] = k
+            v_cache[:, :, self.start : self.start + T] = v
+        else:
+            k_cache.index_put_(self.index, k)
+            v_cache.index_put_(self.index, v)
+        att = F.scaled_dot_product_attention(
+            q, k_cache[:, :, :S], v_cache[:, :, :S], attn_mask=self.mask, enable_gqa=G != H
+        )  # (B, H, T, D)
+        return att.transpose(1, 2).reshape(B, T, H * D)
