@@ -38,7 +38,7 @@ import torch
 from specdraft import kernels, registry
 from specdraft.dtypes import DTYPES, choices
 from specdraft.drafters.base import Drafter
-from specdraft.engine import Engine, Request, StepEvent, generate
+from specdraft.engine import Engine, Request, StepEvent, decode_requests, generate
 from specdraft.errors import SpecdraftError
 from specdraft.kernels import cpu_has_fast_bf16
 from specdraft.models.llama import LLAMA_FAMILY, LlamaWeights
@@ -299,10 +299,7 @@ def run_batch(pipe: Pipeline, prompts: list[list[int]], *, max_new_tokens: int, 
     """Decode several prompts together (ragged batch); returns tokens per prompt and the stats."""
     engine = pipe.engine(k)
     reqs = [Request(p, max_new_tokens, params, pipe.eos_ids) for p in prompts]
-    out: dict[int, list[int]] = {}
-    for ev in generate(engine, reqs):
-        out.setdefault(ev.request_id, []).extend(ev.tokens)
-    return [out.get(r.id, []) for r in reqs], engine.stats
+    return decode_requests(engine, reqs), engine.stats
 
 
 __all__ = ["Pipeline", "load", "make_drafter", "run_batch", "StepEvent", "SamplingParams"]

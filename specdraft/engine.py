@@ -4,7 +4,8 @@ One :class:`Engine` holds a batch of rows (requests) over a target runtime and a
 drafter. Each :meth:`Engine.step` runs one speculative step for every active row and returns what
 each row emitted as :class:`StepEvent` s. Requests can join (:meth:`Engine.add`, prefilled on their
 own, then appended to the batch) and leave (finished, or :meth:`Engine.cancel`) between steps, which
-is what the server's continuous batching needs. :func:`generate` is the simple driver.
+is what the server's continuous batching needs. :func:`generate` is the simple driver;
+:func:`decode_requests` runs it to the end and collects each request's tokens.
 
 Invariant per row: the target's cache holds every committed token but the last (``L - 1`` of
 ``L``). A step feeds ``[last committed, d_1 .. d_k]`` at positions ``L - 1 .. L - 1 + k``: one
@@ -27,7 +28,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.models.runtime import Runtime
 from specdraft.policy import FixedK, KPolicy
 from specdraft.stats import SpecStats
-from specdraft.verify import SamplingParams, logits_to_probs, verify_greedy, verify_sampling
+from specdraft.verify import SamplingParams, verify
 
 _ids = itertools.count()
 
@@ -112,8 +113,11 @@ class Engine:
     def active(self) -> int:
         return len(self.requests)
 
-    def _k_reserve(self) -> int:
-        return getattr(self.policy, "k_max", getattr(self.policy, "k", 8)) + 2
+    @property
+    def reserve(self) -> int:
+        """Cache room a request needs past ``prompt + max_new_tokens``: the most draft tokens a step
+        can verify (``policy.k_max``) plus two. A caller that budgets prompts leaves this much."""
+        return self.policy.k_max + 2
 
     def add(self, requests: list[Request]) -> list[int]:
         """Prefill new requests together and append them to the batch; returns their ids."""
@@ -131,7 +135,7 @@ class Engine:
                 )
         t0 = time.perf_counter()
         n = len(requests)
-        capacity = max(len(r.prompt) + r.max_new_tokens for r in requests) + self._k_reserve()
+        capacity = max(len(r.prompt) + r.max_new_tokens for r in requests) + self.reserve
         capacity = max(capacity, self.tokens.shape[1])
         lengths = torch.tensor([len(r.prompt) for r in requests])
         tokens = torch.zeros(n, capacity, dtype=torch.int64)
@@ -199,7 +203,6 @@ class Engine:
             return []
         B = self.active
         params = [r.params for r in self.requests]
-        all_greedy = all(p.greedy for p in params)
         L = self.lengths
         k = self.policy.choose() if self.drafter is not None else 0
 
@@ -230,10 +233,7 @@ class Engine:
 
         # 3. verify
         nv = num_valid if k else None
-        if all_greedy:
-            verdict = verify_greedy(draft_tokens, out.logits, nv)
-        else:
-            verdict = self._verify_mixed(draft_tokens, draft_probs, out.logits, params, nv)
+        verdict = verify(draft_tokens, draft_probs, out.logits, params, self.generators, nv)
         n = verdict.num_accepted  # (B,)
 
         # 4. commit: truncate at EOS and max_new_tokens, write into the token buffer
@@ -269,19 +269,6 @@ class Engine:
         self.stats.total_time += t3 - t0
         return events
 
-    def _verify_mixed(self, draft_tokens, draft_probs, logits, params, num_valid):
-        """Sampling verification with per-row parameters; greedy rows use argmax matching."""
-        B = logits.shape[0]
-        p = torch.stack([logits_to_probs(logits[b], params[b]) for b in range(B)])  # (B, k + 1, V)
-        greedy_rows = [b for b in range(B) if params[b].greedy]
-        if greedy_rows:  # argmax as a point mass: sampling from it is the argmax
-            idx = torch.tensor(greedy_rows)
-            p[idx] = torch.nn.functional.one_hot(logits[idx].argmax(-1), p.shape[-1]).float()
-            if draft_probs is not None:
-                draft_probs = draft_probs.clone()
-                draft_probs[idx] = torch.nn.functional.one_hot(draft_tokens[idx], p.shape[-1]).float()
-        return verify_sampling(draft_tokens, draft_probs, p, self.generators, num_valid)
-
 
 def generate(engine: Engine, requests: list[Request]) -> Iterator[StepEvent]:
     """Decode ``requests`` together until all finish, yielding step events as they come.
@@ -296,3 +283,11 @@ def generate(engine: Engine, requests: list[Request]) -> Iterator[StepEvent]:
         for r in list(engine.requests):
             if r.id in ids:
                 engine.cancel(r.id)
+
+
+def decode_requests(engine: Engine, requests: list[Request]) -> list[list[int]]:
+    """Decode ``requests`` together to the end; the output tokens of each, in the given order."""
+    out: dict[int, list[int]] = {}
+    for ev in generate(engine, requests):
+        out.setdefault(ev.request_id, []).extend(ev.tokens)
+    return [out.get(r.id, []) for r in requests]

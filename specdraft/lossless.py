@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdraft.engine import Engine, Request, generate
+from specdraft.engine import Engine, Request, decode_requests
 from specdraft.models.runtime import ForwardOutput, Runtime
 
 DEFAULT_TOLERANCE = 2.0
@@ -112,9 +112,7 @@ def plain_greedy_margins(
     """
     rec = _RecordingRuntime(runtime)
     engine = Engine(rec, drafter=None)
-    tokens: list[int] = []
-    for ev in generate(engine, [Request(list(prompt_ids), max_new_tokens, eos_ids=tuple(eos_ids))]):
-        tokens += ev.tokens
+    [tokens] = decode_requests(engine, [Request(list(prompt_ids), max_new_tokens, eos_ids=tuple(eos_ids))])
     logits = torch.cat([lg[0] for lg in rec.step_logits])  # (steps, V): one position per plain step
     margins = top2_margin(logits).tolist()[: len(tokens)]
     assert logits[: len(tokens)].argmax(-1).tolist() == tokens, "recorded logits do not match the output"

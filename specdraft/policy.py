@@ -38,6 +38,10 @@ from specdraft.errors import SpecdraftError
 
 
 class KPolicy(Protocol):
+    k_max: int
+    """The largest k :meth:`choose` can return; the engine reserves cache room for it
+    (:attr:`specdraft.engine.Engine.reserve`)."""
+
     def choose(self) -> int:
         """Draft length to ask the drafter for (0: plain decoding)."""
         ...
@@ -68,6 +72,10 @@ class FixedK(_Fixed):
         if k < 0:
             raise SpecdraftError(f"draft length k must be >= 0, got {k}")
         self.k = k
+
+    @property
+    def k_max(self) -> int:
+        return self.k
 
     def choose(self) -> int:
         return self.k
@@ -287,8 +295,7 @@ class CappedPolicy:
     def __init__(self, inner: KPolicy):
         self.inner = inner
         self.cap: int | None = None
-        # the engine reserves cache room for the largest k a policy can choose
-        self.k_max = getattr(inner, "k_max", getattr(inner, "k", 8))
+        self.k_max = inner.k_max  # the cap only lowers k: the inner policy's room suffices
 
     def choose(self) -> int:
         k = self.inner.choose()

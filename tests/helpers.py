@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specdraft.engine import Engine, Request, generate
+from specdraft.engine import Engine, Request, decode_requests
 from specdraft.models.llama import LlamaRuntime, LlamaWeights
 from specdraft.verify import SamplingParams
 
@@ -29,11 +29,7 @@ def decode(
 ) -> list[list[int]]:
     """Run ``prompts`` together through ``engine`` to the end; output tokens per prompt, in order."""
     plist = params if isinstance(params, list) else [params] * len(prompts)
-    reqs = [Request(list(p), max_new_tokens, pp, eos_ids) for p, pp in zip(prompts, plist)]
-    out: dict[int, list[int]] = {}
-    for ev in generate(engine, reqs):
-        out.setdefault(ev.request_id, []).extend(ev.tokens)
-    return [out.get(r.id, []) for r in reqs]
+    return decode_requests(engine, [Request(list(p), max_new_tokens, pp, eos_ids) for p, pp in zip(prompts, plist)])
 
 
 def plain_greedy(runtime, prompt: list[int], max_new_tokens: int, eos_ids: tuple[int, ...] = ()) -> list[int]:

@@ -330,7 +330,7 @@ def profile_latency(
         if total > 0:  # scale the profiled shares to the unprofiled median
             parts = {k: v / total * t_draft[min(t_draft)] for k, v in parts.items()}
 
-    from specdraft.bench.runner import runtime_precision
+    from specdraft.bench.harness import runtime_precision
 
     return LatencyProfile(
         target=target_name,

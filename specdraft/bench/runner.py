@@ -2,10 +2,11 @@
 
 For every prompt, in one process: plain decoding with the engine (k = 0), speculative decoding
 with the drafter and (with ``--baselines hf``) transformers ``generate`` plain, assisted and prompt
-lookup, in that order for even-numbered prompts and in the reverse order for odd ones. Running
-the methods back to back on each prompt, after one warm-up of each, means a slow phase of a
-shared machine hits all of them, and alternating the order keeps a drift within a prompt from
-always favouring the same method, so their ratios hold even when absolute times drift.
+lookup, in the order :func:`specdraft.bench.harness.interleave` gives prompt i (A B, then B A; with
+more methods a rotation). Running the methods back to back on each prompt, after one warm-up of
+each, means a slow phase of a shared machine hits all of them, and rotating the order keeps a drift
+within a prompt from always favouring the same method, so their ratios hold even when absolute
+times drift. The methods, the timing and the equality check are :mod:`specdraft.bench.harness`'s.
 
 Conventions
 -----------
@@ -15,37 +16,41 @@ Conventions
 - mean accepted tokens: output tokens per target forward with the bonus token (plain = 1.0), as
   :class:`specdraft.stats.SpecStats` defines it; acceptance: accepted / drafted tokens.
 - equality (greedy only): each prompt's speculative output against the plain run with
-  :func:`specdraft.lossless.classify`: ``identical``, ``tie-divergent`` (first difference at a
+  :func:`specdraft.bench.harness.equality`: ``identical``, ``tie-divergent`` (first difference at a
   near-tie of the plain run; bf16 only) or ``divergent``. fp32 uses tolerance 0: any difference is
-  divergent (int8 and bf16 use :data:`specdraft.lossless.DEFAULT_TOLERANCE`). When outputs differ the plain turn is re-run once recording its logit margins. Sampling
-  runs are not classified (the counts are None).
+  divergent (int8 and bf16 use :data:`specdraft.lossless.DEFAULT_TOLERANCE`). When outputs differ
+  the plain turn is re-run once recording its logit margins. Sampling runs are not classified (the
+  counts are None).
 - multi-turn questions: the second turn is asked after the method's *own* first answer, through the
   chat template; a prompt's tokens and seconds add up over its turns. If the first turns differ, the
   prompt's class is the first turn's (the second turns had different contexts).
+- prompt budget: the context window less ``max_new_tokens`` and the cache room the speculative
+  engine reserves (:attr:`specdraft.engine.Engine.reserve`), at most ``--max-prompt-tokens``.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from functools import partial
 
 import torch
 
 from specdraft import lossless
 from specdraft.api import Pipeline
+from specdraft.bench import harness
+from specdraft.bench.harness import Method, Run
 from specdraft.bench.prompts import BenchPrompt, fit_context
-from specdraft.engine import Engine, Request, generate
 from specdraft.errors import SpecdraftError
-from specdraft.policy import KPolicy, make_policy
+from specdraft.policy import make_policy
 from specdraft.stats import SpecStats
 from specdraft.verify import SamplingParams
 
-ENGINE_METHODS = ("plain", "spec")
 CLASSES = (lossless.IDENTICAL, lossless.TIE_DIVERGENT, lossless.DIVERGENT)
+HF_METHODS = ("hf_plain", "hf_assisted", "hf_prompt_lookup")
 WARMUP_TOKENS = 8
-DRAFT_RESERVE = 18  # room past max_new_tokens for a step's draft tokens (policies cap k at 16)
 
 
 @dataclass
@@ -104,13 +109,24 @@ class MethodRun:
     turns: list[list[int]] = field(default_factory=list)  # output tokens per turn
     prompt_ids: list[list[int]] = field(default_factory=list)  # fed prompt ids per turn
     seconds: float = 0.0
-    stats: SpecStats | None = None
+    stats: SpecStats = field(default_factory=SpecStats)  # the engine's, over the turns
     notes: list[str] = field(default_factory=list)
     dropped: int = 0
 
     @property
     def new_tokens(self) -> int:
         return sum(len(t) for t in self.turns)
+
+    def as_run(self) -> Run:
+        """All turns as one run: their tokens, summed seconds and merged statistics."""
+        return Run([t for turn in self.turns for t in turn], self.seconds, self.stats)
+
+    def add(self, ids: list[int], run: Run) -> None:
+        self.prompt_ids.append(ids)
+        self.turns.append(run.tokens)
+        self.seconds += run.seconds
+        if run.stats is not None:
+            self.stats.merge(run.stats)
 
 
 @dataclass
@@ -128,14 +144,6 @@ class BenchResult:
 
 
 # ------------------------------------------------------------------------------------ decoding
-def runtime_precision(runtime) -> str:
-    """``fp32``, ``bf16`` or ``int8``: what the runtime computes in."""
-    weights = getattr(runtime, "w", None)
-    if weights is not None and hasattr(weights, "precision"):
-        return weights.precision
-    return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(runtime.dtype, str(runtime.dtype).replace("torch.", ""))
-
-
 def _encode_turn(pipe: Pipeline, history: list[dict]) -> list[int]:
     """Chat models get the chat template; others a plain concatenation of the conversation."""
     if pipe.target.is_chat():
@@ -143,46 +151,42 @@ def _encode_turn(pipe: Pipeline, history: list[dict]) -> list[int]:
     return pipe.encode("\n\n".join(m["content"] for m in history), chat=False)
 
 
-def _converse(pipe: Pipeline, prompt: BenchPrompt, decode: Callable[[list[int]], list[int]], budget: int, mode: str) -> MethodRun:
+def _converse(
+    pipe: Pipeline, prompt: BenchPrompt, decode: Callable[[list[int]], Run], budget: int, mode: str
+) -> MethodRun:
     """Ask the turns of ``prompt`` in order, each after the method's own previous answers."""
-    run = MethodRun()
+    out = MethodRun()
     history: list[dict] = []
     for t, text in enumerate(prompt.turns):
         history.append({"role": "user", "content": text})
         fitted = fit_context(_encode_turn(pipe, history), budget, mode)
         if fitted.message:
-            run.notes.append(f"turn {t + 1} {fitted.message}")
+            out.notes.append(f"turn {t + 1} {fitted.message}")
         if fitted.ids is None:
             break
-        run.dropped += fitted.dropped
-        t0 = time.perf_counter()
-        out = decode(fitted.ids)
-        run.seconds += time.perf_counter() - t0
-        run.turns.append(out)
-        run.prompt_ids.append(fitted.ids)
-        answer = pipe.tokenizer.decode(out, skip_special_tokens=True).strip()
+        out.dropped += fitted.dropped
+        run = decode(fitted.ids)
+        out.add(fitted.ids, run)
+        answer = pipe.tokenizer.decode(run.tokens, skip_special_tokens=True).strip()
         history.append({"role": "assistant", "content": answer})
-    return run
+    return out
 
 
-def _engine_decoder(engine: Engine, max_new_tokens: int, params: SamplingParams, eos_ids) -> Callable[[list[int]], list[int]]:
-    def decode(ids: list[int]) -> list[int]:
-        out: list[int] = []
-        for ev in generate(engine, [Request(list(ids), max_new_tokens, params, eos_ids)]):
-            out += ev.tokens
-        return out
-
-    return decode
-
-
-def _classify(pipe: Pipeline, plain: MethodRun, spec: MethodRun, max_new_tokens: int, tol: float) -> tuple[str, int | None]:
+def _classify(
+    pipe: Pipeline, plain: MethodRun, spec: MethodRun, max_new_tokens: int, tol: float
+) -> tuple[str, int | None]:
     """The prompt's equality class and the first differing output index (of the first differing turn)."""
     for ids, p_out, s_out in zip(plain.prompt_ids, plain.turns, spec.turns):
-        if p_out == s_out:
-            continue
-        ref, margins = lossless.plain_greedy_margins(pipe.runtime, ids, max_new_tokens, pipe.eos_ids)
-        return lossless.classify(s_out, ref, margins, tol), lossless.first_difference(s_out, ref)
+        if p_out != s_out:
+            return harness.equality(pipe.runtime, ids, p_out, s_out, max_new_tokens, pipe.eos_ids, tol)
     return lossless.IDENTICAL, None  # equal first turns give equal later contexts, so equal turn counts
+
+
+def _prompt_params(params: SamplingParams, i: int) -> SamplingParams:
+    """Prompt i's sampling parameters: greedy as given; sampling seeded with ``seed + i``."""
+    if params.greedy:
+        return params
+    return SamplingParams(params.temperature, params.top_k, params.top_p, (params.seed or 0) + i)
 
 
 # ------------------------------------------------------------------------------------ aggregation
@@ -191,55 +195,56 @@ class _Tally:
     """Sums over prompts, turned into the figures of one table row."""
 
     prompts: int = 0
-    tokens: dict[str, int] = field(default_factory=dict)
-    seconds: dict[str, float] = field(default_factory=dict)
-    stats: SpecStats = field(default_factory=SpecStats)
+    methods: dict[str, harness.Totals] = field(default_factory=dict)
     classes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CLASSES, 0))
     classified: bool = True
 
-    def add(self, row: dict, runs: dict[str, MethodRun], spec_stats: SpecStats) -> None:
+    def add(self, row: dict, runs: dict[str, MethodRun]) -> None:
         self.prompts += 1
         for method, run in runs.items():
-            self.tokens[method] = self.tokens.get(method, 0) + run.new_tokens
-            self.seconds[method] = self.seconds.get(method, 0.0) + run.seconds
-        self.stats.merge(spec_stats)
+            self.methods.setdefault(method, harness.Totals()).add(run.as_run())
         if row["equality"] is None:
             self.classified = False
         else:
             self.classes[row["equality"]] += 1
 
     def rate(self, method: str) -> float | None:
-        if method not in self.seconds:
-            return None
-        return self.tokens[method] / self.seconds[method] if self.seconds[method] > 0 else 0.0
+        return self.methods[method].tokens_per_s if method in self.methods else None
 
     def summary(self) -> dict:
         spec, plain = self.rate("spec"), self.rate("plain")
+        stats = self.methods["spec"].stats if "spec" in self.methods else SpecStats()
         out = {
             "prompts": self.prompts,
             "tokens_per_s": _r(spec),
             "plain_tokens_per_s": _r(plain),
             "speedup": _r(spec / plain if spec and plain else None),
-            "mean_accepted_tokens": _r(self.stats.mean_accepted_length),
-            "acceptance_rate": _r(self.stats.acceptance_rate),
-            "new_tokens": self.tokens.get("spec", 0),
-            "plain_new_tokens": self.tokens.get("plain", 0),
-            "seconds": _r(self.seconds.get("spec")),
-            "plain_seconds": _r(self.seconds.get("plain")),
-            "draft_time_s": _r(self.stats.draft_time),
-            "target_time_s": _r(self.stats.target_time),
-            "prefill_time_s": _r(self.stats.prefill_time),
-            "per_position_acceptance": [round(x, 4) for x in self.stats.per_position_acceptance()],
+            "mean_accepted_tokens": _r(stats.mean_accepted_length),
+            "acceptance_rate": _r(stats.acceptance_rate),
+            "new_tokens": self._tokens("spec"),
+            "plain_new_tokens": self._tokens("plain"),
+            "seconds": _r(self._seconds("spec")),
+            "plain_seconds": _r(self._seconds("plain")),
+            "draft_time_s": _r(stats.draft_time),
+            "target_time_s": _r(stats.target_time),
+            "prefill_time_s": _r(stats.prefill_time),
+            "per_position_acceptance": [round(x, 4) for x in stats.per_position_acceptance()],
         }
         for cls in CLASSES:
             out[cls.replace("-", "_")] = self.classes[cls] if self.classified else None
-        for method in ("hf_plain", "hf_assisted", "hf_prompt_lookup"):
+        for method in HF_METHODS:
             rate = self.rate(method)
             if rate is not None:
                 out[f"{method}_tokens_per_s"] = _r(rate)
-                out[f"{method}_new_tokens"] = self.tokens[method]
+                out[f"{method}_new_tokens"] = self._tokens(method)
                 out[f"speedup_vs_{method}"] = _r(spec / rate if spec and rate else None)
         return out
+
+    def _tokens(self, method: str) -> int:
+        return self.methods[method].tokens if method in self.methods else 0
+
+    def _seconds(self, method: str) -> float | None:
+        return self.methods[method].seconds if method in self.methods else None
 
 
 def _r(x: float | None, nd: int = 4) -> float | None:
@@ -247,15 +252,12 @@ def _r(x: float | None, nd: int = 4) -> float | None:
 
 
 # ------------------------------------------------------------------------------------ the run
-def _progress(total: int, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="bench", unit="prompt", file=sys.stderr, dynamic_ncols=True)
-
-
-def run_bench(pipe: Pipeline, prompts: list[BenchPrompt], options: BenchOptions, log: Callable[[str], None] | None = None) -> BenchResult:
+def run_bench(
+    pipe: Pipeline,
+    prompts: list[BenchPrompt],
+    options: BenchOptions,
+    log: Callable[[str], None] | None = None,
+) -> BenchResult:
     """Benchmark ``pipe``'s drafter against plain decoding (and transformers) on ``prompts``.
 
     Args:
@@ -268,52 +270,24 @@ def run_bench(pipe: Pipeline, prompts: list[BenchPrompt], options: BenchOptions,
         Per-prompt rows, per-category and overall figures (module docstring for definitions).
     """
     log = log or (lambda msg: print(msg, file=sys.stderr))
-    if pipe.drafter is None:
-        raise SpecdraftError("bench compares speculative with plain decoding: give a draft (--draft), not none")
-    if options.fixed_k == 0:
-        raise SpecdraftError("bench compares speculative with plain decoding: use --k >= 1, auto or heuristic")
-    if not prompts:
-        raise SpecdraftError("no prompts to benchmark")
-    policy: KPolicy = make_policy(options.k)  # one policy for the whole run: an adaptive one keeps learning
-    params = options.params
-    precision = runtime_precision(pipe.runtime)
-    tol = options.tolerance if options.tolerance is not None else (0.0 if precision == "fp32" else lossless.DEFAULT_TOLERANCE)
-    budget = pipe.runtime.max_context - options.max_new_tokens - DRAFT_RESERVE
-    if options.max_prompt_tokens is not None:
-        budget = min(budget, options.max_prompt_tokens)
+    _check(pipe, prompts, options)
+    hf = _hf_baselines(pipe, options, log) if "hf" in options.baselines else None
+    methods = _methods(pipe, options, hf)
+    budget = harness.prompt_budget(pipe.runtime, methods, options.max_new_tokens, options.max_prompt_tokens)
     if budget < 2:
-        raise SpecdraftError(f"--max-new-tokens {options.max_new_tokens} leaves no room for a prompt in the context window ({pipe.runtime.max_context})")
-
-    hf = None
-    if "hf" in options.baselines:
-        from specdraft.bench.hf_baselines import build_hf_baselines
-
-        hf = build_hf_baselines(pipe, options.fixed_k)
-        if "hf_assisted" not in hf.methods:
-            log(f"note: no transformers assisted baseline: {hf.assistant_note}")
-        else:
-            log(f"note: transformers assistant: {hf.assistant_note}")
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-
-    def decoders(i: int, max_new: int) -> dict[str, tuple[Callable, Engine | None]]:
-        p = params if params.greedy else SamplingParams(params.temperature, params.top_k, params.top_p, (params.seed or 0) + i)
-        plain = Engine(pipe.runtime, None)
-        spec = Engine(pipe.runtime, pipe.drafter, policy)
-        out = {
-            "plain": (_engine_decoder(plain, max_new, p, pipe.eos_ids), plain),
-            "spec": (_engine_decoder(spec, max_new, p, pipe.eos_ids), spec),
-        }
-        for method in hf.methods if hf else ():
-            out[method] = ((lambda ids, m=method: hf.run(m, ids, max_new, p)), None)
-        return out
+        raise SpecdraftError(
+            f"--max-new-tokens {options.max_new_tokens} leaves no room for a prompt in the context "
+            f"window ({pipe.runtime.max_context})"
+        )
+    tol = harness.tolerance(pipe.runtime, options.tolerance)
 
     started = time.perf_counter()
     if options.warmup:
-        ids = fit_context(_encode_turn(pipe, [{"role": "user", "content": prompts[0].turns[0]}]), min(budget, 64), "truncate").ids
-        for decode, _ in decoders(0, min(WARMUP_TOKENS, options.max_new_tokens)).values():
-            decode(ids)
+        first = [{"role": "user", "content": prompts[0].turns[0]}]
+        ids = fit_context(_encode_turn(pipe, first), min(budget, 64), "truncate").ids
+        harness.warm_up(
+            methods, ids, min(WARMUP_TOKENS, options.max_new_tokens), _prompt_params(options.params, 0)
+        )
     warmup_s = time.perf_counter() - started
 
     overall, categories = _Tally(), {}
@@ -321,49 +295,136 @@ def run_bench(pipe: Pipeline, prompts: list[BenchPrompt], options: BenchOptions,
     bar = _progress(len(prompts), options.progress)
     try:
         for i, prompt in enumerate(prompts):
-            if i > 0 and options.time_budget_s is not None:
-                elapsed = time.perf_counter() - started
-                expected = (elapsed - warmup_s) / i  # mean seconds per prompt so far
-                if elapsed + expected > options.time_budget_s:
-                    skipped += [{"id": p.id, "category": p.category, "reason": "time budget"} for p in prompts[i:]]
-                    log(f"time budget of {options.time_budget_s:.0f} s: {elapsed:.0f} s spent, about {expected:.0f} s per "
-                        f"prompt; {len(prompts) - i} prompts not run")
-                    break
-            runs: dict[str, MethodRun] = {}
-            spec_stats = SpecStats()
-            methods = list(decoders(i, options.max_new_tokens).items())
-            # A B, then B A: on a host whose speed drifts, neither method always runs first
-            for method, (decode, engine) in methods if i % 2 == 0 else methods[::-1]:
-                runs[method] = _converse(pipe, prompt, decode, budget, options.long_prompts)
-                if method == "spec":
-                    spec_stats = engine.stats
-            notes = runs["plain"].notes
-            for note in notes:
+            if _out_of_time(options, prompts, i, started, warmup_s, skipped, log):
+                break
+            runs = _bench_prompt(pipe, prompt, i, methods, options, budget)
+            for note in runs["plain"].notes:
                 log(f"prompt {prompt.id} ({prompt.category}): {note}")
             if not runs["plain"].turns:
-                skipped.append({"id": prompt.id, "category": prompt.category, "reason": "; ".join(notes)})
-                if bar is not None:
-                    bar.update(1)
-                continue
-            row = _row(pipe, prompt, runs, spec_stats, options, tol)
-            rows.append(row)
-            overall.add(row, runs, spec_stats)
-            categories.setdefault(prompt.category, _Tally()).add(row, runs, spec_stats)
-            if bar is not None:
-                o = overall.summary()
-                bar.set_postfix_str(
-                    f"spec {o['tokens_per_s']:.1f} tok/s, plain {o['plain_tokens_per_s']:.1f} tok/s, "
-                    f"accepted {o['mean_accepted_tokens']:.2f}, acceptance {o['acceptance_rate']:.0%}",
-                    refresh=False,
+                skipped.append(
+                    {"id": prompt.id, "category": prompt.category, "reason": "; ".join(runs["plain"].notes)}
                 )
-                bar.update(1)
+            else:
+                row = _row(pipe, prompt, runs, options, tol)
+                rows.append(row)
+                overall.add(row, runs)
+                categories.setdefault(prompt.category, _Tally()).add(row, runs)
+            _advance(bar, overall)
     finally:
         if bar is not None:
             bar.close()
     if not rows:
-        raise SpecdraftError("every prompt was skipped: none fits the context window (use --long-prompts truncate)")
+        raise SpecdraftError(
+            "every prompt was skipped: none fits the context window (use --long-prompts truncate)"
+        )
+    return BenchResult(
+        config=_config(pipe, options, hf, budget, tol),
+        overall=overall.summary(),
+        categories={c: t.summary() for c, t in categories.items()},
+        prompts=rows,
+        skipped=skipped,
+    )
 
-    config = {
+
+def _check(pipe: Pipeline, prompts: list[BenchPrompt], options: BenchOptions) -> None:
+    if pipe.drafter is None:
+        raise SpecdraftError(
+            "bench compares speculative with plain decoding: give a draft (--draft), not none"
+        )
+    if options.fixed_k == 0:
+        raise SpecdraftError(
+            "bench compares speculative with plain decoding: use --k >= 1, auto or heuristic"
+        )
+    if not prompts:
+        raise SpecdraftError("no prompts to benchmark")
+
+
+def _hf_baselines(pipe: Pipeline, options: BenchOptions, log: Callable[[str], None]):
+    from transformers.utils import logging as hf_logging
+
+    from specdraft.bench.hf_baselines import build_hf_baselines
+
+    hf = build_hf_baselines(pipe, options.fixed_k)
+    if "hf_assisted" not in hf.methods:
+        log(f"note: no transformers assisted baseline: {hf.assistant_note}")
+    else:
+        log(f"note: transformers assistant: {hf.assistant_note}")
+    hf_logging.set_verbosity_error()
+    return hf
+
+
+def _methods(pipe: Pipeline, options: BenchOptions, hf) -> list[Method]:
+    """plain, spec and the transformers baselines, in this order (prompt 0's)."""
+    policy = make_policy(options.k)  # one policy for the whole run: an adaptive one keeps learning
+    methods = [
+        harness.engine_method("plain", pipe.runtime, None, eos_ids=pipe.eos_ids),
+        harness.engine_method("spec", pipe.runtime, pipe.drafter, policy, eos_ids=pipe.eos_ids),
+    ]
+    for name in hf.methods if hf else ():
+        methods.append(harness.baseline_method(name, lambda ids, n, p, m=name: hf.run(m, ids, n, p)))
+    return methods
+
+
+def _bench_prompt(
+    pipe: Pipeline, prompt: BenchPrompt, i: int, methods: list[Method], options: BenchOptions, budget: int
+) -> dict[str, MethodRun]:
+    """Every method on prompt ``i``, in the harness's interleaved order; runs by method name."""
+    params = _prompt_params(options.params, i)
+    runs: dict[str, MethodRun] = {}
+    for method in harness.interleave(methods, i):
+        decode = partial(method.run, max_new_tokens=options.max_new_tokens, params=params)
+        runs[method.name] = _converse(pipe, prompt, decode, budget, options.long_prompts)
+    return {m.name: runs[m.name] for m in methods}
+
+
+def _out_of_time(
+    options: BenchOptions,
+    prompts: list[BenchPrompt],
+    i: int,
+    started: float,
+    warmup_s: float,
+    skipped: list[dict],
+    log: Callable[[str], None],
+) -> bool:
+    """Whether prompt ``i`` would end past the time budget; if so the prompts left are ``skipped``."""
+    if i == 0 or options.time_budget_s is None:
+        return False
+    elapsed = time.perf_counter() - started
+    expected = (elapsed - warmup_s) / i  # mean seconds per prompt so far
+    if elapsed + expected <= options.time_budget_s:
+        return False
+    skipped += [{"id": p.id, "category": p.category, "reason": "time budget"} for p in prompts[i:]]
+    log(
+        f"time budget of {options.time_budget_s:.0f} s: {elapsed:.0f} s spent, about {expected:.0f} s per "
+        f"prompt; {len(prompts) - i} prompts not run"
+    )
+    return True
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="bench", unit="prompt", file=sys.stderr, dynamic_ncols=True)
+
+
+def _advance(bar, overall: _Tally) -> None:
+    if bar is None:
+        return
+    if overall.prompts:
+        o = overall.summary()
+        bar.set_postfix_str(
+            f"spec {o['tokens_per_s']:.1f} tok/s, plain {o['plain_tokens_per_s']:.1f} tok/s, "
+            f"accepted {o['mean_accepted_tokens']:.2f}, acceptance {o['acceptance_rate']:.0%}",
+            refresh=False,
+        )
+    bar.update(1)
+
+
+def _config(pipe: Pipeline, options: BenchOptions, hf, budget: int, tol: float) -> dict:
+    params = options.params
+    return {
         "target": pipe.target.name,
         "draft": pipe.draft_spec,
         "k": str(options.k),
@@ -372,8 +433,10 @@ def run_bench(pipe: Pipeline, prompts: list[BenchPrompt], options: BenchOptions,
         "top_k": params.top_k,
         "top_p": params.top_p,
         "seed": params.seed,
-        "dtype": precision,
-        "draft_dtype": runtime_precision(pipe.drafter.runtime) if hasattr(pipe.drafter, "runtime") else None,
+        "dtype": harness.runtime_precision(pipe.runtime),
+        "draft_dtype": harness.runtime_precision(pipe.drafter.runtime)
+        if hasattr(pipe.drafter, "runtime")
+        else None,
         "hf_dtype": str(next(pipe.target.model.parameters()).dtype).replace("torch.", "") if hf else None,
         "threads": torch.get_num_threads(),
         "runtime": repr(pipe.runtime),
@@ -385,16 +448,11 @@ def run_bench(pipe: Pipeline, prompts: list[BenchPrompt], options: BenchOptions,
         "time_budget_s": options.time_budget_s,
         "torch": torch.__version__,
     }
-    return BenchResult(
-        config=config,
-        overall=overall.summary(),
-        categories={c: t.summary() for c, t in categories.items()},
-        prompts=rows,
-        skipped=skipped,
-    )
 
 
-def _row(pipe: Pipeline, prompt: BenchPrompt, runs: dict[str, MethodRun], spec_stats: SpecStats, options: BenchOptions, tol: float) -> dict:
+def _row(
+    pipe: Pipeline, prompt: BenchPrompt, runs: dict[str, MethodRun], options: BenchOptions, tol: float
+) -> dict:
     plain, spec = runs["plain"], runs["spec"]
     equality, first_diff = (None, None)
     if options.params.greedy:
@@ -411,14 +469,16 @@ def _row(pipe: Pipeline, prompt: BenchPrompt, runs: dict[str, MethodRun], spec_s
         "plain_new_tokens": plain.new_tokens,
         "plain_seconds": _r(plain.seconds),
         "plain_tokens_per_s": _r(plain.new_tokens / plain.seconds if plain.seconds else 0.0),
-        "mean_accepted_tokens": _r(spec_stats.mean_accepted_length),
-        "acceptance_rate": _r(spec_stats.acceptance_rate),
+        "mean_accepted_tokens": _r(spec.stats.mean_accepted_length),
+        "acceptance_rate": _r(spec.stats.acceptance_rate),
         "equality": equality,
         "first_difference": first_diff,
         "notes": plain.notes,
     }
-    row["speedup"] = _r(row["tokens_per_s"] / row["plain_tokens_per_s"] if row["plain_tokens_per_s"] else None)
-    for method in ("hf_plain", "hf_assisted", "hf_prompt_lookup"):
+    row["speedup"] = _r(
+        row["tokens_per_s"] / row["plain_tokens_per_s"] if row["plain_tokens_per_s"] else None
+    )
+    for method in HF_METHODS:
         if method in runs:
             run = runs[method]
             row[f"{method}_new_tokens"] = run.new_tokens
@@ -430,8 +490,25 @@ def _row(pipe: Pipeline, prompt: BenchPrompt, runs: dict[str, MethodRun], spec_s
 def markdown_table(result: BenchResult | dict) -> str:
     """The per-category and overall figures as a markdown table."""
     d = result.as_dict() if isinstance(result, BenchResult) else result
-    hf_cols = [(m, label) for m, label in (("hf_plain", "HF plain"), ("hf_assisted", "HF assisted"), ("hf_prompt_lookup", "HF lookup")) if f"{m}_tokens_per_s" in d["overall"]]
-    head = ["category", "prompts", "spec tok/s", "plain tok/s", "speedup", "accepted/step", "acceptance", "identical/tie/div"]
+    hf_cols = [
+        (m, label)
+        for m, label in (
+            ("hf_plain", "HF plain"),
+            ("hf_assisted", "HF assisted"),
+            ("hf_prompt_lookup", "HF lookup"),
+        )
+        if f"{m}_tokens_per_s" in d["overall"]
+    ]
+    head = [
+        "category",
+        "prompts",
+        "spec tok/s",
+        "plain tok/s",
+        "speedup",
+        "accepted/step",
+        "acceptance",
+        "identical/tie/div",
+    ]
     head += [f"{label} tok/s" for _, label in hf_cols]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
 

@@ -50,7 +50,7 @@ def read_prompt_file(path: str, limit: int | None = None) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from specdraft import api, lossless
-    from specdraft.engine import Request, generate
+    from specdraft.engine import Request, decode_requests
 
     prompts = read_prompt_file(args.prompts, args.limit) if args.prompts else args.prompt
     if any(not p.strip() for p in prompts):
@@ -67,9 +67,7 @@ def run(args: argparse.Namespace) -> int:
         ids = pipe.encode(prompt, chat=False if args.no_chat else None)
         plain, margins = lossless.plain_greedy_margins(pipe.runtime, ids, args.max_new_tokens, pipe.eos_ids)
         engine = pipe.engine(args.k)
-        spec: list[int] = []
-        for ev in generate(engine, [Request(ids, args.max_new_tokens, eos_ids=pipe.eos_ids)]):
-            spec += ev.tokens
+        [spec] = decode_requests(engine, [Request(ids, args.max_new_tokens, eos_ids=pipe.eos_ids)])
         verdict = lossless.classify(spec, plain, margins, tol)
         counts[verdict] += 1
         line = f"[{i}] {verdict:<13} {len(spec):>4} tokens, mean accepted length {engine.stats.mean_accepted_length:.2f}"

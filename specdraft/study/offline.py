@@ -36,7 +36,7 @@ import torch
 
 from specdraft.drafters.base import DraftContext
 from specdraft.drafters.model import ModelDrafter
-from specdraft.engine import Engine, Request, generate
+from specdraft.engine import Engine, Request, decode_requests
 from specdraft.errors import SpecdraftError
 from specdraft.models.llama import LlamaKV
 from specdraft.models.loading import cache_root
@@ -85,10 +85,7 @@ def generate_continuations(
     out: list[list[int]] = []
     for start in range(0, len(prompts), batch_size):
         reqs = [Request(p, max_new_tokens, SamplingParams(), eos_ids) for p in prompts[start : start + batch_size]]
-        got: dict[int, list[int]] = {}
-        for ev in generate(Engine(runtime), reqs):
-            got.setdefault(ev.request_id, []).extend(ev.tokens)
-        out += [got.get(r.id, []) for r in reqs]
+        out += decode_requests(Engine(runtime), reqs)
     return out
 
 

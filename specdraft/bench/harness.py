@@ -1,0 +1,236 @@
+"""The bench harness: methods, interleaving, timing and the equality check, written once.
+
+``specdraft bench`` (and ``specdraft demo`` through it) and every ``benchmarks/`` script that
+decodes build their measurements from these pieces:
+
+- :class:`Method`: a name and a way to decode one prompt, either an :class:`specdraft.engine.Engine`
+  (a fresh one per call over a target, a drafter and a policy kept for the whole run) or a
+  baseline such as transformers ``generate``. :meth:`Method.run` times the call and returns a
+  :class:`Run`: output tokens, wall seconds (prefill included: what a user waits for) and the
+  engine's statistics, which split out the prefill.
+- :func:`interleave`: the order of the methods on prompt i, rotated by i (A B, then B A; A B C,
+  B C A, C A B, ...); :func:`run_prompt` runs them in it. Running the methods back to back on each
+  prompt, after one warm-up of each (:func:`warm_up`), means a slow phase of a shared machine hits
+  all of them, and rotating the order keeps a drift within a prompt from always favouring the same
+  method.
+- :class:`Totals`: one method's sums over prompts. Rates are sums of tokens over sums of seconds,
+  never a mean of per-prompt rates.
+- :func:`equality`: a greedy output against plain decoding's, classified by
+  :func:`specdraft.lossless.classify` (identical / tie-divergent / divergent) with
+  :func:`tolerance` (0 in fp32: any difference is a bug).
+- :func:`prompt_budget`: the prompt tokens that fit the context window after the generation budget
+  and the cache room the methods' engines reserve (:attr:`specdraft.engine.Engine.reserve`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import torch
+
+from specdraft import lossless
+from specdraft.drafters.base import Drafter
+from specdraft.engine import Engine, Request, decode_requests
+from specdraft.models.runtime import Runtime
+from specdraft.policy import KPolicy
+from specdraft.stats import SpecStats
+from specdraft.verify import SamplingParams
+
+T = TypeVar("T")
+GREEDY = SamplingParams()
+
+
+@dataclass
+class Run:
+    """One method's decode of one prompt.
+
+    Attributes:
+        tokens: the output tokens.
+        seconds: wall seconds of the call, prefill included.
+        stats: the engine's statistics of the call (None for a baseline).
+    """
+
+    tokens: list[int]
+    seconds: float
+    stats: SpecStats | None = None
+
+    @property
+    def prefill_seconds(self) -> float:
+        """Seconds the engine spent prefilling (0 for a baseline, which does not split them)."""
+        return self.stats.prefill_time if self.stats is not None else 0.0
+
+
+@dataclass
+class Method:
+    """A named way to decode one prompt.
+
+    Attributes:
+        name: the method's label in tables and JSON.
+        new_engine: builds the engine of one call (None for a baseline).
+        baseline: ``(ids, max_new_tokens, params) -> tokens`` for a method that is not an engine.
+        eos_ids: an engine method stops after any of these (a baseline handles its own).
+    """
+
+    name: str
+    new_engine: Callable[[], Engine] | None = None
+    baseline: Callable[[list[int], int, SamplingParams], list[int]] | None = None
+    eos_ids: tuple[int, ...] = ()
+
+    def run(self, ids: list[int], max_new_tokens: int, params: SamplingParams = GREEDY) -> Run:
+        """Decode ``ids`` once, timed (an engine is built before the clock starts)."""
+        if self.new_engine is None:
+            t0 = time.perf_counter()
+            tokens = self.baseline(list(ids), max_new_tokens, params)
+            return Run(tokens, time.perf_counter() - t0)
+        engine = self.new_engine()
+        request = Request(list(ids), max_new_tokens, params, self.eos_ids)
+        t0 = time.perf_counter()
+        [tokens] = decode_requests(engine, [request])
+        return Run(tokens, time.perf_counter() - t0, engine.stats)
+
+    @property
+    def reserve(self) -> int:
+        """Cache room past prompt + new tokens that the method's engine needs (0 for a baseline)."""
+        return self.new_engine().reserve if self.new_engine is not None else 0
+
+
+def engine_method(
+    name: str,
+    runtime: Runtime,
+    drafter: Drafter | None = None,
+    policy: KPolicy | None = None,
+    eos_ids: tuple[int, ...] = (),
+) -> Method:
+    """Decoding with the engine: plain when ``drafter`` is None, else speculative.
+
+    The one ``policy`` serves every call, so an adaptive policy keeps learning across prompts (as
+    the server keeps one); a drafter that reads target hidden states gets them.
+    """
+    hidden_layers = getattr(drafter, "hidden_layers", ())
+    return Method(
+        name, lambda: Engine(runtime, drafter, policy, hidden_layers=hidden_layers), eos_ids=eos_ids
+    )
+
+
+def baseline_method(name: str, decode: Callable[[list[int], int, SamplingParams], list[int]]) -> Method:
+    """A method that is not the engine: ``decode(ids, max_new_tokens, params) -> tokens``."""
+    return Method(name, baseline=decode)
+
+
+def interleave(methods: Sequence[T], i: int) -> list[T]:
+    """The order of ``methods`` on prompt ``i``: rotated by ``i`` (A B, B A, A B, ...)."""
+    s = i % len(methods) if methods else 0
+    return [*methods[s:], *methods[:s]]
+
+
+def run_prompt(
+    methods: Sequence[Method], ids: list[int], i: int, max_new_tokens: int, params: SamplingParams = GREEDY
+) -> dict[str, Run]:
+    """Every method once on prompt ``i``'s ``ids``, in :func:`interleave` order; runs by method
+    name, in the order of ``methods``."""
+    runs = {m.name: m.run(ids, max_new_tokens, params) for m in interleave(methods, i)}
+    return {m.name: runs[m.name] for m in methods}
+
+
+def warm_up(
+    methods: Sequence[Method], ids: list[int], max_new_tokens: int, params: SamplingParams = GREEDY
+) -> None:
+    """Run every method once, untimed (first calls, lazy set-up, a drafter's one-time calibration)."""
+    for method in methods:
+        method.run(ids, max_new_tokens, params)
+
+
+def prompt_budget(
+    runtime: Runtime, methods: Sequence[Method], max_new_tokens: int, max_prompt_tokens: int | None = None
+) -> int:
+    """Prompt tokens that fit: the context window less ``max_new_tokens`` and the largest engine
+    reserve among ``methods``, at most ``max_prompt_tokens`` (None: no cap)."""
+    budget = runtime.max_context - max_new_tokens - max((m.reserve for m in methods), default=0)
+    return budget if max_prompt_tokens is None else min(budget, max_prompt_tokens)
+
+
+@dataclass
+class Totals:
+    """One method's sums over prompts.
+
+    Attributes:
+        tokens: output tokens.
+        seconds: wall seconds of the calls, prefill included.
+        prefill_seconds: the engine's prefill seconds among them.
+        stats: the engine's statistics, merged.
+        classes: equality classes counted (:func:`equality`).
+    """
+
+    tokens: int = 0
+    seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    stats: SpecStats = field(default_factory=SpecStats)
+    classes: dict[str, int] = field(default_factory=dict)
+
+    def add(self, run: Run, equality_class: str | None = None) -> None:
+        self.tokens += len(run.tokens)
+        self.seconds += run.seconds
+        self.prefill_seconds += run.prefill_seconds
+        if run.stats is not None:
+            self.stats.merge(run.stats)
+        if equality_class is not None:
+            self.classes[equality_class] = self.classes.get(equality_class, 0) + 1
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Output tokens per wall second, prefill included."""
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Output tokens per wall second with the engine's prefill left out."""
+        seconds = self.seconds - self.prefill_seconds
+        return self.tokens / seconds if seconds > 0 else 0.0
+
+    @property
+    def mismatches(self) -> int:
+        """Outputs counted as anything but identical to plain decoding."""
+        return sum(n for c, n in self.classes.items() if c != lossless.IDENTICAL)
+
+
+def runtime_precision(runtime) -> str:
+    """``fp32``, ``bf16`` or ``int8``: what the runtime computes in."""
+    weights = getattr(runtime, "w", None)
+    if weights is not None and hasattr(weights, "precision"):
+        return weights.precision
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+    return names.get(runtime.dtype, str(runtime.dtype).replace("torch.", ""))
+
+
+def tolerance(runtime, given: float | None = None) -> float:
+    """The near-tie margin of :func:`equality`: ``given``, else 0 in fp32 and
+    :data:`specdraft.lossless.DEFAULT_TOLERANCE` otherwise."""
+    if given is not None:
+        return given
+    return 0.0 if runtime_precision(runtime) == "fp32" else lossless.DEFAULT_TOLERANCE
+
+
+def equality(
+    runtime: Runtime,
+    prompt_ids: list[int],
+    plain: list[int],
+    tokens: list[int],
+    max_new_tokens: int,
+    eos_ids: tuple[int, ...],
+    tol: float,
+) -> tuple[str, int | None]:
+    """A greedy output against plain greedy decoding's for the same prompt.
+
+    Equal outputs are ``identical``; otherwise plain decoding is run once more recording its top-2
+    logit margins and :func:`specdraft.lossless.classify` decides.
+
+    Returns:
+        The class and the first output index where they differ (None when identical).
+    """
+    if tokens == plain:
+        return lossless.IDENTICAL, None
+    ref, margins = lossless.plain_greedy_margins(runtime, prompt_ids, max_new_tokens, eos_ids)
+    return lossless.classify(tokens, ref, margins, tol), lossless.first_difference(tokens, ref)
