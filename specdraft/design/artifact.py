@@ -8,9 +8,9 @@ A directory holds::
     specdraft.json       kind, head subset, target fingerprint, recipe (see :class:`DraftMeta`)
 
 The *compact* form (what ``drafts/`` commits) leaves out ``model.embed_tokens.weight`` (and
-``lm_head.weight``): the draft shares the target's embedding and LM head (they stay frozen in training), so loading restores
-them from the target and checks first that the target is the one the draft was designed for
-(vocabulary, hidden size and an embedding fingerprint). The *full* form (``--full``) also writes
+``lm_head.weight``): the draft shares the target's embedding and LM head (they stay frozen in
+training), so loading restores them from the target and checks first that the target is the one
+the draft was designed for (vocabulary, hidden size and an embedding fingerprint). The *full* form (``--full``) also writes
 the embedding: plain ``transformers.AutoModelForCausalLM.from_pretrained(dir)`` loads it, and it
 works as ``assistant_model`` in transformers or as a draft model in other engines. Other engines
 use the full head; the head subset in ``specdraft.json`` is a specdraft inference option.
@@ -93,7 +93,8 @@ class DraftMeta:
 
     @classmethod
     def for_target(cls, target_model, target_name: str, kind: str = "layers", head=None, **kw) -> DraftMeta:
-        """Meta for a draft of ``target_model``; ``head`` is a :class:`~specdraft.design.vocab.VocabSubset` or None."""
+        """Meta for a draft of ``target_model``; ``head`` is a
+        :class:`~specdraft.design.vocab.VocabSubset` or None."""
         cfg = target_model.config
         return cls(
             kind=kind,
@@ -279,7 +280,8 @@ def resolve_draft_dir(name: str) -> Path:
     q = DRAFTS_DIR / name
     if q.is_dir():
         return q
-    have = sorted(x.name for x in DRAFTS_DIR.iterdir() if (x / META_FILE).is_file()) if DRAFTS_DIR.is_dir() else []
+    drafts = DRAFTS_DIR.iterdir() if DRAFTS_DIR.is_dir() else []
+    have = sorted(x.name for x in drafts if (x / META_FILE).is_file())
     committed = ", ".join(have) or "(none committed)"
     raise SpecdraftError(f"designed draft {name!r} not found: give a draft directory or one of {committed}")
 

@@ -53,7 +53,8 @@ def test_greedy_output_equals_plain_decoding_through_the_api(tiny_pipe, tmp_path
     spec = pipe.engine(4)
     got = decode(spec, prompts, 24)
     assert got == plain
-    assert spec.stats.drafted > 0 and spec.stats.accepted < spec.stats.drafted  # it did speculate, imperfectly
+    # it did speculate, imperfectly
+    assert spec.stats.drafted > 0 and spec.stats.accepted < spec.stats.drafted
 
 
 def test_sampled_draft_tokens_and_q_stay_inside_the_subset(tiny_pipe):
@@ -155,7 +156,8 @@ def test_gated_drafter_stays_lossless_and_proposes_only_what_pays(tiny_pipe):
 
 def test_drafting_stops_once_no_longer_prefix_can_pay(tiny_pipe):
     cost = VerifyCost(target=[1.0, 2.0, 2.4, 2.5, 2.6], draft=0.05)
-    assert not worth_continuing(torch.tensor([[0.2]]), 4, cost)  # even 4 tokens at P = 0.2 cannot beat a plain step
+    # even 4 tokens at P = 0.2 cannot beat a plain step
+    assert not worth_continuing(torch.tensor([[0.2]]), 4, cost)
     assert worth_continuing(torch.tensor([[0.9]]), 4, cost)
     ids = head_subset(64)
     d = GatedDrafter(_subset_runtime(tiny_pipe, ids), "gated", cost=VerifyCost([1.0, 50.0], 0.0))
