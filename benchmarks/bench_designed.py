@@ -2,10 +2,12 @@
 transformers' plain ``generate``: Spec-Bench prompts, batch 1, greedy, all in one process.
 
 After an untimed warm-up of every method (which also lets the gated designed draft measure its
-cost model once), for each prompt every method runs once, in a rotating order (A B C D, then B C D A, ...), so slow
-phases of a shared machine hit all methods alike; tokens/s is total new tokens / total wall time
-(prefill included, as a user waits for it), and decode tokens/s leaves prefill out for the
-engine's methods. Every speculative output is checked against plain decoding (greedy is lossless).
+cost model once), for each prompt every method runs once, in a rotating order (A B C D, then B C D
+A, ...: :mod:`specdraft.bench.harness`), so slow phases of a shared machine hit all methods alike;
+tokens/s is total new tokens / total wall time (prefill included, as a user waits for it), and
+decode tokens/s leaves the engine's prefill out of the wall time for the engine's methods. Every
+output is checked against plain decoding (greedy is lossless; :func:`specdraft.bench.harness.equality`
+classifies a difference) and ``mismatches`` counts those that differ.
 Acceptance (mean accepted length with the bonus token, acceptance rate) is reported per Spec-Bench
 category.
 
@@ -19,8 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -28,8 +30,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specdraft import api  # noqa: E402
+from specdraft.bench import harness  # noqa: E402
+from specdraft.bench.hf_baselines import HFBaselines  # noqa: E402
 from specdraft.bench.prompts import fit_context, load_prompts, parse_categories  # noqa: E402
-from specdraft.engine import Engine, Request, generate  # noqa: E402
 from specdraft.policy import make_policy  # noqa: E402
 from specdraft.stats import SpecStats  # noqa: E402
 
@@ -62,63 +65,46 @@ def main() -> int:
           f"pruned {args.pruned} k={args.k_pruned}; {len(prompts)} Spec-Bench prompts (first turn), "
           f"{args.max_new_tokens} new tokens, threads {args.threads}", flush=True)
 
-    def engine_run(drafter, k):
-        policy = make_policy(k) if drafter is not None else None  # one per method for the run, as `specdraft bench` keeps
+    def engine_method(name, drafter, k):
+        # one policy per method for the whole run, as `specdraft bench` keeps one
+        policy = make_policy(k) if drafter is not None else None
+        return harness.engine_method(name, pipe.runtime, drafter, policy, eos_ids=pipe.eos_ids)
 
-        def run(ids):
-            engine = Engine(pipe.runtime, drafter, policy, hidden_layers=getattr(drafter, "hidden_layers", ()))
-            out = []
-            for ev in generate(engine, [Request(list(ids), args.max_new_tokens, eos_ids=pipe.eos_ids)]):
-                out += ev.tokens
-            return out, engine.stats
-        return run
-
-    def hf_run(ids):
-        x = torch.tensor([ids])
-        with torch.inference_mode():
-            y = pipe.target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.max_new_tokens, do_sample=False,
-                                           temperature=None, top_p=None, top_k=None, eos_token_id=list(pipe.eos_ids),
-                                           pad_token_id=pipe.eos_ids[0])
-        return y[0, len(ids):].tolist(), None
-
-    methods = {"plain": engine_run(None, "0"), "designed": engine_run(pipe.drafter, args.k), "pruned": engine_run(pruned, args.k_pruned)}
+    methods = [engine_method("plain", None, "0"), engine_method("designed", pipe.drafter, args.k),
+               engine_method("pruned", pruned, args.k_pruned)]
     for item in filter(None, args.also.split(",")):
         spec, _, k = item.partition("@")
-        methods[spec] = engine_run(api.make_drafter(spec, pipe.target, pipe.runtime, draft_dtype), k or args.k)
+        drafter = api.make_drafter(spec, pipe.target, pipe.runtime, draft_dtype)
+        methods.append(engine_method(spec, drafter, k or args.k))
     if not args.no_hf:
-        methods["hf_plain"] = hf_run
-    names = list(methods)
-    wall = defaultdict(float)
-    tokens = defaultdict(int)
-    decode_time = defaultdict(float)
+        hf = HFBaselines(pipe.target.model, pipe.eos_ids, None, None, "", methods=("hf_plain",))
+        methods.append(harness.baseline_method("hf_plain", partial(hf.run, "hf_plain")))
+    names = [m.name for m in methods]
+    totals = {n: harness.Totals() for n in names}
     per_cat: dict[str, dict[str, SpecStats]] = defaultdict(lambda: defaultdict(SpecStats))
-    mismatches = defaultdict(int)
-    budget = pipe.runtime.max_context - args.max_new_tokens - 16
-    budget = min(budget, args.max_prompt_tokens)
-    warm = pipe.encode("Say hello.")  # warm-up, untimed: first calls, and the gated draft's one-time cost measurement
-    for name in names:
-        methods[name](warm)
+    tol = harness.tolerance(pipe.runtime)
+    budget = harness.prompt_budget(pipe.runtime, methods, args.max_new_tokens, args.max_prompt_tokens)
+    # warm-up, untimed: first calls, and the gated draft's one-time cost measurement
+    harness.warm_up(methods, pipe.encode("Say hello."), args.max_new_tokens)
     for i, prompt in enumerate(prompts):
         ids = fit_context(pipe.encode(prompt.turns[0]), budget).ids
-        order = names[i % len(names):] + names[: i % len(names)]
-        outs = {}
-        for name in order:
-            t = time.perf_counter()
-            out, stats = methods[name](ids)
-            wall[name] += time.perf_counter() - t
-            tokens[name] += len(out)
-            outs[name] = out
-            if stats is not None:
-                decode_time[name] += stats.total_time - stats.prefill_time
-                per_cat[name][prompt.category].merge(stats)
-        for name in names:
-            if name != "plain" and outs[name] != outs["plain"]:
-                mismatches[name] += 1
-        rate = {n: tokens[n] / wall[n] for n in names}
-        print(f"[{i + 1}/{len(prompts)}] {prompt.category:<15} " + "  ".join(f"{n} {rate[n]:.1f}" for n in names) + " tok/s", flush=True)
+        runs = harness.run_prompt(methods, ids, i, args.max_new_tokens)
+        plain = runs["plain"].tokens
+        for name, run in runs.items():
+            cls = None
+            if name != "plain":
+                check = (pipe.runtime, ids, plain, run.tokens, args.max_new_tokens, pipe.eos_ids, tol)
+                cls = harness.equality(*check)[0]
+            totals[name].add(run, cls)
+            if run.stats is not None:
+                per_cat[name][prompt.category].merge(run.stats)
+        rate = {n: totals[n].tokens_per_s for n in names}
+        rates = "  ".join(f"{n} {rate[n]:.1f}" for n in names)
+        print(f"[{i + 1}/{len(prompts)}] {prompt.category:<15} {rates} tok/s", flush=True)
 
-    tps = {n: tokens[n] / wall[n] for n in names}
-    dec = {n: tokens[n] / decode_time[n] for n in names if decode_time[n] > 0}
+    tps = {n: totals[n].tokens_per_s for n in names}
+    dec = {m.name: totals[m.name].decode_tokens_per_s for m in methods if m.new_engine is not None}
+    mismatches = {n: t.mismatches for n, t in totals.items() if t.mismatches}
     ratios = {
         "designed_vs_plain": tps["designed"] / tps["plain"],
         "designed_vs_pruned": tps["designed"] / tps["pruned"],
@@ -162,7 +148,7 @@ def main() -> int:
         args.json.write_text(json.dumps({
             "command": cmd, "target": args.target, "designed": pipe.drafter.name, "pruned": args.pruned, "k": args.k,
             "k_pruned": args.k_pruned, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "threads": args.threads,
-            "tokens_per_s": tps, "decode_tokens_per_s": dec, "ratios": ratios, "mismatches": dict(mismatches),
+            "tokens_per_s": tps, "decode_tokens_per_s": dec, "ratios": ratios, "mismatches": mismatches,
             "acceptance_per_category": categories,
             "cost_model": None if cost is None else {"target": cost.target, "draft": cost.draft},
             "acceptance_needed": needed,

@@ -1,7 +1,7 @@
 """The engine's performance figures (issue 2), as ratios measured in one run.
 
 (a) own plain decoding tokens/s vs transformers ``generate`` (same dtype, threads and prompts;
-    the two alternate prompt by prompt after a warm-up of each);
+    the two alternate prompt by prompt after a warm-up of each: :mod:`specdraft.bench.harness`);
 (b) a target forward over 8 new tokens vs 1 token at a 200-token context (medians of interleaved
     rounds, :func:`specdraft.bench.profile.profile_latency`);
 (c) speculative decoding with each candidate draft vs own plain decoding on Spec-Bench prompts, per
@@ -21,7 +21,7 @@ import argparse
 import json
 import shlex
 import sys
-import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -32,11 +32,11 @@ from specdraft import api  # noqa: E402
 from specdraft.bench.hf_baselines import HFBaselines  # noqa: E402
 from specdraft.bench.profile import profile_latency  # noqa: E402
 from specdraft.bench.prompts import fit_context, load_prompts, parse_categories  # noqa: E402
-from specdraft.bench.runner import BenchOptions, markdown_table, run_bench, runtime_precision  # noqa: E402
+from specdraft.bench import harness  # noqa: E402
+from specdraft.bench.harness import runtime_precision  # noqa: E402
+from specdraft.bench.runner import BenchOptions, markdown_table, run_bench  # noqa: E402
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter  # noqa: E402
-from specdraft.engine import Engine, Request, generate  # noqa: E402
 from specdraft.registry import DraftSpec  # noqa: E402
-from specdraft.verify import SamplingParams  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -68,34 +68,22 @@ def split_drafts(text: str) -> list[str]:
     return out
 
 
-def part_a(pipe, prompt_ids: list[list[int]], max_new_tokens: int) -> dict:
-    """Own plain decoding vs transformers generate, alternating per prompt."""
+def part_a(pipe, prompts, max_new_tokens: int, max_prompt_tokens: int) -> dict:
+    """Own plain decoding vs transformers generate, interleaved per prompt (greedy, first turns)."""
     hf = HFBaselines(pipe.target.model, pipe.eos_ids, None, None, "", methods=("hf_plain",))
-    greedy = SamplingParams()
-
-    def ours(ids):
-        engine = Engine(pipe.runtime, None)
-        out = []
-        for ev in generate(engine, [Request(ids, max_new_tokens, greedy, pipe.eos_ids)]):
-            out += ev.tokens
-        return out
-
-    def theirs(ids):
-        return hf.run("hf_plain", ids, max_new_tokens, greedy)
-
-    ours(prompt_ids[0][:32]), theirs(prompt_ids[0][:32])  # warm-up
-    tokens = {"ours": 0, "hf": 0}
-    seconds = {"ours": 0.0, "hf": 0.0}
+    methods = [harness.engine_method("ours", pipe.runtime, None, eos_ids=pipe.eos_ids),
+               harness.baseline_method("hf", partial(hf.run, "hf_plain"))]
+    budget = harness.prompt_budget(pipe.runtime, methods, max_new_tokens, max_prompt_tokens)
+    prompt_ids = [fit_context(pipe.encode(p.turns[0]), budget).ids for p in prompts]
+    harness.warm_up(methods, prompt_ids[0][:32], max_new_tokens)
+    totals = {m.name: harness.Totals() for m in methods}
     same = 0
-    for ids in prompt_ids:
-        outs = {}
-        for name, fn in (("ours", ours), ("hf", theirs)):
-            t0 = time.perf_counter()
-            outs[name] = fn(ids)
-            seconds[name] += time.perf_counter() - t0
-            tokens[name] += len(outs[name])
-        same += outs["ours"] == outs["hf"]
-    ours_tps, hf_tps = tokens["ours"] / seconds["ours"], tokens["hf"] / seconds["hf"]
+    for i, ids in enumerate(prompt_ids):
+        runs = harness.run_prompt(methods, ids, i, max_new_tokens)
+        for name, run in runs.items():
+            totals[name].add(run)
+        same += runs["ours"].tokens == runs["hf"].tokens
+    ours_tps, hf_tps = totals["ours"].tokens_per_s, totals["hf"].tokens_per_s
     return {
         "prompts": len(prompt_ids),
         "ours_tokens_per_s": round(ours_tps, 2),
@@ -129,9 +117,7 @@ def main(argv=None) -> int:
     results: dict = {"command": command, "threads": torch.get_num_threads(), "dtype": precision}
 
     if "a" not in skip:
-        budget = min(args.max_prompt_tokens, pipe.runtime.max_context - args.max_new_tokens - 18)
-        ids = [fit_context(pipe.encode(p.turns[0]), budget).ids for p in prompts]
-        a = results["a"] = part_a(pipe, ids, args.max_new_tokens)
+        a = results["a"] = part_a(pipe, prompts, args.max_new_tokens, args.max_prompt_tokens)
         print(f"\n(a) own plain decoding {a['ours_tokens_per_s']:.1f} tok/s vs transformers generate "
               f"{a['hf_tokens_per_s']:.1f} tok/s ({a['hf_dtype']}): {a['ratio']:.2f}x (target >= 1.3x); "
               f"same tokens on {a['same_tokens']}/{a['prompts']} prompts")
