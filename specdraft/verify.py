@@ -170,3 +170,41 @@ def verify_sampling(
     for b in range(B):
         tokens[b, at[b]] = sample(residual[b], generators[b])
     return Verdict(num_accepted=n, tokens=tokens)
+
+
+def verify(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    num_valid: torch.Tensor | None = None,
+) -> Verdict:
+    """Verify one step for a batch whose rows may be greedy or sampled, each with its own params.
+
+    An all-greedy batch is :func:`verify_greedy`. Otherwise every row goes through
+    :func:`verify_sampling` with p processed by its own params; a greedy row's p is the one-hot of
+    the target's argmax and its q the one-hot of its draft tokens, which makes the rejection rule
+    the argmax match (accept while the draft equals the argmax; emit the argmax) and draws nothing
+    from the row's generator.
+
+    Args:
+        draft_tokens: ``(B, k)``.
+        draft_probs: ``(B, k, V)`` q, or None for a draft without a distribution.
+        target_logits: ``(B, k + 1, V)`` raw target logits.
+        params: one per row.
+        generators: one per row.
+        num_valid: ``(B,)`` real proposals per row (None = all k).
+    """
+    if all(p.greedy for p in params):
+        return verify_greedy(draft_tokens, target_logits, num_valid)
+    B, V = target_logits.shape[0], target_logits.shape[-1]
+    p = torch.stack([logits_to_probs(target_logits[b], params[b]) for b in range(B)])  # (B, k + 1, V)
+    greedy_rows = [b for b in range(B) if params[b].greedy]
+    if greedy_rows:  # argmax as a point mass: sampling from it is the argmax
+        idx = torch.tensor(greedy_rows)
+        p[idx] = torch.nn.functional.one_hot(target_logits[idx].argmax(-1), V).float()
+        if draft_probs is not None:
+            draft_probs = draft_probs.clone()
+            draft_probs[idx] = torch.nn.functional.one_hot(draft_tokens[idx], V).float()
+    return verify_sampling(draft_tokens, draft_probs, p, generators, num_valid)

@@ -135,7 +135,7 @@ def test_check_identical_in_fp32(capsys, tmp_path):
 def test_check_reads_jsonl_and_flags_divergence(capsys, tmp_path, monkeypatch):
     import torch
 
-    import specdraft.engine as engine_module
+    import specdraft.verify as verify_module
     from specdraft.verify import Verdict
 
     def accept_everything(draft_tokens, target_logits, num_valid=None):
@@ -145,7 +145,7 @@ def test_check_reads_jsonl_and_flags_divergence(capsys, tmp_path, monkeypatch):
     prompts = tmp_path / "q.jsonl"
     prompts.write_text(json.dumps({"question_id": 1, "category": "x", "turns": ["first turn", "second"]}) + "\n"
                        + json.dumps({"prompt": "a plain prompt"}) + "\n")
-    monkeypatch.setattr(engine_module, "verify_greedy", accept_everything)
+    monkeypatch.setattr(verify_module, "verify_greedy", accept_everything)
     rc, out, _ = run_cli(capsys, "check", *TINY, "--draft", "prune:0", "--k", "3", "--prompts", str(prompts),
                          "--limit", "1", "--max-new-tokens", "12")
     assert rc == 1

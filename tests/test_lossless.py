@@ -65,14 +65,14 @@ def test_speculative_fp32_is_identical_and_a_broken_verifier_is_divergent(tiny, 
     spec = decode(Engine(tiny.target, ModelDrafter(tiny.other, "other"), FixedK(3)), [prompt], 16)[0]
     assert lossless.classify(spec, plain, margins, 0.0) == lossless.IDENTICAL
 
-    import specdraft.engine as engine_module
+    import specdraft.verify as verify_module
     from specdraft.verify import Verdict
 
     def accept_everything(draft_tokens, target_logits, num_valid=None):
         tokens = torch.cat([draft_tokens, target_logits[:, -1:].argmax(-1)], 1)
         return Verdict(num_accepted=torch.full((draft_tokens.shape[0],), draft_tokens.shape[1]), tokens=tokens)
 
-    monkeypatch.setattr(engine_module, "verify_greedy", accept_everything)
+    monkeypatch.setattr(verify_module, "verify_greedy", accept_everything)
     broken = decode(Engine(tiny.target, ModelDrafter(tiny.other, "other"), FixedK(3)), [prompt], 16)[0]
     assert lossless.classify(broken, plain, margins, 0.0) == lossless.DIVERGENT
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdraft.errors import SpecdraftError
-from specdraft.verify import SamplingParams, logits_to_probs, verify_greedy, verify_sampling
+from specdraft.verify import SamplingParams, logits_to_probs, verify, verify_greedy, verify_sampling
 
 V = 6
 
@@ -161,6 +161,62 @@ def test_first_output_token_is_distributed_as_p(point_mass):
 
 
 # ------------------------------------------------------------------------------ sampling utilities
+# ------------------------------------------------------------------------- verify: the one entry point
+GREEDY, HOT = SamplingParams(), SamplingParams(temperature=1.0, seed=3)
+
+
+def test_verify_of_an_all_greedy_batch_is_verify_greedy():
+    draft = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 3]])
+    target = one_hot_logits([[4, 2, 3, 5], [1, 2, 3, 5], [1, 2, 0, 5]])
+    num_valid = torch.tensor([3, 2, 3])
+    g = gens(3)
+    v = verify(draft, None, target, [GREEDY] * 3, g, num_valid)
+    w = verify_greedy(draft, target, num_valid)
+    assert torch.equal(v.num_accepted, w.num_accepted) and torch.equal(v.tokens, w.tokens)
+    assert [x.initial_seed() for x in g] == [0, 1, 2] and torch.equal(  # no generator was drawn from
+        torch.rand(3, generator=g[0]), torch.rand(3, generator=gens(1)[0]))
+
+
+@pytest.mark.parametrize("with_q", [True, False])
+def test_verify_in_a_mixed_batch_greedy_rows_match_the_argmax_and_sampled_rows_sample(with_q):
+    """Greedy rows get exactly what verify_greedy gives them; a sampled row gets what
+    verify_sampling gives it alone with its own params and generator."""
+    torch.manual_seed(1)
+    B, k = 4, 3
+    logits = torch.randn(B, k + 1, V) * 3
+    draft = logits[:, :k].argmax(-1)  # (B, k): greedy rows accept at least up to a change below
+    draft[0, 1] = (draft[0, 1] + 1) % V  # row 0 (greedy) rejects at 1
+    draft[2, 2] = (draft[2, 2] + 1) % V  # row 2 (greedy) rejects at 2
+    q = torch.rand(B, k, V).softmax(-1) if with_q else None
+    params = [GREEDY, HOT, GREEDY, SamplingParams(temperature=0.7, top_k=3, seed=4)]
+    v = verify(draft, q, logits, params, gens(B, 10))
+
+    greedy = verify_greedy(draft, logits)
+    for b in (0, 2):
+        n = int(v.num_accepted[b])
+        assert n == int(greedy.num_accepted[b]) == (1 if b == 0 else 2)
+        assert torch.equal(v.tokens[b, : n + 1], greedy.tokens[b, : n + 1])
+    for b in (1, 3):
+        p = logits_to_probs(logits[b : b + 1], params[b])
+        alone = verify_sampling(draft[b : b + 1], None if q is None else q[b : b + 1], p, gens(B, 10)[b : b + 1])
+        n = int(v.num_accepted[b])
+        assert n == int(alone.num_accepted[0])
+        assert torch.equal(v.tokens[b, : n + 1], alone.tokens[0, : n + 1])
+
+
+def test_verify_breaks_a_greedy_tie_as_argmax_does_in_a_mixed_batch():
+    """A greedy row whose top two logits tie takes the argmax's choice (the lower id), as a plain
+    greedy decode would, even though temperature 0 alone would leave p at 1/2 on each."""
+    n = 16
+    logits = torch.zeros(n + 1, 2, V)
+    logits[:, 0, 1] = logits[:, 0, 4] = 5.0  # a tie at position 0: argmax says 1
+    draft = torch.full((n + 1, 1), 4)
+    q = torch.nn.functional.one_hot(draft, V).float()
+    v = verify(draft, q, logits, [HOT] + [GREEDY] * n, gens(n + 1))
+    assert v.num_accepted[1:].tolist() == [0] * n
+    assert v.tokens[1:, 0].tolist() == [1] * n
+
+
 def test_logits_to_probs_temperature_top_k_top_p():
     logits = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0])
     torch.testing.assert_close(logits_to_probs(logits, SamplingParams(temperature=0.5)), (logits / 0.5).softmax(-1))
