@@ -145,16 +145,14 @@ class _RequireKey:
 def create_app(pipe: Pipeline, config: ServerConfig) -> FastAPI:
     """The ASGI app; its lifespan starts and stops the scheduler thread."""
     metrics = Metrics()
-    policy = make_policy(config.k)
     scheduler = Scheduler(
         pipe,
-        policy,
+        make_policy(config.k),
         max_batch=config.max_batch,
         max_queue=config.max_queue,
         metrics=metrics,
         request_timeout=config.request_timeout,
     )
-    created = P.now()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -169,6 +167,27 @@ def create_app(pipe: Pipeline, config: ServerConfig) -> FastAPI:
     if config.api_key is not None:
         app.add_middleware(_RequireKey, key=config.api_key)
     app.add_middleware(_CountRequests, metrics=metrics)  # the outer one: 401s are counted too
+    ctx = _Context(pipe, config, scheduler, metrics, created=P.now())
+    _add_error_handlers(app)
+    _add_status_routes(app, ctx)
+    _add_completion_routes(app, ctx)
+    return app
+
+
+@dataclass
+class _Context:
+    """What the routes of one app share."""
+
+    pipe: Pipeline
+    config: ServerConfig
+    scheduler: Scheduler
+    metrics: Metrics
+    created: int  # when the app was made: the model card's ``created``
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as OpenAI's body: API errors as raised, HTTP errors (404, 405) and, logged,
+    anything unexpected as a 500."""
 
     @app.exception_handler(P.APIError)
     async def api_error(request: Request, e: P.APIError):
@@ -184,6 +203,11 @@ def create_app(pipe: Pipeline, config: ServerConfig) -> FastAPI:
         log.exception("unhandled error in %s", request.url.path)
         err = P.APIError(500, f"internal error: {type(e).__name__}", type="server_error")
         return JSONResponse(err.body(), status_code=500)
+
+
+def _add_status_routes(app: FastAPI, ctx: _Context) -> None:
+    """``GET /health``, ``GET /metrics`` and ``GET /v1/models``."""
+    scheduler, config = ctx.scheduler, ctx.config
 
     @app.get("/health")
     async def health():
@@ -202,71 +226,86 @@ def create_app(pipe: Pipeline, config: ServerConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():
         card = {
             "id": config.model_name,
             "object": "model",
-            "created": created,
+            "created": ctx.created,
             "owned_by": "specdraft",
-            "max_model_len": pipe.runtime.max_context,
+            "max_model_len": ctx.pipe.runtime.max_context,
         }
         return {"object": "list", "data": [card]}
 
-    def prepare_completion(body: bytes) -> tuple[P.CompletionRequest, list[int]]:
-        req = P.parse_request(P.CompletionRequest, body)
-        _check_request(req, config)
-        prompt = req.single_prompt()
-        ids = _check_ids(prompt, pipe) if isinstance(prompt, list) else _encode(pipe, prompt, chat=False)
-        return req, ids
 
-    def prepare_chat(body: bytes) -> tuple[P.ChatCompletionRequest, list[int]]:
-        req = P.parse_request(P.ChatCompletionRequest, body)
-        _check_request(req, config)
-        if not pipe.target.is_chat():
-            raise P.APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-        return req, _encode(pipe, [m.as_template_message() for m in req.messages], chat=True)
+def _add_completion_routes(app: FastAPI, ctx: _Context) -> None:
+    """``POST /v1/completions`` and ``POST /v1/chat/completions``, streaming and not.
 
-    # parsing and tokenization run in a worker thread: a multi-megabyte prompt takes seconds to
-    # encode, and the event loop must keep streaming the other requests' tokens meanwhile
+    Parsing and tokenization run in a worker thread: a multi-megabyte prompt takes seconds to
+    encode, and the event loop must keep streaming the other requests' tokens meanwhile.
+    """
+
+    async def handle(request: Request, chat: bool):
+        _check_content_type(request)
+        body = await _read_body(request, ctx.config.max_body_bytes)
+        if chat:
+            req, ids = await asyncio.to_thread(_prepare_chat, ctx, body)
+            max_tokens = req.requested_max_tokens
+        else:
+            req, ids = await asyncio.to_thread(_prepare_completion, ctx, body)
+            max_tokens = req.max_tokens
+        renderer = _Renderer("chatcmpl" if chat else "cmpl", ctx.config.model_name, chat=chat)
+        return await _serve(ctx, request, req, ids, max_tokens, renderer)
+
     @app.post("/v1/completions")
     async def completions(request: Request):
-        _check_content_type(request)
-        body = await _read_body(request, config.max_body_bytes)
-        req, ids = await asyncio.to_thread(prepare_completion, body)
-        renderer = _Renderer("cmpl", config.model_name, chat=False)
-        return await _serve(request, req, ids, req.max_tokens, renderer)
+        return await handle(request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        _check_content_type(request)
-        body = await _read_body(request, config.max_body_bytes)
-        req, ids = await asyncio.to_thread(prepare_chat, body)
-        renderer = _Renderer("chatcmpl", config.model_name, chat=True)
-        return await _serve(request, req, ids, req.requested_max_tokens, renderer)
+        return await handle(request, chat=True)
 
-    async def _serve(request: Request, req, ids: list[int], max_tokens: int | None, renderer: "_Renderer"):
-        max_tokens = _check_context(len(ids), max_tokens, pipe.runtime.max_context, config.default_max_tokens)
-        params = SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_k=max(req.top_k or 0, 0),
-            top_p=1.0 if req.top_p is None else req.top_p,
-            seed=req.seed,
+
+def _prepare_completion(ctx: _Context, body: bytes) -> tuple[P.CompletionRequest, list[int]]:
+    req = P.parse_request(P.CompletionRequest, body)
+    _check_request(req, ctx.config)
+    prompt = req.single_prompt()
+    ids = _check_ids(prompt, ctx.pipe) if isinstance(prompt, list) else _encode(ctx.pipe, prompt, chat=False)
+    return req, ids
+
+
+def _prepare_chat(ctx: _Context, body: bytes) -> tuple[P.ChatCompletionRequest, list[int]]:
+    req = P.parse_request(P.ChatCompletionRequest, body)
+    _check_request(req, ctx.config)
+    if not ctx.pipe.target.is_chat():
+        raise P.APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+    return req, _encode(ctx.pipe, [m.as_template_message() for m in req.messages], chat=True)
+
+
+async def _serve(
+    ctx: _Context, request: Request, req, ids: list[int], max_tokens: int | None, renderer: "_Renderer"
+):
+    """Submit the request's job to the scheduler; stream its output (SSE) or collect it."""
+    config = ctx.config
+    max_tokens = _check_context(len(ids), max_tokens, ctx.pipe.runtime.max_context, config.default_max_tokens)
+    params = SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_k=max(req.top_k or 0, 0),
+        top_p=1.0 if req.top_p is None else req.top_p,
+        seed=req.seed,
+    )
+    loop = asyncio.get_running_loop()
+    job = Job(ids, max_tokens, params, req.stop_list, req.k_cap, loop, asyncio.Queue(), bool(req.ignore_eos))
+    ctx.scheduler.submit(job)
+    if req.stream:
+        return StreamingResponse(
+            _stream(job, renderer, ctx.scheduler, req.include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-        loop = asyncio.get_running_loop()
-        job = Job(ids, max_tokens, params, req.stop_list, req.k_cap, loop, asyncio.Queue(), bool(req.ignore_eos))
-        scheduler.submit(job)
-        if req.stream:
-            return StreamingResponse(
-                _stream(job, renderer, scheduler, req.include_usage),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        return await _collect(request, job, renderer, scheduler)
-
-    return app
+    return await _collect(request, job, renderer, ctx.scheduler)
 
 
 # --------------------------------------------------------------------------------------- helpers
