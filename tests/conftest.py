@@ -46,6 +46,14 @@ def tiny() -> Tiny:
     return Tiny(model=model, weights=weights, target=LlamaRuntime(weights), other=compact(tiny_llama(seed=1)))
 
 
+@pytest.fixture(scope="session")
+def tiny_pipe():
+    """The tiny target (vocab 256, 2 layers, fp32) through the public API, with no drafter."""
+    from specdraft import api
+
+    return api.load("tiny", draft="none", dtype="fp32", threads=1)
+
+
 @dataclass
 class Smol:
     """The real SmolLM2-135M-Instruct (fp32), through the public API."""

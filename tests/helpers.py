@@ -14,6 +14,13 @@ def compact(model, dtype: torch.dtype = torch.float32, layers: list[int] | None 
     return LlamaRuntime(LlamaWeights.from_hf(model, dtype), layers)
 
 
+def head_subset(n: int, seed: int = 0, must: tuple[int, ...] = ()) -> torch.Tensor:
+    """``n`` distinct random ids of the tiny models' 256-token vocabulary (plus ``must``)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(256, generator=g)[:n].tolist()
+    return torch.tensor(ids + [m for m in must if m not in ids])
+
+
 def random_prompts(lengths: list[int], vocab: int = 254, seed: int = 0) -> list[list[int]]:
     """Prompts of the given lengths with ids below ``vocab`` (254 keeps clear of the tiny EOS)."""
     g = torch.Generator().manual_seed(seed)

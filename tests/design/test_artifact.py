@@ -11,7 +11,7 @@ from specdraft.design.prune import depth_prune
 from specdraft.design.vocab import VocabSubset
 from specdraft.errors import SpecdraftError
 from specdraft.models.tiny import tiny_llama
-from tests.design.conftest import head_subset
+from tests.helpers import head_subset
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,7 @@ from specdraft.design.data import generate_target_data
 from specdraft.design.prune import depth_prune
 from specdraft.design.train import CHECKPOINT, DraftLM, TrainConfig, load_checkpoint, train_offline, validate
 from specdraft.errors import SpecdraftError
-from tests.design.conftest import head_subset
-from tests.helpers import plain_greedy, random_prompts
+from tests.helpers import head_subset, plain_greedy, random_prompts
 
 
 @pytest.fixture(scope="module")

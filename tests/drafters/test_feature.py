@@ -17,8 +17,7 @@ from specdraft.engine import Engine
 from specdraft.models.llama import LlamaRuntime
 from specdraft.models.subset_head import SubsetHeadRuntime, draft_weights
 from specdraft.verify import SamplingParams
-from tests.design.conftest import head_subset, tiny_pipe  # noqa: F401 (a fixture)
-from tests.helpers import decode, random_prompts
+from tests.helpers import decode, head_subset, random_prompts
 
 
 @pytest.fixture(scope="module")

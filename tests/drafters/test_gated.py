@@ -15,8 +15,7 @@ from specdraft.models.llama import LlamaRuntime, LlamaWeights
 from specdraft.models.subset_head import SubsetHeadRuntime, draft_weights
 from specdraft.policy import FixedK, VerifyCost, best_prefix, worth_continuing
 from specdraft.verify import SamplingParams, verify_sampling
-from tests.design.conftest import head_subset, tiny_pipe  # noqa: F401 (a fixture)
-from tests.helpers import decode, random_prompts
+from tests.helpers import decode, head_subset, random_prompts
 
 
 def _subset_runtime(tiny_pipe, ids):

@@ -1,5 +1,6 @@
-"""Fixtures for the study tests: prompt files, the tiny target, and one small sweep shared by the
-report tests (the sweep itself runs in a few seconds on the tiny random model)."""
+"""Fixtures for the study tests: prompt files and one small sweep shared by the report tests
+(the sweep itself runs in a few seconds on the tiny random model). ``tiny_pipe`` is the root
+conftest's."""
 
 from __future__ import annotations
 
@@ -34,13 +35,6 @@ def data_files(tmp_path_factory) -> tuple[Path, Path]:
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Continuations are cached under a per-session folder, never the user's cache."""
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path_factory.getbasetemp() / "specdraft-cache"))
-
-
-@pytest.fixture(scope="session")
-def tiny_pipe():
-    from specdraft.study.sweep import load_target
-
-    return load_target("tiny", "fp32", 1)
 
 
 def small_config(**kw):
