@@ -9,6 +9,18 @@ from specdraft.models.llama import LlamaRuntime, LlamaWeights
 from specdraft.verify import SamplingParams
 
 
+TINY_CLI = ["--target", "tiny", "--dtype", "fp32", "--threads", "1"]  # CLI flags: the tiny fp32 target
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """``specdraft ARGV`` in this process: exit status, stdout, stderr."""
+    from specdraft import cli
+
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
 def compact(model, dtype: torch.dtype = torch.float32, layers: list[int] | None = None) -> LlamaRuntime:
     """The compact runtime over a transformers Llama."""
     return LlamaRuntime(LlamaWeights.from_hf(model, dtype), layers)

@@ -1,18 +1,18 @@
-"""The ``specdraft`` command: generate and check on the tiny model, and every bad input as one line
-on stderr with a non-zero exit status and no traceback."""
+"""The ``specdraft`` command table across subcommands: every bad input as one line on stderr with a
+non-zero exit status and no traceback, bad arguments refused before a model loads. Each command's
+own behaviour is tested in tests/commands/."""
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from specdraft import cli
 from specdraft.models.tiny import tiny_llama, tiny_tokenizer
+from tests.helpers import TINY_CLI as TINY
+from tests.helpers import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["--target", "tiny", "--dtype", "fp32", "--threads", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -24,29 +24,6 @@ def other_tokenizer_dir(tmp_path_factory):
     tiny_llama(vocab_size=len(tok), seed=2).save_pretrained(d)
     tok.save_pretrained(d)
     return d
-
-
-def run_cli(capsys, *argv):
-    rc = cli.main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def test_generate_prints_text_and_stats(capsys):
-    rc, out, err = run_cli(capsys, "generate", *TINY, "--draft", "self", "--k", "3", "--max-new-tokens", "8", "--no-chat", "hello")
-    assert rc == 0 and out.endswith("\n") and len(out) > 1
-    assert "mean accepted length 4.00 (bonus token included)" in err
-
-
-def test_generate_json_matches_plain(capsys):
-    args = ("generate", *TINY, "--max-new-tokens", "12", "--json", "--no-chat", "abcabcabc")
-    rc, out, _ = run_cli(capsys, *args, "--draft", "lookup", "--k", "4")
-    spec = json.loads(out)
-    rc0, out0, _ = run_cli(capsys, *args, "--draft", "none")
-    plain = json.loads(out0)
-    assert rc == rc0 == 0
-    assert spec["tokens"] == plain["tokens"] and len(spec["tokens"]) == 12
-    assert spec["stats"]["generated"] == 12 and plain["stats"]["mean_accepted_length"] == 1.0
 
 
 @pytest.mark.parametrize(
@@ -118,43 +95,3 @@ def test_vocab_mismatch_in_a_real_process(other_tokenizer_dir):
     assert len(lines) == 1 and "different tokenizer" in lines[0], proc.stderr
     assert lines[0].startswith("specdraft generate: error:")
     assert "Traceback" not in proc.stderr + proc.stdout
-
-
-# ------------------------------------------------------------------------------------------- check
-def test_check_identical_in_fp32(capsys, tmp_path):
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("hello world\n\nabcabcabcabc\n")
-    rc, out, _ = run_cli(capsys, "check", *TINY, "--draft", "prune:0", "--k", "3", "--prompts", str(prompts),
-                         "--max-new-tokens", "12", "--drift")
-    assert rc == 0
-    assert out.count("] identical") == 2 and "tolerance 0.0" in out
-    assert "summary: 2 prompts: 2 identical, 0 tie-divergent, 0 divergent" in out
-    assert "largest drift" in out
-
-
-def test_check_reads_jsonl_and_flags_divergence(capsys, tmp_path, monkeypatch):
-    import torch
-
-    import specdraft.verify as verify_module
-    from specdraft.verify import Verdict
-
-    def accept_everything(draft_tokens, target_logits, num_valid=None):
-        tokens = torch.cat([draft_tokens, target_logits[:, -1:].argmax(-1)], 1)
-        return Verdict(num_accepted=torch.full((draft_tokens.shape[0],), draft_tokens.shape[1]), tokens=tokens)
-
-    prompts = tmp_path / "q.jsonl"
-    prompts.write_text(json.dumps({"question_id": 1, "category": "x", "turns": ["first turn", "second"]}) + "\n"
-                       + json.dumps({"prompt": "a plain prompt"}) + "\n")
-    monkeypatch.setattr(verify_module, "verify_greedy", accept_everything)
-    rc, out, _ = run_cli(capsys, "check", *TINY, "--draft", "prune:0", "--k", "3", "--prompts", str(prompts),
-                         "--limit", "1", "--max-new-tokens", "12")
-    assert rc == 1
-    assert "] divergent" in out and "first difference at token" in out
-    assert "summary: 1 prompts: 0 identical, 0 tie-divergent, 1 divergent" in out
-
-
-def test_check_tie_tolerance(capsys):
-    """With a huge tolerance every difference counts as a near-tie (the flag is wired through)."""
-    rc, out, _ = run_cli(capsys, "check", *TINY, "--draft", "prune:0", "--k", "2", "--prompt", "hi", "--tol", "1e9",
-                         "--max-new-tokens", "6")
-    assert rc == 0 and "tolerance 1000000000.0" in out
