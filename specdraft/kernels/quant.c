@@ -33,7 +33,11 @@
  * output row depends on its own input row only: a (k + 1)-token verification gives bit-identical
  * logits to k + 1 one-token steps (tests check 1..64 rows).
  *
- * Threads: OpenMP over blocks of output columns, as in fewrows.c (the same libgomp as torch's).
+ * Tiles (AVX2): 4 weight rows x up to 2 activation rows, so a 1-row product has 4 independent
+ * accumulation chains and each unpacked weight block serves every row; see "the AVX2 tiles".
+ *
+ * Threads: OpenMP over output columns (the same libgomp as torch's); quant_layers opens one
+ * parallel region per decoder layer (plus the attention's), not one per matmul.
  */
 #pragma GCC target("avx2,fma,f16c")
 #pragma GCC optimize("fp-contract=off") /* float operations exactly as written (scalar == AVX2) */
@@ -46,8 +50,9 @@
 
 #define QK 32
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8 }; /* ggml type ids */
-enum { V_REF = 0, V_AVX2 = 1 };             /* kernel variants */
-#define MR 4                                /* activation rows per tile */
+enum { V_REF = 0, V_AVX2 = 1 };              /* kernel variants */
+#define MR 2                                 /* activation rows per tile */
+#define PF 2048                              /* prefetch distance in bytes */
 
 typedef struct {
     float d, s; /* scale, d * sum(qs) */
@@ -69,14 +74,17 @@ static inline float f16(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-int quant_block_bytes(int type) {
+static inline int block_bytes(int type) {
     return type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q8_0 ? 34 : 0;
 }
 
-void quant_quantize(const float *x, block_a8 *a, int M, int K) {
+int quant_block_bytes(int type) { return block_bytes(type); }
+
+/* Blocks [b0, b1) of each of M rows (row stride K) -> a (M, K / 32). */
+static void quantize_blocks(const float *x, block_a8 *a, int M, int K, int b0, int b1) {
     const int nb = K / QK;
     for (long m = 0; m < M; m++)
-        for (int b = 0; b < nb; b++) {
+        for (int b = b0; b < b1; b++) {
             const float *xb = x + m * K + (long)b * QK;
             block_a8 *ab = a + m * nb + b;
             float amax = 0.0f;
@@ -94,9 +102,11 @@ void quant_quantize(const float *x, block_a8 *a, int M, int K) {
         }
 }
 
+void quant_quantize(const float *x, block_a8 *a, int M, int K) { quantize_blocks(x, a, M, K, 0, K / QK); }
+
 /* The 32 integer weights of block b (Q4_0: nib - 8, Q4_1: nib, Q8_0: qs), its d and m. */
 static inline void unpack_ref(int type, const uint8_t *row, int b, int8_t *q, float *d, float *m) {
-    const uint8_t *blk = row + (long)b * quant_block_bytes(type);
+    const uint8_t *blk = row + (long)b * block_bytes(type);
     *d = f16(blk);
     *m = 0.0f;
     if (type == T_Q8_0) {
@@ -112,7 +122,9 @@ static inline void unpack_ref(int type, const uint8_t *row, int b, int8_t *q, fl
     }
 }
 
-static inline float hsum_ref(const float *a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
+static inline float hsum_ref(const float *a) {
+    return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+}
 
 static float dot_ref(int type, const uint8_t *row, const block_a8 *a, int nb) {
     float acc[8] = {0}, mins = 0.0f;
@@ -138,88 +150,285 @@ static inline float hsum(__m256 v) { /* ((a0 + a4) + (a1 + a5)) + ((a2 + a6) + (
     return _mm_cvtss_f32(s);
 }
 
-/* R activation rows (R <= MR, a compile-time constant after inlining) against one weight row. */
-static inline __attribute__((always_inline)) void dot_avx2(int type, const uint8_t *row, const block_a8 *a, long as,
-                                                           int nb, int R, float *out) {
+/* The 32 integer weights of a block (Q4_0: nib - 8, Q4_1: nib, Q8_0: qs). The nibbles: the 16
+ * bytes in both halves (a load), the high half shifted right by 4, both masked to 4 bits. */
+static inline __m256i unpack_avx2(int type, const uint8_t *blk) {
+    if (type == T_Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    const __m256i t =
+        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(blk + (type == T_Q4_1 ? 4 : 2))));
+    const __m256i wq =
+        _mm256_and_si256(_mm256_srlv_epi64(t, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(15));
+    return type == T_Q4_0 ? _mm256_sub_epi8(wq, _mm256_set1_epi8(8)) : wq;
+}
+
+#define NC 4 /* weight rows (output columns) per tile */
+
+/* Block b's scales of NC = 4 consecutive weight rows (p: the first row's block, rs: row stride):
+ * d in both halves, [d0 d1 d2 d3 d0 d1 d2 d3]; for Q4_1 also *dm = [d0 m0 d1 m1 d2 m2 d3 m3]. */
+static inline __m256 scales4(int type, const uint8_t *p, long rs, __m256 *dm) {
+    if (type == T_Q4_1) {
+        uint32_t h[4];
+        for (int c = 0; c < 4; c++) memcpy(h + c, p + c * rs, 4);
+        *dm = _mm256_cvtph_ps(_mm_setr_epi32((int)h[0], (int)h[1], (int)h[2], (int)h[3]));
+        return _mm256_permutevar8x32_ps(*dm, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6));
+    }
+    uint16_t h[4];
+    for (int c = 0; c < 4; c++) memcpy(h + c, p + c * rs, 2);
+    const __m128i v = _mm_setr_epi16((short)h[0], (short)h[1], (short)h[2], (short)h[3], 0, 0, 0, 0);
+    return _mm256_cvtph_ps(_mm_unpacklo_epi64(v, v));
+}
+
+/* ---- the AVX2 tiles ----------------------------------------------------------------------------
+ *
+ * A tile is NC = 4 consecutive weight rows (output columns) against R <= MR = 2 activation rows:
+ * per block and (r, c), the operations of dot_ref, with the per-column scalars (d_w d_a and, for
+ * Q4_1, m s_a) done for the 4 columns in one vector operation, so each output is the same
+ * sequence of float operations (scalar == AVX2, whatever the tile) while NC x R accumulation chains
+ * run side by side. With M <= 2 rows a tile reads the file's blocks directly (tile_direct); with
+ * more, it unpacks its 4 rows once (tile_unpack: 4 K int8 weights, the scales as floats) and each
+ * group of <= 2 rows runs over that copy in L1 (tile_rows), so the nibbles are split, the scales
+ * gathered and converted once per tile, not once per row group. */
+#define NC 4
+
+/* R activation rows against weight rows w, w + rs, ..., w + 3 rs, from the file's blocks:
+ * out[r * NC + c]. The weights PF bytes ahead are prefetched as the tile streams its own. */
+static inline __attribute__((always_inline)) void
+tile_direct(int type, const uint8_t *w, long rs, const block_a8 *a, long as, int nb, int R, float *out) {
+    __m256 acc[MR][NC], mins[MR]; /* mins: the m term of column c in lane 2 c + 1 (Q4_1) */
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; c++) acc[r][c] = _mm256_setzero_ps();
+        mins[r] = _mm256_setzero_ps();
+    }
+    const int bb = block_bytes(type);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = w + (long)b * bb;
+        for (int o = 0; o < NC * bb; o += 64)
+            _mm_prefetch((const char *)(w + PF + (long)b * NC * bb + o), _MM_HINT_T0);
+        __m256 dm;
+        const __m256 dw = scales4(type, blk, rs, &dm);
+        __m256 sc[MR]; /* sc[r] lane c (and c + 4): d_w(c) d_a(r) */
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const block_a8 *ab = a + r * as + b;
+            sc[r] = _mm256_mul_ps(dw, _mm256_broadcast_ss(&ab->d));
+            if (type == T_Q4_1) mins[r] = _mm256_fmadd_ps(dm, _mm256_broadcast_ss(&ab->s), mins[r]);
+        }
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; c++) {
+            const __m256i wq = unpack_avx2(type, blk + c * rs);
+            const __m256i aw = type == T_Q4_1 ? wq : _mm256_sign_epi8(wq, wq); /* |w| (Q4_1: already >= 0) */
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                __m256i av = _mm256_loadu_si256((const __m256i *)a[r * as + b].qs);
+                if (type != T_Q4_1) av = _mm256_sign_epi8(av, wq); /* a sign(w): |w| a sign(w) = w a */
+                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, av), ones);
+                const __m256 s = _mm256_shuffle_ps(sc[r], sc[r], c * 0x55); /* lane c everywhere */
+                acc[r][c] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(p), acc[r][c]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        float mv[8];
+        _mm256_storeu_ps(mv, mins[r]);
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; c++) out[r * NC + c] = hsum(acc[r][c]) + mv[2 * c + 1];
+    }
+}
+
+/* A tile's 4 weight rows unpacked: q (nb, NC, 32) integer weights, d (nb, 8) scales as scales4
+ * returns them, m (nb, 4) the Q4_1 mins. */
+typedef struct {
+    int8_t *q;
+    float *d, *m;
+} unpacked;
+
+static inline __attribute__((always_inline)) void tile_unpack(int type, const uint8_t *w, long rs, int nb,
+                                                              const unpacked *u) {
+    const int bb = block_bytes(type);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = w + (long)b * bb;
+        for (int o = 0; o < NC * bb; o += 64)
+            _mm_prefetch((const char *)(w + PF + (long)b * NC * bb + o), _MM_HINT_T0);
+        __m256 dm;
+        _mm256_store_ps(u->d + 8 * b, scales4(type, blk, rs, &dm));
+        if (type == T_Q4_1)
+            _mm_store_ps(u->m + 4 * b, _mm256_castps256_ps128(_mm256_permutevar8x32_ps(
+                                           dm, _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7))));
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; c++)
+            _mm256_store_si256((__m256i *)(u->q + (b * NC + c) * QK), unpack_avx2(type, blk + c * rs));
+    }
+}
+
+/* R activation rows against an unpacked tile: out[r * NC + c], the operations of tile_direct. */
+static inline __attribute__((always_inline)) void tile_rows(int type, const unpacked *u, const block_a8 *a,
+                                                            long as, int nb, int R, float *out) {
+    __m256 acc[MR][NC];
+    __m128 mins[MR]; /* lane c: column c's m term (Q4_1) */
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; c++) acc[r][c] = _mm256_setzero_ps();
+        mins[r] = _mm_setzero_ps();
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int b = 0; b < nb; b++) {
+        __m256 sc[MR];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const block_a8 *ab = a + r * as + b;
+            sc[r] = _mm256_mul_ps(_mm256_load_ps(u->d + 8 * b), _mm256_broadcast_ss(&ab->d));
+            if (type == T_Q4_1)
+                mins[r] = _mm_fmadd_ps(_mm_load_ps(u->m + 4 * b), _mm_broadcast_ss(&ab->s), mins[r]);
+        }
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; c++) {
+            const __m256i wq = _mm256_load_si256((const __m256i *)(u->q + (b * NC + c) * QK));
+            const __m256i aw = type == T_Q4_1 ? wq : _mm256_sign_epi8(wq, wq);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                __m256i av = _mm256_loadu_si256((const __m256i *)a[r * as + b].qs);
+                if (type != T_Q4_1) av = _mm256_sign_epi8(av, wq);
+                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, av), ones);
+                const __m256 s = _mm256_shuffle_ps(sc[r], sc[r], c * 0x55);
+                acc[r][c] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(p), acc[r][c]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        float mv[4];
+        _mm_storeu_ps(mv, mins[r]);
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; c++) out[r * NC + c] = hsum(acc[r][c]) + mv[c];
+    }
+}
+
+/* One weight row at a time (the rows left over from the 4-row tiles): the same operations with
+ * scalar scales. */
+static inline __attribute__((always_inline)) void dot_avx2(int type, const uint8_t *row, const block_a8 *a,
+                                                           long as, int nb, int R, float *out) {
     __m256 acc[MR];
     float mins[MR];
+#pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), mins[r] = 0.0f;
-    const int bb = quant_block_bytes(type);
-    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15), eight = _mm256_set1_epi8(8);
+    const int bb = block_bytes(type);
+    const __m256i ones = _mm256_set1_epi16(1);
     for (int b = 0; b < nb; b++) {
         const uint8_t *blk = row + (long)b * bb;
-        const float d = f16(blk);
-        __m256i wq;
-        float m = 0.0f;
-        if (type == T_Q8_0) {
-            wq = _mm256_loadu_si256((const __m256i *)(blk + 2));
-        } else {
-            const __m128i t = _mm_loadu_si128((const __m128i *)(blk + (type == T_Q4_1 ? 4 : 2)));
-            wq = _mm256_and_si256(_mm256_insertf128_si256(_mm256_castsi128_si256(t), _mm_srli_epi16(t, 4), 1), low);
-            if (type == T_Q4_0) wq = _mm256_sub_epi8(wq, eight);
-            else m = f16(blk + 2);
-        }
-        const __m256i aw = type == T_Q4_1 ? wq : _mm256_sign_epi8(wq, wq); /* |w| (Q4_1: already >= 0) */
+        const float d = f16(blk), m = type == T_Q4_1 ? f16(blk + 2) : 0.0f;
+        const __m256i wq = unpack_avx2(type, blk);
+        const __m256i aw = type == T_Q4_1 ? wq : _mm256_sign_epi8(wq, wq);
+#pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             const block_a8 *ab = a + r * as + b;
             __m256i av = _mm256_loadu_si256((const __m256i *)ab->qs);
-            if (type != T_Q4_1) av = _mm256_sign_epi8(av, wq); /* a sign(w): |w| a sign(w) = w a */
+            if (type != T_Q4_1) av = _mm256_sign_epi8(av, wq);
             const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, av), ones);
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * ab->d), _mm256_cvtepi32_ps(p), acc[r]);
             if (type == T_Q4_1) mins[r] = fmaf(m, ab->s, mins[r]);
         }
     }
+#pragma GCC unroll 4
     for (int r = 0; r < R; r++) out[r] = hsum(acc[r]) + mins[r];
 }
 
-#define DOT_ROWS(TYPE)                                                                          \
-    switch (R) {                                                                                \
-    case 4: dot_avx2(TYPE, row, a, nb, nb, 4, out); break;                                      \
-    case 3: dot_avx2(TYPE, row, a, nb, nb, 3, out); break;                                      \
-    case 2: dot_avx2(TYPE, row, a, nb, nb, 2, out); break;                                      \
-    default: dot_avx2(TYPE, row, a, nb, nb, 1, out);                                            \
-    }
-
-static void tile_avx2(int type, const uint8_t *row, const block_a8 *a, int nb, int R, float *out) {
-    if (type == T_Q4_0) {
-        DOT_ROWS(T_Q4_0)
-    } else if (type == T_Q4_1) {
-        DOT_ROWS(T_Q4_1)
-    } else {
-        DOT_ROWS(T_Q8_0)
-    }
+/* y[r, col(n + c)] = out[r, c], or y + out (add: the residual x += ...). */
+static inline void store_out(const qmat *W, const float *out, int R, int n, int cols, float *y, long ldy,
+                             int add) {
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < cols; c++) {
+            float *o = y + r * ldy + (W->omap ? W->omap[n + c] : n + c);
+            *o = add ? *o + out[r * cols + c] : out[r * cols + c];
+        }
 }
 
-static void matmul_range(const qmat *W, const block_a8 *a, int M, float *y, long ldy, int n0, int n1, int variant) {
-    const int nb = W->cols / QK;
-    for (int n = n0; n < n1; n++) {
-        const uint8_t *row = W->w + (long)n * W->row_bytes;
-        const long col = W->omap ? W->omap[n] : n;
-        if (variant == V_REF) {
-            for (long m = 0; m < M; m++) y[m * ldy + col] = dot_ref(W->type, row, a + m * nb, nb);
+/* All M rows against weight rows [n0, n1): 4-row tiles (direct for M <= 2, else unpacked once and
+ * run in balanced groups of <= 2 rows), then the rows left over one at a time. */
+static inline __attribute__((always_inline)) void range_avx2(int type, const qmat *W, const block_a8 *a,
+                                                             int M, float *y, long ldy, int n0, int n1,
+                                                             int add, const unpacked *u) {
+    const int nb = W->cols / QK, groups = (M + MR - 1) / MR;
+    const long rs = W->row_bytes;
+    float out[MR * NC];
+    int n = n0;
+    for (; n + NC <= n1; n += NC) {
+        const uint8_t *w = W->w + n * rs;
+        if (M == 1) {
+            tile_direct(type, w, rs, a, nb, nb, 1, out);
+            store_out(W, out, 1, n, NC, y, ldy, add);
             continue;
         }
-        for (int m0 = 0; m0 < M; m0 += MR) {
-            const int R = M - m0 < MR ? M - m0 : MR;
-            float out[MR];
-            tile_avx2(W->type, row, a + (long)m0 * nb, nb, R, out);
-            for (int r = 0; r < R; r++) y[(long)(m0 + r) * ldy + col] = out[r];
+        if (M == 2) {
+            tile_direct(type, w, rs, a, nb, nb, 2, out);
+            store_out(W, out, 2, n, NC, y, ldy, add);
+            continue;
+        }
+        tile_unpack(type, w, rs, nb, u);
+        for (int g = 0, m0 = 0; g < groups; g++) {
+            const int R = (M - m0 + groups - g - 1) / (groups - g);
+            if (R == 2)
+                tile_rows(type, u, a + (long)m0 * nb, nb, nb, 2, out);
+            else
+                tile_rows(type, u, a + (long)m0 * nb, nb, nb, 1, out);
+            store_out(W, out, R, n, NC, y + (long)m0 * ldy, ldy, add);
+            m0 += R;
         }
     }
+    for (; n < n1; n++)
+        for (int m0 = 0; m0 < M; m0 += MR) {
+            const int R = M - m0 < MR ? M - m0 : MR;
+            if (R == 2)
+                dot_avx2(type, W->w + n * rs, a + (long)m0 * nb, nb, nb, 2, out);
+            else
+                dot_avx2(type, W->w + n * rs, a + (long)m0 * nb, nb, nb, 1, out);
+            store_out(W, out, R, n, 1, y + (long)m0 * ldy, ldy, add);
+        }
+}
+
+/* Weight rows [n0, n1) of y = x W^T (add: y += x W^T) for all M rows. */
+static void matmul_range(const qmat *W, const block_a8 *a, int M, float *y, long ldy, int n0, int n1, int add,
+                         int variant) {
+    const int nb = W->cols / QK;
+    if (variant == V_REF) {
+        for (int n = n0; n < n1; n++)
+            for (long m = 0; m < M; m++) {
+                const float out = dot_ref(W->type, W->w + (long)n * W->row_bytes, a + m * nb, nb);
+                store_out(W, &out, 1, n, 1, y + m * ldy, ldy, add);
+            }
+        return;
+    }
+    unpacked u = {NULL, NULL, NULL};
+    if (M > 2) {
+        u.q = (int8_t *)aligned_alloc(32, (size_t)nb * (NC * QK + 48) / 32 * 32 + 32); /* q, then d and m */
+        u.d = (float *)(u.q + (size_t)nb * NC * QK), u.m = u.d + 8 * nb;
+    }
+    if (W->type == T_Q4_0)
+        range_avx2(T_Q4_0, W, a, M, y, ldy, n0, n1, add, &u);
+    else if (W->type == T_Q4_1)
+        range_avx2(T_Q4_1, W, a, M, y, ldy, n0, n1, add, &u);
+    else
+        range_avx2(T_Q8_0, W, a, M, y, ldy, n0, n1, add, &u);
+    free(u.q);
 }
 
 /* y[m * ldy + col(n)] = (row m of the activations) . (row n of W) for m < M, n < W->rows. */
 static void matmul(const qmat *W, const block_a8 *a, int M, float *y, long ldy, int variant, int threads) {
     const int N = W->rows;
     if (threads <= 1) {
-        matmul_range(W, a, M, y, ldy, 0, N, variant);
+        matmul_range(W, a, M, y, ldy, 0, N, 0, variant);
         return;
     }
 #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
-        const int per = (N + T - 1) / T, n0 = t * per, n1 = n0 + per < N ? n0 + per : N;
-        if (n0 < n1) matmul_range(W, a, M, y, ldy, n0, n1, variant);
+        const int per = ((N + T - 1) / T + 7) / 8 * 8, n0 = t * per,
+                  n1 = n0 + per < N ? n0 + per : N; /* whole tiles */
+        if (n0 < n1) matmul_range(W, a, M, y, ldy, n0, n1, 0, variant);
     }
 }
 
@@ -242,7 +451,8 @@ void quant_dequant(const qmat *W, const int64_t *ids, int n, float *out) {
             int8_t q[QK];
             float d, m;
             unpack_ref(W->type, row, b, q, &d, &m);
-            for (int e = 0; e < QK; e++) out[(long)i * K + b * QK + e] = W->type == T_Q4_1 ? fmaf(d, (float)q[e], m) : d * (float)q[e];
+            for (int e = 0; e < QK; e++)
+                out[(long)i * K + b * QK + e] = W->type == T_Q4_1 ? fmaf(d, (float)q[e], m) : d * (float)q[e];
         }
     }
 }
@@ -260,14 +470,15 @@ typedef struct {
     qmat q, k, v, o, gate, up, down;
 } qlayer;
 
-typedef void (*rope_attend_fn)(const float *, const int64_t *, const float *, const float *, float *, float *, float *,
-                               int, int, int, int, int, int, int);
+typedef void (*rope_attend_fn)(const float *, const int64_t *, const float *, const float *, float *, float *,
+                               float *, int, int, int, int, int, int, int);
 typedef void (*rmsnorm_fn)(const float *, const float *, float *, int, int, float);
 
 /* e^x for x in [-88, 88] (Cephes' expf polynomial, ~1 ulp), 8 lanes: as exp256 in fewrows.c. */
 static inline __m256 exp256(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    __m256 fx =
+        _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
     x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
     x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
     __m256 y = _mm256_set1_ps(1.9875691500E-4f);
@@ -281,50 +492,97 @@ static inline __m256 exp256(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
 }
 
-static void add_rows(float *x, const float *y, long n) {
-    for (long i = 0; i < n; i += 8) _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+/* This thread's share [n0, n1) of n columns: whole tiles of `unit` columns, in thread order. */
+static inline void share(int n, int unit, int t, int T, int *n0, int *n1) {
+    const int per = (n + T - 1) / T, u = (per + unit - 1) / unit * unit;
+    *n0 = t * u < n ? t * u : n, *n1 = (t + 1) * u < n ? (t + 1) * u : n;
 }
 
-void quant_layers(float *x, const int64_t *pos, int B, int T, int C, int H, int G, int D, int F, int cap, float eps,
-                  int L, const qlayer *layers, float *const *kc, float *const *vc, const float *cosT, const float *sinT,
-                  void *rope_attend, void *rmsnorm, int variant, int threads) {
+/* Columns [lo, hi) of the concatenation [W0 | W1 | ...] (each W's columns written at y + its
+ * offset in it, row stride ldy): the part of each matrix inside the range. */
+static void matmul_cols(const qmat *const *Ws, int nw, const block_a8 *a, int M, float *y, long ldy, int lo,
+                        int hi, int add, int variant) {
+    for (int i = 0, base = 0; i < nw; base += Ws[i]->rows, i++) {
+        const int n0 = lo > base ? lo - base : 0, n1 = hi - base < Ws[i]->rows ? hi - base : Ws[i]->rows;
+        if (n0 < n1) matmul_range(Ws[i], a, M, y + base, ldy, n0, n1, add, variant);
+    }
+}
+
+/* silu(g) u for columns [j0, j1) of each row of gu (M, 2F: [g | u]) -> h (M, F). */
+static void silu_mul(const float *gu, float *h, int M, int F, int j0, int j1) {
+    for (long m = 0; m < M; m++) {
+        const float *g = gu + m * 2 * F, *u = g + F;
+        float *o = h + m * F;
+        for (int j = j0; j < j1; j += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + j);
+            const __m256 s = _mm256_div_ps(
+                gv, _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+            _mm256_storeu_ps(o + j, _mm256_mul_ps(s, _mm256_loadu_ps(u + j)));
+        }
+    }
+}
+
+/* Threads: one parallel region per layer plus rope_attend's own, instead of one per matmul. In a
+ * region each thread takes its share of a matmul's output columns and writes them (the residual
+ * matmuls add into x directly: x + y, the same float operation as a separate add); barriers stand
+ * between the matmuls. What every thread needs whole (RMSNorm of full rows, the 8-bit activation
+ * blocks of x and of the attention output) each thread computes for itself, in its own buffers,
+ * with the same operations, so no thread waits for it; the SiLU product and its activation blocks
+ * are split by the gate/up share (columns j of g and u go to the same thread). */
+void quant_layers(float *x, const int64_t *pos, int B, int T, int C, int H, int G, int D, int F, int cap,
+                  float eps, int L, const qlayer *layers, float *const *kc, float *const *vc,
+                  const float *cosT, const float *sinT, void *rope_attend, void *rmsnorm, int variant,
+                  int threads) {
     const rope_attend_fn attend = (rope_attend_fn)rope_attend;
     const rmsnorm_fn norm = (rmsnorm_fn)rmsnorm;
-    const int M = B * T, HD = H * D, GD = G * D, Q = HD + 2 * GD;
-    const int widest = C > F ? (C > HD ? C : HD) : (F > HD ? F : HD);
-    float *h = (float *)aligned_alloc(32, sizeof(float) * (size_t)M * widest + 32);
-    block_a8 *a = (block_a8 *)malloc(sizeof(block_a8) * (size_t)M * (widest / QK) + 1);
+    const int M = B * T, HD = H * D, GD = G * D, Q = HD + 2 * GD, nt = threads > 1 ? threads : 1;
+    const int widest = C > HD ? C : HD;
+    float *hs = (float *)aligned_alloc(32, sizeof(float) * (size_t)nt * M * widest + 32);     /* per thread */
+    block_a8 *as = (block_a8 *)malloc(sizeof(block_a8) * (size_t)nt * M * (widest / QK) + 1); /* per thread */
+    block_a8 *af = (block_a8 *)malloc(sizeof(block_a8) * (size_t)M * (F / QK) + 1); /* silu(g) u, shared */
     float *qkv = (float *)aligned_alloc(32, sizeof(float) * (size_t)M * Q + 32);
     float *att = (float *)aligned_alloc(32, sizeof(float) * (size_t)M * HD + 32);
     float *gu = (float *)aligned_alloc(32, sizeof(float) * (size_t)M * 2 * F + 32);
-    float *y = (float *)aligned_alloc(32, sizeof(float) * (size_t)M * C + 32);
-    for (int l = 0; l < L; l++) {
-        const qlayer *ly = layers + l;
-        norm(x, ly->attn_norm, h, M, C, eps);
-        quant_quantize(h, a, M, C);
-        matmul(&ly->q, a, M, qkv, Q, variant, threads);
-        matmul(&ly->k, a, M, qkv + HD, Q, variant, threads);
-        matmul(&ly->v, a, M, qkv + HD + GD, Q, variant, threads);
-        attend(qkv, pos, cosT, sinT, kc[l], vc[l], att, B, T, H, G, D, cap, threads);
-        quant_quantize(att, a, M, HD);
-        matmul(&ly->o, a, M, y, C, variant, threads);
-        add_rows(x, y, (long)M * C);
-        norm(x, ly->ffn_norm, h, M, C, eps);
-        quant_quantize(h, a, M, C);
-        matmul(&ly->gate, a, M, gu, 2 * F, variant, threads);
-        matmul(&ly->up, a, M, gu + F, 2 * F, variant, threads);
-        for (long m = 0; m < M; m++) {
-            const float *g = gu + m * 2 * F, *u = g + F;
-            float *o = h + m * F;
-            for (int j = 0; j < F; j += 8) {
-                const __m256 gv = _mm256_loadu_ps(g + j);
-                const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
-                _mm256_storeu_ps(o + j, _mm256_mul_ps(s, _mm256_loadu_ps(u + j)));
+    float *hf = (float *)aligned_alloc(32, sizeof(float) * (size_t)M * F + 32);
+    /* per layer: [o, +x | norm | gate, up, silu | down, +x | norm, next layer's q k v]; attention */
+    for (int l = -1; l < L; l++) {
+#pragma omp parallel num_threads(nt)
+        {
+            const int t = omp_get_thread_num(), nth = omp_get_num_threads();
+            float *h = hs + (size_t)t * M * widest;
+            block_a8 *a = as + (size_t)t * M * (widest / QK);
+            int lo, hi;
+            if (l >= 0) {
+                const qlayer *ly = layers + l;
+                const qmat *o[1] = {&ly->o}, *gate_up[2] = {&ly->gate, &ly->up}, *down[1] = {&ly->down};
+                quant_quantize(att, a, M, HD);
+                share(C, 8, t, nth, &lo, &hi);
+                matmul_cols(o, 1, a, M, x, C, lo, hi, 1, variant);
+#pragma omp barrier
+                norm(x, ly->ffn_norm, h, M, C, eps);
+                quant_quantize(h, a, M, C);
+                share(F, QK, t, nth, &lo, &hi); /* columns j of g and of u */
+                matmul_cols(gate_up, 1, a, M, gu, 2 * F, lo, hi, 0, variant);
+                matmul_cols(gate_up + 1, 1, a, M, gu + F, 2 * F, lo, hi, 0, variant);
+                silu_mul(gu, hf, M, F, lo, hi);
+                quantize_blocks(hf, af, M, F, lo / QK, hi / QK);
+#pragma omp barrier
+                share(C, 8, t, nth, &lo, &hi);
+                matmul_cols(down, 1, af, M, x, C, lo, hi, 1, variant);
+            }
+            if (l + 1 < L) {
+                const qlayer *ly = layers + l + 1;
+                const qmat *qkv3[3] = {&ly->q, &ly->k, &ly->v};
+                if (l >= 0) {
+#pragma omp barrier
+                }
+                norm(x, ly->attn_norm, h, M, C, eps);
+                quant_quantize(h, a, M, C);
+                share(Q, 8, t, nth, &lo, &hi);
+                matmul_cols(qkv3, 3, a, M, qkv, Q, lo, hi, 0, variant);
             }
         }
-        quant_quantize(h, a, M, F);
-        matmul(&ly->down, a, M, y, C, variant, threads);
-        add_rows(x, y, (long)M * C);
+        if (l + 1 < L) attend(qkv, pos, cosT, sinT, kc[l + 1], vc[l + 1], att, B, T, H, G, D, cap, nt);
     }
-    free(h), free(a), free(qkv), free(att), free(gu), free(y);
+    free(hs), free(as), free(af), free(qkv), free(att), free(gu), free(hf);
 }
