@@ -8,7 +8,6 @@ from specdraft.engine import Engine, Request, decode_requests
 from specdraft.models.llama import LlamaRuntime, LlamaWeights
 from specdraft.verify import SamplingParams
 
-
 TINY_CLI = ["--target", "tiny", "--dtype", "fp32", "--threads", "1"]  # CLI flags: the tiny fp32 target
 
 
