@@ -231,7 +231,7 @@ def recipe_markdown(name: str, meta: DraftMeta) -> str:
         f"- made {r.get('date')} with {r.get('versions')}",
         "",
         "Re-running the command with the cached data repeats the training run exactly (seeded data order; same thread count",
-        "and kind of CPU; `tests/design/test_command.py` checks it). From an empty cache the data is generated again: the",
+        "and kind of CPU; `tests/commands/test_design.py` checks it). From an empty cache the data is generated again: the",
         "same greedy answers, up to rare near-ties where another batch composition rounds differently.",
         "",
         "## Use",
