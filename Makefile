@@ -23,7 +23,10 @@ $(STAMP): pyproject.toml requirements.txt Makefile
 	$(VENV)/bin/python -c "import torch; assert torch.version.cuda is None, torch.__version__; print('torch', torch.__version__)"
 	touch $(STAMP)
 
+# lint and format check first (seconds), then the tests
 test: venv
+	$(VENV)/bin/ruff check specdraft tests benchmarks
+	$(VENV)/bin/ruff format --check specdraft tests benchmarks
 	$(VENV)/bin/python -m pytest -q -x tests
 
 demo: venv
