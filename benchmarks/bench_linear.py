@@ -50,7 +50,10 @@ def main(argv=None) -> int:
     print("command:", "python benchmarks/bench_linear.py " + " ".join(sys.argv[1:]), flush=True)
 
     pipe = api.load(args.target, "none", dtype="fp32", threads=args.threads)
-    runtimes = {"fp32": pipe.runtime, "bf16": LlamaRuntime(LlamaWeights.from_hf(pipe.target.model, torch.bfloat16))}
+    runtimes = {
+        "fp32": pipe.runtime,
+        "bf16": LlamaRuntime(LlamaWeights.from_hf(pipe.target.model, torch.bfloat16)),
+    }
     states = {}
     for name, rt in runtimes.items():
         kv = states[name] = rt.new_state(1, args.context + 16)
@@ -95,7 +98,9 @@ def main(argv=None) -> int:
         llama.linear, kernels.supports, kernels.attention_supports = ours, supports, att_supports
         kernels.USE_PACKED = kernels.USE_NATIVE_LAYERS = True
     med = {s: {n: statistics.median(v) * 1e3 for n, v in d.items()} for s, d in times.items()}
-    print(f"\n{args.target}, {torch.get_num_threads()} thread(s), context {args.context}, median of {args.rounds} rounds")
+    print(
+        f"\n{args.target}, {torch.get_num_threads()} thread(s), context {args.context}, median of {args.rounds} rounds"
+    )
     print("| strategy | " + " | ".join(f"T{n} ms" for n in sizes) + " | T8/T1 |")
     print("|---|" + "---|" * (len(sizes) + 1))
     for s, m in med.items():

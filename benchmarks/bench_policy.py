@@ -90,23 +90,34 @@ def main(argv=None) -> int:
 
     cats = list(dict.fromkeys(p.category for p in prompts)) + ["overall"]
     rate = {n: {c: totals[n][c].tokens_per_s for c in cats} for n in names}
-    print(f"\n{args.target}, draft {args.draft}, {torch.get_num_threads()} threads, {len(ids)} Spec-Bench first turns, "
-          f"{args.max_new_tokens} new tokens; speedup = tokens/s over plain decoding in the same run")
+    print(
+        f"\n{args.target}, draft {args.draft}, {torch.get_num_threads()} threads, {len(ids)} Spec-Bench first turns, "
+        f"{args.max_new_tokens} new tokens; speedup = tokens/s over plain decoding in the same run"
+    )
     print("| category | plain tok/s | " + " | ".join(f"k {n}" for n in names[1:]) + " |")
     print("|---|---|" + "---|" * (len(names) - 1))
     for c in cats:
         cells = [f"{rate['plain'][c]:.1f}"] + [f"{rate[n][c] / rate['plain'][c]:.2f}x" for n in names[1:]]
         print(f"| {'**overall**' if c == 'overall' else c} | " + " | ".join(cells) + " |")
     decode = {n: overall[n].decode_tokens_per_s for n in names}
-    print(f"decode only (prefill left out): plain {decode['plain']:.1f} tok/s, "
-          + ", ".join(f"k {n} {decode[n] / decode['plain']:.2f}x" for n in names[1:]))
+    print(
+        f"decode only (prefill left out): plain {decode['plain']:.1f} tok/s, "
+        + ", ".join(f"k {n} {decode[n] / decode['plain']:.2f}x" for n in names[1:])
+    )
     for n in names[1:]:
-        print(f"k {n}: {overall[n].tokens / forwards[n]:.2f} tokens per target forward, "
-              f"{mismatches[n]} of {len(ids)} outputs differ from plain")
+        print(
+            f"k {n}: {overall[n].tokens / forwards[n]:.2f} tokens per target forward, "
+            f"{mismatches[n]} of {len(ids)} outputs differ from plain"
+        )
     if args.json:
         per_forward = {n: overall[n].tokens / forwards[n] for n in names[1:]}
-        doc = {"command": command, "tokens_per_s": rate, "decode_tokens_per_s": decode, "mismatches": mismatches,
-               "tokens_per_forward": per_forward}
+        doc = {
+            "command": command,
+            "tokens_per_s": rate,
+            "decode_tokens_per_s": decode,
+            "mismatches": mismatches,
+            "tokens_per_forward": per_forward,
+        }
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(doc, indent=2))
     print(f"\nreproduce: {command}")

@@ -74,7 +74,13 @@ def start_server(args) -> tuple[subprocess.Popen, str, Path]:
         "--target", args.target, "--draft", args.draft, "--k", args.k, "--dtype", args.dtype,
         "--threads", str(args.threads), "--max-batch", str(args.clients), "--log-level", "warning",
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
     deadline = time.monotonic() + args.start_timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -94,14 +100,21 @@ def start_server(args) -> tuple[subprocess.Popen, str, Path]:
 def spec_counters(url: str) -> dict[str, float]:
     out = {}
     for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        for name in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "engine_steps"):
+        for name in (
+            "spec_decode_num_drafts",
+            "spec_decode_num_draft_tokens",
+            "spec_decode_num_accepted_tokens",
+            "engine_steps",
+        ):
             if line.startswith(f"specdraft:{name}_total "):
                 out[name] = float(line.split()[-1])
     return out
 
 
 # ------------------------------------------------------------------------------------ the clients
-async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int, mode: str) -> RequestResult:
+async def one_request(
+    client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int, mode: str
+) -> RequestResult:
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
@@ -139,7 +152,9 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_to
     return RequestResult("".join(parts), tokens, (first or end) - t0, end - t0, gaps)
 
 
-async def run_round(url: str, model: str, prompts: list[str], clients: int, max_tokens: int, mode: str) -> Round:
+async def run_round(
+    url: str, model: str, prompts: list[str], clients: int, max_tokens: int, mode: str
+) -> Round:
     before = spec_counters(url)
     shares = [prompts[i::clients] for i in range(clients)]
     results: dict[int, RequestResult] = {}
@@ -183,8 +198,11 @@ def summarize(rounds: list[Round], mode: str) -> dict:
         "itl_p99_ms": 1e3 * pct(gaps, 99),
         "tpot_p50_ms": 1e3 * pct(tpot, 50),
         "drafts": drafts,
-        "mean_accepted_length": 1 + spec.get("spec_decode_num_accepted_tokens", 0.0) / drafts if drafts else 1.0,
-        "acceptance_rate": spec.get("spec_decode_num_accepted_tokens", 0.0) / spec["spec_decode_num_draft_tokens"]
+        "mean_accepted_length": 1 + spec.get("spec_decode_num_accepted_tokens", 0.0) / drafts
+        if drafts
+        else 1.0,
+        "acceptance_rate": spec.get("spec_decode_num_accepted_tokens", 0.0)
+        / spec["spec_decode_num_draft_tokens"]
         if spec.get("spec_decode_num_draft_tokens")
         else 0.0,
     }
@@ -202,13 +220,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--pairs", type=int, default=2, help="(spec, off) round pairs, run A B B A ...")
     p.add_argument("--categories", default=None, help="Spec-Bench categories (default: all)")
-    p.add_argument("--max-prompt-chars", type=int, default=400, help="skip longer prompts (CPU prefill would dominate)")
+    p.add_argument(
+        "--max-prompt-chars", type=int, default=400, help="skip longer prompts (CPU prefill would dominate)"
+    )
     p.add_argument("--url", default=None, help="use a running server instead of starting one")
     p.add_argument("--start-timeout", type=float, default=600)
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
 
-    questions = [q.turns[0] for q in load_prompts(categories=parse_categories(args.categories)) if len(q.turns[0]) <= args.max_prompt_chars]
+    questions = [
+        q.turns[0]
+        for q in load_prompts(categories=parse_categories(args.categories))
+        if len(q.turns[0]) <= args.max_prompt_chars
+    ]
     # round-robin over categories so a small request count still mixes kinds of prompts
     prompts = questions[:: max(len(questions) // args.requests, 1)][: args.requests]
     proc, log = None, None
@@ -225,7 +249,10 @@ def main(argv: list[str] | None = None) -> int:
             for mode in ("spec", "off") if i % 2 == 0 else ("off", "spec"):
                 r = asyncio.run(run_round(url, model, prompts, args.clients, args.max_tokens, mode))
                 rounds.append(r)
-                print(f"round {len(rounds)}: {mode:4s} {r.tokens} tokens in {r.wall:.1f} s = {r.tokens_per_s:.1f} tok/s", flush=True)
+                print(
+                    f"round {len(rounds)}: {mode:4s} {r.tokens} tokens in {r.wall:.1f} s = {r.tokens_per_s:.1f} tok/s",
+                    flush=True,
+                )
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
@@ -236,25 +263,42 @@ def main(argv: list[str] | None = None) -> int:
     spec, off = summarize(rounds, "spec"), summarize(rounds, "off")
     pairs = list(zip([r for r in rounds if r.mode == "spec"], [r for r in rounds if r.mode == "off"]))
     ratios = [a.tokens_per_s / b.tokens_per_s for a, b in pairs]
-    same = sum(
-        a.text == b.text for s, o in pairs for a, b in zip(s.results, o.results)
-    )
+    same = sum(a.text == b.text for s, o in pairs for a, b in zip(s.results, o.results))
     total = sum(len(s.results) for s, _ in pairs)
     print()
-    print(f"server: {args.target}, draft {args.draft}, k {args.k}, threads {args.threads}; {args.clients} concurrent clients, "
-          f"{len(prompts)} requests/round, max_tokens {args.max_tokens}, greedy")
-    print("(shared, slow CPU: absolute figures drift between runs; the ratio from interleaved rounds is the figure to compare)")
+    print(
+        f"server: {args.target}, draft {args.draft}, k {args.k}, threads {args.threads}; {args.clients} concurrent clients, "
+        f"{len(prompts)} requests/round, max_tokens {args.max_tokens}, greedy"
+    )
+    print(
+        "(shared, slow CPU: absolute figures drift between runs; the ratio from interleaved rounds is the figure to compare)"
+    )
     print(f"{'':18s}{'spec':>12s}{'off':>12s}")
     for key, label in (("tokens_per_s_median", "tok/s (median)"), ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
                        ("itl_p50_ms", "ITL p50 ms"), ("itl_p99_ms", "ITL p99 ms"), ("tpot_p50_ms", "TPOT p50 ms")):  # fmt: skip
         print(f"{label:18s}{spec[key]:12.1f}{off[key]:12.1f}")
-    print(f"spec/off tok/s per pair: {', '.join(f'{x:.3f}' for x in ratios)}; median {statistics.median(ratios):.3f}")
-    print(f"spec rounds: {spec['drafts']:.0f} row-steps drafted, mean accepted length {spec['mean_accepted_length']:.2f} "
-          f"(bonus included), acceptance {spec['acceptance_rate']:.1%}")
+    print(
+        f"spec/off tok/s per pair: {', '.join(f'{x:.3f}' for x in ratios)}; median {statistics.median(ratios):.3f}"
+    )
+    print(
+        f"spec rounds: {spec['drafts']:.0f} row-steps drafted, mean accepted length {spec['mean_accepted_length']:.2f} "
+        f"(bonus included), acceptance {spec['acceptance_rate']:.1%}"
+    )
     print(f"identical outputs spec vs off: {same}/{total}")
-    print("reproduce: python " + " ".join(shlex.quote(a) for a in [str(Path(__file__).relative_to(REPO))] + (argv if argv is not None else sys.argv[1:])))
+    print(
+        "reproduce: python "
+        + " ".join(
+            shlex.quote(a)
+            for a in [str(Path(__file__).relative_to(REPO))] + (argv if argv is not None else sys.argv[1:])
+        )
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "spec": spec, "off": off, "ratios": ratios, "identical": [same, total]}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {"args": vars(args), "spec": spec, "off": off, "ratios": ratios, "identical": [same, total]},
+                indent=2,
+            )
+        )
     return 0
 
 

@@ -119,19 +119,29 @@ def main(argv=None) -> int:
         bw = probe("stream", args.threads, exe)
     pipe = api.load(args.target, "none", dtype="auto", threads=args.threads)
     w = pipe.runtime.w
-    params = sum(t.numel() for layer in w.layers for t in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
+    params = sum(
+        t.numel() for layer in w.layers for t in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)
+    )
     params += w.lm_head.numel()
     weight_gb = params * 2 / 1e9  # bf16
-    prof = profile_latency(pipe.runtime, None, new_tokens=(1, 8), context=args.context, repeats=args.repeats, warmup=3)
+    prof = profile_latency(
+        pipe.runtime, None, new_tokens=(1, 8), context=args.context, repeats=args.repeats, warmup=3
+    )
     t1, t8 = prof.target_time(1) * 1e3, prof.target_time(8) * 1e3
     floor = {n: max(weight_gb / bw, 2 * n * params / 1e9 / peak) * 1e3 for n in (1, 8)}
-    print(f"\n{args.target}: {params / 1e6:.1f} M parameters in linear layers ({weight_gb * 1e3:.0f} MB as bf16), "
-          f"{args.threads} thread(s), context {args.context}")
+    print(
+        f"\n{args.target}: {params / 1e6:.1f} M parameters in linear layers ({weight_gb * 1e3:.0f} MB as bf16), "
+        f"{args.threads} thread(s), context {args.context}"
+    )
     print(f"peak fp32 FMA: {peak:.0f} GFLOP/s; memory read: {bw:.1f} GB/s")
-    print("| n new tokens | linears: stream floor ms | linears: FMA floor ms | floor ms | runtime forward ms |")
+    print(
+        "| n new tokens | linears: stream floor ms | linears: FMA floor ms | floor ms | runtime forward ms |"
+    )
     print("|---|---|---|---|---|")
     for n, t in ((1, t1), (8, t8)):
-        print(f"| {n} | {weight_gb / bw * 1e3:.1f} | {2 * n * params / 1e9 / peak * 1e3:.1f} | {floor[n]:.1f} | {t:.1f} |")
+        print(
+            f"| {n} | {weight_gb / bw * 1e3:.1f} | {2 * n * params / 1e9 / peak * 1e3:.1f} | {floor[n]:.1f} | {t:.1f} |"
+        )
     print(f"T8/T1: floors {floor[8] / floor[1]:.2f}, runtime {t8 / t1:.2f}")
     if kernels.available() and w.dtype == torch.bfloat16:
         kernel_bound(pipe, params, weight_gb / bw * 1e3, args)
@@ -156,7 +166,9 @@ def kernel_bound(pipe, params: int, stream_floor_ms: float, args) -> None:
     rate = 2 * 8 * 576 * 1536 * calls / median_time(in_cache, args.repeats) / 1e9
 
     w = pipe.runtime.w
-    weights = [t for layer in w.layers for t in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)] + [w.lm_head]
+    weights = [t for layer in w.layers for t in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)] + [
+        w.lm_head
+    ]
     shapes = [(kernels.packed(t), t.shape[1], t.shape[0]) for t in weights]
     x = torch.randn(8, max(k for _, k, _ in shapes), generator=g)
     y = torch.empty(8, max(n for _, _, n in shapes))
@@ -174,8 +186,12 @@ def kernel_bound(pipe, params: int, stream_floor_ms: float, args) -> None:
 
     times: dict[str, list] = {}
     for r in range(args.repeats + 2):  # linears alone and whole forwards interleaved; 2 warm-up rounds
-        for name, fn in (("lin1", lambda: linears(1)), ("lin8", lambda: linears(8)), ("fwd1", lambda: forward(1)),
-                         ("fwd8", lambda: forward(8))):
+        for name, fn in (
+            ("lin1", lambda: linears(1)),
+            ("lin8", lambda: linears(8)),
+            ("fwd1", lambda: forward(1)),
+            ("fwd8", lambda: forward(8)),
+        ):
             t0 = time.perf_counter()
             fn()
             if r >= 2:
@@ -184,15 +200,21 @@ def kernel_bound(pipe, params: int, stream_floor_ms: float, args) -> None:
     l8 = 2 * 8 * params / 1e9 / rate * 1e3
     other = {n: med[f"fwd{n}"] - med[f"lin{n}"] for n in (1, 8)}
     o = other[1]
-    print(f"\npacked kernel, 8 rows, weight in cache: {rate:.0f} GFLOP/s ({rate / _PEAK[0] * 100:.0f}% of the FMA peak)")
+    print(
+        f"\npacked kernel, 8 rows, weight in cache: {rate:.0f} GFLOP/s ({rate / _PEAK[0] * 100:.0f}% of the FMA peak)"
+    )
     print("| rows | linears alone ms | forward ms | other work ms (forward - linears) |")
     print("|---|---|---|---|")
     for n in (1, 8):
         print(f"| {n} | {med[f'lin{n}']:.1f} | {med[f'fwd{n}']:.1f} | {other[n]:.1f} |")
-    print(f"8-row linears at the in-cache rate, stream hidden: L8 = {l8:.1f} ms; 1-row stream floor L1 = {stream_floor_ms:.1f} ms")
+    print(
+        f"8-row linears at the in-cache rate, stream hidden: L8 = {l8:.1f} ms; 1-row stream floor L1 = {stream_floor_ms:.1f} ms"
+    )
     need = (l8 - 1.2 * stream_floor_ms) / 0.2
-    print(f"bound T8/T1 >= (L8 + O) / (L1 + O) = {(l8 + o) / (stream_floor_ms + o):.2f} with this runtime's O = {o:.1f} ms "
-          f"(1-token forward minus its linears); it reaches 1.2 only for O >= {need:.1f} ms")
+    print(
+        f"bound T8/T1 >= (L8 + O) / (L1 + O) = {(l8 + o) / (stream_floor_ms + o):.2f} with this runtime's O = {o:.1f} ms "
+        f"(1-token forward minus its linears); it reaches 1.2 only for O >= {need:.1f} ms"
+    )
 
 
 if __name__ == "__main__":

@@ -87,10 +87,12 @@ def best_k(alpha: float, t_draft: float, t_target: Callable[..., float], k_max: 
     return max(range(k_max + 1), key=lambda k: throughput(alpha, k, t_draft, t_target))
 
 
-def alpha_needed(target: float, t_draft: float, t_target: Callable[..., float], k_max: int = 8,
-                 tol: float = 1e-4) -> tuple[float, int] | None:
+def alpha_needed(
+    target: float, t_draft: float, t_target: Callable[..., float], k_max: int = 8, tol: float = 1e-4
+) -> tuple[float, int] | None:
     """The smallest per-token acceptance alpha for which some k in 1..k_max reaches ``target``
     speedup over plain decoding, and that k; None if even alpha = 1 does not reach it."""
+
     def best(alpha: float) -> tuple[float, int]:
         return max((speedup(alpha, k, t_draft, t_target), k) for k in range(1, k_max + 1))
 
@@ -111,8 +113,13 @@ def alpha_needed(target: float, t_draft: float, t_target: Callable[..., float], 
 # ------------------------------------------------------------------------------------------------
 
 
-def batch_step_time(k: int, batch: int, t_draft: Callable[..., float], t_target: Callable[..., float],
-                    draft_calls: int | None = None) -> float:
+def batch_step_time(
+    k: int,
+    batch: int,
+    t_draft: Callable[..., float],
+    t_target: Callable[..., float],
+    draft_calls: int | None = None,
+) -> float:
     """One speculative step of ``batch`` rows decoded together:
 
         T_step(b, k) = c(k) * T_draft(b) + T_target(b, k + 1)
@@ -125,8 +132,14 @@ def batch_step_time(k: int, batch: int, t_draft: Callable[..., float], t_target:
     return calls * t_draft(batch) + t_target(batch, k + 1)
 
 
-def batch_throughput(mean_tokens: float, k: int, batch: int, t_draft: Callable[..., float],
-                     t_target: Callable[..., float], draft_calls: int | None = None) -> float:
+def batch_throughput(
+    mean_tokens: float,
+    k: int,
+    batch: int,
+    t_draft: Callable[..., float],
+    t_target: Callable[..., float],
+    draft_calls: int | None = None,
+) -> float:
     """Predicted tokens per second of a batch from a *measured* mean accepted length:
 
         throughput(b, k) = b * E[tokens | k] / T_step(b, k)

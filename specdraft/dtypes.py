@@ -47,24 +47,33 @@ ROLES = {
 _ALL = {"target": "", "draft": "", "gen": "", "study-target": "", "study-draft": ""}
 
 DTYPES: dict[str, DType] = {
-    "auto": DType(None, {
-        "target": "bf16 (without native bf16: bf16 weights with fp32 arithmetic through the native kernels; "
-                  "fp32 without them or with --runtime hf)",
-        "draft": "bf16 where native or run by the native kernels, else int8",
-        "study-target": "bf16 where native or run by the few-row kernel, else fp32",
-    }),
-    "same": DType(None, {
-        "gen": "the --dtype runtime's",
-        "study-draft": "the target's; layer-pruned drafts then share its weights",
-    }),
+    "auto": DType(
+        None,
+        {
+            "target": "bf16 (without native bf16: bf16 weights with fp32 arithmetic through the native kernels; "
+            "fp32 without them or with --runtime hf)",
+            "draft": "bf16 where native or run by the native kernels, else int8",
+            "study-target": "bf16 where native or run by the few-row kernel, else fp32",
+        },
+    ),
+    "same": DType(
+        None,
+        {
+            "gen": "the --dtype runtime's",
+            "study-draft": "the target's; layer-pruned drafts then share its weights",
+        },
+    ),
     "bf16": DType(torch.bfloat16, {**_ALL, "gen": "runs the native kernels, half the weight bytes of fp32"}),
     "fp32": DType(torch.float32, dict(_ALL)),
     # int8 weights and per-row int8 activations (fbgemm), float32 elsewhere: the fast CPU runtime
     # where bf16 is not native. Compact runtime only; a draft precision (a target would not be exact).
     "int8": DType(torch.qint8, {"draft": "", "study-draft": ""}),
-    "q": DType(None, {
-        "target": "a GGUF target's own quantized blocks (Q4_0/Q4_1/Q8_0, the quantized runtime; opt-in)",
-    }),
+    "q": DType(
+        None,
+        {
+            "target": "a GGUF target's own quantized blocks (Q4_0/Q4_1/Q8_0, the quantized runtime; opt-in)",
+        },
+    ),
     "bfloat16": DType(torch.bfloat16),
     "float32": DType(torch.float32),
 }

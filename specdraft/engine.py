@@ -145,7 +145,9 @@ class Engine:
         P = int(lengths.max()) - 1
         if P > 0:  # the last prompt token is fed by the first step
             positions = torch.arange(P).expand(n, P)  # right padding past each row's end is harmless
-            self.target.forward(kv, tokens[:, :P], positions, logits_index=(lengths - 2).clamp(min=0).unsqueeze(1))
+            self.target.forward(
+                kv, tokens[:, :P], positions, logits_index=(lengths - 2).clamp(min=0).unsqueeze(1)
+            )
         draft_state = self.drafter.new_state(n, capacity) if self.drafter is not None else None
 
         for r in requests:
@@ -179,7 +181,11 @@ class Engine:
         rows = torch.tensor(keep, dtype=torch.int64)
         self.requests = [self.requests[i] for i in keep]
         self.generators = [self.generators[i] for i in keep]
-        self.lengths, self.generated, self.tokens = self.lengths[rows], self.generated[rows], self.tokens[rows]
+        self.lengths, self.generated, self.tokens = (
+            self.lengths[rows],
+            self.generated[rows],
+            self.tokens[rows],
+        )
         if keep:
             self.kv.select_rows(rows)
             if self.draft_state is not None:
@@ -263,7 +269,9 @@ class Engine:
         self.stats.draft_time += t1 - t0
         self.stats.target_time += t2 - t1
         self.stats.observe(num_valid if k else torch.zeros(B, dtype=torch.int64), n, emitted)
-        self.policy.update(proposed, num_valid if k else torch.zeros(B, dtype=torch.int64), n, t1 - t0, t2 - t1, bucket)
+        self.policy.update(
+            proposed, num_valid if k else torch.zeros(B, dtype=torch.int64), n, t1 - t0, t2 - t1, bucket
+        )
         if finished:
             self._keep([b for b in range(B) if b not in finished])
         self.stats.total_time += t3 - t0

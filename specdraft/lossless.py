@@ -131,7 +131,9 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def classify(spec_tokens: list[int], plain_tokens: list[int], margins: list[float], tol: float = DEFAULT_TOLERANCE) -> str:
+def classify(
+    spec_tokens: list[int], plain_tokens: list[int], margins: list[float], tol: float = DEFAULT_TOLERANCE
+) -> str:
     """Classify a speculative greedy output against the plain greedy output of the same target.
 
     Args:
@@ -198,8 +200,13 @@ def logit_drift(runtime: Runtime, prompt_ids: list[int], continuation: list[int]
         state = runtime.new_state(1, capacity)
         if P > 0:
             last = torch.tensor([[P - 1]])
-            runtime.forward(state, torch.tensor([prompt_ids[:-1]]), torch.arange(P).unsqueeze(0), logits_index=last)
-        outs = [runtime.forward(state, feed[:, i : i + chunk], positions[:, i : i + chunk]).logits[0] for i in range(0, N, chunk)]
+            runtime.forward(
+                state, torch.tensor([prompt_ids[:-1]]), torch.arange(P).unsqueeze(0), logits_index=last
+            )
+        outs = [
+            runtime.forward(state, feed[:, i : i + chunk], positions[:, i : i + chunk]).logits[0]
+            for i in range(0, N, chunk)
+        ]
         return torch.cat(outs)  # (N, V)
 
     single, chunked = run(1), run(k + 1)
@@ -207,4 +214,10 @@ def logit_drift(runtime: Runtime, prompt_ids: list[int], continuation: list[int]
     delta = (chunked - single).gather(1, top)  # (N, 9)
     shift = (delta[:, 1:] - delta[:, :1]).abs().max()
     flips = int((chunked.argmax(-1) != single.argmax(-1)).sum())
-    return Drift(k=k, positions=N, max_abs=float((chunked - single).abs().max()), max_margin_shift=float(shift), argmax_flips=flips)
+    return Drift(
+        k=k,
+        positions=N,
+        max_abs=float((chunked - single).abs().max()),
+        max_margin_shift=float(shift),
+        argmax_flips=flips,
+    )

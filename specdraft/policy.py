@@ -50,8 +50,15 @@ class KPolicy(Protocol):
         """``(B,)`` how many of each row's ``num_valid`` proposed tokens to verify."""
         ...
 
-    def update(self, k: int, num_drafted: torch.Tensor, num_accepted: torch.Tensor, draft_time: float, target_time: float,
-               bucket: torch.Tensor | None = None) -> None:
+    def update(
+        self,
+        k: int,
+        num_drafted: torch.Tensor,
+        num_accepted: torch.Tensor,
+        draft_time: float,
+        target_time: float,
+        bucket: torch.Tensor | None = None,
+    ) -> None:
         """What the step did: ``k`` tokens in the longest proposal (what the draft time was spent
         on), ``(B,)`` drafts verified (after :meth:`trim`) and accepted, seconds spent drafting and
         verifying, and the proposal's classes."""
@@ -151,16 +158,32 @@ class CostAwareK:
         probe_max: the longest interval between probes (after failed probes doubled it).
     """
 
-    def __init__(self, k_max: int = 8, k_start: int = 3, decay: float = 0.9, probe_every: int = 8, probe_k: int = 2,
-                 probe_max: int = 64):
-        if not 1 <= k_start <= k_max or not 0 < decay < 1 or not 1 <= probe_k <= k_max or not 1 <= probe_every <= probe_max:
-            raise SpecdraftError("CostAwareK: need 1 <= k_start, probe_k <= k_max, 0 < decay < 1, 1 <= probe_every <= probe_max")
+    def __init__(
+        self,
+        k_max: int = 8,
+        k_start: int = 3,
+        decay: float = 0.9,
+        probe_every: int = 8,
+        probe_k: int = 2,
+        probe_max: int = 64,
+    ):
+        if (
+            not 1 <= k_start <= k_max
+            or not 0 < decay < 1
+            or not 1 <= probe_k <= k_max
+            or not 1 <= probe_every <= probe_max
+        ):
+            raise SpecdraftError(
+                "CostAwareK: need 1 <= k_start, probe_k <= k_max, 0 < decay < 1, 1 <= probe_every <= probe_max"
+            )
         self.k_max, self.k_start, self.decay = k_max, k_start, decay
         self.probe_every, self.probe_k, self.probe_max = probe_every, probe_k, probe_max
         self.t_draft: float | None = None  # seconds per draft token
         self.t_target: dict[int, float] = {}  # tokens fed -> seconds
         self.curves: dict[int | None, _Curve] = {}  # class -> acceptance (None: a drafter without classes)
-        self.classes: bool | None = None  # whether the drafter classifies its proposals (seen at the first update)
+        self.classes: bool | None = (
+            None  # whether the drafter classifies its proposals (seen at the first update)
+        )
         self._times: list[float] | None = None  # cached T_target(1 .. k_max + 1)
         self.last_k = k_start
 
@@ -175,7 +198,9 @@ class CostAwareK:
 
     def _curve(self, bucket: int | None) -> _Curve:
         if bucket not in self.curves:
-            self.curves[bucket] = _Curve([0.0] * self.k_max, [0.0] * self.k_max, probe_interval=self.probe_every)
+            self.curves[bucket] = _Curve(
+                [0.0] * self.k_max, [0.0] * self.k_max, probe_interval=self.probe_every
+            )
         return self.curves[bucket]
 
     def rates(self, bucket: int | None = None) -> list[float]:
@@ -197,8 +222,13 @@ class CostAwareK:
             curve = self.latency()
             self._times = [curve.time(n) for n in range(1, self.k_max + 2)]
         times, rates = self._times, self.rates(bucket)
-        return max(range(self.k_max + 1), key=lambda k: analytic.expected_tokens_from_rates(rates, k)
-                   / analytic.step_time(k, t_draft, lambda n: times[n - 1]))
+        return max(
+            range(self.k_max + 1),
+            key=lambda k: (
+                analytic.expected_tokens_from_rates(rates, k)
+                / analytic.step_time(k, t_draft, lambda n: times[n - 1])
+            ),
+        )
 
     def _probe(self, cur: _Curve, best: int) -> int:
         """``best``, or ``probe_k`` when a class at 0 is due for a probe."""
@@ -217,7 +247,10 @@ class CostAwareK:
         elif not self.classes:  # a drafter without classes: decide here
             k = self._probe(self._curve(None), self._best(None, self.t_draft))
         else:  # ask for what the most promising class seen would use; trim() cuts each row
-            k = max(self.probe_k, *(self._best(b, self.t_draft) for b, cur in self.curves.items() if cur.reached[0] > 0))
+            k = max(
+                self.probe_k,
+                *(self._best(b, self.t_draft) for b, cur in self.curves.items() if cur.reached[0] > 0),
+            )
         self.last_k = k
         return k
 
@@ -253,7 +286,9 @@ class CostAwareK:
                 cur.reached[j] *= self.decay
                 cur.accepted[j] *= self.decay
             for j in range(min(d, self.k_max)):  # position j was verified if drafts 0..j-1 all held
-                cur.reached[j] += min(max(a - j + 1, 0.0), 1.0)  # (a fractional count spreads over two positions)
+                cur.reached[j] += min(
+                    max(a - j + 1, 0.0), 1.0
+                )  # (a fractional count spreads over two positions)
                 cur.accepted[j] += min(max(a - j, 0.0), 1.0)
             if cur.probing:  # did the probe change the verdict?
                 cur.probing = False
@@ -359,7 +394,9 @@ def worth_continuing(cum: torch.Tensor, k: int, cost: VerifyCost) -> torch.Tenso
     i = cum.shape[1]
     expected = 1 + torch.cat([torch.zeros(cum.shape[0], 1), cum.cumsum(1)], 1)  # (B, i + 1): m = 0..i
     best = (expected / torch.tensor([cost.step(m) for m in range(i + 1)])).max(1).values
-    bound = torch.stack(
-        [(expected[:, -1] + (m - i) * cum[:, -1]) / cost.step(m) for m in range(i + 1, k + 1)]
-    ).max(0).values
+    bound = (
+        torch.stack([(expected[:, -1] + (m - i) * cum[:, -1]) / cost.step(m) for m in range(i + 1, k + 1)])
+        .max(0)
+        .values
+    )
     return bound > best

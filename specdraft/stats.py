@@ -48,7 +48,9 @@ class SpecStats:
     accepted_per_position: list[int] = field(default_factory=list)
     k_history: list[int] = field(default_factory=list)
 
-    def observe(self, num_drafted: torch.Tensor, num_accepted: torch.Tensor, num_emitted: torch.Tensor) -> None:
+    def observe(
+        self, num_drafted: torch.Tensor, num_accepted: torch.Tensor, num_emitted: torch.Tensor
+    ) -> None:
         """Record one batched step.
 
         Args:

@@ -47,7 +47,9 @@ def decode(
 ) -> list[list[int]]:
     """Run ``prompts`` together through ``engine`` to the end; output tokens per prompt, in order."""
     plist = params if isinstance(params, list) else [params] * len(prompts)
-    return decode_requests(engine, [Request(list(p), max_new_tokens, pp, eos_ids) for p, pp in zip(prompts, plist)])
+    return decode_requests(
+        engine, [Request(list(p), max_new_tokens, pp, eos_ids) for p, pp in zip(prompts, plist)]
+    )
 
 
 def plain_greedy(runtime, prompt: list[int], max_new_tokens: int, eos_ids: tuple[int, ...] = ()) -> list[int]:

@@ -40,8 +40,16 @@ def reference(pipe, prompt=PROMPT, n=24, **kw):
 
 
 @pytest.mark.parametrize(
-    "spec,kind", [("none", None), ("self", ModelDrafter), ("lookup", PromptLookupDrafter), ("lookup:2", PromptLookupDrafter),
-                  ("default", PromptLookupDrafter), ("prune:0", ModelDrafter), ("prune:1,0", ModelDrafter)],
+    "spec,kind",
+    [
+        ("none", None),
+        ("self", ModelDrafter),
+        ("lookup", PromptLookupDrafter),
+        ("lookup:2", PromptLookupDrafter),
+        ("default", PromptLookupDrafter),
+        ("prune:0", ModelDrafter),
+        ("prune:1,0", ModelDrafter),
+    ],
 )
 def test_draft_specs_build_and_stay_lossless(pipe, spec, kind):
     drafter = api.make_drafter(spec, pipe.target, pipe.runtime, torch.float32)
@@ -61,8 +69,15 @@ def test_independent_draft_model_from_a_directory(pipe, draft_dirs):
     assert res.stats.drafted > 0
 
 
-@pytest.mark.parametrize("spec,match", [("prune:a", "bad draft spec"), ("prune:7", "invalid"), ("lookup:0", "bad draft spec"),
-                                         ("no-such-model", "unknown model")])
+@pytest.mark.parametrize(
+    "spec,match",
+    [
+        ("prune:a", "bad draft spec"),
+        ("prune:7", "invalid"),
+        ("lookup:0", "bad draft spec"),
+        ("no-such-model", "unknown model"),
+    ],
+)
 def test_bad_draft_specs(pipe, spec, match):
     with pytest.raises(SpecdraftError, match=match):
         api.make_drafter(spec, pipe.target, pipe.runtime, torch.float32)
@@ -75,7 +90,9 @@ def test_draft_with_another_tokenizer_is_refused(draft_dirs):
 
 
 def test_generate_result(pipe):
-    spec = api.Pipeline(pipe.target, pipe.runtime, api.make_drafter("self", pipe.target, pipe.runtime, torch.float32))
+    spec = api.Pipeline(
+        pipe.target, pipe.runtime, api.make_drafter("self", pipe.target, pipe.runtime, torch.float32)
+    )
     res = spec.generate(PROMPT, max_new_tokens=20, k=4)
     ref = reference(pipe, n=20)
     assert res.tokens == ref.tokens and len(res.tokens) == 20 and res.finish_reason == "length"
@@ -114,8 +131,17 @@ def test_stop_string_cuts_the_text(pipe):
     cut = text.find(stop)
     assert cut > 0
     for k in (0, 4):
-        res = pipe.generate(PROMPT, max_new_tokens=40, k=k, stop=[stop], engine=pipe.engine(k) if k == 0 else api.Pipeline(
-            pipe.target, pipe.runtime, api.make_drafter("self", pipe.target, pipe.runtime, torch.float32)).engine(k))
+        res = pipe.generate(
+            PROMPT,
+            max_new_tokens=40,
+            k=k,
+            stop=[stop],
+            engine=pipe.engine(k)
+            if k == 0
+            else api.Pipeline(
+                pipe.target, pipe.runtime, api.make_drafter("self", pipe.target, pipe.runtime, torch.float32)
+            ).engine(k),
+        )
         assert res.text == text[:cut] and res.finish_reason == "stop"
 
 
@@ -131,18 +157,27 @@ def test_encode(pipe):
 
 def test_run_batch_matches_single_prompts(pipe):
     prompts = [pipe.encode(t, chat=False) for t in ("a", "a longer prompt than the first", "middle one")]
-    p = api.Pipeline(pipe.target, pipe.runtime, api.make_drafter("prune:0", pipe.target, pipe.runtime, torch.float32))
+    p = api.Pipeline(
+        pipe.target, pipe.runtime, api.make_drafter("prune:0", pipe.target, pipe.runtime, torch.float32)
+    )
     outs, stats = api.run_batch(p, prompts, max_new_tokens=12, k=3)
     assert outs == [reference(pipe, ids, 12).tokens for ids in prompts]
     assert stats.generated == 36
 
 
 def test_seeded_generation_is_reproducible(pipe):
-    p = api.Pipeline(pipe.target, pipe.runtime, api.make_drafter("prune:0", pipe.target, pipe.runtime, torch.float32))
+    p = api.Pipeline(
+        pipe.target, pipe.runtime, api.make_drafter("prune:0", pipe.target, pipe.runtime, torch.float32)
+    )
     params = SamplingParams(temperature=0.9, top_k=50, seed=3)
     a = p.generate(PROMPT, max_new_tokens=16, k=3, params=params).tokens
     assert p.generate(PROMPT, max_new_tokens=16, k=3, params=params).tokens == a
-    assert p.generate(PROMPT, max_new_tokens=16, k=3, params=SamplingParams(temperature=0.9, top_k=50, seed=4)).tokens != a
+    assert (
+        p.generate(
+            PROMPT, max_new_tokens=16, k=3, params=SamplingParams(temperature=0.9, top_k=50, seed=4)
+        ).tokens
+        != a
+    )
 
 
 def test_detokenizer_holds_partial_characters_and_stop_prefixes():

@@ -88,8 +88,13 @@ def test_bad_arguments_are_refused_before_the_model_loads(capsys, monkeypatch, a
 
 def test_vocab_mismatch_in_a_real_process(other_tokenizer_dir):
     """The command end to end (a draft model loads first): one line, exit 2, no traceback."""
-    proc = subprocess.run([sys.executable, "-m", "specdraft.cli", "generate", *TINY, "--draft", str(other_tokenizer_dir), "hi"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdraft.cli", "generate", *TINY, "--draft", str(other_tokenizer_dir), "hi"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "different tokenizer" in lines[0], proc.stderr

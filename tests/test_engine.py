@@ -128,7 +128,12 @@ def test_hf_adapter_target_equals_plain(tiny, drafter):
 @pytest.mark.parametrize("drafter", ["prune", "lookup"])
 def test_greedy_rows_stay_exact_next_to_sampling_rows(tiny, reference, drafter):
     engine = Engine(tiny.target, make_drafter(tiny, drafter), FixedK(3))
-    params = [SamplingParams(), SamplingParams(temperature=1.0, seed=1), SamplingParams(), SamplingParams(temperature=0.7, top_k=5, seed=2)]
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=1.0, seed=1),
+        SamplingParams(),
+        SamplingParams(temperature=0.7, top_k=5, seed=2),
+    ]
     out = decode(engine, PROMPTS, N, params)
     assert out[0] == reference[0] and out[2] == reference[2]
     assert all(len(o) == N for o in out)
@@ -160,7 +165,9 @@ def test_max_new_tokens_is_exact_even_when_a_step_accepts_more(tiny, reference, 
     engine = Engine(tiny.target, make_drafter(tiny, "self"), FixedK(8))  # 9 tokens per step
     reqs = [Request(p, max_new) for p in PROMPTS]
     events = list(generate(engine, reqs))
-    assert [sum((e.tokens for e in events if e.request_id == r.id), []) for r in reqs] == [ref[:max_new] for ref in reference]
+    assert [sum((e.tokens for e in events if e.request_id == r.id), []) for r in reqs] == [
+        ref[:max_new] for ref in reference
+    ]
     finals = [e for e in events if e.finished]
     assert len(finals) == len(reqs) and all(e.finish_reason == "length" for e in finals)
     assert engine.stats.generated == max_new * len(reqs)
@@ -199,7 +206,9 @@ def test_cancel_keeps_the_other_rows_exact(tiny, reference, drafter):
 
 @pytest.mark.parametrize("drafter", ["self", "prune", "lookup", None])
 def test_rows_joining_mid_run_equal_running_alone(tiny, reference, drafter):
-    engine = Engine(tiny.target, make_drafter(tiny, drafter) if drafter else None, FixedK(3 if drafter else 0))
+    engine = Engine(
+        tiny.target, make_drafter(tiny, drafter) if drafter else None, FixedK(3 if drafter else 0)
+    )
     out: dict[int, list[int]] = {}
     first = engine.add([Request(PROMPTS[2], N)])
     for step in range(40):
@@ -244,7 +253,9 @@ def test_stats_count_the_bonus_token(tiny):
     s = engine.stats
     assert s.mean_accepted_length == 4.0  # 3 accepted + the bonus token, every step
     assert s.acceptance_rate == 1.0 and s.per_position_acceptance() == [1.0, 1.0, 1.0]
-    assert s.steps == 8 and s.target_forwards == 4 and s.drafted == 24 and s.accepted == 24 and s.generated == 32
+    assert (
+        s.steps == 8 and s.target_forwards == 4 and s.drafted == 24 and s.accepted == 24 and s.generated == 32
+    )
     assert s.draft_time > 0 and s.target_time > 0
 
     engine = Engine(tiny.target, make_drafter(tiny, "prune"), FixedK(3))
@@ -252,7 +263,9 @@ def test_stats_count_the_bonus_token(tiny):
     s = engine.stats
     assert s.generated == sum(map(len, out))
     assert s.mean_accepted_length == pytest.approx((s.accepted + s.steps) / s.steps)
-    assert s.drafted_per_position[0] == s.steps and s.drafted_per_position == sorted(s.drafted_per_position, reverse=True)
+    assert s.drafted_per_position[0] == s.steps and s.drafted_per_position == sorted(
+        s.drafted_per_position, reverse=True
+    )
     assert s.accepted_per_position[0] >= s.accepted_per_position[1] >= s.accepted_per_position[2]
     assert sum(s.accepted_per_position) == s.accepted
 
@@ -281,10 +294,17 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(tiny):
     alone = decode(Engine(tiny.target, drafter, FixedK(3)), [PROMPTS[1]], N, params)[0]
     again = decode(Engine(tiny.target, drafter, FixedK(3)), [PROMPTS[1]], N, params)[0]
     assert alone == again
-    other_seed = decode(Engine(tiny.target, drafter, FixedK(3)), [PROMPTS[1]], N, SamplingParams(temperature=1.0, top_p=0.95, seed=99))[0]
+    other_seed = decode(
+        Engine(tiny.target, drafter, FixedK(3)),
+        [PROMPTS[1]],
+        N,
+        SamplingParams(temperature=1.0, top_p=0.95, seed=99),
+    )[0]
     assert other_seed != alone
     company = [SamplingParams(temperature=1.0, seed=5), params, SamplingParams()]
-    batched = decode(Engine(tiny.target, drafter, FixedK(3)), [PROMPTS[2], PROMPTS[1], PROMPTS[0]], N, company)
+    batched = decode(
+        Engine(tiny.target, drafter, FixedK(3)), [PROMPTS[2], PROMPTS[1], PROMPTS[0]], N, company
+    )
     assert batched[1] == alone  # each request owns its generator
 
 

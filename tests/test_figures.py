@@ -168,7 +168,9 @@ def test_bench_policy_commands_the_readme_names_resolve():
     from specdraft.errors import SpecdraftError
     from specdraft.policy import make_policy
 
-    commands = [c for _, t in sources()[:2] for c in re.findall(r"bench_policy\.py[^`]*?--policies\s+([\w,.-]+)", t)]
+    commands = [
+        c for _, t in sources()[:2] for c in re.findall(r"bench_policy\.py[^`]*?--policies\s+([\w,.-]+)", t)
+    ]
     assert commands, "the README names no bench_policy command"
     for names in commands:
         for name in names.split(","):

@@ -70,7 +70,9 @@ def test_speculative_fp32_is_identical_and_a_broken_verifier_is_divergent(tiny, 
 
     def accept_everything(draft_tokens, target_logits, num_valid=None):
         tokens = torch.cat([draft_tokens, target_logits[:, -1:].argmax(-1)], 1)
-        return Verdict(num_accepted=torch.full((draft_tokens.shape[0],), draft_tokens.shape[1]), tokens=tokens)
+        return Verdict(
+            num_accepted=torch.full((draft_tokens.shape[0],), draft_tokens.shape[1]), tokens=tokens
+        )
 
     monkeypatch.setattr(verify_module, "verify_greedy", accept_everything)
     broken = decode(Engine(tiny.target, ModelDrafter(tiny.other, "other"), FixedK(3)), [prompt], 16)[0]

@@ -140,7 +140,9 @@ def test_failed_probes_back_off_and_a_paying_probe_resets():
 def test_make_policy():
     assert isinstance(make_policy("auto"), CostAwareK)
     assert isinstance(make_policy("heuristic"), HeuristicK)
-    assert make_policy("5").choose() == 5 and make_policy(3).choose() == 3 and make_policy(" 0 ").choose() == 0
+    assert (
+        make_policy("5").choose() == 5 and make_policy(3).choose() == 3 and make_policy(" 0 ").choose() == 0
+    )
     for bad in ("-1", "five", ""):
         with pytest.raises(SpecdraftError):
             make_policy(bad)

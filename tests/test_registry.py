@@ -35,7 +35,9 @@ def test_prune_layers():
     assert DraftSpec.parse("prune:0,1,29").layers == [0, 1, 29]
 
 
-@pytest.mark.parametrize("text", ["lookup:0", "lookup:x", "prune:", "prune:a,b", "prune:1,1", "prune:-1", "none:3", "self:2"])
+@pytest.mark.parametrize(
+    "text", ["lookup:0", "lookup:x", "prune:", "prune:a,b", "prune:1,1", "prune:-1", "none:3", "self:2"]
+)
 def test_bad_specs_are_refused_with_one_line(text):
     with pytest.raises(SpecdraftError) as e:
         DraftSpec.parse(text)

@@ -49,7 +49,9 @@ def exact_distribution(runtime: LlamaRuntime, params: SamplingParams) -> torch.T
     outs = torch.cartesian_prod(*[torch.arange(V)] * NEW)  # (V^NEW, NEW)
     seqs = torch.cat([torch.tensor(PROMPT).expand(len(outs), -1), outs], 1)
     T = seqs.shape[1]
-    logits = runtime.forward(runtime.new_state(len(seqs), T), seqs, torch.arange(T).expand(len(seqs), T)).logits
+    logits = runtime.forward(
+        runtime.new_state(len(seqs), T), seqs, torch.arange(T).expand(len(seqs), T)
+    ).logits
     probs = logits_to_probs(logits[:, len(PROMPT) - 1 : -1], params)  # (V^NEW, NEW, V)
     return probs.gather(-1, outs.unsqueeze(-1)).squeeze(-1).prod(-1)
 
@@ -59,8 +61,14 @@ def sample_outputs(target, drafter, k, params: SamplingParams, n: int, seed0: in
     idx = []
     for start in range(0, n, batch):
         engine = Engine(target, drafter, FixedK(k))
-        reqs = [Request(PROMPT, NEW, SamplingParams(params.temperature, params.top_k, params.top_p, seed=seed0 + start + i))
-                for i in range(min(batch, n - start))]
+        reqs = [
+            Request(
+                PROMPT,
+                NEW,
+                SamplingParams(params.temperature, params.top_k, params.top_p, seed=seed0 + start + i),
+            )
+            for i in range(min(batch, n - start))
+        ]
         out: dict[int, list[int]] = {}
         for ev in generate(engine, reqs):
             out.setdefault(ev.request_id, []).extend(ev.tokens)

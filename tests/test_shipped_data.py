@@ -20,11 +20,15 @@ from specdraft.design.build import source_name
 from specdraft.errors import SpecdraftError
 from specdraft.study import datasets
 
-LICENCES = {"spec_bench/question.jsonl": "spec_bench/LICENSE", "hellaswag_prompts.jsonl": "LICENSE.hellaswag",
-            "gsm8k/train.jsonl": "gsm8k/LICENSE"}
+LICENCES = {
+    "spec_bench/question.jsonl": "spec_bench/LICENSE",
+    "hellaswag_prompts.jsonl": "LICENSE.hellaswag",
+    "gsm8k/train.jsonl": "gsm8k/LICENSE",
+}
 FULL = P.SHARED_DATA  # the real ../shared/data (tests below move P.SHARED_DATA)
-needs_full_data = pytest.mark.skipif(not all((FULL / s.path).is_file() for s in SLICES),
-                                     reason="the full data files are not at ../shared/data")
+needs_full_data = pytest.mark.skipif(
+    not all((FULL / s.path).is_file() for s in SLICES), reason="the full data files are not at ../shared/data"
+)
 
 
 def sha256(path) -> str:
@@ -100,8 +104,11 @@ def test_a_clone_with_no_data_folder_reads_the_slices_with_a_note(no_data_folder
     for s in SLICES:
         assert data_file(s.path) == SHIPPED_DATA / s.path
     err = capsys.readouterr().err.splitlines()
-    assert err == [f"note: using the {s.lines}-{s.unit} slice of {s.name} shipped in specdraft/data; "
-                   "set SPECDRAFT_DATA for the full set" for s in SLICES]
+    assert err == [
+        f"note: using the {s.lines}-{s.unit} slice of {s.name} shipped in specdraft/data; "
+        "set SPECDRAFT_DATA for the full set"
+        for s in SLICES
+    ]
     assert err[0].startswith("note: using the 52-question slice of Spec-Bench shipped in specdraft/data")
     data_file(SLICES[0].path)
     assert capsys.readouterr().err == ""  # once per file

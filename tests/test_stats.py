@@ -21,7 +21,11 @@ def test_observe_counts_per_position_and_bonus():
 def test_plain_decoding_is_one():
     s = SpecStats()
     for _ in range(5):
-        s.observe(torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), torch.ones(3, dtype=torch.int64))
+        s.observe(
+            torch.zeros(3, dtype=torch.int64),
+            torch.zeros(3, dtype=torch.int64),
+            torch.ones(3, dtype=torch.int64),
+        )
     assert s.mean_accepted_length == 1.0 and s.acceptance_rate == 0.0 and s.per_position_acceptance() == []
 
 
@@ -45,4 +49,6 @@ def test_merge_and_rates():
     assert d["mean_accepted_length"] == 2.5 and d["acceptance_rate"] == 0.5
     assert d["per_position_acceptance"] == [1.0, 0.5, 0.0, 0.0]
     text = a.summary()
-    assert "mean accepted length 2.50 (bonus token included)" in text and "acceptance per draft position" in text
+    assert (
+        "mean accepted length 2.50 (bonus token included)" in text and "acceptance per draft position" in text
+    )

@@ -200,14 +200,22 @@ def make_case(name: str, target: LlamaRuntime) -> Case:
     if name == "feature":
         w = LlamaWeights.from_hf(tiny_llama(vocab_size=V, seed=12), torch.float32)
         w.lm_head = w.lm_head * 12.0
-        fc = torch.randn(w.embed.shape[1], 2 * w.embed.shape[1], generator=torch.Generator().manual_seed(0)) * 0.1
+        fc = (
+            torch.randn(w.embed.shape[1], 2 * w.embed.shape[1], generator=torch.Generator().manual_seed(0))
+            * 0.1
+        )
         # rows without the target's features yet (the first step) propose nothing
-        return Case(FeatureDrafter(LlamaRuntime(w), fc, target.w.embed, "feature"), FixedK(2), check=_lengths(0, 2))
+        return Case(
+            FeatureDrafter(LlamaRuntime(w), fc, target.w.embed, "feature"), FixedK(2), check=_lengths(0, 2)
+        )
     if name == "cost-aware-trim":
         policy = SteadyClock(CostAwareK(k_max=3, k_start=3, probe_every=2))
         return Case(PromptLookupDrafter(), policy, batch=100, check=_trimmed)
     if name == "server-row-caps":
-        drafter, policy = RowCappedDrafter(ModelDrafter(peaked(seed=11, scale=12.0), "other")), CappedPolicy(FixedK(3))
+        drafter, policy = (
+            RowCappedDrafter(ModelDrafter(peaked(seed=11, scale=12.0), "other")),
+            CappedPolicy(FixedK(3)),
+        )
 
         def before_step(engine):  # as Scheduler._step: per-request caps (off, 1, none), the batch's k
             caps = [(0, 1, policy.k_max)[r.params.seed % 3] for r in engine.requests]
@@ -228,7 +236,9 @@ def sample_outputs(target: LlamaRuntime, case: Case, n: int) -> tuple[torch.Tens
     idx = []
     for start in range(0, n, case.batch):
         engine = Engine(target, rec, case.policy, hidden_layers=rec.hidden_layers)
-        reqs = [Request(PROMPT, NEW, replace(PARAMS, seed=start + i)) for i in range(min(case.batch, n - start))]
+        reqs = [
+            Request(PROMPT, NEW, replace(PARAMS, seed=start + i)) for i in range(min(case.batch, n - start))
+        ]
         engine.add(reqs)
         out: dict[int, list[int]] = {}
         while engine.active:
@@ -242,8 +252,18 @@ def sample_outputs(target: LlamaRuntime, case: Case, n: int) -> tuple[torch.Tens
     return torch.tensor(idx), rec, stats
 
 
-CASES = ["model", "lookup", "bigram", "self", "pruned", "gated-best-prefix", "gated-early-stop", "feature",
-         "cost-aware-trim", "server-row-caps"]
+CASES = [
+    "model",
+    "lookup",
+    "bigram",
+    "self",
+    "pruned",
+    "gated-best-prefix",
+    "gated-early-stop",
+    "feature",
+    "cost-aware-trim",
+    "server-row-caps",
+]
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -255,7 +275,9 @@ def test_sampled_output_follows_the_target_distribution(target, exact, name):
     assert large < bound(exact, N), (large, bound(exact, N))
     assert large < small  # shrinks with the sample count
     assert stats.accepted > 0  # drafts were verified and accepted
-    assert stats.accepted < stats.drafted or name == "self"  # and rejected (the target's own drafts never are)
+    assert (
+        stats.accepted < stats.drafted or name == "self"
+    )  # and rejected (the target's own drafts never are)
     if case.check is not None:
         case.check(rec, case.policy)
 
@@ -295,7 +317,9 @@ def gated_output(q: torch.Tensor, p: torch.Tensor, proposed: torch.Tensor) -> to
     out = torch.zeros_like(p)
     for x in range(len(q)):
         if proposed[x]:
-            out += q[x] * ((1 - accept[x]) * residual + accept[x] * torch.nn.functional.one_hot(torch.tensor(x), len(q)))
+            out += q[x] * (
+                (1 - accept[x]) * residual + accept[x] * torch.nn.functional.one_hot(torch.tensor(x), len(q))
+            )
         else:
             out += q[x] * p
     return out
@@ -343,8 +367,9 @@ def test_whether_a_position_is_proposed_never_depends_on_its_own_token(target):
     for i in range(k):
         reached = sampled_nv >= i  # rows whose proposal got to position i
         groups: dict[tuple, set] = {}
-        for before, at, proposed in zip(drafts[reached, :i].tolist(), drafts[reached, i].tolist(),
-                                        (sampled_nv[reached] > i).tolist()):
+        for before, at, proposed in zip(
+            drafts[reached, :i].tolist(), drafts[reached, i].tolist(), (sampled_nv[reached] > i).tolist()
+        ):
             groups.setdefault(tuple(before), set()).add((at, proposed))
         for before, seen in groups.items():
             assert len({proposed for _, proposed in seen}) == 1, (i, before, sorted(seen))

@@ -139,7 +139,9 @@ def test_draft_without_distribution_respects_num_valid():
 
 def _first_token_histogram(q0: torch.Tensor, p: torch.Tensor, n: int, point_mass: bool) -> torch.Tensor:
     """Frequencies of the first output token over n rows whose single draft token is drawn from q0."""
-    draft = torch.multinomial(q0, n, replacement=True, generator=torch.Generator().manual_seed(1234)).view(n, 1)
+    draft = torch.multinomial(q0, n, replacement=True, generator=torch.Generator().manual_seed(1234)).view(
+        n, 1
+    )
     q = None if point_mass else q0.expand(n, 1, V)
     v = verify_sampling(draft, q, p.expand(n, 2, V), gens(n, 99))
     return torch.bincount(v.tokens[:, 0], minlength=V).float() / n
@@ -174,7 +176,8 @@ def test_verify_of_an_all_greedy_batch_is_verify_greedy():
     w = verify_greedy(draft, target, num_valid)
     assert torch.equal(v.num_accepted, w.num_accepted) and torch.equal(v.tokens, w.tokens)
     assert [x.initial_seed() for x in g] == [0, 1, 2] and torch.equal(  # no generator was drawn from
-        torch.rand(3, generator=g[0]), torch.rand(3, generator=gens(1)[0]))
+        torch.rand(3, generator=g[0]), torch.rand(3, generator=gens(1)[0])
+    )
 
 
 @pytest.mark.parametrize("with_q", [True, False])
@@ -198,7 +201,9 @@ def test_verify_in_a_mixed_batch_greedy_rows_match_the_argmax_and_sampled_rows_s
         assert torch.equal(v.tokens[b, : n + 1], greedy.tokens[b, : n + 1])
     for b in (1, 3):
         p = logits_to_probs(logits[b : b + 1], params[b])
-        alone = verify_sampling(draft[b : b + 1], None if q is None else q[b : b + 1], p, gens(B, 10)[b : b + 1])
+        alone = verify_sampling(
+            draft[b : b + 1], None if q is None else q[b : b + 1], p, gens(B, 10)[b : b + 1]
+        )
         n = int(v.num_accepted[b])
         assert n == int(alone.num_accepted[0])
         assert torch.equal(v.tokens[b, : n + 1], alone.tokens[0, : n + 1])
@@ -219,7 +224,9 @@ def test_verify_breaks_a_greedy_tie_as_argmax_does_in_a_mixed_batch():
 
 def test_logits_to_probs_temperature_top_k_top_p():
     logits = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0])
-    torch.testing.assert_close(logits_to_probs(logits, SamplingParams(temperature=0.5)), (logits / 0.5).softmax(-1))
+    torch.testing.assert_close(
+        logits_to_probs(logits, SamplingParams(temperature=0.5)), (logits / 0.5).softmax(-1)
+    )
     p = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=2))
     assert (p[2:] == 0).all()
     torch.testing.assert_close(p[:2], logits[:2].softmax(-1))

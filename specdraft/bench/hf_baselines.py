@@ -75,14 +75,23 @@ def _designed_assistant(spec: DraftSpec, pipe: Pipeline):
 
     path = find_draft(spec.arg, pipe.target.model)
     if path is None:
-        return None, f"{spec}: no designed draft for this target (prompt lookup is used; transformers' prompt lookup is the matching baseline)"
+        return (
+            None,
+            f"{spec}: no designed draft for this target (prompt lookup is used; transformers' prompt lookup is the matching baseline)",
+        )
     meta = read_meta(path)
     if meta.kind != "layers":
-        return None, f"{spec} is a {meta.kind}-conditioned draft: transformers' assisted generation cannot feed it the target's hidden state"
+        return (
+            None,
+            f"{spec} is a {meta.kind}-conditioned draft: transformers' assisted generation cannot feed it the target's hidden state",
+        )
     dtype = next(pipe.target.model.parameters()).dtype
     model, _, _ = load_draft(path, pipe.target.model, dtype)
     head = " with its full LM head (the head subset is a specdraft option)" if meta.head_tokens else ""
-    return model, f"designed draft {path.name} as a LlamaForCausalLM{head}, {str(dtype).replace('torch.', '')}"
+    return (
+        model,
+        f"designed draft {path.name} as a LlamaForCausalLM{head}, {str(dtype).replace('torch.', '')}",
+    )
 
 
 @dataclass
@@ -117,7 +126,9 @@ class HFBaselines:
         if params.greedy:
             kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
         else:
-            kwargs.update(do_sample=True, temperature=params.temperature, top_k=params.top_k or 0, top_p=params.top_p)
+            kwargs.update(
+                do_sample=True, temperature=params.temperature, top_k=params.top_k or 0, top_p=params.top_p
+            )
             if params.seed is not None:
                 torch.manual_seed(params.seed)
         with torch.inference_mode():
@@ -134,7 +145,11 @@ class HFBaselines:
             return self._generate(ids, max_new_tokens, params, assistant_model=self.assistant)
         if method == "hf_prompt_lookup":
             return self._generate(
-                ids, max_new_tokens, params, prompt_lookup_num_tokens=self.k or 10, max_matching_ngram_size=self.lookup_ngram
+                ids,
+                max_new_tokens,
+                params,
+                prompt_lookup_num_tokens=self.k or 10,
+                max_matching_ngram_size=self.lookup_ngram,
             )
         raise ValueError(f"unknown baseline {method!r}")
 

@@ -171,12 +171,15 @@ class LatencyProfile:
             if self.t_draft:
                 cells.append(f"{self.t_draft[b] * 1e3:.2f}" if b in self.t_draft else "-")
             lines.append("| " + " | ".join(cells) + " |")
-        text = "\n".join(lines) + (f"\n\nmilliseconds, median of {self.repeats}; context {self.context}; "
-                                   f"{self.threads} threads; {self.dtype}")
+        text = "\n".join(lines) + (
+            f"\n\nmilliseconds, median of {self.repeats}; context {self.context}; "
+            f"{self.threads} threads; {self.dtype}"
+        )
         if self.draft_breakdown:
             total = sum(self.draft_breakdown.values()) or 1.0
-            parts = ", ".join(f"{k} {v * 1e3:.2f} ms ({v / total:.0%})"
-                              for k, v in self.draft_breakdown.items())
+            parts = ", ".join(
+                f"{k} {v * 1e3:.2f} ms ({v / total:.0%})" for k, v in self.draft_breakdown.items()
+            )
             precision = f", {self.draft_dtype}" if self.draft_dtype else ""
             text += f"\ndraft step ({self.draft}{precision}, batch 1): {parts}"
         return text
@@ -265,16 +268,19 @@ def _draft_step(drafter, batch: int, context: int, vocab: int):
     return lambda: drafter.propose(state, ctx, 1)
 
 
-def _check(target: Runtime, batch_sizes: list[int], new_tokens: list[int], context: int, repeats: int,
-           warmup: int) -> None:
+def _check(
+    target: Runtime, batch_sizes: list[int], new_tokens: list[int], context: int, repeats: int, warmup: int
+) -> None:
     """One clear error for sizes the profiler cannot measure."""
     if not batch_sizes or min(batch_sizes) < 1 or not new_tokens or min(new_tokens) < 1:
         raise SpecdraftError("batch sizes and new-token counts must be >= 1")
     if repeats < 1 or warmup < 0 or context < 1:
         raise SpecdraftError("need repeats >= 1, warmup >= 0 and context >= 1")
     if context + max(new_tokens) > target.max_context:
-        raise SpecdraftError(f"context {context} + {max(new_tokens)} new tokens exceeds the target's window "
-                             f"({target.max_context})")
+        raise SpecdraftError(
+            f"context {context} + {max(new_tokens)} new tokens exceeds the target's window "
+            f"({target.max_context})"
+        )
 
 
 def profile_latency(
@@ -377,8 +383,13 @@ class DraftLatencies:
 
 
 @torch.inference_mode()
-def measure_latency(target: Runtime, drafts: dict[str, Runtime], ns: Iterable[int] = (1, 2, 4, 6, 8),
-                    context: int = 256, reps: int = 9) -> DraftLatencies:
+def measure_latency(
+    target: Runtime,
+    drafts: dict[str, Runtime],
+    ns: Iterable[int] = (1, 2, 4, 6, 8),
+    context: int = 256,
+    reps: int = 9,
+) -> DraftLatencies:
     """Median batch-1 latencies of the target over each n in ``ns`` and of one step of each draft
     runtime, all timed in turn (module docstring) after one warm-up round.
 
@@ -404,8 +415,9 @@ def measure_latency(target: Runtime, drafts: dict[str, Runtime], ns: Iterable[in
 
 
 # ------------------------------------------------------------------------------------ breakdown
-def draft_breakdown(drafter, context: int = 200, vocab: int | None = None,
-                    rounds: int = 7) -> tuple[dict[str, float], str]:
+def draft_breakdown(
+    drafter, context: int = 200, vocab: int | None = None, rounds: int = 7
+) -> tuple[dict[str, float], str]:
     """Profiled seconds per bucket of one batch-1 draft step: per bucket the median over ``rounds`` steps.
 
     Returns:

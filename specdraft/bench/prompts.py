@@ -75,8 +75,9 @@ def _note_slice(relative: str) -> None:
     _noted.add(relative)
     s = BY_PATH.get(relative)
     what = f"the {s.lines}-{s.unit} slice of {s.name}" if s else f"the {relative} slice"
-    print(f"note: using {what} shipped in specdraft/data; set SPECDRAFT_DATA for the full set",
-          file=sys.stderr)
+    print(
+        f"note: using {what} shipped in specdraft/data; set SPECDRAFT_DATA for the full set", file=sys.stderr
+    )
 
 
 def is_shipped_slice(path: Path) -> bool:
@@ -95,7 +96,11 @@ def _parse_line(obj, path: Path, lineno: int) -> BenchPrompt:
         raise SpecdraftError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     if "turns" in obj:
         turns = obj["turns"]
-        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+        if (
+            not isinstance(turns, list)
+            or not turns
+            or not all(isinstance(t, str) and t.strip() for t in turns)
+        ):
             raise SpecdraftError(f"{where}: 'turns' must be a non-empty list of non-empty strings")
         qid = obj.get("question_id", lineno)
     elif "prompt" in obj:
@@ -130,14 +135,18 @@ def read_prompts(path: str | Path) -> list[BenchPrompt]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise SpecdraftError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+                raise SpecdraftError(
+                    f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})"
+                ) from None
             prompts.append(_parse_line(obj, path, lineno))
     if not prompts:
         raise SpecdraftError(f"prompt file {path} has no prompts")
     return prompts
 
 
-def select(prompts: list[BenchPrompt], categories: list[str] | None = None, limit: int | None = None) -> list[BenchPrompt]:
+def select(
+    prompts: list[BenchPrompt], categories: list[str] | None = None, limit: int | None = None
+) -> list[BenchPrompt]:
     """Keep the given categories (all when None) and the first ``limit`` prompts of each.
 
     Raises:
@@ -147,7 +156,9 @@ def select(prompts: list[BenchPrompt], categories: list[str] | None = None, limi
     if categories:
         unknown = [c for c in categories if c not in present]
         if unknown:
-            raise SpecdraftError(f"unknown categor{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}: the file has {', '.join(present)}")
+            raise SpecdraftError(
+                f"unknown categor{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}: the file has {', '.join(present)}"
+            )
         prompts = [p for p in prompts if p.category in categories]
     if limit is not None:
         if limit < 1:
@@ -162,7 +173,9 @@ def select(prompts: list[BenchPrompt], categories: list[str] | None = None, limi
     return prompts
 
 
-def load_prompts(path: str | Path | None = None, categories: list[str] | None = None, limit: int | None = None) -> list[BenchPrompt]:
+def load_prompts(
+    path: str | Path | None = None, categories: list[str] | None = None, limit: int | None = None
+) -> list[BenchPrompt]:
     """:func:`read_prompts` then :func:`select`; ``path=None`` is the Spec-Bench suite."""
     return select(read_prompts(path or default_prompts_path()), categories, limit)
 

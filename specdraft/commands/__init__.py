@@ -61,12 +61,25 @@ def draft_spec(text: str) -> str:
 
 def add_model_arguments(p: argparse.ArgumentParser, draft: bool = True) -> None:
     """--target, --draft, --k, --dtype, --threads, --runtime: the options every command shares."""
-    p.add_argument("--target", default=DEFAULT_TARGET, help="model alias (smollm2-135m, gemma3-270m), HF directory or GGUF path")
+    p.add_argument(
+        "--target",
+        default=DEFAULT_TARGET,
+        help="model alias (smollm2-135m, gemma3-270m), HF directory or GGUF path",
+    )
     if draft:
         p.add_argument("--draft", type=draft_spec, default="default", help=registry.usage())
-        p.add_argument("--k", type=k_spec, default="auto", help="draft length: 'auto' (cost-aware, the default: measures latency and acceptance and picks k, 0 included), an integer >= 0 or 'heuristic'")
-    p.add_argument("--dtype", default="auto", choices=dtypes.choices("target"), help=dtypes.help_text("target"))
-    p.add_argument("--draft-dtype", default="auto", choices=dtypes.choices("draft"), help=dtypes.help_text("draft"))
+        p.add_argument(
+            "--k",
+            type=k_spec,
+            default="auto",
+            help="draft length: 'auto' (cost-aware, the default: measures latency and acceptance and picks k, 0 included), an integer >= 0 or 'heuristic'",
+        )
+    p.add_argument(
+        "--dtype", default="auto", choices=dtypes.choices("target"), help=dtypes.help_text("target")
+    )
+    p.add_argument(
+        "--draft-dtype", default="auto", choices=dtypes.choices("draft"), help=dtypes.help_text("draft")
+    )
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
     p.add_argument("--runtime", default="auto", choices=["auto", "compact", "hf"], help="model runtime")
 

@@ -16,16 +16,36 @@ HELP = "benchmark speculative vs plain decoding on Spec-Bench prompts (optionall
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     add_sampling_arguments(p)
-    p.add_argument("--prompts", default=None,
-                   help="JSONL prompt file (default: Spec-Bench spec_bench/question.jsonl from "
-                        "$SPECDRAFT_DATA or ../shared/data, else the 52-question slice in specdraft/data)")
+    p.add_argument(
+        "--prompts",
+        default=None,
+        help="JSONL prompt file (default: Spec-Bench spec_bench/question.jsonl from "
+        "$SPECDRAFT_DATA or ../shared/data, else the 52-question slice in specdraft/data)",
+    )
     p.add_argument("--categories", default=None, help="comma-separated categories to keep (default: all)")
     p.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
     p.add_argument("--max-new-tokens", type=positive_int, default=128, help="generation budget per turn")
-    p.add_argument("--baselines", default="", help="'hf': also transformers generate plain, assisted and prompt lookup")
-    p.add_argument("--long-prompts", default="truncate", choices=["truncate", "skip"], help="prompts longer than the context window")
-    p.add_argument("--max-prompt-tokens", type=int, default=None, help="truncate/skip prompts longer than this (default: context window)")
-    p.add_argument("--tolerance", type=float, default=None, help="near-tie margin for the equality check (default: 0 in fp32, 1.0 in bf16)")
+    p.add_argument(
+        "--baselines", default="", help="'hf': also transformers generate plain, assisted and prompt lookup"
+    )
+    p.add_argument(
+        "--long-prompts",
+        default="truncate",
+        choices=["truncate", "skip"],
+        help="prompts longer than the context window",
+    )
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="truncate/skip prompts longer than this (default: context window)",
+    )
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="near-tie margin for the equality check (default: 0 in fp32, 1.0 in bf16)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON to OUT")
     p.add_argument("--markdown", default=None, metavar="OUT", help="also write the markdown table to OUT")
@@ -34,10 +54,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def reproducing_command(args: argparse.Namespace) -> str:
     """The ``specdraft bench`` command line that reproduces this run (options spelled out)."""
     parts = ["specdraft", "bench", "--target", args.target, "--draft", args.draft, "--k", str(args.k)]
-    parts += ["--dtype", args.dtype, "--draft-dtype", args.draft_dtype, "--max-new-tokens", str(args.max_new_tokens)]
-    for flag, value in (("--threads", args.threads), ("--prompts", args.prompts), ("--categories", args.categories),
-                        ("--limit", args.limit), ("--baselines", args.baselines or None),
-                        ("--max-prompt-tokens", args.max_prompt_tokens), ("--tolerance", args.tolerance)):
+    parts += [
+        "--dtype",
+        args.dtype,
+        "--draft-dtype",
+        args.draft_dtype,
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+    ]
+    for flag, value in (
+        ("--threads", args.threads),
+        ("--prompts", args.prompts),
+        ("--categories", args.categories),
+        ("--limit", args.limit),
+        ("--baselines", args.baselines or None),
+        ("--max-prompt-tokens", args.max_prompt_tokens),
+        ("--tolerance", args.tolerance),
+    ):
         if value is not None:
             parts += [flag, str(value)]
     if args.runtime != "auto":
@@ -45,7 +78,14 @@ def reproducing_command(args: argparse.Namespace) -> str:
     if args.long_prompts != "truncate":
         parts += ["--long-prompts", args.long_prompts]
     if args.temperature:
-        parts += ["--temperature", str(args.temperature), "--top-k", str(args.top_k), "--top-p", str(args.top_p)]
+        parts += [
+            "--temperature",
+            str(args.temperature),
+            "--top-k",
+            str(args.top_k),
+            "--top-p",
+            str(args.top_p),
+        ]
         if args.seed is not None:
             parts += ["--seed", str(args.seed)]
     return shlex.join(parts)
@@ -68,7 +108,14 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     prompts = load_prompts(args.prompts, parse_categories(args.categories), args.limit)
-    pipe = api.load(args.target, args.draft, dtype=args.dtype, runtime=args.runtime, threads=args.threads, draft_dtype=args.draft_dtype)
+    pipe = api.load(
+        args.target,
+        args.draft,
+        dtype=args.dtype,
+        runtime=args.runtime,
+        threads=args.threads,
+        draft_dtype=args.draft_dtype,
+    )
     result = run_bench(pipe, prompts, options)
     result.config["command"] = reproducing_command(args)
     table = markdown_table(result)

@@ -21,13 +21,25 @@ HELP = "check that greedy speculative output equals plain greedy output (bf16: u
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompts", help="prompt file: JSONL (Spec-Bench 'turns' or 'prompt'; first turn used) or one prompt per line")
+    src.add_argument(
+        "--prompts",
+        help="prompt file: JSONL (Spec-Bench 'turns' or 'prompt'; first turn used) or one prompt per line",
+    )
     src.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts of the file")
     p.add_argument("--max-new-tokens", type=positive_int, default=32)
-    p.add_argument("--tol", type=float, default=None, help="near-tie margin (default: 0 in fp32, lossless.DEFAULT_TOLERANCE otherwise)")
+    p.add_argument(
+        "--tol",
+        type=float,
+        default=None,
+        help="near-tie margin (default: 0 in fp32, lossless.DEFAULT_TOLERANCE otherwise)",
+    )
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    p.add_argument("--drift", action="store_true", help="also measure the logit drift of (k + 1)-token vs 1-token forwards")
+    p.add_argument(
+        "--drift",
+        action="store_true",
+        help="also measure the logit drift of (k + 1)-token vs 1-token forwards",
+    )
 
 
 def read_prompt_file(path: str, limit: int | None = None) -> list[str]:
@@ -55,11 +67,20 @@ def run(args: argparse.Namespace) -> int:
     prompts = read_prompt_file(args.prompts, args.limit) if args.prompts else args.prompt
     if any(not p.strip() for p in prompts):
         raise SpecdraftError("empty prompt")
-    pipe = api.load(args.target, args.draft, dtype=args.dtype, runtime=args.runtime, threads=args.threads, draft_dtype=args.draft_dtype)
+    pipe = api.load(
+        args.target,
+        args.draft,
+        dtype=args.dtype,
+        runtime=args.runtime,
+        threads=args.threads,
+        draft_dtype=args.draft_dtype,
+    )
     if pipe.drafter is None:
         raise SpecdraftError("--draft none has nothing to check: give a drafter")
     tol = args.tol if args.tol is not None else lossless.default_tolerance(pipe.runtime.dtype)
-    print(f"target {pipe.target.source}; draft {pipe.draft_spec}; k {args.k}; {pipe.runtime}; tolerance {tol}")
+    print(
+        f"target {pipe.target.source}; draft {pipe.draft_spec}; k {args.k}; {pipe.runtime}; tolerance {tol}"
+    )
 
     counts = {c: 0 for c in (lossless.IDENTICAL, lossless.TIE_DIVERGENT, lossless.DIVERGENT)}
     drift_abs = drift_shift = None

@@ -35,15 +35,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
     p.add_argument("--limit", type=int, default=1, help="questions per Spec-Bench category")
     p.add_argument("--max-new-tokens", type=positive_int, default=32, help="generation budget per turn")
-    p.add_argument("--max-prompt-tokens", type=int, default=256, help="longer prompts (rag, summarization) are truncated")
+    p.add_argument(
+        "--max-prompt-tokens", type=int, default=256, help="longer prompts (rag, summarization) are truncated"
+    )
     p.add_argument("--prompts", default=None, help="JSONL prompt file (default: Spec-Bench)")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--baselines", dest="baselines", action="store_true", default=False,
-                   help="also run the transformers baselines (generate, assisted generation, prompt lookup): three "
-                        "more runs of each question, so on 2 cores only part of the 13 questions fit the time budget")
+    g.add_argument(
+        "--baselines",
+        dest="baselines",
+        action="store_true",
+        default=False,
+        help="also run the transformers baselines (generate, assisted generation, prompt lookup): three "
+        "more runs of each question, so on 2 cores only part of the 13 questions fit the time budget",
+    )
     g.add_argument("--no-baselines", dest="baselines", action="store_false", help="skip them (the default)")
-    p.add_argument("--time-budget", type=float, default=270.0,
-                   help="seconds for the whole demo: the bench starts no new question once the profile and report would not fit")
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=270.0,
+        help="seconds for the whole demo: the bench starts no new question once the profile and report would not fit",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,9 +69,19 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prompts = load_prompts(args.prompts, None, args.limit)
-    pipe = api.load(args.target, args.draft, dtype=args.dtype, runtime=args.runtime, threads=args.threads, draft_dtype=args.draft_dtype)
-    print(f"target {pipe.target.name} ({pipe.target.source}); draft {pipe.draft_spec}; k {args.k}; {pipe.runtime}; "
-          f"{args.threads} thread(s)", file=sys.stderr)
+    pipe = api.load(
+        args.target,
+        args.draft,
+        dtype=args.dtype,
+        runtime=args.runtime,
+        threads=args.threads,
+        draft_dtype=args.draft_dtype,
+    )
+    print(
+        f"target {pipe.target.name} ({pipe.target.source}); draft {pipe.draft_spec}; k {args.k}; {pipe.runtime}; "
+        f"{args.threads} thread(s)",
+        file=sys.stderr,
+    )
     print(f"bench: {len(prompts)} questions, {args.max_new_tokens} new tokens per turn", file=sys.stderr)
 
     options = BenchOptions(
@@ -74,7 +95,10 @@ def run(args: argparse.Namespace) -> int:
     notes: list[str] = []
     result = run_bench(pipe, prompts, options, log=notes.append)
     if result.skipped:
-        print(f"note: {len(result.skipped)} of {len(prompts)} questions not run ({notes[-1] if notes else 'skipped'})", file=sys.stderr)
+        print(
+            f"note: {len(result.skipped)} of {len(prompts)} questions not run ({notes[-1] if notes else 'skipped'})",
+            file=sys.stderr,
+        )
     result.config["command"] = _command(args)
     table = markdown_table(result)
     bench_json = out / "bench.json"
@@ -83,7 +107,9 @@ def run(args: argparse.Namespace) -> int:
     print(table)
 
     k = options.fixed_k or 8
-    profile = profile_pipeline(pipe, batch_sizes=(1,), new_tokens=(1, 2, k + 1), context=200, repeats=5, warmup=1)
+    profile = profile_pipeline(
+        pipe, batch_sizes=(1,), new_tokens=(1, 2, k + 1), context=200, repeats=5, warmup=1
+    )
     profile_json = out / "profile.json"
     profile.save(profile_json)
     print("\n" + profile.table())
@@ -115,8 +141,28 @@ def demo_threads() -> int:
 
 
 def _command(args: argparse.Namespace) -> str:
-    parts = ["specdraft", "demo", "--target", args.target, "--draft", args.draft, "--k", str(args.k), "--dtype", args.dtype, "--draft-dtype", args.draft_dtype]
-    parts += ["--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens), "--max-prompt-tokens", str(args.max_prompt_tokens)]
+    parts = [
+        "specdraft",
+        "demo",
+        "--target",
+        args.target,
+        "--draft",
+        args.draft,
+        "--k",
+        str(args.k),
+        "--dtype",
+        args.dtype,
+        "--draft-dtype",
+        args.draft_dtype,
+    ]
+    parts += [
+        "--limit",
+        str(args.limit),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--max-prompt-tokens",
+        str(args.max_prompt_tokens),
+    ]
     parts += ["--time-budget", f"{args.time_budget:g}"]
     if args.threads is not None:
         parts += ["--threads", str(args.threads)]
@@ -132,6 +178,8 @@ def _write_report(out: Path, bench_json: Path, profile_json: Path) -> Path | Non
     try:
         from specdraft.study.report import write_report
     except ImportError:  # the study package is optional for the bench itself
-        print("report: specdraft.study.report is not available; the bench table is in bench.md", file=sys.stderr)
+        print(
+            "report: specdraft.study.report is not available; the bench table is in bench.md", file=sys.stderr
+        )
         return None
     return Path(write_report([bench_json, profile_json], out))

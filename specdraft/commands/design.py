@@ -1,10 +1,10 @@
 """``specdraft design``: derive a draft from a target (search, prune, build, export, compare).
 
-    specdraft design data     --prompts 512                      # the target's answers, cached
-    specdraft design search   --max-depth 4                      # which layers to keep (predicted tok/s)
-    specdraft design build    --layers 0 --head 8192 --steps 400 --out drafts/my-draft
-    specdraft design export   drafts/my-draft --out /tmp/my-draft-hf   # for transformers / vLLM / SGLang
-    specdraft design compare  --budget-layers 2 --deep 4             # depth vs width at equal parameters
+specdraft design data     --prompts 512                      # the target's answers, cached
+specdraft design search   --max-depth 4                      # which layers to keep (predicted tok/s)
+specdraft design build    --layers 0 --head 8192 --steps 400 --out drafts/my-draft
+specdraft design export   drafts/my-draft --out /tmp/my-draft-hf   # for transformers / vLLM / SGLang
+specdraft design compare  --budget-layers 2 --deep 4             # depth vs width at equal parameters
 """
 
 from __future__ import annotations
@@ -29,12 +29,21 @@ def _layers(text: str) -> list[int]:
 
 
 def _data_args(p: argparse.ArgumentParser, prompts: int) -> None:
-    p.add_argument("--prompts", type=int, default=prompts, help="training prompts answered by the target (see --sources)")
-    p.add_argument("--sources", default="gsm8k,hellaswag",
-                   help="prompt sources, round-robin: gsm8k, hellaswag, self (requests the target writes itself, Magpie-style)")
+    p.add_argument(
+        "--prompts", type=int, default=prompts, help="training prompts answered by the target (see --sources)"
+    )
+    p.add_argument(
+        "--sources",
+        default="gsm8k,hellaswag",
+        help="prompt sources, round-robin: gsm8k, hellaswag, self (requests the target writes itself, Magpie-style)",
+    )
     p.add_argument("--gen-dtype", choices=dtypes.choices("gen"), default="same", help=dtypes.help_text("gen"))
-    p.add_argument("--val-prompts", type=int, default=48, help="held-out prompts for validation / calibration")
-    p.add_argument("--max-new-tokens", type=positive_int, default=160, help="answer length cap when generating data")
+    p.add_argument(
+        "--val-prompts", type=int, default=48, help="held-out prompts for validation / calibration"
+    )
+    p.add_argument(
+        "--max-new-tokens", type=positive_int, default=160, help="answer length cap when generating data"
+    )
     p.add_argument("--gen-batch", type=int, default=32, help="rows decoded together when generating data")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -46,22 +55,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(d, draft=False)
     _data_args(d, 512)
 
-    s = sub.add_parser("search", help="search layer subsets by predicted throughput (untrained, layer-pruned)")
+    s = sub.add_parser(
+        "search", help="search layer subsets by predicted throughput (untrained, layer-pruned)"
+    )
     add_model_arguments(s, draft=False)
     _data_args(s, 0)
     s.add_argument("--max-depth", type=int, default=4)
-    s.add_argument("--beam", type=int, default=1, help="subsets kept per depth (0: evaluate only --candidates)")
-    s.add_argument("--candidates", default=None, help="extra subsets to evaluate, e.g. '0,1,2,29;0,29' (default: first d-1 layers + last)")
+    s.add_argument(
+        "--beam", type=int, default=1, help="subsets kept per depth (0: evaluate only --candidates)"
+    )
+    s.add_argument(
+        "--candidates",
+        default=None,
+        help="extra subsets to evaluate, e.g. '0,1,2,29;0,29' (default: first d-1 layers + last)",
+    )
     s.add_argument("--k-max", type=int, default=8)
     s.add_argument("--json", type=Path, default=None, help="write every candidate here")
 
-    b = sub.add_parser("build", help="prune, shrink the head, distil (offline, then on-policy) and save a draft")
+    b = sub.add_parser(
+        "build", help="prune, shrink the head, distil (offline, then on-policy) and save a draft"
+    )
     add_model_arguments(b, draft=False)
     _data_args(b, 512)
-    b.add_argument("--layers", type=_layers, required=True, help="target layers to start from, e.g. 0 or 0,1,2,29")
-    b.add_argument("--head", type=int, default=8192, help="head size: the N most frequent answer tokens (0 = full vocabulary)")
-    b.add_argument("--kind", choices=["layers", "feature"], default="layers",
-                   help="layers: a token-level draft; feature: EAGLE-style, also reads the target's final hidden state")
+    b.add_argument(
+        "--layers", type=_layers, required=True, help="target layers to start from, e.g. 0 or 0,1,2,29"
+    )
+    b.add_argument(
+        "--head",
+        type=int,
+        default=8192,
+        help="head size: the N most frequent answer tokens (0 = full vocabulary)",
+    )
+    b.add_argument(
+        "--kind",
+        choices=["layers", "feature"],
+        default="layers",
+        help="layers: a token-level draft; feature: EAGLE-style, also reads the target's final hidden state",
+    )
     b.add_argument("--kv-heads", type=int, default=None, help="width pruning: key/value head groups kept")
     b.add_argument("--q-per-kv", type=int, default=None, help="width pruning: query heads kept per group")
     b.add_argument("--ffn", type=int, default=None, help="width pruning: FFN channels kept")
@@ -71,22 +101,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--checkpoint-every", type=int, default=25)
     b.add_argument("--eval-every", type=int, default=50)
-    b.add_argument("--on-policy-rounds", type=int, default=0, help="on-policy rounds after offline distillation")
+    b.add_argument(
+        "--on-policy-rounds", type=int, default=0, help="on-policy rounds after offline distillation"
+    )
     b.add_argument("--on-policy-prompts", type=int, default=8, help="prompts decoded per on-policy round")
     b.add_argument("--save-dtype", choices=["fp32", "bf16"], default="fp32")
     b.add_argument("--out", type=Path, required=True, help="draft directory to write")
-    b.add_argument("--work", type=Path, default=None, help="checkpoint directory (default <out>.work); a rerun resumes")
+    b.add_argument(
+        "--work", type=Path, default=None, help="checkpoint directory (default <out>.work); a rerun resumes"
+    )
 
     e = sub.add_parser("export", help="write a self-contained transformers directory (embedding included)")
     e.add_argument("draft", help="draft directory or drafts/ name")
     add_model_arguments(e, draft=False)
     e.add_argument("--out", type=Path, required=True)
 
-    c = sub.add_parser("compare", help="depth vs width at equal parameter count: latency, acceptance, predicted throughput")
+    c = sub.add_parser(
+        "compare", help="depth vs width at equal parameter count: latency, acceptance, predicted throughput"
+    )
     add_model_arguments(c, draft=False)
     _data_args(c, 0)
-    c.add_argument("--budget-layers", type=int, default=2, help="the shallow-wide draft: this many full-width layers")
-    c.add_argument("--deep", type=_layers, default=[4], help="depths of the deep-narrow drafts (comma-separated)")
+    c.add_argument(
+        "--budget-layers", type=int, default=2, help="the shallow-wide draft: this many full-width layers"
+    )
+    c.add_argument(
+        "--deep", type=_layers, default=[4], help="depths of the deep-narrow drafts (comma-separated)"
+    )
     c.add_argument("--q-per-kv", type=int, default=None, help="query heads per group in the narrow drafts")
     c.add_argument("--kv-heads", type=int, default=None, help="key/value groups in the narrow drafts")
     c.add_argument("--steps", type=int, default=0, help="distillation steps for each draft (0 = untrained)")
@@ -112,12 +152,20 @@ def _data_kw(args) -> dict:
     """target_data keywords shared by every design action."""
     from specdraft.design.data import parse_sources
 
-    return dict(max_new_tokens=args.max_new_tokens, batch_size=args.gen_batch, sources=parse_sources(args.sources),
-                gen_dtype=dtypes.torch_dtype(args.gen_dtype), hidden=True, progress=not args.quiet)
+    return dict(
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.gen_batch,
+        sources=parse_sources(args.sources),
+        gen_dtype=dtypes.torch_dtype(args.gen_dtype),
+        hidden=True,
+        progress=not args.quiet,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    return {"data": _data, "search": _search, "build": _build, "export": _export, "compare": _compare}[args.action](args)
+    return {"data": _data, "search": _search, "build": _build, "export": _export, "compare": _compare}[
+        args.action
+    ](args)
 
 
 def _data(args) -> int:
@@ -138,13 +186,28 @@ def _search(args) -> int:
     calib = target_data(pipe, n_prompts=args.val_prompts, split="val", **_data_kw(args))
     log = None if args.quiet else (lambda line: print(line, file=sys.stderr))
     extra = [_layers(x) for x in args.candidates.split(";")] if args.candidates else None
-    cands = search_layers(pipe.runtime.w, calib, max_depth=args.max_depth, beam=args.beam, k_max=args.k_max, extra=extra, log=log)
+    cands = search_layers(
+        pipe.runtime.w,
+        calib,
+        max_depth=args.max_depth,
+        beam=args.beam,
+        k_max=args.k_max,
+        extra=extra,
+        log=log,
+    )
     print(f"{'layers':<22} {'alpha':>6} {'T_draft ms':>10} {'k':>2} {'pred tok/s':>10} {'speedup':>7}")
     for c in cands[:10]:
-        print(f"{','.join(map(str, c.layers)):<22} {c.alpha:6.3f} {c.t_draft * 1e3:10.2f} {c.k:2d} {c.tokens_per_s:10.1f} {c.speedup:7.2f}")
+        print(
+            f"{','.join(map(str, c.layers)):<22} {c.alpha:6.3f} {c.t_draft * 1e3:10.2f} {c.k:2d} {c.tokens_per_s:10.1f} {c.speedup:7.2f}"
+        )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"calibration_tokens": calib.num_response_tokens, "candidates": [c.as_dict() for c in cands]}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {"calibration_tokens": calib.num_response_tokens, "candidates": [c.as_dict() for c in cands]},
+                indent=1,
+            )
+        )
     return 0
 
 
@@ -156,13 +219,30 @@ def _build(args) -> int:
     if args.out.exists() and any(args.out.iterdir()) and not (args.out / "specdraft.json").is_file():
         raise SpecdraftError(f"{args.out} exists and is not a draft directory; choose another --out")
     cfg = BuildConfig(
-        layers=args.layers, head=args.head, kv_heads=args.kv_heads, q_per_kv=args.q_per_kv, ffn=args.ffn,
-        prompts=args.prompts, val_prompts=args.val_prompts, max_new_tokens=args.max_new_tokens, gen_batch=args.gen_batch,
-        sources=parse_sources(args.sources), gen_dtype=args.gen_dtype,
-        train=TrainConfig(steps=max(args.steps, 1), batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                          checkpoint_every=args.checkpoint_every, eval_every=args.eval_every),
-        on_policy=OnPolicyConfig(rounds=args.on_policy_rounds, prompts_per_round=args.on_policy_prompts, seed=args.seed),
-        dtype=args.save_dtype, kind=args.kind,
+        layers=args.layers,
+        head=args.head,
+        kv_heads=args.kv_heads,
+        q_per_kv=args.q_per_kv,
+        ffn=args.ffn,
+        prompts=args.prompts,
+        val_prompts=args.val_prompts,
+        max_new_tokens=args.max_new_tokens,
+        gen_batch=args.gen_batch,
+        sources=parse_sources(args.sources),
+        gen_dtype=args.gen_dtype,
+        train=TrainConfig(
+            steps=max(args.steps, 1),
+            batch_size=args.batch_size,
+            lr=args.lr,
+            seed=args.seed,
+            checkpoint_every=args.checkpoint_every,
+            eval_every=args.eval_every,
+        ),
+        on_policy=OnPolicyConfig(
+            rounds=args.on_policy_rounds, prompts_per_round=args.on_policy_prompts, seed=args.seed
+        ),
+        dtype=args.save_dtype,
+        kind=args.kind,
     )
     if args.steps == 0:
         cfg.train.steps = 0
@@ -178,10 +258,15 @@ def _export(args) -> int:
     pipe = _pipe(args)
     draft, meta, extra = load_draft(src, pipe.target.model)
     if meta.kind != "layers":
-        raise SpecdraftError(f"{src} is a {meta.kind} draft: it exports only in its own format (copy the directory)")
-    save_draft(args.out, draft, read_meta(src), full=True,
-               add_files=lambda d: pipe.tokenizer.save_pretrained(str(d)))  # lands with the draft
-    print(f"wrote {args.out}: transformers AutoModelForCausalLM.from_pretrained loads it (embedding included)")
+        raise SpecdraftError(
+            f"{src} is a {meta.kind} draft: it exports only in its own format (copy the directory)"
+        )
+    save_draft(
+        args.out, draft, read_meta(src), full=True, add_files=lambda d: pipe.tokenizer.save_pretrained(str(d))
+    )  # lands with the draft
+    print(
+        f"wrote {args.out}: transformers AutoModelForCausalLM.from_pretrained loads it (embedding included)"
+    )
     return 0
 
 
@@ -189,13 +274,27 @@ def _compare(args) -> int:
     from specdraft.design.compare import compare_depth_width
 
     pipe = _pipe(args)
-    rows = compare_depth_width(pipe, budget_layers=args.budget_layers, deep=args.deep, kv_heads=args.kv_heads, q_per_kv=args.q_per_kv,
-                               steps=args.steps, lr=args.lr, head=args.head, prompts=args.prompts, val_prompts=args.val_prompts,
-                               data_kw=_data_kw(args))
+    rows = compare_depth_width(
+        pipe,
+        budget_layers=args.budget_layers,
+        deep=args.deep,
+        kv_heads=args.kv_heads,
+        q_per_kv=args.q_per_kv,
+        steps=args.steps,
+        lr=args.lr,
+        head=args.head,
+        prompts=args.prompts,
+        val_prompts=args.val_prompts,
+        data_kw=_data_kw(args),
+    )
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"kind": "depth_vs_width", "target": args.target, "rows": rows}, indent=1))
+    args.json.write_text(
+        json.dumps({"kind": "depth_vs_width", "target": args.target, "rows": rows}, indent=1)
+    )
     for r in rows:
-        print(f"{r['name']:<28} params {r['params'] / 1e6:5.2f} M  T_draft {r['t_draft_ms']:6.2f} ms  alpha {r['alpha']:.3f}  "
-              f"predicted {r['predicted_tokens_per_s']:6.1f} tok/s ({r['predicted_speedup']:.2f}x, k={r['k']})")
+        print(
+            f"{r['name']:<28} params {r['params'] / 1e6:5.2f} M  T_draft {r['t_draft_ms']:6.2f} ms  alpha {r['alpha']:.3f}  "
+            f"predicted {r['predicted_tokens_per_s']:6.1f} tok/s ({r['predicted_speedup']:.2f}x, k={r['k']})"
+        )
     print(f"wrote {args.json}")
     return 0

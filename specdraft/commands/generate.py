@@ -32,11 +32,20 @@ def run(args: argparse.Namespace) -> int:
     if not prompt.strip():
         raise SpecdraftError("empty prompt")
     params = sampling_from_args(args)
-    pipe = api.load(args.target, args.draft, dtype=args.dtype, runtime=args.runtime, threads=args.threads, draft_dtype=args.draft_dtype)
+    pipe = api.load(
+        args.target,
+        args.draft,
+        dtype=args.dtype,
+        runtime=args.runtime,
+        threads=args.threads,
+        draft_dtype=args.draft_dtype,
+    )
     engine = pipe.engine(args.k)
     chat = False if args.no_chat else None
     text, tokens = [], []
-    for d in pipe.stream(prompt, max_new_tokens=args.max_new_tokens, params=params, stop=args.stop, chat=chat, engine=engine):
+    for d in pipe.stream(
+        prompt, max_new_tokens=args.max_new_tokens, params=params, stop=args.stop, chat=chat, engine=engine
+    ):
         text.append(d.text)
         tokens += d.tokens
         if args.json:

@@ -45,7 +45,14 @@ def run(args: argparse.Namespace) -> int:
     from specdraft.bench.profile import profile_pipeline
 
     batch, new_tokens = int_list(args.batch), int_list(args.new_tokens)
-    pipe = api.load(args.target, args.draft, dtype=args.dtype, runtime=args.runtime, threads=args.threads, draft_dtype=args.draft_dtype)
+    pipe = api.load(
+        args.target,
+        args.draft,
+        dtype=args.dtype,
+        runtime=args.runtime,
+        threads=args.threads,
+        draft_dtype=args.draft_dtype,
+    )
     prof = profile_pipeline(
         pipe,
         batch_sizes=batch,

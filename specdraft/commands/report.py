@@ -9,7 +9,9 @@ HELP = "write REPORT.md with plots from study results (JSONL), bench JSON and pr
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("results", nargs="+", help="study results.jsonl, `specdraft bench --json` files, profile JSON files")
+    p.add_argument(
+        "results", nargs="+", help="study results.jsonl, `specdraft bench --json` files, profile JSON files"
+    )
     p.add_argument("--out", default=None, help="output directory (default: the first input's directory)")
 
 

@@ -14,11 +14,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port, default=8000, help="0 picks a free port (printed on stderr)")
-    p.add_argument("--max-batch", type=int, default=16, help="requests decoded together (1 for non-Llama targets)")
+    p.add_argument(
+        "--max-batch", type=int, default=16, help="requests decoded together (1 for non-Llama targets)"
+    )
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a batch row before 429")
     p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: --target)")
-    p.add_argument("--shutdown-grace", type=float, default=5.0, help="seconds in-flight requests may finish after SIGTERM")
+    p.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=5.0,
+        help="seconds in-flight requests may finish after SIGTERM",
+    )
     p.add_argument(
         "--api-key",
         default=None,
@@ -53,5 +60,12 @@ def run(args: argparse.Namespace) -> int:
         api_key=api_key(args),
         request_timeout=args.request_timeout,
     )
-    pipe = api.load(args.target, args.draft, dtype=args.dtype, runtime=args.runtime, threads=args.threads, draft_dtype=args.draft_dtype)
+    pipe = api.load(
+        args.target,
+        args.draft,
+        dtype=args.dtype,
+        runtime=args.runtime,
+        threads=args.threads,
+        draft_dtype=args.draft_dtype,
+    )
     return run_server(create_app(pipe, config), args.host, args.port, args.log_level)

@@ -37,38 +37,93 @@ def _ints(text: str) -> list[int]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help="target model alias, HF directory or GGUF path")
-    p.add_argument("--drafts", default=None,
-                   help="semicolon-separated draft specs replacing the defaults (layer-pruned self drafts and lookup)")
-    p.add_argument("--draft", action="append", default=[], metavar="SPEC",
-                   help="add a draft (repeatable), e.g. a designed draft's directory")
+    p.add_argument(
+        "--drafts",
+        default=None,
+        help="semicolon-separated draft specs replacing the defaults (layer-pruned self drafts and lookup)",
+    )
+    p.add_argument(
+        "--draft",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="add a draft (repeatable), e.g. a designed draft's directory",
+    )
     p.add_argument("--k", type=_ints, default=list(range(1, 9)), help="draft lengths (default 1-8)")
     p.add_argument("--batch", type=_ints, default=[1, 2, 4, 8], help="batch sizes (default 1,2,4,8)")
-    p.add_argument("--datasets", default=None,
-                   help="comma-separated dataset names (Spec-Bench categories, hellaswag); default all")
-    p.add_argument("--spec-bench", default=None,
-                   help="Spec-Bench question file (default: spec_bench/question.jsonl from $SPECDRAFT_DATA "
-                        "or ../shared/data, else the slice in specdraft/data); 'none' to leave out")
-    p.add_argument("--hellaswag", default=None,
-                   help="HellaSwag prompt file (default: hellaswag_prompts.jsonl from $SPECDRAFT_DATA or "
-                        "../shared/data, else the slice in specdraft/data); 'none' to leave out")
+    p.add_argument(
+        "--datasets",
+        default=None,
+        help="comma-separated dataset names (Spec-Bench categories, hellaswag); default all",
+    )
+    p.add_argument(
+        "--spec-bench",
+        default=None,
+        help="Spec-Bench question file (default: spec_bench/question.jsonl from $SPECDRAFT_DATA "
+        "or ../shared/data, else the slice in specdraft/data); 'none' to leave out",
+    )
+    p.add_argument(
+        "--hellaswag",
+        default=None,
+        help="HellaSwag prompt file (default: hellaswag_prompts.jsonl from $SPECDRAFT_DATA or "
+        "../shared/data, else the slice in specdraft/data); 'none' to leave out",
+    )
     p.add_argument("--prompts-per-dataset", type=int, default=8)
-    p.add_argument("--heldout", type=int, default=16, help="held-out HellaSwag prompts for draft perplexity/agreement")
+    p.add_argument(
+        "--heldout", type=int, default=16, help="held-out HellaSwag prompts for draft perplexity/agreement"
+    )
     p.add_argument("--max-new-tokens", type=int, default=64, help="length of each cached target continuation")
-    p.add_argument("--max-prompt-tokens", type=int, default=1024, help="longer prompts are truncated in the middle")
-    p.add_argument("--contexts", type=_ints, default=None,
-                   help="context lengths at which latencies are profiled (default: 32 and max-prompt-tokens + max-new-tokens)")
+    p.add_argument(
+        "--max-prompt-tokens", type=int, default=1024, help="longer prompts are truncated in the middle"
+    )
+    p.add_argument(
+        "--contexts",
+        type=_ints,
+        default=None,
+        help="context lengths at which latencies are profiled (default: 32 and max-prompt-tokens + max-new-tokens)",
+    )
     p.add_argument("--profile-repeats", type=int, default=5)
-    p.add_argument("--dtype", default="auto", choices=dtypes.choices("study-target"), help=dtypes.help_text("study-target"))
-    p.add_argument("--draft-dtype", default="same", choices=dtypes.choices("study-draft"),
-                   help=dtypes.help_text("study-draft"))
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=dtypes.choices("study-target"),
+        help=dtypes.help_text("study-target"),
+    )
+    p.add_argument(
+        "--draft-dtype",
+        default="same",
+        choices=dtypes.choices("study-draft"),
+        help=dtypes.help_text("study-draft"),
+    )
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads per process (default 1)")
-    p.add_argument("--executor", default="local", choices=["local", "ray"], help="local process pool or Ray tasks")
-    p.add_argument("--address", default=None, help="Ray cluster address (with --executor ray); default: start a local one")
-    p.add_argument("--workers", type=int, default=2, help="worker processes (local; 0 = in this process) or local Ray CPUs")
-    p.add_argument("--validate", type=int, default=8, help="configurations to validate with real engine runs (0: none)")
-    p.add_argument("--validate-prompts", type=int, default=None, help="prompts per validation run (default: the dataset's)")
-    p.add_argument("--validate-reprofile", action="store_true",
-                   help="re-measure latencies right before and after each validation run as well (separates drift from model error)")
+    p.add_argument(
+        "--executor", default="local", choices=["local", "ray"], help="local process pool or Ray tasks"
+    )
+    p.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster address (with --executor ray); default: start a local one",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=2,
+        help="worker processes (local; 0 = in this process) or local Ray CPUs",
+    )
+    p.add_argument(
+        "--validate", type=int, default=8, help="configurations to validate with real engine runs (0: none)"
+    )
+    p.add_argument(
+        "--validate-prompts",
+        type=int,
+        default=None,
+        help="prompts per validation run (default: the dataset's)",
+    )
+    p.add_argument(
+        "--validate-reprofile",
+        action="store_true",
+        help="re-measure latencies right before and after each validation run as well (separates drift from model error)",
+    )
     p.add_argument("--out", default="runs/study", help="output directory (results.jsonl goes there)")
     p.add_argument("--no-progress", action="store_true")
 
@@ -96,14 +151,23 @@ def run(args: argparse.Namespace) -> int:
     from specdraft import api
     from specdraft.study import datasets as ds
     from specdraft.study.store import ResultStore, row_key
-    from specdraft.study.sweep import StudyConfig, build_drafter, default_drafts, latency_rows, load_target, run_sweep
+    from specdraft.study.sweep import (
+        StudyConfig,
+        build_drafter,
+        default_drafts,
+        latency_rows,
+        load_target,
+        run_sweep,
+    )
     from specdraft.study.store import code_version
     from specdraft.study.validate import summarize, validate
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    dtype = "fp32" if api.resolve_dtype(args.dtype) == dtypes.torch_dtype("fp32") else "bf16"  # rows record the name
+    dtype = (
+        "fp32" if api.resolve_dtype(args.dtype) == dtypes.torch_dtype("fp32") else "bf16"
+    )  # rows record the name
     if args.prompts_per_dataset < 1 or args.heldout < 0 or args.max_new_tokens < 2:
         raise SpecdraftError("need --prompts-per-dataset >= 1, --heldout >= 0 and --max-new-tokens >= 2")
     t0 = time.perf_counter()
@@ -116,8 +180,18 @@ def run(args: argparse.Namespace) -> int:
         drafts = default_drafts(n_layers) if n_layers else ["lookup"]
     drafts = list(dict.fromkeys(drafts + args.draft))
     contexts = args.contexts or [32, args.max_prompt_tokens + args.max_new_tokens]
-    config = StudyConfig(args.target, dtype, args.threads, drafts, args.k, args.batch, args.max_new_tokens,
-                         contexts, args.profile_repeats, args.draft_dtype)
+    config = StudyConfig(
+        args.target,
+        dtype,
+        args.threads,
+        drafts,
+        args.k,
+        args.batch,
+        args.max_new_tokens,
+        contexts,
+        args.profile_repeats,
+        args.draft_dtype,
+    )
 
     for spec in drafts:  # a bad draft spec fails now, not after the target has generated continuations
         build_drafter(pipe, spec, config.draft_dtype)
@@ -128,33 +202,76 @@ def run(args: argparse.Namespace) -> int:
         return Path(value) if value else default()
 
     names = [n.strip() for n in args.datasets.split(",") if n.strip()] if args.datasets else None
-    texts, held = ds.select_prompts(path_or_default(args.spec_bench, ds.default_prompts_path),
-                                    path_or_default(args.hellaswag, ds.default_hellaswag_path),
-                                    names, args.prompts_per_dataset, args.heldout)
-    datasets, heldout = ds.build_datasets(pipe, texts, held, dtype=dtype, max_new_tokens=args.max_new_tokens,
-                                          max_prompt_tokens=args.max_prompt_tokens, k_max=config.k_max, log=log)
+    texts, held = ds.select_prompts(
+        path_or_default(args.spec_bench, ds.default_prompts_path),
+        path_or_default(args.hellaswag, ds.default_hellaswag_path),
+        names,
+        args.prompts_per_dataset,
+        args.heldout,
+    )
+    datasets, heldout = ds.build_datasets(
+        pipe,
+        texts,
+        held,
+        dtype=dtype,
+        max_new_tokens=args.max_new_tokens,
+        max_prompt_tokens=args.max_prompt_tokens,
+        k_max=config.k_max,
+        log=log,
+    )
     out = Path(args.out)
     store = ResultStore(out / "results.jsonl")
     n_cfg = len(drafts) * len(config.ks) * len(config.batches) * len(datasets)
-    log(f"study: {len(drafts)} drafts x {len(config.ks)} k x {len(config.batches)} batch sizes x {len(datasets)} datasets "
-        f"= {n_cfg} configurations; code {version}; results {store.path}")
+    log(
+        f"study: {len(drafts)} drafts x {len(config.ks)} k x {len(config.batches)} batch sizes x {len(datasets)} datasets "
+        f"= {n_cfg} configurations; code {version}; results {store.path}"
+    )
     command = reproducing_command(args)
-    store.append({"key": row_key({"kind": "run", "command": command, "started": time.time()}, version),
-                  "kind": "run", "command": command, "code_version": version,
-                  "started": time.strftime("%Y-%m-%d %H:%M:%S")})
-    summary = run_sweep(config, datasets, heldout, store, executor=args.executor, address=args.address,
-                        workers=args.workers, progress=not args.no_progress, log=log, version=version)
-    log(f"sweep: {summary.configurations} configurations, {summary.computed} rows computed in {summary.seconds:.0f} s "
-        f"({summary.tasks} offline passes)")
+    store.append(
+        {
+            "key": row_key({"kind": "run", "command": command, "started": time.time()}, version),
+            "kind": "run",
+            "command": command,
+            "code_version": version,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
+    )
+    summary = run_sweep(
+        config,
+        datasets,
+        heldout,
+        store,
+        executor=args.executor,
+        address=args.address,
+        workers=args.workers,
+        progress=not args.no_progress,
+        log=log,
+        version=version,
+    )
+    log(
+        f"sweep: {summary.configurations} configurations, {summary.computed} rows computed in {summary.seconds:.0f} s "
+        f"({summary.tasks} offline passes)"
+    )
     online = []
     if args.validate > 0:
         lat = latency_rows(config, version, store, pipe, log)
-        online = validate(config, {d.name: d for d in datasets}, lat, store, args.validate,
-                          prompts=args.validate_prompts, reprofile=args.validate_reprofile, log=log, version=version)
+        online = validate(
+            config,
+            {d.name: d for d in datasets},
+            lat,
+            store,
+            args.validate,
+            prompts=args.validate_prompts,
+            reprofile=args.validate_reprofile,
+            log=log,
+            version=version,
+        )
     s = summarize(online)
     total = time.perf_counter() - t0
-    print(f"configurations: {summary.configurations} (computed now: {summary.computed}); sweep {summary.seconds:.0f} s; "
-          f"total {total:.0f} s")
+    print(
+        f"configurations: {summary.configurations} (computed now: {summary.computed}); sweep {summary.seconds:.0f} s; "
+        f"total {total:.0f} s"
+    )
     if online:
         line = f"online validation: {s['validated']} configurations, median |predicted - measured| / measured = {s['median_relative_error']:.1%}"
         if "median_reprofiled_relative_error" in s:

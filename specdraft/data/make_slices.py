@@ -55,16 +55,40 @@ class Slice:
 
 
 SLICES = (
-    Slice("spec_bench/question.jsonl", "Spec-Bench", "question", "per_category", 4, 52, 480,
-          "4b6d33e79484f9841c487ee87d1cf6aa8c6066f61d5d482ff09e5a007fafdf04",
-          "the questions that `--limit 4` (the runs in results/) and `specdraft demo` (`--limit 1`) read"),
-    Slice("gsm8k/train.jsonl", "GSM8K train", "problem", "first", 400, 400, 7473,
-          "17f347dc51477c50d4efb83959dbb7c56297aba886e5544ee2aaed3024813465",
-          "200 training prompts and the 200 that `specdraft design` holds out for validation "
-          "(so a draft builds from up to 400 prompts, 200 per source)"),
-    Slice("hellaswag_prompts.jsonl", "HellaSwag prompts", "prompt", "last", 400, 400, 10003,
-          "e2b759b55ac03b9d47f415880a9bfae2c80cea12f81753d480f95e743069263f",
-          "as GSM8K; the last lines, because the study's workload and held-out prompts are the file's tail"),
+    Slice(
+        "spec_bench/question.jsonl",
+        "Spec-Bench",
+        "question",
+        "per_category",
+        4,
+        52,
+        480,
+        "4b6d33e79484f9841c487ee87d1cf6aa8c6066f61d5d482ff09e5a007fafdf04",
+        "the questions that `--limit 4` (the runs in results/) and `specdraft demo` (`--limit 1`) read",
+    ),
+    Slice(
+        "gsm8k/train.jsonl",
+        "GSM8K train",
+        "problem",
+        "first",
+        400,
+        400,
+        7473,
+        "17f347dc51477c50d4efb83959dbb7c56297aba886e5544ee2aaed3024813465",
+        "200 training prompts and the 200 that `specdraft design` holds out for validation "
+        "(so a draft builds from up to 400 prompts, 200 per source)",
+    ),
+    Slice(
+        "hellaswag_prompts.jsonl",
+        "HellaSwag prompts",
+        "prompt",
+        "last",
+        400,
+        400,
+        10003,
+        "e2b759b55ac03b9d47f415880a9bfae2c80cea12f81753d480f95e743069263f",
+        "as GSM8K; the last lines, because the study's workload and held-out prompts are the file's tail",
+    ),
 )
 BY_PATH = {s.path: s for s in SLICES}
 
@@ -119,12 +143,18 @@ def make_slices(source: Path, out: Path = HERE) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     from specdraft.bench.prompts import SHARED_DATA
 
-    p = argparse.ArgumentParser(prog="python -m specdraft.data.make_slices",
-                                description=__doc__.splitlines()[0])
-    p.add_argument("source", nargs="?", default=str(SHARED_DATA),
-                   help="folder of the full data files (default ../shared/data)")
-    p.add_argument("out", nargs="?", default=str(HERE),
-                   help="where to write the slices (default specdraft/data)")
+    p = argparse.ArgumentParser(
+        prog="python -m specdraft.data.make_slices", description=__doc__.splitlines()[0]
+    )
+    p.add_argument(
+        "source",
+        nargs="?",
+        default=str(SHARED_DATA),
+        help="folder of the full data files (default ../shared/data)",
+    )
+    p.add_argument(
+        "out", nargs="?", default=str(HERE), help="where to write the slices (default specdraft/data)"
+    )
     args = p.parse_args(argv)
     try:
         for path in make_slices(Path(args.source), Path(args.out)):

@@ -129,16 +129,26 @@ def check_compatible(meta: DraftMeta, target_model, where: str) -> None:
         )
     got = fingerprint(target_model.get_input_embeddings().weight)
     scale = max(abs(x) for x in meta.embed_fingerprint) + 1e-6
-    if any(not math.isclose(a, b, rel_tol=2e-2, abs_tol=2e-2 * scale) for a, b in zip(got, meta.embed_fingerprint)):
+    if any(
+        not math.isclose(a, b, rel_tol=2e-2, abs_tol=2e-2 * scale)
+        for a, b in zip(got, meta.embed_fingerprint)
+    ):
         raise SpecdraftError(
             f"draft {where} shares its embedding with {meta.target}, and this target's embedding differs: "
             "use the target it was designed for"
         )
 
 
-def save_draft(path: str | Path, draft, meta: DraftMeta, *, full: bool = False, dtype: torch.dtype | None = None,
-               extra: dict[str, torch.Tensor] | None = None,
-               add_files: Callable[[Path], None] | None = None) -> Path:
+def save_draft(
+    path: str | Path,
+    draft,
+    meta: DraftMeta,
+    *,
+    full: bool = False,
+    dtype: torch.dtype | None = None,
+    extra: dict[str, torch.Tensor] | None = None,
+    add_files: Callable[[Path], None] | None = None,
+) -> Path:
     """Write a draft directory (compact, or ``full`` with the shared embedding too), atomically.
 
     The whole directory is written under a temporary name beside ``path``, fsynced and renamed into
@@ -204,7 +214,9 @@ def read_meta(path: str | Path) -> DraftMeta:
     try:
         raw = json.loads(f.read_text())
         if raw.get("format") != FORMAT:
-            raise SpecdraftError(f"{f}: draft format {raw.get('format')} is not supported (expected {FORMAT})")
+            raise SpecdraftError(
+                f"{f}: draft format {raw.get('format')} is not supported (expected {FORMAT})"
+            )
         return DraftMeta(**raw)
     except (json.JSONDecodeError, TypeError) as e:
         raise SpecdraftError(f"{f} is corrupted ({e})") from None
@@ -240,7 +252,9 @@ def load_draft(path: str | Path, target_model, dtype: torch.dtype = torch.float3
     missing, unexpected = draft.load_state_dict(state, strict=False)
     missing = [m for m in missing if m not in SHARED_KEYS]
     if missing or unexpected:
-        raise SpecdraftError(f"draft {d} has the wrong tensors (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise SpecdraftError(
+            f"draft {d} has the wrong tensors (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
     bad = [k for k, t in state.items() if not torch.isfinite(t).all()]
     if bad:
         raise SpecdraftError(f"draft {d} is corrupted: non-finite values in {bad[0]}")

@@ -22,7 +22,14 @@ from specdraft.bench.prompts import REPO_ROOT, data_file, is_shipped_slice
 from specdraft.design.artifact import DraftMeta, save_draft
 from specdraft.design.data import SOURCE_FILES, SOURCES, TargetData, target_data, training_prompts
 from specdraft.design.prune import depth_prune, importance, param_count, width_prune
-from specdraft.design.train import DraftLM, OnPolicyConfig, TrainConfig, train_offline, train_on_policy, validate
+from specdraft.design.train import (
+    DraftLM,
+    OnPolicyConfig,
+    TrainConfig,
+    train_offline,
+    train_on_policy,
+    validate,
+)
 from specdraft.design.vocab import VocabSubset, token_counts, top_tokens
 from specdraft.errors import SpecdraftError
 
@@ -83,12 +90,16 @@ def source_name(source: str) -> str:
     return name
 
 
-def head_subset(data: TargetData, n: int, vocab_size: int, eos_ids, prompt_counts: torch.Tensor | None = None) -> VocabSubset | None:
+def head_subset(
+    data: TargetData, n: int, vocab_size: int, eos_ids, prompt_counts: torch.Tensor | None = None
+) -> VocabSubset | None:
     """The ``n`` tokens the target emits most often in ``data`` (EOS always in), ties broken by
     ``prompt_counts``; None for n = 0 (the full vocabulary)."""
     if n <= 0 or n >= vocab_size:
         return None
-    return top_tokens(token_counts(data.response_tokens(), vocab_size), n, always=tuple(eos_ids), secondary=prompt_counts)
+    return top_tokens(
+        token_counts(data.response_tokens(), vocab_size), n, always=tuple(eos_ids), secondary=prompt_counts
+    )
 
 
 def prompt_token_counts(pipe, n_prompts: int = 4000) -> torch.Tensor:
@@ -106,15 +117,25 @@ def make_draft(pipe, cfg: BuildConfig, calib: TargetData):
     c = model.config
     scores = importance(model, calib.tokens[:8], cfg.layers)
     return width_prune(
-        model, cfg.layers, scores,
+        model,
+        cfg.layers,
+        scores,
         kv_heads=cfg.kv_heads or c.num_key_value_heads,
         q_per_kv=cfg.q_per_kv or c.num_attention_heads // c.num_key_value_heads,
         ffn=cfg.ffn or c.intermediate_size,
     )
 
 
-def build_draft(pipe, cfg: BuildConfig, out: str | Path, *, work: str | Path | None = None, command: str | None = None,
-                progress: bool = True, log=print) -> dict:
+def build_draft(
+    pipe,
+    cfg: BuildConfig,
+    out: str | Path,
+    *,
+    work: str | Path | None = None,
+    command: str | None = None,
+    progress: bool = True,
+    log=print,
+) -> dict:
     """Build, train and save a designed draft; returns the recipe (also in ``specdraft.json``).
 
     Args:
@@ -130,12 +151,20 @@ def build_draft(pipe, cfg: BuildConfig, out: str | Path, *, work: str | Path | N
     work = Path(work) if work else out.with_name(out.name + ".work")
     times = {}
     t = time.perf_counter()
-    kw = dict(max_new_tokens=cfg.max_new_tokens, batch_size=cfg.gen_batch, hidden=True, progress=progress, sources=cfg.sources,
-              gen_dtype=dtypes.torch_dtype(cfg.gen_dtype))
+    kw = dict(
+        max_new_tokens=cfg.max_new_tokens,
+        batch_size=cfg.gen_batch,
+        hidden=True,
+        progress=progress,
+        sources=cfg.sources,
+        gen_dtype=dtypes.torch_dtype(cfg.gen_dtype),
+    )
     data = target_data(pipe, n_prompts=cfg.prompts, **kw)
     val = target_data(pipe, n_prompts=cfg.val_prompts, split="val", **kw)
     times["data_s"] = round(time.perf_counter() - t, 1)
-    log(f"data: {len(data)} answers, {data.num_response_tokens} tokens (validation {len(val)}, {val.num_response_tokens}) in {times['data_s']:.0f} s")
+    log(
+        f"data: {len(data)} answers, {data.num_response_tokens} tokens (validation {len(val)}, {val.num_response_tokens}) in {times['data_s']:.0f} s"
+    )
 
     V = pipe.runtime.vocab_size
     head = head_subset(data, cfg.head, V, pipe.eos_ids, prompt_token_counts(pipe))
@@ -161,9 +190,13 @@ def build_draft(pipe, cfg: BuildConfig, out: str | Path, *, work: str | Path | N
     if cfg.on_policy.rounds > 0 and cfg.kind == "feature":
         raise SpecdraftError("on-policy training is implemented for token-level drafts (kind layers) only")
     if cfg.on_policy.rounds > 0:
-        texts = training_prompts(cfg.on_policy.first_prompt + cfg.on_policy.rounds * cfg.on_policy.prompts_per_round)
+        texts = training_prompts(
+            cfg.on_policy.first_prompt + cfg.on_policy.rounds * cfg.on_policy.prompts_per_round
+        )
         prompts = [pipe.encode(x) for x in texts[cfg.on_policy.first_prompt :]]
-        res = train_on_policy(model, pipe.runtime, prompts, cfg.on_policy, work, eos_ids=pipe.eos_ids, progress=progress)
+        res = train_on_policy(
+            model, pipe.runtime, prompts, cfg.on_policy, work, eos_ids=pipe.eos_ids, progress=progress
+        )
         result["on_policy"] = {"rounds": res.steps, "history": res.history}
     times["on_policy_s"] = round(time.perf_counter() - t, 1)
     after = validate(model, val, cfg.train.max_len)
@@ -177,28 +210,53 @@ def build_draft(pipe, cfg: BuildConfig, out: str | Path, *, work: str | Path | N
         "config": asdict(cfg),
         "data": {
             "sources": [source_name(s) for s in cfg.sources],
-            "train_prompts": len(data), "train_tokens": data.num_response_tokens,
-            "val_prompts": len(val), "val_tokens": val.num_response_tokens,
+            "train_prompts": len(data),
+            "train_tokens": data.num_response_tokens,
+            "val_prompts": len(val),
+            "val_tokens": val.num_response_tokens,
             "generation": f"target greedy, chat template, max {cfg.max_new_tokens} new tokens"
-                          + ("" if cfg.gen_dtype == "same" else f", {cfg.gen_dtype} weights"),
+            + ("" if cfg.gen_dtype == "same" else f", {cfg.gen_dtype} weights"),
         },
         "time_s": {**times, "total_s": round(sum(times.values()), 1)},
         "threads": torch.get_num_threads(),
         "validation": {"untrained": before, "trained": after},
         "params": param_count(draft) + (model.fc.weight.numel() if cfg.kind == "feature" else 0),
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()},
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+        },
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         **result,
     }
-    width = None if cfg.ffn is None and cfg.kv_heads is None and cfg.q_per_kv is None else {
-        "kv_heads": draft.config.num_key_value_heads, "q_per_kv": draft.config.num_attention_heads // draft.config.num_key_value_heads,
-        "ffn": draft.config.intermediate_size}
-    meta = DraftMeta.for_target(pipe.target.model, pipe.target.name, kind=cfg.kind, head=head, init_layers=list(cfg.layers),
-                                width=width, recipe=recipe)
+    width = (
+        None
+        if cfg.ffn is None and cfg.kv_heads is None and cfg.q_per_kv is None
+        else {
+            "kv_heads": draft.config.num_key_value_heads,
+            "q_per_kv": draft.config.num_attention_heads // draft.config.num_key_value_heads,
+            "ffn": draft.config.intermediate_size,
+        }
+    )
+    meta = DraftMeta.for_target(
+        pipe.target.model,
+        pipe.target.name,
+        kind=cfg.kind,
+        head=head,
+        init_layers=list(cfg.layers),
+        width=width,
+        recipe=recipe,
+    )
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.dtype]
     extra = {"fc.weight": model.fc.weight} if cfg.kind == "feature" else None
-    save_draft(out, draft, meta, dtype=dtype, extra=extra,
-               add_files=lambda d: (d / "RECIPE.md").write_text(recipe_markdown(out.name, meta)))
+    save_draft(
+        out,
+        draft,
+        meta,
+        dtype=dtype,
+        extra=extra,
+        add_files=lambda d: (d / "RECIPE.md").write_text(recipe_markdown(out.name, meta)),
+    )
     log(f"saved {out} ({recipe['params'] / 1e6:.2f} M own parameters)")
     return recipe
 
@@ -212,7 +270,11 @@ def recipe_markdown(name: str, meta: DraftMeta) -> str:
         "",
         f"A designed draft for `{meta.target}`: {len(meta.init_layers)} layer(s) initialised from target layer(s) "
         f"{meta.init_layers}, {r.get('params', 0) / 1e6:.2f} M own parameters, "
-        + (f"head over the {len(meta.head_tokens)} most frequent answer tokens ({meta.head_coverage:.1%} coverage)." if meta.head_tokens else "full-vocabulary head."),
+        + (
+            f"head over the {len(meta.head_tokens)} most frequent answer tokens ({meta.head_coverage:.1%} coverage)."
+            if meta.head_tokens
+            else "full-vocabulary head."
+        ),
         "The embedding and (tied) LM head are the target's and are not stored here; loading restores them from the target.",
         "",
         "## Reproduce",

@@ -34,8 +34,22 @@ def spread(n_layers: int, depth: int) -> list[int]:
     return sorted({round(i * (n_layers - 1) / (depth - 1)) for i in range(depth)})
 
 
-def compare_depth_width(pipe, *, budget_layers=2, deep=(4,), kv_heads=None, q_per_kv=None, steps=0, lr=1e-3, head=0,
-                        prompts=0, val_prompts=48, data_kw: dict | None = None, work=None, progress=True) -> list[dict]:
+def compare_depth_width(
+    pipe,
+    *,
+    budget_layers=2,
+    deep=(4,),
+    kv_heads=None,
+    q_per_kv=None,
+    steps=0,
+    lr=1e-3,
+    head=0,
+    prompts=0,
+    val_prompts=48,
+    data_kw: dict | None = None,
+    work=None,
+    progress=True,
+) -> list[dict]:
     """Build (and optionally distil) each draft, then measure it; returns the result rows.
 
     ``data_kw``: :func:`~specdraft.design.data.target_data` keywords (answer length, batch, sources...)."""
@@ -47,7 +61,11 @@ def compare_depth_width(pipe, *, budget_layers=2, deep=(4,), kv_heads=None, q_pe
     kw = {"hidden": True, "progress": progress, **(data_kw or {})}
     val = target_data(pipe, n_prompts=val_prompts, split="val", **kw)
     data = target_data(pipe, n_prompts=prompts, **kw) if (steps or head) else None
-    sub = head_subset(data, head, cfg.vocab_size, pipe.eos_ids, prompt_token_counts(pipe)) if data is not None and head else None
+    sub = (
+        head_subset(data, head, cfg.vocab_size, pipe.eos_ids, prompt_token_counts(pipe))
+        if data is not None and head
+        else None
+    )
 
     wide = depth_prune(target, spread(n, budget_layers))
     budget = param_count(wide)
@@ -58,7 +76,13 @@ def compare_depth_width(pipe, *, budget_layers=2, deep=(4,), kv_heads=None, q_pe
         kv, q = kv_heads or max(G * 2 // 3, 1), q_per_kv or r
         ffn = ffn_for_budget(target, depth, budget, kv_heads=kv, q_per_kv=q)
         scores = importance(target, val.tokens[:8], layers)
-        drafts.append((f"deep-narrow {depth}L", width_prune(target, layers, scores, kv_heads=kv, q_per_kv=q, ffn=ffn), {"kv_heads": kv, "q_per_kv": q, "ffn": ffn}))
+        drafts.append(
+            (
+                f"deep-narrow {depth}L",
+                width_prune(target, layers, scores, kv_heads=kv, q_per_kv=q, ffn=ffn),
+                {"kv_heads": kv, "q_per_kv": q, "ffn": ffn},
+            )
+        )
 
     rows, runtimes = [], {}
     for name, draft, width in drafts:
@@ -67,23 +91,45 @@ def compare_depth_width(pipe, *, budget_layers=2, deep=(4,), kv_heads=None, q_pe
             import tempfile
 
             with tempfile.TemporaryDirectory(dir=work) as tmp:
-                train_offline(model, data, None, TrainConfig(steps=steps, lr=lr, warmup=max(steps // 10, 1), eval_every=0), tmp, progress=progress)
+                train_offline(
+                    model,
+                    data,
+                    None,
+                    TrainConfig(steps=steps, lr=lr, warmup=max(steps // 10, 1), eval_every=0),
+                    tmp,
+                    progress=progress,
+                )
         alpha = validate(model, val)["alpha"]
         w = draft_weights(draft, pipe.runtime.w, sub.token_ids if sub else None, pipe.runtime.dtype)
         rt = LlamaRuntime(w)
         runtimes[name] = SubsetHeadRuntime(rt, sub.token_ids, cfg.vocab_size) if sub else rt
         c = draft.config
-        rows.append({
-            "name": name, "depth": c.num_hidden_layers, "layers": spread(n, c.num_hidden_layers),
-            "kv_heads": c.num_key_value_heads, "q_per_kv": c.num_attention_heads // c.num_key_value_heads,
-            "ffn": c.intermediate_size, "params": param_count(draft), "head": len(sub) if sub else cfg.vocab_size,
-            "steps": steps, "alpha": round(alpha, 4),
-        })
+        rows.append(
+            {
+                "name": name,
+                "depth": c.num_hidden_layers,
+                "layers": spread(n, c.num_hidden_layers),
+                "kv_heads": c.num_key_value_heads,
+                "q_per_kv": c.num_attention_heads // c.num_key_value_heads,
+                "ffn": c.intermediate_size,
+                "params": param_count(draft),
+                "head": len(sub) if sub else cfg.vocab_size,
+                "steps": steps,
+                "alpha": round(alpha, 4),
+            }
+        )
     lat = measure_latency(pipe.runtime, runtimes)
     t_target = lat.curve().time
     for row in rows:
         t_d = lat.draft[row["name"]]
         p = predict(row["alpha"], t_d, t_target)
-        row.update({"t_draft_ms": round(t_d * 1e3, 3), "k": p["k"], "predicted_tokens_per_s": round(p["tokens_per_s"], 2),
-                    "predicted_speedup": round(p["speedup"], 3), "t_target_ms": {k: round(v * 1e3, 3) for k, v in lat.target.items()}})
+        row.update(
+            {
+                "t_draft_ms": round(t_d * 1e3, 3),
+                "k": p["k"],
+                "predicted_tokens_per_s": round(p["tokens_per_s"], 2),
+                "predicted_speedup": round(p["speedup"], 3),
+                "t_target_ms": {k: round(v * 1e3, 3) for k, v in lat.target.items()},
+            }
+        )
     return rows

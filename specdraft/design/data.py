@@ -84,12 +84,22 @@ def parse_sources(spec: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
     names = tuple(x.strip() for x in (spec.split(",") if isinstance(spec, str) else spec) if x.strip())
     bad = [x for x in names if x not in ALL_SOURCES]
     if bad or not names or len(set(names)) != len(names):
-        raise SpecdraftError(f"bad prompt sources {spec!r}: a comma-separated subset of {', '.join(ALL_SOURCES)}")
+        raise SpecdraftError(
+            f"bad prompt sources {spec!r}: a comma-separated subset of {', '.join(ALL_SOURCES)}"
+        )
     return names
 
 
-def training_prompts(n: int, split: str = "train", seed: int = 0, root: Path | None = None,
-                     sources: tuple[str, ...] = SOURCES, pipe=None, runtime=None, progress: bool = False) -> list[str]:
+def training_prompts(
+    n: int,
+    split: str = "train",
+    seed: int = 0,
+    root: Path | None = None,
+    sources: tuple[str, ...] = SOURCES,
+    pipe=None,
+    runtime=None,
+    progress: bool = False,
+) -> list[str]:
     """``n`` training prompts, round-robin over ``sources``, in a seeded order.
 
     Args:
@@ -111,7 +121,9 @@ def training_prompts(n: int, split: str = "train", seed: int = 0, root: Path | N
         if name == "self":
             if pipe is None:
                 raise SpecdraftError("the 'self' prompt source needs the target (pipe=)")
-            per_source.append(self_prompts(pipe, share, split=split, seed=seed, runtime=runtime, progress=progress))
+            per_source.append(
+                self_prompts(pipe, share, split=split, seed=seed, runtime=runtime, progress=progress)
+            )
             continue
         texts = _read_source(name, root)
         random.Random(f"{seed}-{name}").shuffle(texts)
@@ -120,9 +132,20 @@ def training_prompts(n: int, split: str = "train", seed: int = 0, root: Path | N
     return mixed[:n]
 
 
-def self_prompts(pipe, n: int, *, split: str = "train", seed: int = 0, batch_size: int = 32, cache: Path | None = None,
-                 runtime=None, min_words: int = 3, max_tokens: int = SELF_MAX_TOKENS, max_tries: int | None = None,
-                 progress: bool = True) -> list[str]:
+def self_prompts(
+    pipe,
+    n: int,
+    *,
+    split: str = "train",
+    seed: int = 0,
+    batch_size: int = 32,
+    cache: Path | None = None,
+    runtime=None,
+    min_words: int = 3,
+    max_tokens: int = SELF_MAX_TOKENS,
+    max_tries: int | None = None,
+    progress: bool = True,
+) -> list[str]:
     """``n`` user requests written by the target itself (Magpie), cached; see the module docstring.
 
     Request i is sampled with its own seed (``seed``, ``split``, i), so it does not depend on the
@@ -140,18 +163,32 @@ def self_prompts(pipe, n: int, *, split: str = "train", seed: int = 0, batch_siz
     if not getattr(tok, "chat_template", None):
         raise SpecdraftError("the 'self' prompt source needs an instruct target with a chat template")
     marker = "\x00specdraft\x00"
-    text = tok.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=False, tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": marker}], add_generation_prompt=False, tokenize=False
+    )
     prefix = tok(text[: text.index(marker)], add_special_tokens=False)["input_ids"]
-    key = hashlib.sha256(json.dumps({"format": FORMAT, "target": pipe.target.name, "prefix": prefix, "seed": seed,
-                                     "split": split, "max": max_tokens}).encode()).hexdigest()[:12]
+    key = hashlib.sha256(
+        json.dumps(
+            {
+                "format": FORMAT,
+                "target": pipe.target.name,
+                "prefix": prefix,
+                "seed": seed,
+                "split": split,
+                "max": max_tokens,
+            }
+        ).encode()
+    ).hexdigest()[:12]
     path = (Path(cache) if cache else cache_root() / "design") / f"self-prompts-{key}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     kept, tried = [], 0
     if path.exists():  # a killed run's cache: a half-written last line is dropped, as in the study store
         for lineno, rec in enumerate(read_rows(path, tolerate_truncated_tail=True), 1):
             if not isinstance(rec.get("i"), int) or not isinstance(rec.get("text", 0), (str, type(None))):
-                raise SpecdraftError(f"{path}: record {lineno} is not {{'i': int, 'text': str or null}}; "
-                                     "delete the file and rerun")
+                raise SpecdraftError(
+                    f"{path}: record {lineno} is not {{'i': int, 'text': str or null}}; "
+                    "delete the file and rerun"
+                )
             tried = max(tried, rec["i"] + 1)
             if rec["text"] is not None:
                 kept.append(rec["text"])
@@ -161,13 +198,22 @@ def self_prompts(pipe, n: int, *, split: str = "train", seed: int = 0, batch_siz
     base = (seed * 7919 + (0 if split == "train" else 1_000_003)) * 1_000_000
     engine = Engine(runtime or pipe.runtime, None, FixedK(0))
     seen = set(kept)
-    bar = tqdm(total=n, initial=len(kept), desc=f"self prompts ({split})", unit="req", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(
+        total=n,
+        initial=len(kept),
+        desc=f"self prompts ({split})",
+        unit="req",
+        disable=not progress,
+        dynamic_ncols=True,
+    )
     with path.open("a", encoding="utf-8") as f:
         limit = max_tries if max_tries is not None else 20 * n + 64
         while len(kept) < n:
             if tried >= limit:
-                raise SpecdraftError(f"the target wrote only {len(kept)} usable requests in {tried} samples "
-                                     f"(wanted {n}); is it an instruct model?")
+                raise SpecdraftError(
+                    f"the target wrote only {len(kept)} usable requests in {tried} samples "
+                    f"(wanted {n}); is it an instruct model?"
+                )
             todo = range(tried, tried + max(batch_size, 1))
             params = [SamplingParams(temperature=1.0, top_p=0.95, seed=base + i) for i in todo]
             reqs = [Request(list(prefix), max_tokens, p, pipe.eos_ids) for p in params]
@@ -233,7 +279,11 @@ class TargetData:
 
     def response_tokens(self) -> torch.Tensor:
         """All response tokens, concatenated ``(N,)``."""
-        return torch.cat([t[p:] for t, p in zip(self.tokens, self.prompt_lens)]) if self.tokens else torch.zeros(0, dtype=torch.int64)
+        return (
+            torch.cat([t[p:] for t, p in zip(self.tokens, self.prompt_lens)])
+            if self.tokens
+            else torch.zeros(0, dtype=torch.int64)
+        )
 
     def save(self, path: Path) -> None:
         """One safetensors shard, written atomically."""
@@ -273,7 +323,9 @@ class TargetData:
                 prompt_ids=t["prompt_ids"].tolist(),
             )
         except (SafetensorError, KeyError, RuntimeError, ValueError, OSError) as e:
-            raise SpecdraftError(f"corrupted data shard {path} ({type(e).__name__}: {e}); delete it and rerun") from None
+            raise SpecdraftError(
+                f"corrupted data shard {path} ({type(e).__name__}: {e}); delete it and rerun"
+            ) from None
         return data
 
 
@@ -397,7 +449,11 @@ def generate_target_data(
 
 # ------------------------------------------------------------------------------------ cache
 def _cache_key(target_name: str, vocab_size: int, spec: dict) -> str:
-    h = hashlib.sha256(json.dumps({"format": FORMAT, "target": target_name, "vocab": vocab_size, **spec}, sort_keys=True).encode())
+    h = hashlib.sha256(
+        json.dumps(
+            {"format": FORMAT, "target": target_name, "vocab": vocab_size, **spec}, sort_keys=True
+        ).encode()
+    )
     return h.hexdigest()[:12]
 
 
@@ -443,8 +499,9 @@ def target_data(
     if runtime is not pipe.runtime:
         spec["gen_dtype"] = str(gen_dtype).removeprefix("torch.")
     files = {s: data_file(SOURCE_FILES[s]) for s in sources if s in SOURCE_FILES}
-    slices = {s: hashlib.sha256(f.read_bytes()).hexdigest()[:12]
-              for s, f in files.items() if is_shipped_slice(f)}
+    slices = {
+        s: hashlib.sha256(f.read_bytes()).hexdigest()[:12] for s, f in files.items() if is_shipped_slice(f)
+    }
     if slices:  # (prompts from a shipped slice are others than the full file's: another key)
         spec["slices"] = slices
     root = Path(cache) if cache else cache_root() / "design"
@@ -453,7 +510,9 @@ def target_data(
     meta = {"target": pipe.target.name, "source": pipe.target.source, **spec}
     durable.write_text(d / "meta.json", json.dumps(meta, indent=2))
 
-    texts = training_prompts(n_prompts, split, seed, sources=sources, pipe=pipe, runtime=runtime, progress=progress)
+    texts = training_prompts(
+        n_prompts, split, seed, sources=sources, pipe=pipe, runtime=runtime, progress=progress
+    )
 
     def cached() -> TargetData:
         data = TargetData()
@@ -473,8 +532,16 @@ def target_data(
 
         hidden_layer = -1 if hidden else None
         generate_target_data(
-            runtime, ids, eos_ids=pipe.eos_ids, max_new_tokens=max_new_tokens, batch_size=batch_size,
-            topk=topk, hidden_layer=hidden_layer, skip=done, on_shard=write, progress=progress,
+            runtime,
+            ids,
+            eos_ids=pipe.eos_ids,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            topk=topk,
+            hidden_layer=hidden_layer,
+            skip=done,
+            on_shard=write,
+            progress=progress,
         )
         data = cached()  # what is on disk (fp16 log-probs), the same on every later run
     return _subset(data, sorted(range(len(data)), key=lambda i: data.prompt_ids[i]))

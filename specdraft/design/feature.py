@@ -63,7 +63,14 @@ class FeatureDraftLM(torch.nn.Module):
         reg_weight: weight of the feature regression loss.
     """
 
-    def __init__(self, draft, head_tokens: torch.Tensor | None, fc: torch.Tensor | None = None, noise: float = 0.1, reg_weight: float = 1.0):
+    def __init__(
+        self,
+        draft,
+        head_tokens: torch.Tensor | None,
+        fc: torch.Tensor | None = None,
+        noise: float = 0.1,
+        reg_weight: float = 1.0,
+    ):
         super().__init__()
         from specdraft.design.train import DraftLM
 
@@ -114,7 +121,9 @@ class FeatureDraftLM(torch.nn.Module):
     def make_batch(self, data: TargetData, idx: list[int], max_len: int) -> FeatureBatch:
         """Pairs ``(f_p, token p + 1)`` over each answer; labels: token p + 2 and ``f_{p+1}``."""
         if data.hidden is None:
-            raise SpecdraftError("feature-conditioned drafts need data with hidden states (target_data(..., hidden=True))")
+            raise SpecdraftError(
+                "feature-conditioned drafts need data with hidden states (target_data(..., hidden=True))"
+            )
         to_sub = self.to_sub
         rows, feats, toks, pos, tgt, topk, logp, ftgt = [], [], [], [], [], [], [], []
         T = 0
@@ -144,8 +153,18 @@ class FeatureDraftLM(torch.nn.Module):
                 positions[b, n:] = (pos[b][-1] if n else 0) + 1 + torch.arange(T - n)
         rows = torch.cat(rows)
         cols = torch.cat([torch.arange(f.shape[0]) for f in feats])
-        return FeatureBatch(ids, rows, cols, torch.cat(tgt), torch.cat(topk), torch.cat(logp), torch.ones(rows.shape[0]),
-                            feats=F_in, positions=positions, feat_target=torch.cat(ftgt))
+        return FeatureBatch(
+            ids,
+            rows,
+            cols,
+            torch.cat(tgt),
+            torch.cat(topk),
+            torch.cat(logp),
+            torch.ones(rows.shape[0]),
+            feats=F_in,
+            positions=positions,
+            feat_target=torch.cat(ftgt),
+        )
 
     def loss(self, batch: FeatureBatch, cfg) -> tuple[torch.Tensor, dict]:
         feats = batch.feats

@@ -31,10 +31,19 @@ def _check_target(target_model) -> None:
 
 def _check_layers(layer_ids: list[int], n: int) -> None:
     if not layer_ids or any(not 0 <= i < n for i in layer_ids) or len(set(layer_ids)) != len(layer_ids):
-        raise SpecdraftError(f"layer ids {layer_ids} invalid for a {n}-layer target (distinct, in 0..{n - 1})")
+        raise SpecdraftError(
+            f"layer ids {layer_ids} invalid for a {n}-layer target (distinct, in 0..{n - 1})"
+        )
 
 
-def draft_config(target_model, num_layers: int, *, kv_heads: int | None = None, q_per_kv: int | None = None, ffn: int | None = None):
+def draft_config(
+    target_model,
+    num_layers: int,
+    *,
+    kv_heads: int | None = None,
+    q_per_kv: int | None = None,
+    ffn: int | None = None,
+):
     """The target's config with the draft's depth (and width when given)."""
     cfg = copy.deepcopy(target_model.config)
     H, G = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -97,7 +106,9 @@ def importance(target_model, sequences: list[torch.Tensor], layer_ids: list[int]
         def attn_hook(mod, args, li=li, wo=wo):
             x = args[0]  # (B, T, H * D): the heads' outputs before o_proj
             per_head = x.view(*x.shape[:-1], H, D)
-            contrib = torch.einsum("bthd,chd->bthc", per_head, wo.view(wo.shape[0], H, D)).norm(dim=-1)  # (B, T, H)
+            contrib = torch.einsum("bthd,chd->bthc", per_head, wo.view(wo.shape[0], H, D)).norm(
+                dim=-1
+            )  # (B, T, H)
             heads[li] += contrib.sum(dim=(0, 1)).float()
 
         def mlp_hook(mod, args, li=li, wd_norm=wd_norm):
@@ -117,7 +128,9 @@ def importance(target_model, sequences: list[torch.Tensor], layer_ids: list[int]
     return Importance({k: v / n for k, v in heads.items()}, {k: v / n for k, v in ffn.items()})
 
 
-def width_prune(target_model, layer_ids: list[int], scores: Importance, *, kv_heads: int, q_per_kv: int, ffn: int):
+def width_prune(
+    target_model, layer_ids: list[int], scores: Importance, *, kv_heads: int, q_per_kv: int, ffn: int
+):
     """A draft of the target's layers ``layer_ids``, each narrowed to its most important parts.
 
     Keeps, per layer, the ``kv_heads`` key/value groups with the largest summed query-head
@@ -130,7 +143,10 @@ def width_prune(target_model, layer_ids: list[int], scores: Importance, *, kv_he
     H, G = cfg.num_attention_heads, cfg.num_key_value_heads
     r_full = H // G
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
-    draft = build_llama(draft_config(target_model, len(layer_ids), kv_heads=kv_heads, q_per_kv=q_per_kv, ffn=ffn), target_model)
+    draft = build_llama(
+        draft_config(target_model, len(layer_ids), kv_heads=kv_heads, q_per_kv=q_per_kv, ffn=ffn),
+        target_model,
+    )
 
     def rows(heads: list[int]) -> torch.Tensor:
         return torch.cat([torch.arange(h * D, (h + 1) * D) for h in heads])
@@ -140,7 +156,9 @@ def width_prune(target_model, layer_ids: list[int], scores: Importance, *, kv_he
             src, dst = target_model.model.layers[li], draft.model.layers[i]
             hs = scores.heads[li].view(G, r_full)  # (G, r): query heads by group
             groups = sorted(hs.sum(1).topk(kv_heads).indices.tolist())
-            q_heads = [g * r_full + int(j) for g in groups for j in sorted(hs[g].topk(q_per_kv).indices.tolist())]
+            q_heads = [
+                g * r_full + int(j) for g in groups for j in sorted(hs[g].topk(q_per_kv).indices.tolist())
+            ]
             q_rows, kv_rows = rows(q_heads), rows(groups)
             sa, da = src.self_attn, dst.self_attn
             da.q_proj.weight.copy_(sa.q_proj.weight[q_rows])
@@ -180,5 +198,7 @@ def ffn_for_budget(target_model, depth: int, budget: int, *, kv_heads: int, q_pe
     attn = layer_params(C, kv_heads * q_per_kv, kv_heads, D, 0)
     ffn = int(round((per_layer - attn) / (3 * C)))
     if ffn < 1:
-        raise SpecdraftError(f"a {depth}-layer draft with these heads exceeds {budget} parameters before any FFN")
+        raise SpecdraftError(
+            f"a {depth}-layer draft with these heads exceeds {budget} parameters before any FFN"
+        )
     return min(ffn, cfg.intermediate_size)

@@ -148,18 +148,27 @@ class DraftLM(torch.nn.Module):
         self.register_buffer("head_w", head.detach()[ids].to(draft.model.norm.weight.dtype), persistent=False)
 
     def trainable(self) -> list[torch.nn.Parameter]:
-        shared = {self.draft.get_input_embeddings().weight.data_ptr(), self.draft.get_output_embeddings().weight.data_ptr()}
+        shared = {
+            self.draft.get_input_embeddings().weight.data_ptr(),
+            self.draft.get_output_embeddings().weight.data_ptr(),
+        }
         return [p for p in self.draft.parameters() if p.data_ptr() not in shared]
 
     def own_state(self) -> dict[str, torch.Tensor]:
         """The draft's own tensors (no shared embedding / tied head)."""
-        return {k: v for k, v in self.draft.state_dict().items() if k not in ("model.embed_tokens.weight", "lm_head.weight")}
+        return {
+            k: v
+            for k, v in self.draft.state_dict().items()
+            if k not in ("model.embed_tokens.weight", "lm_head.weight")
+        }
 
     def load_own_state(self, state: dict[str, torch.Tensor]) -> None:
         missing, unexpected = self.draft.load_state_dict(state, strict=False)
         missing = [m for m in missing if m not in ("model.embed_tokens.weight", "lm_head.weight")]
         if missing or unexpected:
-            raise SpecdraftError(f"weights do not fit this draft (missing {missing[:2]}, unexpected {unexpected[:2]})")
+            raise SpecdraftError(
+                f"weights do not fit this draft (missing {missing[:2]}, unexpected {unexpected[:2]})"
+            )
 
     def hidden(self, ids: torch.Tensor) -> torch.Tensor:
         """``(B, T)`` right-padded ids -> ``(B, T, C)`` final hidden states (after the norm)."""
@@ -229,7 +238,12 @@ def make_batch(data: TargetData, idx: list[int], to_sub: torch.Tensor, max_len: 
 
 
 def distill_loss(
-    logits: torch.Tensor, batch: Batch, ce_weight: float, kl_weight: float, rkl_weight: float = 0.0, vocab_size: int | None = None
+    logits: torch.Tensor,
+    batch: Batch,
+    ce_weight: float,
+    kl_weight: float,
+    rkl_weight: float = 0.0,
+    vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """The weighted distillation loss over the labelled positions (see the module docstring).
 
@@ -287,8 +301,16 @@ def validate(model, data: TargetData, max_len: int = 320, batch_size: int = 8, k
 
 
 # ------------------------------------------------------------------------------------ checkpoints
-def save_checkpoint(path: Path, model: DraftLM, opt, step: int, config: dict, history: list, elapsed: float,
-                    loss_ema: float | None = None) -> None:
+def save_checkpoint(
+    path: Path,
+    model: DraftLM,
+    opt,
+    step: int,
+    config: dict,
+    history: list,
+    elapsed: float,
+    loss_ema: float | None = None,
+) -> None:
     """Everything a resumed run needs to go on exactly as an uninterrupted one (written atomically)."""
     state = {
         "loss_ema": loss_ema,
@@ -312,15 +334,21 @@ def load_checkpoint(path: Path) -> dict:
         if not isinstance(ck, dict) or not {"step", "model", "opt", "config"} <= set(ck):
             raise ValueError("missing fields")
     except Exception as e:  # torch raises many types for a damaged file
-        raise SpecdraftError(f"corrupted checkpoint {path} ({type(e).__name__}: {str(e)[:80]}); delete it to start over") from None
+        raise SpecdraftError(
+            f"corrupted checkpoint {path} ({type(e).__name__}: {str(e)[:80]}); delete it to start over"
+        ) from None
     return ck
 
 
 def _restore(path: Path, model: DraftLM, opt, config: dict) -> dict:
     ck = load_checkpoint(path)
-    mismatch = {k: (ck["config"].get(k), v) for k, v in config.items() if k != "steps" and ck["config"].get(k) != v}
+    mismatch = {
+        k: (ck["config"].get(k), v) for k, v in config.items() if k != "steps" and ck["config"].get(k) != v
+    }
     if mismatch:
-        raise SpecdraftError(f"checkpoint {path} was made with other settings {mismatch}; use another --out or delete it")
+        raise SpecdraftError(
+            f"checkpoint {path} was made with other settings {mismatch}; use another --out or delete it"
+        )
     try:
         model.load_own_state(ck["model"])
     except SpecdraftError as e:
@@ -400,7 +428,9 @@ def train_offline(
     start_step = step
     per_epoch = max(len(data) // cfg.batch_size, 1)
     val_stats = history[-1].get("val", {}) if history else {}
-    bar = tqdm(total=cfg.steps, initial=step, desc="distill", unit="step", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(
+        total=cfg.steps, initial=step, desc="distill", unit="step", disable=not progress, dynamic_ncols=True
+    )
     t0 = time.perf_counter() - elapsed
     while step < cfg.steps:
         if stop_after is not None and step - start_step >= stop_after:
@@ -421,7 +451,12 @@ def train_offline(
         record = None
         if val is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps):
             val_stats = validate(model, val, cfg.max_len, cfg.batch_size, cfg.eval_k)
-            record = {"step": step, "loss": round(loss_ema, 4), **{k: round(v, 4) for k, v in parts.items()}, "val": val_stats}
+            record = {
+                "step": step,
+                "loss": round(loss_ema, 4),
+                **{k: round(v, 4) for k, v in parts.items()},
+                "val": val_stats,
+            }
             history.append(record)
         bar.update(1)
         bar.set_postfix(loss=f"{loss_ema:.3f}", val_alpha=f"{val_stats.get('alpha', float('nan')):.3f}")
@@ -469,7 +504,16 @@ class Replay:
     drafted: int
 
 
-def collect_replay(model: DraftLM, target_runtime, prompts: list[list[int]], *, k: int, max_new_tokens: int, eos_ids, topk: int = 32) -> Replay:
+def collect_replay(
+    model: DraftLM,
+    target_runtime,
+    prompts: list[list[int]],
+    *,
+    k: int,
+    max_new_tokens: int,
+    eos_ids,
+    topk: int = 32,
+) -> Replay:
     """Decode ``prompts`` greedily with speculative decoding using the current draft; keep each
     block's positions up to and including the first rejected one, with the target's top-K there."""
     from specdraft.models.subset_head import SubsetHeadRuntime, draft_weights
@@ -562,14 +606,23 @@ def train_on_policy(
         rnd, history, elapsed = ck["step"], ck["history"], ck["elapsed"]
     start = rnd
     V = target_runtime.vocab_size
-    bar = tqdm(total=cfg.rounds, initial=rnd, desc="on-policy", unit="round", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(
+        total=cfg.rounds,
+        initial=rnd,
+        desc="on-policy",
+        unit="round",
+        disable=not progress,
+        dynamic_ncols=True,
+    )
     t0 = time.perf_counter() - elapsed
     while rnd < cfg.rounds:
         if stop_after is not None and rnd - start >= stop_after:
             break
         model.eval()
         chunk = prompts[rnd * cfg.prompts_per_round : (rnd + 1) * cfg.prompts_per_round]
-        replay = collect_replay(model, target_runtime, chunk, k=cfg.k, max_new_tokens=cfg.max_new_tokens, eos_ids=eos_ids)
+        replay = collect_replay(
+            model, target_runtime, chunk, k=cfg.k, max_new_tokens=cfg.max_new_tokens, eos_ids=eos_ids
+        )
         model.train()
         batch = replay_batch(replay, model.to_sub, cfg.position_decay)
         for _ in range(cfg.updates_per_round):
@@ -581,8 +634,15 @@ def train_on_policy(
             opt.step()
         rnd += 1
         live = replay.accepted / max(replay.drafted, 1)
-        history.append({"round": rnd, "loss": round(float(loss.detach()), 4), **{k: round(v, 4) for k, v in parts.items()},
-                        "live_acceptance": round(live, 4), "positions": len(replay.items)})
+        history.append(
+            {
+                "round": rnd,
+                "loss": round(float(loss.detach()), 4),
+                **{k: round(v, 4) for k, v in parts.items()},
+                "live_acceptance": round(live, 4),
+                "positions": len(replay.items),
+            }
+        )
         bar.update(1)
         bar.set_postfix(loss=f"{float(loss.detach()):.3f}", live_accept=f"{live:.3f}")
         if rnd % cfg.checkpoint_every == 0 or rnd == cfg.rounds:

@@ -40,7 +40,9 @@ def token_counts(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.bincount(tokens.reshape(-1).long(), minlength=vocab_size)[:vocab_size]
 
 
-def top_tokens(counts: torch.Tensor, n: int, always: tuple[int, ...] = (), secondary: torch.Tensor | None = None) -> VocabSubset:
+def top_tokens(
+    counts: torch.Tensor, n: int, always: tuple[int, ...] = (), secondary: torch.Tensor | None = None
+) -> VocabSubset:
     """The ``n`` most frequent ids, plus ``always`` (e.g. EOS) if missing.
 
     Ties (above all the many ids never seen in the answers) are broken by ``secondary`` counts

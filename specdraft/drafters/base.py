@@ -119,7 +119,9 @@ def choose_tokens(logits: torch.Tensor, ctx: DraftContext) -> tuple[torch.Tensor
     return tokens, q
 
 
-def take_token(logits: torch.Tensor, ctx: DraftContext, draft: torch.Tensor, probs: torch.Tensor | None, i: int):
+def take_token(
+    logits: torch.Tensor, ctx: DraftContext, draft: torch.Tensor, probs: torch.Tensor | None, i: int
+):
     """Draft token i of every row: ``draft[:, i]`` from :func:`choose_tokens`, and q into ``probs``
     (``(B, k, V)``, allocated on the first sampled token). Returns ``(probs, q)``; q is None when
     every row is greedy."""

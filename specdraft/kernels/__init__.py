@@ -36,7 +36,9 @@ MAX_ROWS = 16  # above this, torch's GEMM is as fast or faster (benchmarks/bench
 # (3072 x 576 weights, 2 threads, a busy machine) the packed kernel was ~3x faster up to 128 rows
 # and still faster at 256
 PACKED_MAX_ROWS = 256
-USE_NATIVE_LAYERS = True  # decode steps run all decoder layers in one native call (DecodeLayers); False: layer by layer
+USE_NATIVE_LAYERS = (
+    True  # decode steps run all decoder layers in one native call (DecodeLayers); False: layer by layer
+)
 USE_PACKED = True  # bf16 weights through the packed kernel (benchmarks/bench_linear.py compares without)
 
 PROFILE_NAME = "specdraft::fewrows_matmul"  # the name torch.profiler shows for the kernel
@@ -62,8 +64,13 @@ def _setup_fewrows(lib: ctypes.CDLL) -> None:
     lib.rope_attend.restype = None
     lib.rmsnorm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_float]
     lib.rmsnorm_f32.restype = None
-    lib.decode_layers.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int] * 8 + [ctypes.c_float, ctypes.c_int]
-                                  + [ctypes.c_void_p] * 10 + [ctypes.c_int])
+    lib.decode_layers.argtypes = (
+        [ctypes.c_void_p] * 2
+        + [ctypes.c_int] * 8
+        + [ctypes.c_float, ctypes.c_int]
+        + [ctypes.c_void_p] * 10
+        + [ctypes.c_int]
+    )
     lib.decode_layers.restype = None
 
 
@@ -157,7 +164,17 @@ def fewrows_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         fn, wp = lib.packed_bf16, packed(w)
     else:
         fn, wp = (lib.fewrows_bf16 if w.dtype == torch.bfloat16 else lib.fewrows_f32), w
-    _call(PROFILE_NAME, fn, x.data_ptr(), wp.data_ptr(), y.data_ptr(), x.numel() // K, K, N, torch.get_num_threads())
+    _call(
+        PROFILE_NAME,
+        fn,
+        x.data_ptr(),
+        wp.data_ptr(),
+        y.data_ptr(),
+        x.numel() // K,
+        K,
+        N,
+        torch.get_num_threads(),
+    )
     return y
 
 
@@ -177,13 +194,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     if not x.is_contiguous():
         x = x.contiguous()
     y = torch.empty_like(x)
-    _call("specdraft::rms_norm", _lib.rmsnorm_f32, x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // K, K, eps)
+    _call(
+        "specdraft::rms_norm",
+        _lib.rmsnorm_f32,
+        x.data_ptr(),
+        weight.data_ptr(),
+        y.data_ptr(),
+        x.numel() // K,
+        K,
+        eps,
+    )
     return y
 
 
 def attention_supports(T: int, n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
     """Whether :class:`RopeAttention` takes a step of T new tokens per row with these heads."""
-    return T <= MAX_ROWS and head_dim % 16 == 0 and head_dim <= 256 and n_heads % n_kv_heads == 0 and available()
+    return (
+        T <= MAX_ROWS and head_dim % 16 == 0 and head_dim <= 256 and n_heads % n_kv_heads == 0 and available()
+    )
 
 
 class RopeAttention:
@@ -200,14 +228,22 @@ class RopeAttention:
     Call :func:`attention_supports` first.
     """
 
-    def __init__(self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv_heads: int):
+    def __init__(
+        self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv_heads: int
+    ):
         self.B, self.T = positions.shape
         self.D = cos.shape[-1]
-        if cos.dtype != torch.float32 or sin.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
+        if (
+            cos.dtype != torch.float32
+            or sin.dtype != torch.float32
+            or not (cos.is_contiguous() and sin.is_contiguous())
+        ):
             raise ValueError("RopeAttention: RoPE tables must be contiguous float32")
         self.last = int(positions.max())  # the native code indexes tables and caches by position
         if cos.shape[0] <= self.last:
-            raise ValueError(f"RopeAttention: RoPE tables cover {cos.shape[0]} positions, not {self.last + 1}")
+            raise ValueError(
+                f"RopeAttention: RoPE tables cover {cos.shape[0]} positions, not {self.last + 1}"
+            )
         self.pos = positions.to(torch.int64).contiguous()
         self.cos, self.sin = cos, sin
         self.H, self.G = n_heads, n_kv_heads
@@ -218,20 +254,46 @@ class RopeAttention:
     def __call__(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """``qkv (B, T, (H + 2G) D)`` fp32 -> ``(B, T, H D)``; writes the new keys (rotated) and
         values into the ``(B, G, cap, D)`` fp32 caches at the positions."""
-        if qkv.dtype != torch.float32 or qkv.shape[-1] != self.width or qkv.numel() != self.B * self.T * self.width:
+        if (
+            qkv.dtype != torch.float32
+            or qkv.shape[-1] != self.width
+            or qkv.numel() != self.B * self.T * self.width
+        ):
             raise ValueError(f"RopeAttention: qkv must be float32 ({self.B}, {self.T}, {self.width})")
-        if not (k_cache.dtype == v_cache.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        if not (
+            k_cache.dtype == v_cache.dtype == torch.float32
+            and k_cache.is_contiguous()
+            and v_cache.is_contiguous()
+        ):
             raise ValueError("RopeAttention: caches must be contiguous float32 (they are written in place)")
-        if k_cache.shape != v_cache.shape or k_cache.shape[0] != self.B or k_cache.shape[1] != self.G or k_cache.shape[3] != self.D:
+        if (
+            k_cache.shape != v_cache.shape
+            or k_cache.shape[0] != self.B
+            or k_cache.shape[1] != self.G
+            or k_cache.shape[3] != self.D
+        ):
             raise ValueError(f"RopeAttention: cache shape {tuple(k_cache.shape)} does not match")
         if k_cache.shape[2] <= self.last:
             raise ValueError(f"RopeAttention: position {self.last} beyond cache capacity {k_cache.shape[2]}")
         qkv = qkv.contiguous()
         out = torch.empty(self.B, self.T, self.H * self.D, dtype=torch.float32)
         _call(
-            "specdraft::rope_attend", self.fn, qkv.data_ptr(), self.pos.data_ptr(), self.cos.data_ptr(),
-            self.sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), self.B, self.T, self.H,
-            self.G, self.D, k_cache.shape[2], self.threads,
+            "specdraft::rope_attend",
+            self.fn,
+            qkv.data_ptr(),
+            self.pos.data_ptr(),
+            self.cos.data_ptr(),
+            self.sin.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            out.data_ptr(),
+            self.B,
+            self.T,
+            self.H,
+            self.G,
+            self.D,
+            k_cache.shape[2],
+            self.threads,
         )
         return out
 
@@ -286,8 +348,15 @@ class DecodeLayers:
             self._ptrs = (versions, keep, arrays, [ctypes.addressof(a) for a in arrays])
         return self._ptrs[3]
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, k_caches: list, v_caches: list, cos: torch.Tensor,
-                 sin: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        k_caches: list,
+        v_caches: list,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
         """``x (B, T, C)`` fp32 (the embeddings) -> the residual stream after the last layer,
         computed in place in ``x`` (made contiguous first); writes each layer's new keys and values
         into its ``(B, G, cap, D)`` caches."""
@@ -296,7 +365,9 @@ class DecodeLayers:
         cap = k_caches[0].shape[2]
         last = int(positions.max())
         if last >= cap or cos.shape[0] <= last:
-            raise ValueError(f"DecodeLayers: position {last} beyond the cache ({cap}) or the RoPE tables ({cos.shape[0]})")
+            raise ValueError(
+                f"DecodeLayers: position {last} beyond the cache ({cap}) or the RoPE tables ({cos.shape[0]})"
+            )
         if C % 8 or F % 8:
             raise ValueError("DecodeLayers: widths must be multiples of 8")
         # the caches' pointer arrays, checked once per set of cache tensors (they change only when
@@ -313,7 +384,26 @@ class DecodeLayers:
             raise ValueError("DecodeLayers: activations and RoPE tables must be float32")
         x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
         pos = positions.to(torch.int64).contiguous()
-        _call("specdraft::decode_layers", _lib.decode_layers, x.data_ptr(), pos.data_ptr(), B, T, C, self.H, self.G, self.D, F,
-              cap, self.eps, len(self.layers), *self._pointers(), ctypes.addressof(kc), ctypes.addressof(vc), cos.data_ptr(),
-              sin.data_ptr(), torch.get_num_threads())
+        _call(
+            "specdraft::decode_layers",
+            _lib.decode_layers,
+            x.data_ptr(),
+            pos.data_ptr(),
+            B,
+            T,
+            C,
+            self.H,
+            self.G,
+            self.D,
+            F,
+            cap,
+            self.eps,
+            len(self.layers),
+            *self._pointers(),
+            ctypes.addressof(kc),
+            ctypes.addressof(vc),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            torch.get_num_threads(),
+        )
         return x

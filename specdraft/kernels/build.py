@@ -89,8 +89,12 @@ def build_library(source: Path, rebuild: bool = False) -> Path:
         stamp = Path(d) / "source_hash.c"
         stamp.write_text(f'const char *{HASH_SYMBOL}(void) {{ return "{tag}"; }}\n')
         tmp = Path(d) / out.name
-        r = subprocess.run([cc, *CFLAGS, str(source), str(stamp), "-o", str(tmp), "-lm"],
-                           check=False, capture_output=True, text=True)
+        r = subprocess.run(
+            [cc, *CFLAGS, str(source), str(stamp), "-o", str(tmp), "-lm"],
+            check=False,
+            capture_output=True,
+            text=True,
+        )
         if r.returncode != 0:
             last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode
             raise RuntimeError(f"{cc} failed: {last}")

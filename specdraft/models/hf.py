@@ -54,7 +54,9 @@ class HFRuntime:
         return HFState(batch_size)
 
     @torch.inference_mode()
-    def forward(self, state: HFState, tokens, positions, *, hidden_layers=(), attn_mask=None, logits_index=None):
+    def forward(
+        self, state: HFState, tokens, positions, *, hidden_layers=(), attn_mask=None, logits_index=None
+    ):
         from transformers import DynamicCache
 
         if attn_mask is not None:

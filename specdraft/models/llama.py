@@ -63,7 +63,9 @@ class LlamaWeights:
     compute: torch.dtype | None = None
 
     @classmethod
-    def from_hf(cls, model, dtype: torch.dtype = torch.bfloat16, compute: torch.dtype | None = None) -> "LlamaWeights":
+    def from_hf(
+        cls, model, dtype: torch.dtype = torch.bfloat16, compute: torch.dtype | None = None
+    ) -> "LlamaWeights":
         """Extract (and fuse) the weights of a transformers Llama-family causal LM.
 
         Args:
@@ -151,16 +153,32 @@ class LlamaWeights:
 
         layers = [
             LayerWeights(
-                *(cast(getattr(self.layers[i], f), to) for f, to in (
-                    ("attn_norm", compute), ("wqkv", dense), ("bqkv", compute), ("wo", dense),
-                    ("mlp_norm", compute), ("w_gate_up", dense), ("w_down", dense)))
+                *(
+                    cast(getattr(self.layers[i], f), to)
+                    for f, to in (
+                        ("attn_norm", compute),
+                        ("wqkv", dense),
+                        ("bqkv", compute),
+                        ("wo", dense),
+                        ("mlp_norm", compute),
+                        ("w_gate_up", dense),
+                        ("w_down", dense),
+                    )
+                )
             )
             for i in layer_ids
         ]
         embed = cast(self.embed)
         head = embed if self.lm_head is self.embed else cast(self.lm_head)
-        sub = replace(self, embed=embed, layers=layers, norm=cast(self.norm, compute), lm_head=head, q_head=None,
-                      compute=compute if compute != dense else None)
+        sub = replace(
+            self,
+            embed=embed,
+            layers=layers,
+            norm=cast(self.norm, compute),
+            lm_head=head,
+            q_head=None,
+            compute=compute if compute != dense else None,
+        )
         return sub.quantize_int8() if dtype == torch.qint8 else sub
 
     @property
@@ -279,7 +297,9 @@ def pack_int8(w: torch.Tensor):
     w = w.float()
     scale = (w.abs().amax(1) / 127).clamp(min=1e-12).double()
     zero = torch.zeros(w.shape[0], dtype=torch.int64)
-    return torch.ops.quantized.linear_prepack(torch.quantize_per_channel(w, scale, zero, 0, torch.qint8), None)
+    return torch.ops.quantized.linear_prepack(
+        torch.quantize_per_channel(w, scale, zero, 0, torch.qint8), None
+    )
 
 
 _BUFFERS: dict[tuple[int, int], torch.Tensor] = {}
@@ -417,9 +437,14 @@ class LlamaRuntime:
         w = self.w
         if self._decode_layers is None:  # decided once: the layers' dtypes and shapes do not change
             ok = kernels.DecodeLayers.supports_layers(self.layers)
-            self._decode_layers = kernels.DecodeLayers(self.layers, w.n_heads, w.n_kv_heads, w.head_dim, w.eps) if ok else False
-        return bool(self._decode_layers) and kernels.USE_NATIVE_LAYERS and kernels.DecodeLayers.supports(
-            T, rows, w.n_heads, w.n_kv_heads, w.head_dim)
+            self._decode_layers = (
+                kernels.DecodeLayers(self.layers, w.n_heads, w.n_kv_heads, w.head_dim, w.eps) if ok else False
+            )
+        return (
+            bool(self._decode_layers)
+            and kernels.USE_NATIVE_LAYERS
+            and kernels.DecodeLayers.supports(T, rows, w.n_heads, w.n_kv_heads, w.head_dim)
+        )
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self._rope_tables(int(positions.max()) + 1)
@@ -568,8 +593,11 @@ class TorchAttention:
         else:
             self.mask = (torch.arange(self.S) <= positions.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, S)
         if not self.contiguous:  # (rows, heads, slots) indices of the new keys
-            self.index = (torch.arange(B).view(B, 1, 1), torch.arange(n_kv_heads).view(1, -1, 1),
-                          positions.unsqueeze(1))  # (B, 1, 1), (1, G, 1), (B, 1, T)
+            self.index = (
+                torch.arange(B).view(B, 1, 1),
+                torch.arange(n_kv_heads).view(1, -1, 1),
+                positions.unsqueeze(1),
+            )  # (B, 1, 1), (1, G, 1), (B, 1, T)
 
     def __call__(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """``qkv (B, T, (H + 2G) D)`` -> ``(B, T, H D)``; writes the new keys (rotated) and values

@@ -343,7 +343,9 @@ def _encode(pipe: Pipeline, prompt, chat: bool) -> list[int]:
     except SpecdraftError as e:
         raise P.APIError(400, str(e), param="messages" if chat else "prompt") from None
     except Exception as e:  # noqa: BLE001 - a template or tokenizer refusing this input
-        raise P.APIError(400, f"cannot encode the prompt: {e}", param="messages" if chat else "prompt") from None
+        raise P.APIError(
+            400, f"cannot encode the prompt: {e}", param="messages" if chat else "prompt"
+        ) from None
     if not ids:
         raise P.APIError(400, "the prompt encodes to no tokens", param="prompt")
     return ids
@@ -409,7 +411,9 @@ class _Renderer:
 
     def response(self, text: str, job: Job) -> dict:
         build = P.chat_response if self.chat else P.completion_response
-        return build(self.id, self.model, self.created, text, job.finish_reason, len(job.prompt), job.completion_tokens)
+        return build(
+            self.id, self.model, self.created, text, job.finish_reason, len(job.prompt), job.completion_tokens
+        )
 
 
 def _sse(obj: dict | str) -> str:
@@ -441,7 +445,9 @@ async def _stream(job: Job, renderer: _Renderer, scheduler: Scheduler, include_u
         scheduler.cancel(job)
 
 
-async def _collect(request: Request, job: Job, renderer: _Renderer, scheduler: Scheduler, poll_s: float = 0.5):
+async def _collect(
+    request: Request, job: Job, renderer: _Renderer, scheduler: Scheduler, poll_s: float = 0.5
+):
     """Non-streaming: wait for the whole output, checking now and then that the client is still there."""
     parts: list[str] = []
     getter: asyncio.Future | None = None

@@ -17,13 +17,59 @@ Each :class:`Metrics` has its own registry, so several servers can live in one p
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 
 from specdraft.stats import SpecStats
 
 PREFIX = "specdraft:"
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
+_ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+)
 
 
 class Metrics:
@@ -34,7 +80,10 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         p = PREFIX
         self.http_requests = Counter(
-            f"{p}http_requests", "HTTP requests to /v1 endpoints by status code", ["endpoint", "status"], registry=r
+            f"{p}http_requests",
+            "HTTP requests to /v1 endpoints by status code",
+            ["endpoint", "status"],
+            registry=r,
         )
         self.request_finished = Counter(
             f"{p}request_finished",
@@ -50,7 +99,10 @@ class Metrics:
             f"{p}e2e_request_latency_seconds", "Arrival to last token", buckets=_LATENCY_BUCKETS, registry=r
         )
         self.ttft = Histogram(
-            f"{p}time_to_first_token_seconds", "Arrival to first generated token", buckets=_LATENCY_BUCKETS, registry=r
+            f"{p}time_to_first_token_seconds",
+            "Arrival to first generated token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.itl = Histogram(
             f"{p}inter_token_latency_seconds",
@@ -59,11 +111,20 @@ class Metrics:
             registry=r,
         )
         self.engine_steps = Counter(f"{p}engine_steps", "Batched target forwards (decode steps)", registry=r)
-        self.num_drafts = Counter(f"{p}spec_decode_num_drafts", "Row-steps with at least one draft token", registry=r)
-        self.num_draft_tokens = Counter(f"{p}spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r)
-        self.num_accepted_tokens = Counter(f"{p}spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.num_drafts = Counter(
+            f"{p}spec_decode_num_drafts", "Row-steps with at least one draft token", registry=r
+        )
+        self.num_draft_tokens = Counter(
+            f"{p}spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r
+        )
+        self.num_accepted_tokens = Counter(
+            f"{p}spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r
+        )
         self.accepted_per_pos = Counter(
-            f"{p}spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens per draft position", ["position"], registry=r
+            f"{p}spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens per draft position",
+            ["position"],
+            registry=r,
         )
 
     def observe_step(self, stats: SpecStats) -> None:

@@ -205,7 +205,11 @@ def _is_union_tag(loc_part) -> bool:
     """Pydantic names the union member in error locations (``str``, ``list[str]``, ``Speculation``)."""
     if not isinstance(loc_part, str):
         return False
-    return "[" in loc_part or loc_part[:1].isupper() or loc_part in {"str", "int", "float", "bool", "list", "dict"}
+    return (
+        "[" in loc_part
+        or loc_part[:1].isupper()
+        or loc_part in {"str", "int", "float", "bool", "list", "dict"}
+    )
 
 
 # --------------------------------------------------------------------------------------- responses
@@ -225,7 +229,13 @@ def completion_chunk(rid: str, model: str, created: int, text: str, finish_reaso
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None) -> dict:
     choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
 
 
 def completion_response(rid, model, created, text, finish_reason, prompt_tokens, completion_tokens) -> dict:

@@ -146,7 +146,9 @@ class Scheduler:
         request_timeout: float | None = None,
     ):
         if max_batch < 1 or max_queue < 0:
-            raise SpecdraftError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} and {max_queue}")
+            raise SpecdraftError(
+                f"max_batch must be >= 1 and max_queue >= 0, got {max_batch} and {max_queue}"
+            )
         if request_timeout is not None and not request_timeout > 0:
             raise SpecdraftError(f"request_timeout must be > 0 seconds, got {request_timeout}")
         self.pipe = pipe
@@ -337,7 +339,9 @@ class Scheduler:
 
     def _admit(self, jobs: list[Job]) -> None:
         """Prefill new jobs together; if that fails, one by one, so one bad job fails alone."""
-        requests = [Request(j.prompt, j.max_tokens, j.params, () if j.ignore_eos else self.pipe.eos_ids) for j in jobs]
+        requests = [
+            Request(j.prompt, j.max_tokens, j.params, () if j.ignore_eos else self.pipe.eos_ids) for j in jobs
+        ]
         try:
             self.engine.add(requests)
             pairs = list(zip(jobs, requests))

@@ -56,9 +56,15 @@ def select_prompts(
     hs: list[BenchPrompt] = read_prompts(hellaswag) if hellaswag is not None else []
     if hs:
         if len(hs) < per_dataset + heldout:
-            raise SpecdraftError(f"{hellaswag} has {len(hs)} prompts; the study needs {per_dataset} + {heldout} held out")
+            raise SpecdraftError(
+                f"{hellaswag} has {len(hs)} prompts; the study needs {per_dataset} + {heldout} held out"
+            )
         texts[HELLASWAG] = [p.turns[0] for p in hs[len(hs) - per_dataset :]]
-    held = [p.turns[0] for p in hs[len(hs) - per_dataset - heldout : len(hs) - per_dataset]] if hs and heldout else []
+    held = (
+        [p.turns[0] for p in hs[len(hs) - per_dataset - heldout : len(hs) - per_dataset]]
+        if hs and heldout
+        else []
+    )
     if names:
         unknown = [n for n in names if n not in texts]
         if unknown:
@@ -86,7 +92,9 @@ def build_datasets(
     """Tokenize (fitting the context window) and attach the target's cached continuations."""
     budget = min(max_prompt_tokens, pipe.runtime.max_context - max_new_tokens - k_max - 2)
     if budget < 2:
-        raise SpecdraftError(f"no room for prompts: max_prompt_tokens {max_prompt_tokens}, context {pipe.runtime.max_context}")
+        raise SpecdraftError(
+            f"no room for prompts: max_prompt_tokens {max_prompt_tokens}, context {pipe.runtime.max_context}"
+        )
 
     def make(name: str, prompts: list[str]) -> Dataset:
         ids = []
@@ -95,13 +103,22 @@ def build_datasets(
             if fitted.message:
                 log(f"{name}: prompt {fitted.message}")
             ids.append(fitted.ids)
-        seqs = cached_continuations(pipe.runtime, ids, max_new_tokens, pipe.eos_ids, target=pipe.target.name,
-                                    dtype=dtype, cache_dir=cache_dir)
+        seqs = cached_continuations(
+            pipe.runtime,
+            ids,
+            max_new_tokens,
+            pipe.eos_ids,
+            target=pipe.target.name,
+            dtype=dtype,
+            cache_dir=cache_dir,
+        )
         return Dataset(name, seqs, Dataset.fingerprint_of(ids))
 
     datasets = []
     for i, (name, prompts) in enumerate(texts.items(), 1):
-        log(f"target continuations {i}/{len(texts)}: {name} ({len(prompts)} prompts x {max_new_tokens} tokens)")
+        log(
+            f"target continuations {i}/{len(texts)}: {name} ({len(prompts)} prompts x {max_new_tokens} tokens)"
+        )
         datasets.append(make(name, prompts))
     heldout = None
     if held:
@@ -110,4 +127,11 @@ def build_datasets(
     return datasets, heldout
 
 
-__all__ = ["HELDOUT", "Sequence", "build_datasets", "default_hellaswag_path", "default_prompts_path", "select_prompts"]
+__all__ = [
+    "HELDOUT",
+    "Sequence",
+    "build_datasets",
+    "default_hellaswag_path",
+    "default_prompts_path",
+    "select_prompts",
+]

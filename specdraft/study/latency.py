@@ -65,8 +65,10 @@ class Latencies:
     def from_dict(cls, d: dict) -> Latencies:
         return cls(
             target={int(c): LatencyProfile.from_dict(p) for c, p in d["target"].items()},
-            drafts={k: {int(c): LatencyProfile.from_dict(p) for c, p in ps.items()}
-                    for k, ps in d.get("drafts", {}).items()},
+            drafts={
+                k: {int(c): LatencyProfile.from_dict(p) for c, p in ps.items()}
+                for k, ps in d.get("drafts", {}).items()
+            },
             draft_kinds=dict(d.get("draft_kinds", {})),
         )
 
@@ -75,12 +77,22 @@ def draft_kind(drafter) -> str:
     return "model" if getattr(drafter, "runtime", None) is not None else "lookup"
 
 
-def measure_target(runtime, *, batch_sizes, k_max: int, contexts, repeats: int = 7, warmup: int = 2,
-                   name: str = "target") -> dict[int, LatencyProfile]:
+def measure_target(
+    runtime, *, batch_sizes, k_max: int, contexts, repeats: int = 7, warmup: int = 2, name: str = "target"
+) -> dict[int, LatencyProfile]:
     """Profile T_target(b, n), n = 1..k_max + 1, at each context length."""
     return {
-        c: profile_latency(runtime, None, batch_sizes=batch_sizes, new_tokens=range(1, k_max + 2), context=c,
-                           repeats=repeats, warmup=warmup, breakdown=False, target_name=name)
+        c: profile_latency(
+            runtime,
+            None,
+            batch_sizes=batch_sizes,
+            new_tokens=range(1, k_max + 2),
+            context=c,
+            repeats=repeats,
+            warmup=warmup,
+            breakdown=False,
+            target_name=name,
+        )
         for c in contexts
     }
 
@@ -113,8 +125,17 @@ def _stand_in(runtime, drafter):
     return getattr(drafter, "runtime", None) or runtime
 
 
-def measure_draft(runtime, drafter, spec: str, *, batch_sizes, contexts, repeats: int = 7, warmup: int = 2,
-                  name: str = "target") -> dict[int, LatencyProfile]:
+def measure_draft(
+    runtime,
+    drafter,
+    spec: str,
+    *,
+    batch_sizes,
+    contexts,
+    repeats: int = 7,
+    warmup: int = 2,
+    name: str = "target",
+) -> dict[int, LatencyProfile]:
     """Profile T_draft(b) at each context length (the step breakdown at the first one).
 
     Only ``t_draft`` of these profiles is used (see :func:`_stand_in`)."""
@@ -124,7 +145,16 @@ def measure_draft(runtime, drafter, spec: str, *, batch_sizes, contexts, repeats
     for c in contexts:
         quiet = _quiet_stderr_fd() if c == contexts[0] else contextlib.nullcontext()
         with quiet:
-            out[c] = profile_latency(runtime, drafter, batch_sizes=batch_sizes, new_tokens=(1,), context=c,
-                                     repeats=repeats, warmup=warmup, breakdown=c == contexts[0],
-                                     target_name=name, draft_name=spec)
+            out[c] = profile_latency(
+                runtime,
+                drafter,
+                batch_sizes=batch_sizes,
+                new_tokens=(1,),
+                context=c,
+                repeats=repeats,
+                warmup=warmup,
+                breakdown=c == contexts[0],
+                target_name=name,
+                draft_name=spec,
+            )
     return out

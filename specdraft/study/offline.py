@@ -79,12 +79,18 @@ def continuations_dir() -> Path:
 
 
 def generate_continuations(
-    runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, eos_ids: tuple[int, ...], batch_size: int = 8
+    runtime: Runtime,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos_ids: tuple[int, ...],
+    batch_size: int = 8,
 ) -> list[list[int]]:
     """The target's greedy continuation of each prompt (plain decoding, ``batch_size`` rows at a time)."""
     out: list[list[int]] = []
     for start in range(0, len(prompts), batch_size):
-        reqs = [Request(p, max_new_tokens, SamplingParams(), eos_ids) for p in prompts[start : start + batch_size]]
+        reqs = [
+            Request(p, max_new_tokens, SamplingParams(), eos_ids) for p in prompts[start : start + batch_size]
+        ]
         out += decode_requests(Engine(runtime), reqs)
     return out
 
@@ -118,8 +124,16 @@ def cached_continuations(
     cache_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".cont-", dir=cache_dir)
     with os.fdopen(fd, "w") as f:
-        json.dump({"target": target, "dtype": dtype, "max_new_tokens": max_new_tokens,
-                   "prompts": prompts, "continuations": conts}, f)
+        json.dump(
+            {
+                "target": target,
+                "dtype": dtype,
+                "max_new_tokens": max_new_tokens,
+                "prompts": prompts,
+                "continuations": conts,
+            },
+            f,
+        )
     os.replace(tmp, path)
     return [Sequence(p, c) for p, c in zip(prompts, conts)]
 
@@ -173,7 +187,9 @@ def _teacher_forced(runtime: Runtime, seq: torch.Tensor, prompt_len: int, capaci
     return one, out.logits[0]  # (N, V)
 
 
-def offline_proposals(drafter, seq: Sequence, k_max: int, *, row_budget_bytes: int = 256 << 20) -> OfflineProposals:
+def offline_proposals(
+    drafter, seq: Sequence, k_max: int, *, row_budget_bytes: int = 256 << 20
+) -> OfflineProposals:
     """Propose ``k_max`` tokens from the true prefix at every continuation position.
 
     Every position is one row of a batch that runs the drafter's own ``propose`` (the exact code
@@ -200,7 +216,8 @@ def offline_proposals(drafter, seq: Sequence, k_max: int, *, row_budget_bytes: i
     if getattr(drafter, "hidden_layers", ()):
         raise SpecdraftError(
             f"draft {getattr(drafter, 'name', drafter)!r} reads the target's hidden states; offline acceptance "
-            "replays drafts from token prefixes only: measure it online (specdraft bench)")
+            "replays drafts from token prefixes only: measure it online (specdraft bench)"
+        )
     fast = isinstance(drafter, ModelDrafter) and isinstance(drafter.runtime.new_state(1, 1), LlamaKV)
     nll = top1 = None
     one = None

@@ -68,7 +68,9 @@ def load_inputs(paths: list[Path]) -> Inputs:
         SpecdraftError: a missing or unrecognised file, a malformed JSONL line (file and line named).
     """
     if not paths:
-        raise SpecdraftError("report needs at least one input (study results JSONL, bench JSON or profile JSON)")
+        raise SpecdraftError(
+            "report needs at least one input (study results JSONL, bench JSON or profile JSON)"
+        )
     inp = Inputs()
     for path in map(Path, paths):
         if not path.is_file():
@@ -101,8 +103,13 @@ def load_inputs(paths: list[Path]) -> Inputs:
 
 def _add_rows(inp: Inputs, rows: list[dict]) -> None:
     for r in rows:
-        bucket = {"config": inp.config, "quality": inp.quality, "latency": inp.latency, "online": inp.online,
-                  "run": inp.runs}.get(r.get("kind"))
+        bucket = {
+            "config": inp.config,
+            "quality": inp.quality,
+            "latency": inp.latency,
+            "online": inp.online,
+            "run": inp.runs,
+        }.get(r.get("kind"))
         if bucket is not None:
             bucket.append(r)
 
@@ -246,16 +253,24 @@ class Study:
                 best_k[b], best_tps[b] = k, tps
                 best_sp[b] = self.mean(draft, k, b, "predicted_speedup") or 0.0
             q = self.quality.get(draft, {})
-            out.append(DraftSummary(
-                draft=draft,
-                kind=rows1[0].get("draft_kind", "model") if rows1 else "model",
-                t_draft_ms=1e3 * statistics.median(r["t_draft_s"] for r in rows1) if rows1 else float("nan"),
-                t_target_ms=1e3 * statistics.median(r["t_target_plain_s"] for r in rows1) if rows1 else float("nan"),
-                perplexity=q.get("perplexity"),
-                top1=q.get("top1_agreement"),
-                accepted=self.mean(draft, self.k_ref, min(self.batches), "mean_accepted_length") or 0.0,
-                best_k=best_k, best_speedup=best_sp, best_tps=best_tps,
-            ))
+            out.append(
+                DraftSummary(
+                    draft=draft,
+                    kind=rows1[0].get("draft_kind", "model") if rows1 else "model",
+                    t_draft_ms=1e3 * statistics.median(r["t_draft_s"] for r in rows1)
+                    if rows1
+                    else float("nan"),
+                    t_target_ms=1e3 * statistics.median(r["t_target_plain_s"] for r in rows1)
+                    if rows1
+                    else float("nan"),
+                    perplexity=q.get("perplexity"),
+                    top1=q.get("top1_agreement"),
+                    accepted=self.mean(draft, self.k_ref, min(self.batches), "mean_accepted_length") or 0.0,
+                    best_k=best_k,
+                    best_speedup=best_sp,
+                    best_tps=best_tps,
+                )
+            )
         return sorted(out, key=lambda d: d.t_draft_ms)
 
 
@@ -285,8 +300,10 @@ def _styles(names: list[str]) -> dict[str, dict]:
     plt = _plt()
     cmap = plt.get_cmap("tab10")
     lines, markers = ["-", "--", ":"], ["o", "s", "^"]
-    return {n: {"color": cmap(i % 10), "ls": lines[(i // 10) % 3], "marker": markers[(i // 10) % 3]}
-            for i, n in enumerate(names)}
+    return {
+        n: {"color": cmap(i % 10), "ls": lines[(i // 10) % 3], "marker": markers[(i // 10) % 3]}
+        for i, n in enumerate(names)
+    }
 
 
 def _label_points(ax, xs: list[float], ys: list[float], labels: list[str], fontsize: int = 7) -> None:
@@ -307,14 +324,24 @@ def _label_points(ax, xs: list[float], ys: list[float], labels: list[str], fonts
         for dx, dy in candidates:
             box = (pts[i][0] + dx, pts[i][1] + dy, pts[i][0] + dx + w, pts[i][1] + dy + h)
             inside = frame.x0 <= box[0] and box[2] <= frame.x1 and frame.y0 <= box[1] and box[3] <= frame.y1
-            if inside and not any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in placed):
+            if inside and not any(
+                box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in placed
+            ):
                 best = (dx, dy)
                 break
         dx, dy = best
         placed.append((pts[i][0] + dx, pts[i][1] + dy, pts[i][0] + dx + w, pts[i][1] + dy + h))
         far = abs(dy) > 4 * px or dx < 0
-        ax.annotate(labels[i], (xs[i], ys[i]), xytext=(dx / px, dy / px), textcoords="offset points", fontsize=fontsize,
-                    arrowprops={"arrowstyle": "-", "lw": 0.4, "color": "gray", "shrinkA": 0, "shrinkB": 2} if far else None)
+        ax.annotate(
+            labels[i],
+            (xs[i], ys[i]),
+            xytext=(dx / px, dy / px),
+            textcoords="offset points",
+            fontsize=fontsize,
+            arrowprops={"arrowstyle": "-", "lw": 0.4, "color": "gray", "shrinkA": 0, "shrinkB": 2}
+            if far
+            else None,
+        )
 
 
 def plot_throughput_vs_k(st: Study, path: Path) -> None:
@@ -355,8 +382,12 @@ def plot_speedup_vs_latency(st: Study, path: Path) -> None:
         xs = [d.t_draft_ms / d.t_target_ms for d in st.drafts]
         ys = [d.best_speedup[b] for d in st.drafts]
         ax.scatter(xs, ys, color=colors[str(b)], label=f"batch {b}", s=22)
-    _label_points(ax, [d.t_draft_ms / d.t_target_ms for d in st.drafts], [d.best_speedup[min(st.batches)] for d in st.drafts],
-                  [short_name(d.draft) for d in st.drafts])
+    _label_points(
+        ax,
+        [d.t_draft_ms / d.t_target_ms for d in st.drafts],
+        [d.best_speedup[min(st.batches)] for d in st.drafts],
+        [short_name(d.draft) for d in st.drafts],
+    )
     ax.axhline(1.0, color="black", lw=1, ls="--")
     ax.set_xlabel("draft step latency / target step latency  (T_draft(1) / T_target(1, 1))")
     ax.set_ylabel("predicted speedup at the best k")
@@ -383,15 +414,24 @@ def plot_acceptance_vs_perplexity(st: Study, path: Path, corr: dict) -> None:
     models = [d for d in st.drafts if d.perplexity is not None]
     a1.scatter([d.perplexity for d in models], [d.accepted for d in models], color="tab:blue", s=26)
     a1.set_xlabel("draft perplexity on held-out target text" + _scale_for(a1, [d.perplexity for d in models]))
-    _label_points(a1, [d.perplexity for d in models], [d.accepted for d in models], [short_name(d.draft) for d in models])
+    _label_points(
+        a1,
+        [d.perplexity for d in models],
+        [d.accepted for d in models],
+        [short_name(d.draft) for d in models],
+    )
     a1.set_ylabel(f"mean accepted length, k={st.k_ref}, batch {min(st.batches)}")
-    a1.set_title(f"per draft: Pearson {_fmt(corr.get('ppl_acc_pearson'))}, Spearman {_fmt(corr.get('ppl_acc_spearman'))}")
+    a1.set_title(
+        f"per draft: Pearson {_fmt(corr.get('ppl_acc_pearson'))}, Spearman {_fmt(corr.get('ppl_acc_spearman'))}"
+    )
     pts = _dataset_points(st)
     colors = _colors(st.datasets)
     for ds in st.datasets:
         p = [x for x in pts if x[2] == ds]
         a2.scatter([x[0] for x in p], [x[1] for x in p], s=14, color=colors[ds], label=ds)
-    a2.set_xlabel("draft perplexity on the dataset's target continuations" + _scale_for(a2, [x[0] for x in pts]))
+    a2.set_xlabel(
+        "draft perplexity on the dataset's target continuations" + _scale_for(a2, [x[0] for x in pts])
+    )
     a2.set_title(f"per (draft, dataset): Spearman {_fmt(corr.get('ppl_acc_ds_spearman'))}")
     a2.legend(fontsize=6, ncol=2)
     fig.suptitle("Acceptance vs draft language-modelling quality")
@@ -424,7 +464,9 @@ def plot_breakdown(breakdowns: dict[str, dict[str, float]], path: Path) -> None:
         ax.barh(names, vals, left=left, color=colors[bucket], label=bucket)
         left = [l + v for l, v in zip(left, vals)]
     for i, total in enumerate(left):
-        ax.annotate(f"{total:.2f} ms", (total, i), xytext=(3, 0), textcoords="offset points", va="center", fontsize=7)
+        ax.annotate(
+            f"{total:.2f} ms", (total, i), xytext=(3, 0), textcoords="offset points", va="center", fontsize=7
+        )
     ax.set_xlim(0, max(left) * 1.15 if left and max(left) > 0 else 1)
     ax.set_xlabel("milliseconds per draft step (batch 1)")
     ax.set_title("Where a draft step's time goes")
@@ -441,12 +483,25 @@ def plot_predicted_vs_measured(online: list[dict], path: Path) -> None:
     xs = [r["measured_tokens_per_s"] for r in online]
     ys = [r["predicted_tokens_per_s"] for r in online]
     ax.scatter(xs, ys, s=24, color="tab:blue", label="sweep's latency profile")
-    re = [(r["measured_tokens_per_s"], r["reprofiled_predicted_tokens_per_s"]) for r in online if "reprofiled_predicted_tokens_per_s" in r]
+    re = [
+        (r["measured_tokens_per_s"], r["reprofiled_predicted_tokens_per_s"])
+        for r in online
+        if "reprofiled_predicted_tokens_per_s" in r
+    ]
     if re:
-        ax.scatter([a for a, _ in re], [b for _, b in re], s=24, marker="x", color="tab:orange", label="latencies re-measured around the run")
+        ax.scatter(
+            [a for a, _ in re],
+            [b for _, b in re],
+            s=24,
+            marker="x",
+            color="tab:orange",
+            label="latencies re-measured around the run",
+        )
     lo, hi = min(xs + ys) * 0.8, max(xs + ys) * 1.2
     ax.plot([lo, hi], [lo, hi], color="black", lw=1)
-    ax.fill_between([lo, hi], [lo * 0.9, hi * 0.9], [lo * 1.1, hi * 1.1], color="gray", alpha=0.15, label="±10%")
+    ax.fill_between(
+        [lo, hi], [lo * 0.9, hi * 0.9], [lo * 1.1, hi * 1.1], color="gray", alpha=0.15, label="±10%"
+    )
     ax.set_xlim(lo, hi)
     ax.set_ylim(lo, hi)
     ax.set_xlabel("measured tokens/s (engine run)")
@@ -469,7 +524,13 @@ def plot_best_per_batch(st: Study, best: dict[int, dict], path: Path) -> None:
     ax.bar([i - 0.2 for i in x], plain, width=0.4, color="gray", label="plain decoding")
     ax.bar([i + 0.2 for i in x], spec, width=0.4, color="tab:green", label="best configuration")
     for i, b in enumerate(st.batches):
-        ax.annotate(f"{short_name(best[b]['draft'])}\nk={best[b]['k']}", (i + 0.2, spec[i]), ha="center", va="bottom", fontsize=7)
+        ax.annotate(
+            f"{short_name(best[b]['draft'])}\nk={best[b]['k']}",
+            (i + 0.2, spec[i]),
+            ha="center",
+            va="bottom",
+            fontsize=7,
+        )
     ax.set_xticks(list(x), bs)
     ax.set_xlabel("batch size")
     ax.set_ylabel("predicted tokens/s (mean over datasets)")
@@ -485,15 +546,23 @@ def plot_bench(doc: dict, path: Path, title: str) -> None:
     plt = _plt()
     cats = list(doc["categories"]) + ["overall"]
     data = {**doc["categories"], "overall": doc["overall"]}
-    methods = [("tokens_per_s", "specdraft speculative"), ("plain_tokens_per_s", "specdraft plain"),
-               ("hf_plain_tokens_per_s", "HF generate"), ("hf_assisted_tokens_per_s", "HF assisted"),
-               ("hf_prompt_lookup_tokens_per_s", "HF prompt lookup")]
+    methods = [
+        ("tokens_per_s", "specdraft speculative"),
+        ("plain_tokens_per_s", "specdraft plain"),
+        ("hf_plain_tokens_per_s", "HF generate"),
+        ("hf_assisted_tokens_per_s", "HF assisted"),
+        ("hf_prompt_lookup_tokens_per_s", "HF prompt lookup"),
+    ]
     methods = [(m, l) for m, l in methods if any(data[c].get(m) is not None for c in cats)]
     fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(cats) + 2), 3.8))
     w = 0.8 / max(len(methods), 1)
     for j, (m, label) in enumerate(methods):
-        ax.bar([i + (j - (len(methods) - 1) / 2) * w for i in range(len(cats))], [data[c].get(m) or 0 for c in cats],
-               width=w, label=label)
+        ax.bar(
+            [i + (j - (len(methods) - 1) / 2) * w for i in range(len(cats))],
+            [data[c].get(m) or 0 for c in cats],
+            width=w,
+            label=label,
+        )
     ax.set_xticks(range(len(cats)), cats, rotation=30, ha="right")
     ax.set_ylabel("tokens/s")
     ax.set_title(title)
@@ -557,7 +626,12 @@ def best_per_batch(st: Study) -> dict[int, dict]:
     out = {}
     for b in st.batches:
         best = max(st.drafts, key=lambda d: d.best_tps[b])
-        out[b] = {"draft": best.draft, "k": best.best_k[b], "tps": best.best_tps[b], "speedup": best.best_speedup[b]}
+        out[b] = {
+            "draft": best.draft,
+            "k": best.best_k[b],
+            "tps": best.best_tps[b],
+            "speedup": best.best_speedup[b],
+        }
     return out
 
 
@@ -565,10 +639,16 @@ def findings(st: Study, corr: dict, best: dict[int, dict], online: list[dict]) -
     """Sentences about the original study's claims, each with its verdict computed from the data."""
     out = []
     b1 = min(st.batches)
-    lat, ppl_sp, acc_sp = corr["lat_speedup_spearman"], corr["ppl_speedup_spearman"], corr["acc_speedup_spearman"]
+    lat, ppl_sp, acc_sp = (
+        corr["lat_speedup_spearman"],
+        corr["ppl_speedup_spearman"],
+        corr["acc_speedup_spearman"],
+    )
     if lat is None:
-        out.append(f"**Throughput depends mainly on draft latency: cannot be judged** from {len(st.drafts)} draft(s) "
-                   "(a rank correlation needs at least 3 with different latencies).")
+        out.append(
+            f"**Throughput depends mainly on draft latency: cannot be judged** from {len(st.drafts)} draft(s) "
+            "(a rank correlation needs at least 3 with different latencies)."
+        )
     else:
         holds = abs(lat) >= 0.5 and (ppl_sp is None or abs(lat) > abs(ppl_sp))
         fastest = min(st.drafts, key=lambda d: d.t_draft_ms)
@@ -584,8 +664,10 @@ def findings(st: Study, corr: dict, best: dict[int, dict], online: list[dict]) -
     pa, pa_p, n = corr["ppl_acc_spearman"], corr["ppl_acc_pearson"], corr["n_model_drafts"]
     ds = corr["ppl_acc_ds_spearman"]
     if pa is None and ds is None:
-        out.append("**Language-modelling quality (perplexity) barely predicts acceptance: cannot be judged** "
-                   f"({corr['n_model_drafts']} model draft(s) with a perplexity; a correlation needs at least 3).")
+        out.append(
+            "**Language-modelling quality (perplexity) barely predicts acceptance: cannot be judged** "
+            f"({corr['n_model_drafts']} model draft(s) with a perplexity; a correlation needs at least 3)."
+        )
     else:
         weak = [abs(x) < 0.5 for x in (pa, ds) if x is not None]
         holds = all(weak)
@@ -605,24 +687,43 @@ def findings(st: Study, corr: dict, best: dict[int, dict], online: list[dict]) -
         for b in st.batches:
             every = [d.best_k[b] for d in st.drafts]
             paying = [d.best_k[b] for d in st.drafts if d.best_speedup[b] > 1.0]
-            parts.append(f"batch {b}: {statistics.median(every):g} over all drafts, "
-                         + (f"{statistics.median(paying):g} over the {len(paying)} that beat plain decoding" if paying
-                            else "none beats plain decoding"))
+            parts.append(
+                f"batch {b}: {statistics.median(every):g} over all drafts, "
+                + (
+                    f"{statistics.median(paying):g} over the {len(paying)} that beat plain decoding"
+                    if paying
+                    else "none beats plain decoding"
+                )
+            )
         model_ks = {b: [d.best_k[b] for d in st.drafts if d.kind == "model"] for b in st.batches}
         first, last = st.batches[0], st.batches[-1]
-        shrinks = model_ks[first] and model_ks[last] and statistics.median(model_ks[last]) < statistics.median(model_ks[first])
+        shrinks = (
+            model_ks[first]
+            and model_ks[last]
+            and statistics.median(model_ks[last]) < statistics.median(model_ks[first])
+        )
         out.append(
             f"**The best k** (median of each draft's k with the highest predicted throughput): {'; '.join(parts)}. "
-            + ("The best k shrinks as the batch grows: verification scores b x (k + 1) tokens, so extra draft tokens "
-               "cost more in a bigger batch." if shrinks else "The best k does not shrink with batch size here.")
+            + (
+                "The best k shrinks as the batch grows: verification scores b x (k + 1) tokens, so extra draft tokens "
+                "cost more in a bigger batch."
+                if shrinks
+                else "The best k does not shrink with batch size here."
+            )
         )
         sp = {b: best[b]["speedup"] for b in st.batches}
         falls = sp[last] < sp[first]
         out.append(
             f"**Batch size:** the best configuration's predicted speedup is "
-            + ", ".join(f"{sp[b]:.2f}x at batch {b} (`{short_name(best[b]['draft'])}`, k={best[b]['k']})" for b in st.batches)
-            + (" - speculation pays less as the batch grows (the target step becomes compute-bound)." if falls else
-               " - it does not fall with batch size here.")
+            + ", ".join(
+                f"{sp[b]:.2f}x at batch {b} (`{short_name(best[b]['draft'])}`, k={best[b]['k']})"
+                for b in st.batches
+            )
+            + (
+                " - speculation pays less as the batch grows (the target step becomes compute-bound)."
+                if falls
+                else " - it does not fall with batch size here."
+            )
         )
     cost = verification_cost(st)
     if cost:
@@ -639,17 +740,23 @@ def findings(st: Study, corr: dict, best: dict[int, dict], online: list[dict]) -
     if online:
         med = statistics.median(r["relative_error"] for r in online)
         within = sum(r["relative_error"] <= 0.10 for r in online)
-        acc_eq = sum(abs(r["online_mean_accepted_length"] - r["offline_mean_accepted_length"]) < 1e-6 for r in online)
-        line = (f"**Analytic model vs real runs:** median |predicted - measured| / measured = {med:.1%} over {len(online)} "
-                f"configurations run online ({within} within 10%); the online mean accepted length equals the offline "
-                f"one in {acc_eq} of {len(online)} runs")
+        acc_eq = sum(
+            abs(r["online_mean_accepted_length"] - r["offline_mean_accepted_length"]) < 1e-6 for r in online
+        )
+        line = (
+            f"**Analytic model vs real runs:** median |predicted - measured| / measured = {med:.1%} over {len(online)} "
+            f"configurations run online ({within} within 10%); the online mean accepted length equals the offline "
+            f"one in {acc_eq} of {len(online)} runs"
+        )
         re = [r["reprofiled_relative_error"] for r in online if "reprofiled_relative_error" in r]
         if re:
             line += f"; with latencies re-measured right before and after each run the median error is {statistics.median(re):.1%}"
         cf = [r["analytic_relative_error"] for r in online if "analytic_relative_error" in r]
         if cf:
-            line += (f"; the closed form b E[tokens] / (k T_draft + T_target(k + 1)) at the mean context, without the "
-                     f"step-by-step replay, has median error {statistics.median(cf):.1%}")
+            line += (
+                f"; the closed form b E[tokens] / (k T_draft + T_target(k + 1)) at the mean context, without the "
+                f"step-by-step replay, has median error {statistics.median(cf):.1%}"
+            )
         out.append(line + ".")
     return out
 
@@ -667,26 +774,72 @@ def _study_sections(st: Study, inp: Inputs, out_dir: Path) -> tuple[list[str], l
     plot_throughput_vs_k(st, out_dir / "throughput_vs_k.png")
     plot_speedup_vs_latency(st, out_dir / "speedup_vs_latency.png")
     b1 = min(st.batches)
-    body.append("## Drafts\n\n" + _table(
-        ["draft", "T_draft(1) ms", "T_draft / T_target", "held-out perplexity", "top-1 agreement",
-         f"accepted/step (k={st.k_ref})"] + [f"best k, b={b}" for b in st.batches] + [f"speedup b={b}" for b in st.batches],
-        [[f"`{short_name(d.draft)}`", f"{d.t_draft_ms:.2f}", f"{d.t_draft_ms / d.t_target_ms:.2f}", _fmt(d.perplexity, "{:.1f}" if (d.perplexity or 0) < 1e5 else "{:.2e}"),
-          _fmt(d.top1, "{:.1%}"), f"{d.accepted:.2f}"] + [str(d.best_k[b]) for b in st.batches]
-         + [f"{d.best_speedup[b]:.2f}x" for b in st.batches] for d in st.drafts]
-    ) + f"\n\nT_target(1, 1) = {st.drafts[0].t_target_ms:.2f} ms (median over the datasets' contexts). Speedups are "
-        "predicted steady-state decode throughput over plain decoding of the same target, mean over datasets.")
+    body.append(
+        "## Drafts\n\n"
+        + _table(
+            [
+                "draft",
+                "T_draft(1) ms",
+                "T_draft / T_target",
+                "held-out perplexity",
+                "top-1 agreement",
+                f"accepted/step (k={st.k_ref})",
+            ]
+            + [f"best k, b={b}" for b in st.batches]
+            + [f"speedup b={b}" for b in st.batches],
+            [
+                [
+                    f"`{short_name(d.draft)}`",
+                    f"{d.t_draft_ms:.2f}",
+                    f"{d.t_draft_ms / d.t_target_ms:.2f}",
+                    _fmt(d.perplexity, "{:.1f}" if (d.perplexity or 0) < 1e5 else "{:.2e}"),
+                    _fmt(d.top1, "{:.1%}"),
+                    f"{d.accepted:.2f}",
+                ]
+                + [str(d.best_k[b]) for b in st.batches]
+                + [f"{d.best_speedup[b]:.2f}x" for b in st.batches]
+                for d in st.drafts
+            ],
+        )
+        + f"\n\nT_target(1, 1) = {st.drafts[0].t_target_ms:.2f} ms (median over the datasets' contexts). Speedups are "
+        "predicted steady-state decode throughput over plain decoding of the same target, mean over datasets."
+    )
     body.append("## Throughput vs k\n\n![throughput vs k](throughput_vs_k.png)")
     body.append("## Speedup vs draft latency\n\n![speedup vs draft latency](speedup_vs_latency.png)")
     if any(d.perplexity is not None for d in st.drafts):
         plot_acceptance_vs_perplexity(st, out_dir / "acceptance_vs_perplexity.png", corr)
         body.append(
             "## Acceptance vs draft perplexity\n\n![acceptance vs perplexity](acceptance_vs_perplexity.png)\n\n"
-            + _table(["pair", "n", "Pearson", "Spearman"], [
-                ["log perplexity vs accepted/step (per draft)", corr["n_model_drafts"], _fmt(corr["ppl_acc_pearson"]), _fmt(corr["ppl_acc_spearman"])],
-                ["log perplexity vs accepted/step (per draft and dataset)", corr["n_points_ds"], _fmt(corr["ppl_acc_ds_pearson"]), _fmt(corr["ppl_acc_ds_spearman"])],
-                ["log perplexity vs speedup (per draft)", corr["n_model_drafts"], _fmt(corr["ppl_speedup_pearson"]), _fmt(corr["ppl_speedup_spearman"])],
-                ["draft latency vs speedup (all drafts)", len(st.drafts), _fmt(corr["lat_speedup_pearson"]), _fmt(corr["lat_speedup_spearman"])],
-            ]))
+            + _table(
+                ["pair", "n", "Pearson", "Spearman"],
+                [
+                    [
+                        "log perplexity vs accepted/step (per draft)",
+                        corr["n_model_drafts"],
+                        _fmt(corr["ppl_acc_pearson"]),
+                        _fmt(corr["ppl_acc_spearman"]),
+                    ],
+                    [
+                        "log perplexity vs accepted/step (per draft and dataset)",
+                        corr["n_points_ds"],
+                        _fmt(corr["ppl_acc_ds_pearson"]),
+                        _fmt(corr["ppl_acc_ds_spearman"]),
+                    ],
+                    [
+                        "log perplexity vs speedup (per draft)",
+                        corr["n_model_drafts"],
+                        _fmt(corr["ppl_speedup_pearson"]),
+                        _fmt(corr["ppl_speedup_spearman"]),
+                    ],
+                    [
+                        "draft latency vs speedup (all drafts)",
+                        len(st.drafts),
+                        _fmt(corr["lat_speedup_pearson"]),
+                        _fmt(corr["lat_speedup_spearman"]),
+                    ],
+                ],
+            )
+        )
     breakdowns = {}
     for r in inp.latency:
         for c in sorted(r.get("profiles", {}), key=int):
@@ -699,34 +852,88 @@ def _study_sections(st: Study, inp: Inputs, out_dir: Path) -> tuple[list[str], l
             breakdowns[f"{doc.get('draft', path.stem)} ({path.name})"] = doc["draft_breakdown"]
     if breakdowns:
         plot_breakdown(breakdowns, out_dir / "draft_latency_breakdown.png")
-        body.append("## Draft-step latency breakdown\n\n![draft latency breakdown](draft_latency_breakdown.png)\n\n"
-                    "From the profiler (`specdraft.bench.profile`): one batch-1 draft step under torch.profiler, scaled "
-                    "to its unprofiled median.")
+        body.append(
+            "## Draft-step latency breakdown\n\n![draft latency breakdown](draft_latency_breakdown.png)\n\n"
+            "From the profiler (`specdraft.bench.profile`): one batch-1 draft step under torch.profiler, scaled "
+            "to its unprofiled median."
+        )
     if st.online:
         plot_predicted_vs_measured(st.online, out_dir / "predicted_vs_measured.png")
-        body.append("## Predicted vs measured throughput\n\n![predicted vs measured](predicted_vs_measured.png)\n\n" + _table(
-            ["draft", "dataset", "k", "batch", "measured tok/s", "predicted tok/s", "error", "accepted/step online", "offline",
-             "outputs = cached"],
-            [[f"`{short_name(r['draft'])}`", r["dataset"], r["k"], r["batch"], f"{r['measured_tokens_per_s']:.1f}",
-              f"{r['predicted_tokens_per_s']:.1f}", f"{r['relative_error']:.1%}", f"{r['online_mean_accepted_length']:.3f}",
-              f"{r['offline_mean_accepted_length']:.3f}", f"{r['outputs_equal_cached']}/{r['prompts']}"] for r in st.online]
-        ) + "\n\nMeasured: steady-state decode tokens/s of a real engine run (prefill and each batch's first step left "
-            "out, as in the prediction).")
+        body.append(
+            "## Predicted vs measured throughput\n\n![predicted vs measured](predicted_vs_measured.png)\n\n"
+            + _table(
+                [
+                    "draft",
+                    "dataset",
+                    "k",
+                    "batch",
+                    "measured tok/s",
+                    "predicted tok/s",
+                    "error",
+                    "accepted/step online",
+                    "offline",
+                    "outputs = cached",
+                ],
+                [
+                    [
+                        f"`{short_name(r['draft'])}`",
+                        r["dataset"],
+                        r["k"],
+                        r["batch"],
+                        f"{r['measured_tokens_per_s']:.1f}",
+                        f"{r['predicted_tokens_per_s']:.1f}",
+                        f"{r['relative_error']:.1%}",
+                        f"{r['online_mean_accepted_length']:.3f}",
+                        f"{r['offline_mean_accepted_length']:.3f}",
+                        f"{r['outputs_equal_cached']}/{r['prompts']}",
+                    ]
+                    for r in st.online
+                ],
+            )
+            + "\n\nMeasured: steady-state decode tokens/s of a real engine run (prefill and each batch's first step left "
+            "out, as in the prediction)."
+        )
     plot_best_per_batch(st, best, out_dir / "best_per_batch.png")
     per_ds = []
     for ds in st.datasets:
         for b in (st.batches[0], st.batches[-1]):
-            rows = [r for r in st.rows if r["dataset"] == ds and r["batch"] == b and r.get("predicted_tokens_per_s")]
+            rows = [
+                r
+                for r in st.rows
+                if r["dataset"] == ds and r["batch"] == b and r.get("predicted_tokens_per_s")
+            ]
             if rows:
                 r = max(rows, key=lambda r: r["predicted_tokens_per_s"])
-                per_ds.append([ds, b, f"`{short_name(r['draft'])}`", r["k"], f"{r['predicted_tokens_per_s']:.1f}",
-                               _fmt(r.get("predicted_speedup"), "{:.2f}x"), f"{r['mean_accepted_length']:.2f}"])
-    body.append("## Best configuration per batch size\n\n![best per batch](best_per_batch.png)\n\n" + _table(
-        ["batch", "draft", "k", "predicted tok/s", "plain tok/s", "speedup"],
-        [[b, f"`{short_name(best[b]['draft'])}`", best[b]["k"], f"{best[b]['tps']:.1f}", _fmt(st.plain_tps(b), "{:.1f}"),
-          f"{best[b]['speedup']:.2f}x"] for b in st.batches]
-    ) + "\n\nPer dataset (smallest and largest batch):\n\n" + _table(
-        ["dataset", "batch", "draft", "k", "predicted tok/s", "speedup", "accepted/step"], per_ds))
+                per_ds.append(
+                    [
+                        ds,
+                        b,
+                        f"`{short_name(r['draft'])}`",
+                        r["k"],
+                        f"{r['predicted_tokens_per_s']:.1f}",
+                        _fmt(r.get("predicted_speedup"), "{:.2f}x"),
+                        f"{r['mean_accepted_length']:.2f}",
+                    ]
+                )
+    body.append(
+        "## Best configuration per batch size\n\n![best per batch](best_per_batch.png)\n\n"
+        + _table(
+            ["batch", "draft", "k", "predicted tok/s", "plain tok/s", "speedup"],
+            [
+                [
+                    b,
+                    f"`{short_name(best[b]['draft'])}`",
+                    best[b]["k"],
+                    f"{best[b]['tps']:.1f}",
+                    _fmt(st.plain_tps(b), "{:.1f}"),
+                    f"{best[b]['speedup']:.2f}x",
+                ]
+                for b in st.batches
+            ],
+        )
+        + "\n\nPer dataset (smallest and largest batch):\n\n"
+        + _table(["dataset", "batch", "draft", "k", "predicted tok/s", "speedup", "accepted/step"], per_ds)
+    )
     return findings(st, corr, best, st.online), body
 
 
@@ -746,15 +953,22 @@ def _bench_sections(inp: Inputs, out_dir: Path) -> tuple[list[str], list[str]]:
         text += markdown_table(doc) + f"\n\n![{path.stem}]({png})"
         slow = sorted(doc.get("prompts", []), key=lambda r: r.get("speedup") or 0)[:3]
         if slow:
-            text += "\n\nSlowest prompts (speedup): " + ", ".join(f"{r.get('category')}/{r.get('id')} {_fmt(r.get('speedup'), '{:.2f}x')}" for r in slow)
+            text += "\n\nSlowest prompts (speedup): " + ", ".join(
+                f"{r.get('category')}/{r.get('id')} {_fmt(r.get('speedup'), '{:.2f}x')}" for r in slow
+            )
         body.append(text)
-        line = (f"**Bench `{path.name}`:** speculative decoding ran at {_fmt(o.get('tokens_per_s'), '{:.1f}')} tokens/s vs "
-                f"{_fmt(o.get('plain_tokens_per_s'), '{:.1f}')} plain ({_fmt(o.get('speedup'), '{:.2f}x')}), "
-                f"{_fmt(o.get('mean_accepted_tokens'))} tokens per target forward over {o.get('prompts')} prompts")
+        line = (
+            f"**Bench `{path.name}`:** speculative decoding ran at {_fmt(o.get('tokens_per_s'), '{:.1f}')} tokens/s vs "
+            f"{_fmt(o.get('plain_tokens_per_s'), '{:.1f}')} plain ({_fmt(o.get('speedup'), '{:.2f}x')}), "
+            f"{_fmt(o.get('mean_accepted_tokens'))} tokens per target forward over {o.get('prompts')} prompts"
+        )
         if o.get("identical") is not None:
             line += f"; outputs identical to plain decoding for {o['identical']} of {o['prompts']} prompts"
-        for m, label in (("hf_plain", "transformers generate"), ("hf_assisted", "transformers assisted"),
-                         ("hf_prompt_lookup", "transformers prompt lookup")):
+        for m, label in (
+            ("hf_plain", "transformers generate"),
+            ("hf_assisted", "transformers assisted"),
+            ("hf_prompt_lookup", "transformers prompt lookup"),
+        ):
             if o.get(f"{m}_tokens_per_s"):
                 line += f"; {label} {o[f'{m}_tokens_per_s']:.1f} tokens/s"
         found.append(line + ".")
@@ -792,15 +1006,25 @@ def write_report(inputs: list[Path], out_dir: Path) -> Path:
             "from it and profiled latencies with `specdraft.analytic`."
         )
         if inp.runs:
-            header.append("\nProduced by: " + "; ".join(f"`{r['command']}` ({r['started']})" for r in inp.runs[-3:]))
+            header.append(
+                "\nProduced by: " + "; ".join(f"`{r['command']}` ({r['started']})" for r in inp.runs[-3:])
+            )
     elif inp.online:
         plot_predicted_vs_measured(inp.online, out_dir / "predicted_vs_measured.png")
-        body.append("## Predicted vs measured throughput\n\n![predicted vs measured](predicted_vs_measured.png)")
+        body.append(
+            "## Predicted vs measured throughput\n\n![predicted vs measured](predicted_vs_measured.png)"
+        )
     if inp.profiles and not inp.config:
-        breakdowns = {f"{d.get('draft', p.stem)} ({p.name})": d["draft_breakdown"] for p, d in inp.profiles if d.get("draft_breakdown")}
+        breakdowns = {
+            f"{d.get('draft', p.stem)} ({p.name})": d["draft_breakdown"]
+            for p, d in inp.profiles
+            if d.get("draft_breakdown")
+        }
         if breakdowns:
             plot_breakdown(breakdowns, out_dir / "draft_latency_breakdown.png")
-            body.append("## Draft-step latency breakdown\n\n![draft latency breakdown](draft_latency_breakdown.png)")
+            body.append(
+                "## Draft-step latency breakdown\n\n![draft latency breakdown](draft_latency_breakdown.png)"
+            )
     for path, doc in inp.profiles:
         from specdraft.bench.profile import LatencyProfile
 
@@ -812,7 +1036,11 @@ def write_report(inputs: list[Path], out_dir: Path) -> Path:
         f, b = _bench_sections(inp, out_dir)
         found += f
         body += b
-    text = "\n".join(header) + "\n\n## Findings\n\n" + ("\n".join(f"- {x}" for x in found) or "- (no findings: no study or bench results)")
+    text = (
+        "\n".join(header)
+        + "\n\n## Findings\n\n"
+        + ("\n".join(f"- {x}" for x in found) or "- (no findings: no study or bench results)")
+    )
     text += "\n\n" + "\n\n".join(body) + "\n"
     path = out_dir / REPORT
     path.write_text(text)

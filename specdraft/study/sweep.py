@@ -42,7 +42,14 @@ from specdraft import analytic, dtypes
 from specdraft.errors import SpecdraftError
 from specdraft.registry import DraftSpec
 from specdraft.study.latency import Latencies
-from specdraft.study.offline import OfflineProposals, Sequence, Simulation, draft_quality, offline_proposals, simulate
+from specdraft.study.offline import (
+    OfflineProposals,
+    Sequence,
+    Simulation,
+    draft_quality,
+    offline_proposals,
+    simulate,
+)
 from specdraft.study.store import ResultStore, code_version, row_key
 
 HELLASWAG = "hellaswag"
@@ -190,8 +197,16 @@ class Task:
     def planned(self) -> list[tuple[str, dict]]:
         """``(key, configuration)`` of every row this task writes."""
         c = self.config
-        base = {"target": c.target, "dtype": c.dtype, "draft_dtype": c.draft_dtype, "threads": c.threads, "draft": self.draft,
-                "dataset": self.dataset, "prompts": self.fingerprint, "max_new_tokens": c.max_new_tokens}
+        base = {
+            "target": c.target,
+            "dtype": c.dtype,
+            "draft_dtype": c.draft_dtype,
+            "threads": c.threads,
+            "draft": self.draft,
+            "dataset": self.dataset,
+            "prompts": self.fingerprint,
+            "max_new_tokens": c.max_new_tokens,
+        }
         if self.kind == "quality":
             cfg = {"kind": "quality", **base}
             return [(row_key(cfg, self.version), cfg)]
@@ -245,7 +260,8 @@ def predict(sim: Simulation, lat: Latencies, draft: str) -> tuple[float, float]:
         tokens += s.emitted
         step_calls = calls if s.draft_steps is None else s.draft_steps  # a gated draft stops early
         seconds += analytic.batch_step_time(
-            s.width, s.rows,
+            s.width,
+            s.rows,
             lambda b, c=s.context: lat.draft_time(draft, b, c) if step_calls else 0.0,
             lambda b, n, c=s.context: lat.target_time(b, n, c),
             draft_calls=step_calls,
@@ -262,8 +278,16 @@ def _round(x, digits=6):
     return None if x is None else float(f"{float(x):.{digits}g}")
 
 
-def config_row(key: str, cfg: dict, version: str, sim: Simulation, plain: Simulation, lat: Latencies,
-               draft: str, proposals: list[OfflineProposals]) -> dict:
+def config_row(
+    key: str,
+    cfg: dict,
+    version: str,
+    sim: Simulation,
+    plain: Simulation,
+    lat: Latencies,
+    draft: str,
+    proposals: list[OfflineProposals],
+) -> dict:
     """One configuration's row: offline acceptance, latencies and predicted throughput."""
     k, b = cfg["k"], cfg["batch"]
     tok, sec = predict(sim, lat, draft)
@@ -273,16 +297,32 @@ def config_row(key: str, cfg: dict, version: str, sim: Simulation, plain: Simula
     t_draft = lat.draft_time(draft, b, ctx)
     calls = lat.draft_calls(draft, k)
     closed = analytic.batch_throughput(
-        sim.mean_accepted_length, k, b, lambda bb: lat.draft_time(draft, bb, ctx),
-        lambda bb, n: lat.target_time(bb, n, ctx), draft_calls=calls)
-    plain_closed = analytic.batch_throughput(1.0, 0, b, lambda bb: 0.0, lambda bb, n: lat.target_time(bb, n, ctx))
+        sim.mean_accepted_length,
+        k,
+        b,
+        lambda bb: lat.draft_time(draft, bb, ctx),
+        lambda bb, n: lat.target_time(bb, n, ctx),
+        draft_calls=calls,
+    )
+    plain_closed = analytic.batch_throughput(
+        1.0, 0, b, lambda bb: 0.0, lambda bb, n: lat.target_time(bb, n, ctx)
+    )
     rate, plain_rate = _rate(tok, sec), _rate(ptok, psec)
     quality = draft_quality(proposals)
     return {
-        "key": key, "kind": "config", "code_version": version, "config": cfg,
-        "target": cfg["target"], "draft": draft, "draft_kind": lat.draft_kinds.get(draft, "model"),
-        "dataset": cfg["dataset"], "k": k, "batch": b,
-        "sequences": len(proposals), "generated": sim.generated, "row_steps": sim.row_steps,
+        "key": key,
+        "kind": "config",
+        "code_version": version,
+        "config": cfg,
+        "target": cfg["target"],
+        "draft": draft,
+        "draft_kind": lat.draft_kinds.get(draft, "model"),
+        "dataset": cfg["dataset"],
+        "k": k,
+        "batch": b,
+        "sequences": len(proposals),
+        "generated": sim.generated,
+        "row_steps": sim.row_steps,
         "batched_steps": len(sim.steps),
         "mean_accepted_length": _round(sim.mean_accepted_length),
         "acceptance_rate": _round(sim.acceptance_rate),
@@ -313,18 +353,28 @@ def run_task(task: Task) -> list[dict]:
     proposals = [offline_proposals(drafter, s, k_max) for s in seqs if s.continuation]
     planned = task.planned()
     if task.kind == "quality":
-        (key, cfg), = planned
+        ((key, cfg),) = planned
         q = draft_quality(proposals)
-        return [{
-            "key": key, "kind": "quality", "code_version": task.version, "config": cfg,
-            "target": c.target, "draft": task.draft, "dataset": task.dataset,
-            "tokens": q.tokens if q else sum(len(s.continuation) for s in seqs),
-            "perplexity": _round(q.perplexity) if q else None,
-            "top1_agreement": _round(q.top1_agreement) if q else None,
-            "zero_prob_fraction": _round(q.zero_prob_fraction) if q else None,
-            "first_token_acceptance": _round(statistics.mean(min(m, 1) for p in proposals for m in p.matched))
-            if proposals else None,
-        }]
+        return [
+            {
+                "key": key,
+                "kind": "quality",
+                "code_version": task.version,
+                "config": cfg,
+                "target": c.target,
+                "draft": task.draft,
+                "dataset": task.dataset,
+                "tokens": q.tokens if q else sum(len(s.continuation) for s in seqs),
+                "perplexity": _round(q.perplexity) if q else None,
+                "top1_agreement": _round(q.top1_agreement) if q else None,
+                "zero_prob_fraction": _round(q.zero_prob_fraction) if q else None,
+                "first_token_acceptance": _round(
+                    statistics.mean(min(m, 1) for p in proposals for m in p.matched)
+                )
+                if proposals
+                else None,
+            }
+        ]
     lat = Latencies.from_dict(task.latencies)
     plains = {b: simulate(proposals, 0, b) for b in c.batches}
     rows = []
@@ -356,7 +406,9 @@ def run_pool(tasks: list[Task], workers: int) -> Iterable[list[dict]]:
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
-    with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"), initializer=_init_worker) as pool:
+    with ProcessPoolExecutor(
+        max_workers=workers, mp_context=mp.get_context("spawn"), initializer=_init_worker
+    ) as pool:
         futures = [pool.submit(run_task, t) for t in tasks]
         try:
             for f in as_completed(futures):
@@ -381,7 +433,9 @@ def run_ray(tasks: list[Task], address: str | None, workers: int) -> Iterable[li
             if address:
                 ray.init(address=address, runtime_env=env, log_to_driver=False)
             else:
-                ray.init(num_cpus=max(workers, 1), runtime_env=env, log_to_driver=False, include_dashboard=False)
+                ray.init(
+                    num_cpus=max(workers, 1), runtime_env=env, log_to_driver=False, include_dashboard=False
+                )
         except ConnectionError as e:
             raise SpecdraftError(f"cannot connect to the Ray cluster at {address}: {e}") from None
         started = True
@@ -422,21 +476,47 @@ class SweepSummary:
     results: Path
 
 
-def latency_rows(config: StudyConfig, version: str, store: ResultStore, pipe, log: Callable[[str], None]) -> Latencies:
+def latency_rows(
+    config: StudyConfig, version: str, store: ResultStore, pipe, log: Callable[[str], None]
+) -> Latencies:
     """Profiled latencies from the results file, measuring (and appending) whatever is missing."""
     from specdraft.study.latency import draft_kind, measure_draft, measure_target
 
-    base = {"kind": "latency", "target": config.target, "dtype": config.dtype, "draft_dtype": config.draft_dtype, "threads": config.threads,
-            "batches": sorted(config.batches), "contexts": sorted(config.contexts), "repeats": config.profile_repeats}
+    base = {
+        "kind": "latency",
+        "target": config.target,
+        "dtype": config.dtype,
+        "draft_dtype": config.draft_dtype,
+        "threads": config.threads,
+        "batches": sorted(config.batches),
+        "contexts": sorted(config.contexts),
+        "repeats": config.profile_repeats,
+    }
     by_key = {r["key"]: r for r in store.of_kind("latency")}
     tcfg = {**base, "draft": None, "k_max": config.k_max}
     tkey = row_key(tcfg, version)
     if tkey not in by_key:
-        log(f"profiling the target: batches {sorted(config.batches)}, n = 1..{config.k_max + 1}, contexts {sorted(config.contexts)}")
-        prof = measure_target(pipe.runtime, batch_sizes=config.batches, k_max=config.k_max, contexts=config.contexts,
-                              repeats=config.profile_repeats, name=config.target)
-        store.append({"key": tkey, "kind": "latency", "code_version": version, "config": tcfg, "draft": None,
-                      "profiles": {str(c): p.as_dict() for c, p in prof.items()}})
+        log(
+            f"profiling the target: batches {sorted(config.batches)}, n = 1..{config.k_max + 1}, contexts {sorted(config.contexts)}"
+        )
+        prof = measure_target(
+            pipe.runtime,
+            batch_sizes=config.batches,
+            k_max=config.k_max,
+            contexts=config.contexts,
+            repeats=config.profile_repeats,
+            name=config.target,
+        )
+        store.append(
+            {
+                "key": tkey,
+                "kind": "latency",
+                "code_version": version,
+                "config": tcfg,
+                "draft": None,
+                "profiles": {str(c): p.as_dict() for c, p in prof.items()},
+            }
+        )
         by_key = {r["key"]: r for r in store.of_kind("latency")}
     from specdraft.bench.profile import LatencyProfile
 
@@ -447,10 +527,24 @@ def latency_rows(config: StudyConfig, version: str, store: ResultStore, pipe, lo
         drafter = build_drafter(pipe, spec, config.draft_dtype)
         if dkey not in by_key:
             log(f"profiling draft {spec}")
-            prof = measure_draft(pipe.runtime, drafter, spec, batch_sizes=config.batches, contexts=config.contexts,
-                                 repeats=config.profile_repeats, name=config.target)
-            row = {"key": dkey, "kind": "latency", "code_version": version, "config": dcfg, "draft": spec,
-                   "draft_kind": draft_kind(drafter), "profiles": {str(c): p.as_dict() for c, p in prof.items()}}
+            prof = measure_draft(
+                pipe.runtime,
+                drafter,
+                spec,
+                batch_sizes=config.batches,
+                contexts=config.contexts,
+                repeats=config.profile_repeats,
+                name=config.target,
+            )
+            row = {
+                "key": dkey,
+                "kind": "latency",
+                "code_version": version,
+                "config": dcfg,
+                "draft": spec,
+                "draft_kind": draft_kind(drafter),
+                "profiles": {str(c): p.as_dict() for c, p in prof.items()},
+            }
             store.append(row)
             by_key[dkey] = row
         row = by_key[dkey]
@@ -459,18 +553,40 @@ def latency_rows(config: StudyConfig, version: str, store: ResultStore, pipe, lo
     return lat
 
 
-def plan_tasks(config: StudyConfig, datasets: list[Dataset], heldout: Dataset | None, lat: Latencies, version: str) -> list[Task]:
+def plan_tasks(
+    config: StudyConfig, datasets: list[Dataset], heldout: Dataset | None, lat: Latencies, version: str
+) -> list[Task]:
     """Every task of the sweep: a quality task per draft (on ``heldout``) and a config task per
     (draft, dataset)."""
     tasks = []
     latd = lat.as_dict()
     for spec in config.drafts:
         if heldout is not None:
-            tasks.append(Task("quality", config, spec, heldout.name, heldout.fingerprint,
-                              [(s.prompt, s.continuation) for s in heldout.sequences], latd, version))
+            tasks.append(
+                Task(
+                    "quality",
+                    config,
+                    spec,
+                    heldout.name,
+                    heldout.fingerprint,
+                    [(s.prompt, s.continuation) for s in heldout.sequences],
+                    latd,
+                    version,
+                )
+            )
         for ds in datasets:
-            tasks.append(Task("config", config, spec, ds.name, ds.fingerprint,
-                              [(s.prompt, s.continuation) for s in ds.sequences], latd, version))
+            tasks.append(
+                Task(
+                    "config",
+                    config,
+                    spec,
+                    ds.name,
+                    ds.fingerprint,
+                    [(s.prompt, s.continuation) for s in ds.sequences],
+                    latd,
+                    version,
+                )
+            )
     return tasks
 
 
@@ -512,13 +628,17 @@ def run_sweep(
     pending_rows = sum(len([k for k in t.keys() if k not in store]) for t in todo)
     all_rows = sum(len(t.keys()) for t in tasks)
     if pending_rows < all_rows:  # a killed run left rows behind (whole tasks or part of one)
-        log(f"resuming: {all_rows - pending_rows} of {all_rows} rows already in {store.path} "
-            f"({len(tasks) - len(todo)} of {len(tasks)} tasks complete)")
+        log(
+            f"resuming: {all_rows - pending_rows} of {all_rows} rows already in {store.path} "
+            f"({len(tasks) - len(todo)} of {len(tasks)} tasks complete)"
+        )
     if executor not in ("local", "ray"):
         raise SpecdraftError(f"unknown executor {executor!r}: use local or ray")
     inline = executor == "local" and (workers <= 0 or len(todo) <= 1)
     for t in todo:  # a Ray task holds one CPU; pool workers share config.threads cores
-        t.threads = config.threads if inline else 1 if executor == "ray" else max(1, config.threads // workers)
+        t.threads = (
+            config.threads if inline else 1 if executor == "ray" else max(1, config.threads // workers)
+        )
     if executor == "ray":
         results = run_ray(todo, address, workers)
     else:
@@ -527,7 +647,14 @@ def run_sweep(
     from tqdm import tqdm
 
     computed = 0
-    with tqdm(total=pending_rows, unit="row", desc="study", disable=not progress, file=sys.stderr, dynamic_ncols=True) as bar:
+    with tqdm(
+        total=pending_rows,
+        unit="row",
+        desc="study",
+        disable=not progress,
+        file=sys.stderr,
+        dynamic_ncols=True,
+    ) as bar:
         for rows in results:
             n = store.extend(rows)
             computed += n

@@ -58,7 +58,9 @@ class OnlineRun:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def online_run(runtime, drafter, prompts: list[list[int]], k: int, batch: int, max_new_tokens: int, eos_ids) -> OnlineRun:
+def online_run(
+    runtime, drafter, prompts: list[list[int]], k: int, batch: int, max_new_tokens: int, eos_ids
+) -> OnlineRun:
     """Decode ``prompts`` greedily, ``batch`` at a time, timing every engine step."""
     stats = SpecStats()
     tokens = total_tokens = 0
@@ -66,7 +68,10 @@ def online_run(runtime, drafter, prompts: list[list[int]], k: int, batch: int, m
     outputs: list[list[int]] = []
     for start in range(0, len(prompts), batch):
         engine = Engine(runtime, drafter, FixedK(k))
-        reqs = [Request(p, max_new_tokens, SamplingParams(), tuple(eos_ids)) for p in prompts[start : start + batch]]
+        reqs = [
+            Request(p, max_new_tokens, SamplingParams(), tuple(eos_ids))
+            for p in prompts[start : start + batch]
+        ]
         t0 = time.perf_counter()
         ids = engine.add(reqs)
         got = {i: [] for i in ids}
@@ -137,8 +142,15 @@ def validate(
         version: the code version the sweep's rows were written with (default: the current one).
     """
     version = version or code_version()
-    rows = [r for r in store.of_kind("config") if r["code_version"] == version and r["dataset"] in datasets
-            and r["draft"] in config.drafts and r["k"] in config.ks and r["batch"] in config.batches]
+    rows = [
+        r
+        for r in store.of_kind("config")
+        if r["code_version"] == version
+        and r["dataset"] in datasets
+        and r["draft"] in config.drafts
+        and r["k"] in config.ks
+        and r["batch"] in config.batches
+    ]
     pipe = load_target(config.target, config.dtype, config.threads)
     out = []
     for i, row in enumerate(choose(rows, n), 1):
@@ -146,7 +158,12 @@ def validate(
         k, b, draft = row["k"], row["batch"], row["draft"]
         count = max(b, prompts or len(ds.sequences))
         seqs = [s for s in ds.sequences if s.continuation][:count]
-        cfg = {"kind": "online", "validates": row["key"], "prompts": len(seqs), "reprofile": "bracketed" if reprofile else False}
+        cfg = {
+            "kind": "online",
+            "validates": row["key"],
+            "prompts": len(seqs),
+            "reprofile": "bracketed" if reprofile else False,
+        }
         key = row_key(cfg, version)
         if key in store:
             out.append(next(r for r in store.rows if r.get("key") == key))
@@ -157,32 +174,66 @@ def validate(
         tok, sec = predict(sim, lat, draft)
         predicted = tok / sec
         ctx = statistics.mean(s.context for s in sim.steps if not s.first)
-        closed = analytic.batch_throughput(sim.mean_accepted_length, k, b, lambda bb: lat.draft_time(draft, bb, ctx),
-                                           lambda bb, n: lat.target_time(bb, n, ctx), draft_calls=lat.draft_calls(draft, k))
+        closed = analytic.batch_throughput(
+            sim.mean_accepted_length,
+            k,
+            b,
+            lambda bb: lat.draft_time(draft, bb, ctx),
+            lambda bb, n: lat.target_time(bb, n, ctx),
+            draft_calls=lat.draft_calls(draft, k),
+        )
         sizes = sorted({x for x in config.batches if x <= b} | {b})
         ctxs = sorted({min(s.context for s in sim.steps), max(s.context for s in sim.steps)})
 
         def fresh() -> Latencies:  # the batch sizes and context range this run decodes at
             return Latencies(
-                target=measure_target(pipe.runtime, batch_sizes=sizes, k_max=k, contexts=ctxs,
-                                      repeats=config.profile_repeats, name=config.target),
-                drafts={draft: measure_draft(pipe.runtime, drafter, draft, batch_sizes=sizes, contexts=ctxs,
-                                             repeats=config.profile_repeats, name=config.target)},
+                target=measure_target(
+                    pipe.runtime,
+                    batch_sizes=sizes,
+                    k_max=k,
+                    contexts=ctxs,
+                    repeats=config.profile_repeats,
+                    name=config.target,
+                ),
+                drafts={
+                    draft: measure_draft(
+                        pipe.runtime,
+                        drafter,
+                        draft,
+                        batch_sizes=sizes,
+                        contexts=ctxs,
+                        repeats=config.profile_repeats,
+                        name=config.target,
+                    )
+                },
                 draft_kinds={draft: draft_kind(drafter)},
             )
 
         # warm-up (first-call allocations), then the timed run
         online_run(pipe.runtime, drafter, [seqs[0].prompt], k, 1, 4, pipe.eos_ids)
         before = fresh() if reprofile else None
-        run = online_run(pipe.runtime, drafter, [s.prompt for s in seqs], k, b, config.max_new_tokens, pipe.eos_ids)
+        run = online_run(
+            pipe.runtime, drafter, [s.prompt for s in seqs], k, b, config.max_new_tokens, pipe.eos_ids
+        )
         after = fresh() if reprofile else None
         same = sum(o == s.continuation for o, s in zip(run.outputs, seqs))
         result = {
-            "key": key, "kind": "online", "code_version": version, "config": cfg, "validates": row["key"],
-            "target": config.target, "draft": draft, "dataset": row["dataset"], "k": k, "batch": b,
-            "prompts": len(seqs), "outputs_equal_cached": same,
+            "key": key,
+            "kind": "online",
+            "code_version": version,
+            "config": cfg,
+            "validates": row["key"],
+            "target": config.target,
+            "draft": draft,
+            "dataset": row["dataset"],
+            "k": k,
+            "batch": b,
+            "prompts": len(seqs),
+            "outputs_equal_cached": same,
             "measured_tokens_per_s": round(run.tokens_per_s, 4),
-            "measured_total_tokens_per_s": round(run.total_tokens / run.total_seconds, 4) if run.total_seconds else None,
+            "measured_total_tokens_per_s": round(run.total_tokens / run.total_seconds, 4)
+            if run.total_seconds
+            else None,
             "predicted_tokens_per_s": round(predicted, 4),
             "relative_error": round(analytic.relative_error(predicted, run.tokens_per_s), 5),
             "analytic_tokens_per_s": round(closed, 4),
@@ -196,12 +247,16 @@ def validate(
         if reprofile:
             seconds = statistics.mean(predict(sim, lt, draft)[1] for lt in (before, after))
             result["reprofiled_predicted_tokens_per_s"] = round(tok / seconds, 4)
-            result["reprofiled_relative_error"] = round(analytic.relative_error(tok / seconds, run.tokens_per_s), 5)
+            result["reprofiled_relative_error"] = round(
+                analytic.relative_error(tok / seconds, run.tokens_per_s), 5
+            )
         store.append(result)
         out.append(result)
-        log(f"validate {i}/{n}: {draft} k={k} b={b} {row['dataset']}: measured {run.tokens_per_s:.1f} tok/s, "
+        log(
+            f"validate {i}/{n}: {draft} k={k} b={b} {row['dataset']}: measured {run.tokens_per_s:.1f} tok/s, "
             f"predicted {predicted:.1f} ({result['relative_error']:.1%}); accepted/step online "
-            f"{result['online_mean_accepted_length']:.2f} vs offline {result['offline_mean_accepted_length']:.2f}")
+            f"{result['online_mean_accepted_length']:.2f} vs offline {result['offline_mean_accepted_length']:.2f}"
+        )
     return out
 
 

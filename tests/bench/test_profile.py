@@ -33,7 +33,11 @@ def test_profile_measures_every_configuration_and_breaks_down_the_draft_step(pip
     assert set(prof.draft_breakdown) == set(BUCKETS)
     assert prof.breakdown_method.startswith("compact-runtime")
     assert sum(prof.draft_breakdown.values()) == pytest.approx(prof.t_draft[1], rel=1e-6)
-    assert prof.draft_breakdown["attention"] > 0 and prof.draft_breakdown["mlp"] > 0 and prof.draft_breakdown["lm_head"] > 0
+    assert (
+        prof.draft_breakdown["attention"] > 0
+        and prof.draft_breakdown["mlp"] > 0
+        and prof.draft_breakdown["lm_head"] > 0
+    )
 
     path = tmp_path / "p.json"
     prof.save(path)
@@ -59,7 +63,9 @@ def test_prompt_lookup_and_target_only():
 
 
 def test_target_time_interpolates_and_extrapolates():
-    prof = LatencyProfile("t", "d", "fp32", 1, 200, 3, 1, t_target={1: {1: 1.0, 3: 3.0, 5: 4.0}}, t_draft={1: 0.5})
+    prof = LatencyProfile(
+        "t", "d", "fp32", 1, 200, 3, 1, t_target={1: {1: 1.0, 3: 3.0, 5: 4.0}}, t_draft={1: 0.5}
+    )
     assert prof.target_time(3) == 3.0
     assert prof.target_time(2) == pytest.approx(2.0)
     assert prof.target_time(4) == pytest.approx(3.5)
@@ -84,8 +90,29 @@ def test_bad_arguments(pipe, tmp_path):
 
 def test_cli_writes_json(tmp_path, capsys):
     out = tmp_path / "prof.json"
-    argv = ["profile", "--target", "tiny", "--draft", "prune:0", "--dtype", "fp32", "--draft-dtype", "fp32", "--batch", "1,2", "--new-tokens", "1-2",
-            "--context", "16", "--repeats", "2", "--threads", "1", "--json", str(out)]
+    argv = [
+        "profile",
+        "--target",
+        "tiny",
+        "--draft",
+        "prune:0",
+        "--dtype",
+        "fp32",
+        "--draft-dtype",
+        "fp32",
+        "--batch",
+        "1,2",
+        "--new-tokens",
+        "1-2",
+        "--context",
+        "16",
+        "--repeats",
+        "2",
+        "--threads",
+        "1",
+        "--json",
+        str(out),
+    ]
     assert cli.main(argv) == 0
     d = json.loads(out.read_text())
     assert d["t_target"].keys() == {"1", "2"} and d["threads"] == 1

@@ -11,7 +11,15 @@ from specdraft.bench.runner import BenchOptions, MethodRun, _classify, _converse
 from specdraft.errors import SpecdraftError
 from specdraft.models.llama import LlamaRuntime
 
-CONTRACT = ["tokens_per_s", "plain_tokens_per_s", "speedup", "mean_accepted_tokens", "identical", "tie_divergent", "divergent"]
+CONTRACT = [
+    "tokens_per_s",
+    "plain_tokens_per_s",
+    "speedup",
+    "mean_accepted_tokens",
+    "identical",
+    "tie_divergent",
+    "divergent",
+]
 HF = ["hf_plain_tokens_per_s", "hf_assisted_tokens_per_s", "hf_prompt_lookup_tokens_per_s"]
 
 
@@ -31,7 +39,11 @@ def pipe():
 @pytest.fixture
 def prompt_file(tmp_path):
     lines = [
-        {"question_id": 1, "category": "writing", "turns": ["Write a poem about the sea.", "Now make it shorter."]},
+        {
+            "question_id": 1,
+            "category": "writing",
+            "turns": ["Write a poem about the sea.", "Now make it shorter."],
+        },
         {"question_id": 2, "category": "qa", "turns": ["Who wrote Hamlet?"]},
         {"prompt": "abc abc abc abc abc abc", "category": "qa"},
     ]
@@ -48,8 +60,28 @@ def quick(**kw) -> BenchOptions:
 
 def test_cli_json_contract_with_hf_baselines(prompt_file, tmp_path, capsys):
     out = tmp_path / "bench.json"
-    argv = ["bench", "--target", "tiny", "--draft", "prune:0", "--k", "3", "--dtype", "fp32", "--draft-dtype", "int8", "--prompts", str(prompt_file),
-            "--max-new-tokens", "8", "--baselines", "hf", "--no-progress", "--json", str(out)]
+    argv = [
+        "bench",
+        "--target",
+        "tiny",
+        "--draft",
+        "prune:0",
+        "--k",
+        "3",
+        "--dtype",
+        "fp32",
+        "--draft-dtype",
+        "int8",
+        "--prompts",
+        str(prompt_file),
+        "--max-new-tokens",
+        "8",
+        "--baselines",
+        "hf",
+        "--no-progress",
+        "--json",
+        str(out),
+    ]
     assert cli.main(argv) == 0
     d = json.loads(out.read_text())
     for key in CONTRACT + HF:
@@ -65,9 +97,13 @@ def test_cli_json_contract_with_hf_baselines(prompt_file, tmp_path, capsys):
     assert row["new_tokens"] == row["plain_new_tokens"] == row["hf_plain_new_tokens"]
     # fp32 greedy: speculative output is plain output, prompt for prompt
     assert d["overall"]["identical"] == 3 and d["overall"]["divergent"] == 0
-    assert d["overall"]["speedup"] == pytest.approx(d["overall"]["tokens_per_s"] / d["overall"]["plain_tokens_per_s"], rel=1e-3)
+    assert d["overall"]["speedup"] == pytest.approx(
+        d["overall"]["tokens_per_s"] / d["overall"]["plain_tokens_per_s"], rel=1e-3
+    )
     assert "layers [0]" in d["config"]["hf_assistant"] and d["config"]["draft_dtype"] == "int8"
-    assert d["config"]["command"].startswith("specdraft bench --target tiny --draft prune:0 --k 3 --dtype fp32 --draft-dtype int8")
+    assert d["config"]["command"].startswith(
+        "specdraft bench --target tiny --draft prune:0 --k 3 --dtype fp32 --draft-dtype int8"
+    )
     table = capsys.readouterr().out
     assert "| **overall** | 3 |" in table and "HF assisted tok/s" in table
 
@@ -81,7 +117,10 @@ def test_cli_bad_prompt_file_is_one_line_error(tmp_path, capsys):
 
 
 def test_cli_unknown_category_and_empty_file(prompt_file, tmp_path, capsys):
-    assert cli.main(["bench", "--target", "tiny", "--prompts", str(prompt_file), "--categories", "qa,poetry"]) == 2
+    assert (
+        cli.main(["bench", "--target", "tiny", "--prompts", str(prompt_file), "--categories", "qa,poetry"])
+        == 2
+    )
     assert "unknown category poetry" in capsys.readouterr().err
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
@@ -110,7 +149,9 @@ def test_second_turn_follows_the_methods_own_first_answer(pipe):
 
 
 def test_self_draft_accepts_everything_and_matches_plain(pipe, prompt_file):
-    self_pipe = api.Pipeline(pipe.target, pipe.runtime, api.make_drafter("self", pipe.target, pipe.runtime, torch.float32), "self")
+    self_pipe = api.Pipeline(
+        pipe.target, pipe.runtime, api.make_drafter("self", pipe.target, pipe.runtime, torch.float32), "self"
+    )
     result = run_bench(self_pipe, read_prompts(prompt_file), quick(k=4))
     assert result.overall["acceptance_rate"] == 1.0
     assert result.overall["identical"] == 3
@@ -127,7 +168,10 @@ def test_classify_reports_divergence_at_confident_and_tie_positions(pipe):
     spec = MethodRun(turns=[changed], prompt_ids=[ids])
     assert _classify(pipe, plain, spec, 8, tol=0.0) == (lossless.DIVERGENT, 3)
     assert _classify(pipe, plain, spec, 8, tol=1e9) == (lossless.TIE_DIVERGENT, 3)
-    assert _classify(pipe, plain, MethodRun(turns=[ref], prompt_ids=[ids]), 8, tol=0.0) == (lossless.IDENTICAL, None)
+    assert _classify(pipe, plain, MethodRun(turns=[ref], prompt_ids=[ids]), 8, tol=0.0) == (
+        lossless.IDENTICAL,
+        None,
+    )
 
 
 def test_long_prompts_are_truncated_or_skipped(pipe, prompt_file):
@@ -149,7 +193,9 @@ def test_long_prompts_are_truncated_or_skipped(pipe, prompt_file):
 
 
 def test_sampling_runs_are_not_classified(pipe, prompt_file):
-    result = run_bench(pipe, read_prompts(prompt_file)[1:], quick(params=api.SamplingParams(temperature=1.0, seed=3)))
+    result = run_bench(
+        pipe, read_prompts(prompt_file)[1:], quick(params=api.SamplingParams(temperature=1.0, seed=3))
+    )
     assert result.overall["identical"] is None and result.prompts[0]["equality"] is None
     assert result.overall["new_tokens"] > 0
     assert "n/a" in markdown_table(result)
@@ -187,7 +233,12 @@ def test_hf_baselines_match_plain_greedy(pipe):
     ref, _ = lossless.plain_greedy_margins(pipe.runtime, ids, 8, pipe.eos_ids)
     for method in hf.methods:
         assert hf.run(method, ids, 8, api.SamplingParams()) == ref, method
-    lookup_pipe = api.Pipeline(pipe.target, pipe.runtime, api.make_drafter("lookup", pipe.target, pipe.runtime, torch.float32), "lookup")
+    lookup_pipe = api.Pipeline(
+        pipe.target,
+        pipe.runtime,
+        api.make_drafter("lookup", pipe.target, pipe.runtime, torch.float32),
+        "lookup",
+    )
     hf = build_hf_baselines(lookup_pipe, k=3)
     assert hf.assistant is None and "hf_assisted" not in hf.methods
 
@@ -198,7 +249,9 @@ def test_designed_draft_is_the_transformers_assistant(pipe, tmp_path):
     draft = pruned_hf_model(pipe.target.model, [1])  # any small Llama sharing the target's embedding
     path = save_draft(tmp_path / "d1", draft, DraftMeta.for_target(pipe.target.model, "tiny"))
     spec = f"designed:{path}"
-    dpipe = api.Pipeline(pipe.target, pipe.runtime, api.make_drafter(spec, pipe.target, pipe.runtime, torch.float32), spec)
+    dpipe = api.Pipeline(
+        pipe.target, pipe.runtime, api.make_drafter(spec, pipe.target, pipe.runtime, torch.float32), spec
+    )
     hf = build_hf_baselines(dpipe, k=2)
     assert "hf_assisted" in hf.methods and "designed draft d1" in hf.assistant_note
     ids = pipe.encode("Who wrote Hamlet?")

@@ -19,15 +19,36 @@ def test_demo_writes_bench_profile_and_report(tmp_path, capsys):
     out = tmp_path / "demo"
     threads = torch.get_num_threads()
     try:
-        argv = ["demo", "--target", "tiny", "--draft", "prune:0", "--k", "3", "--dtype", "fp32", "--threads", "1",
-                "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "6"]
+        argv = [
+            "demo",
+            "--target",
+            "tiny",
+            "--draft",
+            "prune:0",
+            "--k",
+            "3",
+            "--dtype",
+            "fp32",
+            "--threads",
+            "1",
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(out),
+            "--max-new-tokens",
+            "6",
+        ]
         assert cli.main(argv) == 0
     finally:
         torch.set_num_threads(threads)
     bench = json.loads((out / "bench.json").read_text())
     assert bench["overall"]["prompts"] == 2 and set(bench["categories"]) == {"writing", "qa"}
     assert bench["config"]["command"].startswith("specdraft demo --target tiny --draft prune:0 --k 3")
-    assert json.loads((out / "profile.json").read_text())["t_target"]["1"].keys() == {"1", "2", "4"}  # n = 1, 2, k + 1
+    assert json.loads((out / "profile.json").read_text())["t_target"]["1"].keys() == {
+        "1",
+        "2",
+        "4",
+    }  # n = 1, 2, k + 1
     report = (out / "REPORT.md").read_text()
     assert "bench.json" in report and "profile.json" in report
     stdout = capsys.readouterr().out
@@ -36,12 +57,32 @@ def test_demo_writes_bench_profile_and_report(tmp_path, capsys):
 
 def test_demo_time_budget_leaves_prompts_out(tmp_path):
     prompts = tmp_path / "q.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"prompt {i}", "category": f"c{i}"}) + "\n" for i in range(3)))
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"prompt {i}", "category": f"c{i}"}) + "\n" for i in range(3))
+    )
     out = tmp_path / "demo"
     threads = torch.get_num_threads()
     try:
-        argv = ["demo", "--target", "tiny", "--draft", "prune:0", "--dtype", "fp32", "--threads", "1", "--no-baselines",
-                "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "4", "--time-budget", "0"]
+        argv = [
+            "demo",
+            "--target",
+            "tiny",
+            "--draft",
+            "prune:0",
+            "--dtype",
+            "fp32",
+            "--threads",
+            "1",
+            "--no-baselines",
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(out),
+            "--max-new-tokens",
+            "4",
+            "--time-budget",
+            "0",
+        ]
         assert cli.main(argv) == 0
     finally:
         torch.set_num_threads(threads)
@@ -60,8 +101,24 @@ def test_demo_runs_from_a_clone_with_no_data_folder(tmp_path, monkeypatch, capsy
     out = tmp_path / "demo"
     threads = torch.get_num_threads()
     try:
-        argv = ["demo", "--target", "tiny", "--draft", "prune:0", "--dtype", "fp32", "--threads", "1", "--no-baselines",
-                "--out", str(out), "--max-new-tokens", "2", "--time-budget", "0"]
+        argv = [
+            "demo",
+            "--target",
+            "tiny",
+            "--draft",
+            "prune:0",
+            "--dtype",
+            "fp32",
+            "--threads",
+            "1",
+            "--no-baselines",
+            "--out",
+            str(out),
+            "--max-new-tokens",
+            "2",
+            "--time-budget",
+            "0",
+        ]
         assert cli.main(argv) == 0
     finally:
         torch.set_num_threads(threads)

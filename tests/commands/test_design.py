@@ -19,8 +19,26 @@ def _cache(tmp_path, monkeypatch):
 @pytest.fixture
 def built(tmp_path):
     out = tmp_path / "d"
-    rc = main(["design", "build", *TINY, *DATA, "--layers", "1", "--head", "64", "--steps", "3", "--batch-size", "2",
-               "--checkpoint-every", "1", "--out", str(out)])
+    rc = main(
+        [
+            "design",
+            "build",
+            *TINY,
+            *DATA,
+            "--layers",
+            "1",
+            "--head",
+            "64",
+            "--steps",
+            "3",
+            "--batch-size",
+            "2",
+            "--checkpoint-every",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     return out
 
@@ -36,7 +54,10 @@ def test_build_writes_a_draft_with_its_recipe(built, capsys):
 
 
 def test_built_draft_generates_through_the_cli_and_exports(built, tmp_path, capsys):
-    assert main(["generate", "hello", *TINY, "--draft", f"designed:{built}", "--max-new-tokens", "6", "--json"]) == 0
+    assert (
+        main(["generate", "hello", *TINY, "--draft", f"designed:{built}", "--max-new-tokens", "6", "--json"])
+        == 0
+    )
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(res["tokens"]) == 6 and res["stats"]["generated"] == 6
     assert main(["design", "export", str(built), *TINY, "--out", str(tmp_path / "hf")]) == 0
@@ -49,17 +70,56 @@ def test_rerunning_the_recipe_reproduces_the_weights(built, tmp_path):
     from safetensors.torch import load_file
 
     again = tmp_path / "again"
-    assert main(["design", "build", *TINY, *DATA, "--layers", "1", "--head", "64", "--steps", "3", "--batch-size", "2",
-                 "--checkpoint-every", "1", "--out", str(again)]) == 0
+    assert (
+        main(
+            [
+                "design",
+                "build",
+                *TINY,
+                *DATA,
+                "--layers",
+                "1",
+                "--head",
+                "64",
+                "--steps",
+                "3",
+                "--batch-size",
+                "2",
+                "--checkpoint-every",
+                "1",
+                "--out",
+                str(again),
+            ]
+        )
+        == 0
+    )
     a, b = load_file(str(built / "model.safetensors")), load_file(str(again / "model.safetensors"))
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
 
 def test_search_and_compare_write_rows(tmp_path, capsys):
-    assert main(["design", "search", *TINY, *DATA, "--max-depth", "2", "--json", str(tmp_path / "s.json")]) == 0
+    assert (
+        main(["design", "search", *TINY, *DATA, "--max-depth", "2", "--json", str(tmp_path / "s.json")]) == 0
+    )
     cands = json.loads((tmp_path / "s.json").read_text())["candidates"]
     assert len(cands) == 3 and cands[0]["tokens_per_s"] >= cands[-1]["tokens_per_s"]  # [0], [1], [0, 1]
-    assert main(["design", "compare", *TINY, *DATA, "--budget-layers", "1", "--deep", "2", "--json", str(tmp_path / "c.json")]) == 0
+    assert (
+        main(
+            [
+                "design",
+                "compare",
+                *TINY,
+                *DATA,
+                "--budget-layers",
+                "1",
+                "--deep",
+                "2",
+                "--json",
+                str(tmp_path / "c.json"),
+            ]
+        )
+        == 0
+    )
     rows = json.loads((tmp_path / "c.json").read_text())["rows"]
     assert [r["depth"] for r in rows] == [1, 2]
     assert abs(rows[1]["params"] - rows[0]["params"]) / rows[0]["params"] < 0.05

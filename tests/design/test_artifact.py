@@ -20,7 +20,9 @@ def target():
 
 
 def _save(target, path, full=False):
-    meta = DraftMeta.for_target(target, "tiny", head=VocabSubset(head_subset(64), 0.9), init_layers=[1], recipe={"command": "test"})
+    meta = DraftMeta.for_target(
+        target, "tiny", head=VocabSubset(head_subset(64), 0.9), init_layers=[1], recipe={"command": "test"}
+    )
     return save_draft(path, depth_prune(target, [1]), meta, full=full)
 
 
@@ -88,7 +90,9 @@ def test_full_export_works_as_assistant_model_in_plain_transformers(target, tmp_
     torch.testing.assert_close(assistant.model.embed_tokens.weight, target.model.embed_tokens.weight)
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     plain = target.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
-    assisted = target.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=assistant, pad_token_id=0)
+    assisted = target.generate(
+        ids, max_new_tokens=12, do_sample=False, assistant_model=assistant, pad_token_id=0
+    )
     assert assisted.tolist() == plain.tolist()
 
 
@@ -115,8 +119,9 @@ def test_an_interrupted_overwrite_leaves_the_old_draft_whole(target, tmp_path, m
     assert _files(d) == old
     assert [p.name for p in tmp_path.iterdir()] == ["d"]  # nothing left beside it
     monkeypatch.setattr(safetensors.torch, "save_file", real)
-    save_draft(d, depth_prune(target, [0, 1]), meta,
-               add_files=lambda tmp: (tmp / "RECIPE.md").write_text("r"))
+    save_draft(
+        d, depth_prune(target, [0, 1]), meta, add_files=lambda tmp: (tmp / "RECIPE.md").write_text("r")
+    )
     new = _files(d)
     assert set(new) == {"config.json", "model.safetensors", "specdraft.json", "RECIPE.md"}
     assert all(new[f] != old[f] for f in old)

@@ -63,14 +63,35 @@ def test_self_prompts_give_up_with_a_clear_error(tiny_pipe, tmp_path):
 
 def test_target_data_from_self_prompts_with_bf16_generation(tiny_pipe, tmp_path, monkeypatch):
     real = D.self_prompts
-    monkeypatch.setattr(D, "self_prompts", lambda pipe, n, **kw: real(pipe, n, cache=tmp_path / "p", min_words=1, max_tokens=16,
-                                                                        split=kw["split"], runtime=kw["runtime"], progress=False))
+    monkeypatch.setattr(
+        D,
+        "self_prompts",
+        lambda pipe, n, **kw: real(
+            pipe,
+            n,
+            cache=tmp_path / "p",
+            min_words=1,
+            max_tokens=16,
+            split=kw["split"],
+            runtime=kw["runtime"],
+            progress=False,
+        ),
+    )
     rt = D.generation_runtime(tiny_pipe, torch.bfloat16)
     assert rt is not tiny_pipe.runtime and rt.w.dtype == torch.bfloat16
     assert D.generation_runtime(tiny_pipe, None) is tiny_pipe.runtime
     assert D.generation_runtime(tiny_pipe, torch.float32) is tiny_pipe.runtime  # already fp32
-    d = D.target_data(tiny_pipe, n_prompts=4, sources=("self",), gen_dtype=torch.bfloat16, max_new_tokens=6, batch_size=4,
-                      topk=4, cache=tmp_path / "data", progress=False)
+    d = D.target_data(
+        tiny_pipe,
+        n_prompts=4,
+        sources=("self",),
+        gen_dtype=torch.bfloat16,
+        max_new_tokens=6,
+        batch_size=4,
+        topk=4,
+        cache=tmp_path / "data",
+        progress=False,
+    )
     assert len(d) == 4 and all(len(t) > p for t, p in zip(d.tokens, d.prompt_lens))
     (key,) = [x.name for x in (tmp_path / "data").iterdir()]
     meta = (tmp_path / "data" / key / "meta.json").read_text()

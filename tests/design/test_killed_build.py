@@ -19,9 +19,37 @@ from specdraft.design.train import CHECKPOINT, load_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 80
-BUILD = ["design", "build", "--target", "tiny", "--threads", "1", "--prompts", "6", "--val-prompts", "4",
-         "--max-new-tokens", "8", "--gen-batch", "4", "--quiet", "--layers", "1", "--head", "64",
-         "--steps", str(STEPS), "--batch-size", "2", "--lr", "3e-3", "--checkpoint-every", "3", "--eval-every", "40"]
+BUILD = [
+    "design",
+    "build",
+    "--target",
+    "tiny",
+    "--threads",
+    "1",
+    "--prompts",
+    "6",
+    "--val-prompts",
+    "4",
+    "--max-new-tokens",
+    "8",
+    "--gen-batch",
+    "4",
+    "--quiet",
+    "--layers",
+    "1",
+    "--head",
+    "64",
+    "--steps",
+    str(STEPS),
+    "--batch-size",
+    "2",
+    "--lr",
+    "3e-3",
+    "--checkpoint-every",
+    "3",
+    "--eval-every",
+    "40",
+]
 KILLS = 2
 
 
@@ -84,8 +112,9 @@ def test_killed_builds_resume_to_the_uninterrupted_draft(tmp_path, monkeypatch):
     a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(out / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (seed, killed_at)
     assert _meta(tmp_path / "a") == _meta(out)
-    assert (json.loads((tmp_path / "a" / "config.json").read_text())
-            == json.loads((out / "config.json").read_text()))
+    assert json.loads((tmp_path / "a" / "config.json").read_text()) == json.loads(
+        (out / "config.json").read_text()
+    )
     # the first kill landed mid-training: the weights moved on after it
     assert any(not torch.equal(v, load_checkpoint(ckpt)["model"][k]) for k, v in first.items())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "a.work", "b", "b.work", "cache"]

@@ -40,7 +40,9 @@ def test_narrow_draft_keeps_the_most_important_parts(target):
     cfg = narrow.config
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size) == (1, 1, 32)
     top = scores.ffn[0].topk(32).indices.sort().values
-    torch.testing.assert_close(narrow.model.layers[0].mlp.gate_proj.weight, target.model.layers[0].mlp.gate_proj.weight[top])
+    torch.testing.assert_close(
+        narrow.model.layers[0].mlp.gate_proj.weight, target.model.layers[0].mlp.gate_proj.weight[top]
+    )
     assert narrow(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 256)
 
 

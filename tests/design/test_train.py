@@ -14,7 +14,9 @@ from tests.helpers import head_subset, plain_greedy, random_prompts
 @pytest.fixture(scope="module")
 def data(tiny_pipe):
     prompts = random_prompts([4, 9, 6, 12, 5, 7, 8, 10], seed=11)
-    return generate_target_data(tiny_pipe.runtime, prompts, eos_ids=(), max_new_tokens=24, batch_size=3, topk=8, progress=False)
+    return generate_target_data(
+        tiny_pipe.runtime, prompts, eos_ids=(), max_new_tokens=24, batch_size=3, topk=8, progress=False
+    )
 
 
 def test_data_is_the_targets_greedy_answer_with_its_topk(tiny_pipe, data):
@@ -23,7 +25,9 @@ def test_data_is_the_targets_greedy_answer_with_its_topk(tiny_pipe, data):
         p = data.tokens[i][: data.prompt_lens[i]].tolist()
         assert data.tokens[i][data.prompt_lens[i] :].tolist() == plain_greedy(tiny_pipe.runtime, p, 24)
         assert torch.equal(data.topk_idx[i][:, 0], data.tokens[i][data.prompt_lens[i] :])  # greedy = top-1
-        assert (data.topk_logp[i][:, :-1] >= data.topk_logp[i][:, 1:]).all() and (data.topk_logp[i] <= 0).all()
+        assert (data.topk_logp[i][:, :-1] >= data.topk_logp[i][:, 1:]).all() and (
+            data.topk_logp[i] <= 0
+        ).all()
 
 
 def _model(tiny_pipe, head=None):
@@ -36,7 +40,9 @@ CFG = dict(steps=6, batch_size=3, max_len=40, lr=3e-3, warmup=1, checkpoint_ever
 def test_loss_falls_and_validation_acceptance_rises(tiny_pipe, data, tmp_path):
     model = _model(tiny_pipe, head_subset(128))
     before = validate(model, data)
-    res = train_offline(model, data, data, TrainConfig(**{**CFG, "steps": 30, "eval_every": 10}), tmp_path, progress=False)
+    res = train_offline(
+        model, data, data, TrainConfig(**{**CFG, "steps": 30, "eval_every": 10}), tmp_path, progress=False
+    )
     assert res.steps == 30 and len(res.history) == 3
     assert res.history[-1]["loss"] < res.history[0]["loss"]
     assert res.val["alpha"] > before["alpha"]
@@ -48,7 +54,9 @@ def test_killed_run_resumes_and_matches_an_uninterrupted_run(tiny_pipe, data, tm
     res_full = train_offline(full, data, data, TrainConfig(**CFG), tmp_path / "a", progress=False)
 
     part = _model(tiny_pipe)
-    train_offline(part, data, data, TrainConfig(**CFG), tmp_path / "b", progress=False, stop_after=5)  # "killed" at step 5
+    train_offline(
+        part, data, data, TrainConfig(**CFG), tmp_path / "b", progress=False, stop_after=5
+    )  # "killed" at step 5
     assert load_checkpoint(tmp_path / "b" / CHECKPOINT)["step"] == 4  # lost at most one interval
     resumed = _model(tiny_pipe)  # a new process: fresh weights, everything from the checkpoint
     res = train_offline(resumed, data, data, TrainConfig(**CFG), tmp_path / "b", progress=False)
@@ -67,7 +75,9 @@ def test_corrupted_checkpoint_is_a_clear_error(tiny_pipe, data, tmp_path):
 def test_checkpoint_from_other_settings_is_refused(tiny_pipe, data, tmp_path):
     train_offline(_model(tiny_pipe), data, None, TrainConfig(**{**CFG, "steps": 2}), tmp_path, progress=False)
     with pytest.raises(SpecdraftError, match="other settings"):
-        train_offline(_model(tiny_pipe), data, None, TrainConfig(**{**CFG, "lr": 1e-4}), tmp_path, progress=False)
+        train_offline(
+            _model(tiny_pipe), data, None, TrainConfig(**{**CFG, "lr": 1e-4}), tmp_path, progress=False
+        )
 
 
 def test_replay_keeps_each_block_up_to_the_first_rejection(tiny_pipe):

@@ -23,7 +23,16 @@ from tests.helpers import decode, head_subset, random_prompts
 @pytest.fixture(scope="module")
 def data(tiny_pipe):
     prompts = random_prompts([4, 9, 6, 12, 5, 7], seed=21)
-    return generate_target_data(tiny_pipe.runtime, prompts, eos_ids=(), max_new_tokens=16, batch_size=3, topk=8, hidden_layer=-1, progress=False)
+    return generate_target_data(
+        tiny_pipe.runtime,
+        prompts,
+        eos_ids=(),
+        max_new_tokens=16,
+        batch_size=3,
+        topk=8,
+        hidden_layer=-1,
+        progress=False,
+    )
 
 
 def _model(tiny_pipe, head):
@@ -50,15 +59,22 @@ def test_drafter_matches_the_training_model(tiny_pipe, data, subset):
     state = drafter.new_state(1, 64)
     state.src[:] = 0
     state.prev_L[:] = P
-    ctx = DraftContext(tokens.unsqueeze(0), torch.tensor([L]), [SamplingParams()], [None], {-1: hid[:c].unsqueeze(0)})
+    ctx = DraftContext(
+        tokens.unsqueeze(0), torch.tensor([L]), [SamplingParams()], [None], {-1: hid[:c].unsqueeze(0)}
+    )
     prop = drafter.propose(state, ctx, 3)
     with torch.no_grad():
-        f = model.features(hid[:c].unsqueeze(0), tokens[P : P + c].unsqueeze(0), torch.arange(P - 1, P - 1 + c).unsqueeze(0))
+        f = model.features(
+            hid[:c].unsqueeze(0), tokens[P : P + c].unsqueeze(0), torch.arange(P - 1, P - 1 + c).unsqueeze(0)
+        )
         first = model.tokens.head(f[0, -1]).argmax()
         expected = model.head_tokens[first]
         # the second draft token reads the draft's own feature
-        f2 = model.features(torch.cat([hid[:c], f[0, -1:]]).unsqueeze(0), torch.cat([tokens[P : P + c], expected.view(1)]).unsqueeze(0),
-                            torch.arange(P - 1, P + c).unsqueeze(0))
+        f2 = model.features(
+            torch.cat([hid[:c], f[0, -1:]]).unsqueeze(0),
+            torch.cat([tokens[P : P + c], expected.view(1)]).unsqueeze(0),
+            torch.arange(P - 1, P + c).unsqueeze(0),
+        )
         second = model.head_tokens[model.tokens.head(f2[0, -1]).argmax()]
     assert prop.num_valid.tolist() == [3]
     assert prop.tokens[0, :2].tolist() == [int(expected), int(second)]
@@ -68,7 +84,9 @@ def test_no_features_yet_means_no_proposal(tiny_pipe):
     model = _model(tiny_pipe, None).eval()
     drafter = _drafter(tiny_pipe, model, None)
     state = drafter.new_state(2, 32)
-    ctx = DraftContext(torch.zeros(2, 32, dtype=torch.int64), torch.tensor([5, 6]), [SamplingParams()] * 2, [None] * 2, {})
+    ctx = DraftContext(
+        torch.zeros(2, 32, dtype=torch.int64), torch.tensor([5, 6]), [SamplingParams()] * 2, [None] * 2, {}
+    )
     assert drafter.propose(state, ctx, 4).num_valid.tolist() == [0, 0]
 
 
@@ -76,7 +94,14 @@ def test_trains_saves_loads_and_stays_lossless(tiny_pipe, data, tmp_path):
     head = head_subset(128)
     model = _model(tiny_pipe, head)
     before = validate(model, data)["alpha"]
-    res = train_offline(model, data, data, TrainConfig(steps=25, batch_size=3, max_len=40, lr=3e-3, warmup=1, eval_every=25), tmp_path / "w", progress=False)
+    res = train_offline(
+        model,
+        data,
+        data,
+        TrainConfig(steps=25, batch_size=3, max_len=40, lr=3e-3, warmup=1, eval_every=25),
+        tmp_path / "w",
+        progress=False,
+    )
     assert res.val["alpha"] > before
     target = tiny_pipe.target.model
     meta = DraftMeta.for_target(target, "tiny", kind="feature", head=VocabSubset(head, 0.0), init_layers=[0])

@@ -65,7 +65,9 @@ def test_sampled_draft_tokens_and_q_stay_inside_the_subset(tiny_pipe):
     tokens = torch.tensor(random_prompts([6, 6], seed=1))
     params = [SamplingParams(temperature=1.0, seed=s) for s in (1, 2)]
     gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
-    ctx = DraftContext(torch.cat([tokens, torch.zeros(2, 26, dtype=torch.int64)], 1), torch.tensor([6, 6]), params, gens)
+    ctx = DraftContext(
+        torch.cat([tokens, torch.zeros(2, 26, dtype=torch.int64)], 1), torch.tensor([6, 6]), params, gens
+    )
     prop = drafter.propose(state, ctx, 5)
     inside = torch.zeros(256, dtype=torch.bool)
     inside[ids] = True
@@ -114,7 +116,10 @@ def test_sampling_through_the_engine_reproduces_the_target_distribution():
         p2 = (p1.unsqueeze(1) * target(both).logits[:, -1].softmax(-1)).sum(0)  # (V,) marginal of token 2
     head = p1.argsort(descending=True)[1:86]  # a third of the vocabulary, without the target's mode
     draft = depth_prune(target, [0])
-    drafter = ModelDrafter(SubsetHeadRuntime(LlamaRuntime(draft_weights(draft, runtime.w, head, torch.float32)), head, 256), "subset")
+    drafter = ModelDrafter(
+        SubsetHeadRuntime(LlamaRuntime(draft_weights(draft, runtime.w, head, torch.float32)), head, 256),
+        "subset",
+    )
 
     B = 3000
     engine = Engine(runtime, drafter, FixedK(3))
@@ -150,7 +155,11 @@ def test_gated_drafter_stays_lossless_and_proposes_only_what_pays(tiny_pipe):
     measured = GatedDrafter(_subset_runtime(tiny_pipe, ids), "gated", target_runtime=tiny_pipe.runtime)
     e = Engine(tiny_pipe.runtime, measured, FixedK(3))
     sampled = decode(e, prompts, 8, SamplingParams(temperature=1.0, seed=3))
-    assert [len(x) for x in sampled] == [8, 8] and measured.cost.target[0] == 1.0 and len(measured.cost.target) == 9
+    assert (
+        [len(x) for x in sampled] == [8, 8]
+        and measured.cost.target[0] == 1.0
+        and len(measured.cost.target) == 9
+    )
 
 
 def test_drafting_stops_once_no_longer_prefix_can_pay(tiny_pipe):
@@ -161,7 +170,12 @@ def test_drafting_stops_once_no_longer_prefix_can_pay(tiny_pipe):
     ids = head_subset(64)
     d = GatedDrafter(_subset_runtime(tiny_pipe, ids), "gated", cost=VerifyCost([1.0, 50.0], 0.0))
     state = d.new_state(1, 32)
-    ctx = DraftContext(torch.tensor([random_prompts([8], seed=1)[0] + [0] * 24]), torch.tensor([8]), [SamplingParams()], [None])
+    ctx = DraftContext(
+        torch.tensor([random_prompts([8], seed=1)[0] + [0] * 24]),
+        torch.tensor([8]),
+        [SamplingParams()],
+        [None],
+    )
     prop = d.propose(state, ctx, 4)
     assert prop.num_valid.tolist() == [0] and state.k == 1  # one draft forward, then it stopped
 
@@ -171,7 +185,9 @@ def test_gated_proposals_report_the_draft_forwards_each_row_needed(tiny_pipe):
     from specdraft.verify import SamplingParams
 
     ids = torch.arange(40)
-    ctx = DraftContext(torch.randint(0, 40, (2, 12)), torch.tensor([9, 12]), [SamplingParams()] * 2, [None] * 2)
+    ctx = DraftContext(
+        torch.randint(0, 40, (2, 12)), torch.tensor([9, 12]), [SamplingParams()] * 2, [None] * 2
+    )
     for cost, want in ((VerifyCost([1.0, 50.0], 0.0), [1, 1]), (VerifyCost([1.0] * 9, 0.0), [4, 4])):
         d = GatedDrafter(_subset_runtime(tiny_pipe, ids), "gated", cost=cost)
         prop = d.propose(d.new_state(2, 32), ctx, 4)

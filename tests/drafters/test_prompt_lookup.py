@@ -76,6 +76,11 @@ def test_lookup_matches_the_definition_on_random_contexts(max_ngram, min_ngram):
     g = torch.Generator().manual_seed(max_ngram * 10 + min_ngram)
     d = PromptLookupDrafter(max_ngram, min_ngram)
     for _ in range(300):
-        seq = torch.randint(0, int(torch.randint(2, 6, (1,), generator=g)), (int(torch.randint(1, 50, (1,), generator=g)),), generator=g)
+        seq = torch.randint(
+            0,
+            int(torch.randint(2, 6, (1,), generator=g)),
+            (int(torch.randint(1, 50, (1,), generator=g)),),
+            generator=g,
+        )
         n, cont = d._lookup(seq, 4)
         assert (n, cont.tolist()) == _reference(seq.tolist(), 4, max_ngram, min_ngram)

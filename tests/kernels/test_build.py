@@ -56,7 +56,10 @@ def test_a_damaged_cached_library_is_compiled_again(tmp_path, monkeypatch, caplo
     stamp = getattr(lib, build.HASH_SYMBOL)
     stamp.restype = ctypes.c_char_p
     assert stamp().decode() == tag
-    assert sorted(p.name for p in path.parent.iterdir()) == [path.name, f"{path.name}.sha256"]  # nothing else left
+    assert sorted(p.name for p in path.parent.iterdir()) == [
+        path.name,
+        f"{path.name}.sha256",
+    ]  # nothing else left
     x, w = torch.randn(3, 64), torch.randn(40, 64)
     y = torch.empty(3, 40)
     lib.fewrows_f32(x.data_ptr(), w.data_ptr(), y.data_ptr(), 3, 64, 40, 1)

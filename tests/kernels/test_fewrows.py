@@ -79,7 +79,9 @@ def test_supports_only_what_the_kernel_handles():
     # bf16 weights the packed kernel takes: up to PACKED_MAX_ROWS (torch would widen W every call)
     assert kernels.supports(torch.randn(kernels.PACKED_MAX_ROWS, 32), w.bfloat16())
     assert not kernels.supports(torch.randn(kernels.PACKED_MAX_ROWS + 1, 32), w.bfloat16())
-    assert not kernels.supports(torch.randn(kernels.MAX_ROWS + 1, 32), torch.randn(40, 32).bfloat16())  # N % 16
+    assert not kernels.supports(
+        torch.randn(kernels.MAX_ROWS + 1, 32), torch.randn(40, 32).bfloat16()
+    )  # N % 16
     assert not kernels.supports(torch.randn(3, 32).bfloat16(), w.bfloat16())  # bf16 activations
     assert not kernels.supports(torch.randn(3, 32), torch.randn(32, 64).t())  # not contiguous
 
@@ -127,7 +129,9 @@ def test_bf16_weights_run_with_fp32_arithmetic_and_verification_matches_single_s
 
     b = rt.new_state(1, 32)
     rt.forward(b, prompt, torch.arange(12).view(1, -1))
-    one_by_one = torch.cat([rt.forward(b, new[:, i : i + 1], torch.tensor([[12 + i]])).logits for i in range(5)], 1)
+    one_by_one = torch.cat(
+        [rt.forward(b, new[:, i : i + 1], torch.tensor([[12 + i]])).logits for i in range(5)], 1
+    )
     assert together.dtype == torch.float32
     assert torch.equal(together.argmax(-1), one_by_one.argmax(-1))
     assert torch.allclose(together, one_by_one, atol=1e-5)
@@ -169,7 +173,9 @@ def test_rope_attend_matches_torch(T):
         kc_ref[b, :, pos[b]], vc_ref[b, :, pos[b]] = k[b], v[b]
     S = int(pos.max()) + 1
     mask = (torch.arange(S) <= pos.unsqueeze(-1)).unsqueeze(1)
-    ref = F.scaled_dot_product_attention(q, kc_ref[:, :, :S], vc_ref[:, :, :S], attn_mask=mask, enable_gqa=True)
+    ref = F.scaled_dot_product_attention(
+        q, kc_ref[:, :, :S], vc_ref[:, :, :S], attn_mask=mask, enable_gqa=True
+    )
     assert out.shape == (B, T, H * D)
     assert torch.allclose(out, ref.transpose(1, 2).reshape(B, T, H * D), atol=1e-5)
     assert torch.allclose(kc, kc_ref, atol=1e-6) and torch.equal(vc, vc_ref)  # other slots untouched
@@ -194,7 +200,11 @@ def test_rope_attend_verification_equals_single_steps(threads):
         pos = torch.arange(start, start + T).unsqueeze(0)
         many = kernels.RopeAttention(pos, cos, sin, H, G)(qkv, kc, vc)
         singles = torch.cat(
-            [kernels.RopeAttention(pos[:, t : t + 1], cos, sin, H, G)(qkv[:, t : t + 1], kc1, vc1) for t in range(T)], 1
+            [
+                kernels.RopeAttention(pos[:, t : t + 1], cos, sin, H, G)(qkv[:, t : t + 1], kc1, vc1)
+                for t in range(T)
+            ],
+            1,
         )
     finally:
         torch.set_num_threads(before)
@@ -222,7 +232,9 @@ def test_rope_attention_rejects_mismatched_inputs():
 def test_native_decoder_layers_match_layer_by_layer_and_keep_rows_independent(monkeypatch):
     """kernels.DecodeLayers (every layer of a decode step in one native call): close to the
     layer-by-layer forward, and each row's logits bit-identical whatever else is in the step."""
-    model = tiny_llama(vocab_size=256, dtype=torch.float32, hidden_size=64, num_heads=4, num_kv_heads=2, seed=5)
+    model = tiny_llama(
+        vocab_size=256, dtype=torch.float32, hidden_size=64, num_heads=4, num_kv_heads=2, seed=5
+    )
     rt = LlamaRuntime(LlamaWeights.from_hf(model, torch.bfloat16, compute=torch.float32))
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, 256, (2, 12), generator=g)
@@ -235,7 +247,9 @@ def test_native_decoder_layers_match_layer_by_layer_and_keep_rows_independent(mo
         rt.forward(st, prompts[list(rows)], torch.arange(12).expand(len(rows), 12))
         if T == 5:
             return rt.forward(st, new[list(rows)], pos[list(rows)], hidden_layers=hidden), st
-        outs = [rt.forward(st, new[list(rows), i : i + 1], pos[list(rows), i : i + 1]).logits for i in range(5)]
+        outs = [
+            rt.forward(st, new[list(rows), i : i + 1], pos[list(rows), i : i + 1]).logits for i in range(5)
+        ]
         return torch.cat(outs, 1), st
 
     calls = []

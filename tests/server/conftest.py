@@ -31,7 +31,18 @@ class ServerProcess:
         self.log_path = log_path
         self.log = open(log_path, "w")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        cmd = [sys.executable, "-m", "specdraft.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--threads", "1"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "specdraft.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--threads",
+            "1",
+        ]
         self.proc = subprocess.Popen(cmd + args, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.url = self._wait_ready(start_timeout)
 
@@ -97,7 +108,9 @@ def launch(tmp_path_factory, tiny_dir):
         log = tmp_path_factory.mktemp("server-log") / "server.log"
         # fp32: the same model on both runtimes (auto would give the compact runtime bf16 weights
         # and transformers' fp32); a later --target / --dtype wins
-        return ServerProcess(["--target", str(tiny_dir), "--dtype", "fp32", "--log-level", "warning", *args], log)
+        return ServerProcess(
+            ["--target", str(tiny_dir), "--dtype", "fp32", "--log-level", "warning", *args], log
+        )
 
     return start
 

@@ -76,7 +76,12 @@ def test_completion_equals_the_target_alone(server, reference):
 def test_streamed_completion_concatenates_to_the_same_text(server, reference):
     c = client(server)
     stream = c.completions.create(
-        model=model_id(server), prompt="Once upon", max_tokens=30, temperature=0, stream=True, stream_options={"include_usage": True}
+        model=model_id(server),
+        prompt="Once upon",
+        max_tokens=30,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     chunks = list(stream)
     text, reason, n = expected(reference, "Once upon", 30)
@@ -96,7 +101,11 @@ def test_chat_streaming_and_not(server, reference):
     assert r.choices[0].message.content == text and r.choices[0].finish_reason == reason
     assert r.usage.completion_tokens == n
 
-    chunks = list(c.chat.completions.create(model=model_id(server), messages=messages, max_tokens=25, temperature=0, stream=True))
+    chunks = list(
+        c.chat.completions.create(
+            model=model_id(server), messages=messages, max_tokens=25, temperature=0, stream=True
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == text
     assert chunks[-1].choices[0].finish_reason == reason and chunks[-1].object == "chat.completion.chunk"
@@ -119,19 +128,31 @@ def test_sse_wire_format(server):
 
 def test_token_id_prompt(server, reference):
     ids = reference.encode("tokens!", chat=False)
-    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": ids, "max_tokens": 10, "temperature": 0}, timeout=60).json()
+    r = httpx.post(
+        f"{server.url}/v1/completions", json={"prompt": ids, "max_tokens": 10, "temperature": 0}, timeout=60
+    ).json()
     assert r["choices"][0]["text"] == expected(reference, "tokens!", 10)[0]
 
 
 def test_stop_string_cuts_the_text_and_reports_stop(server, reference):
     full, _, _ = expected(reference, "Stop me", 60)
     # a short piece of the greedy output, taken from its middle, as the stop string
-    stop = next(full[i : i + 2] for i in range(8, len(full) - 2) if "\ufffd" not in full[i : i + 2] and full[i : i + 2].strip())
+    stop = next(
+        full[i : i + 2]
+        for i in range(8, len(full) - 2)
+        if "\ufffd" not in full[i : i + 2] and full[i : i + 2].strip()
+    )
     c = client(server)
-    r = c.completions.create(model=model_id(server), prompt="Stop me", max_tokens=60, temperature=0, stop=[stop, "never-there"])
+    r = c.completions.create(
+        model=model_id(server), prompt="Stop me", max_tokens=60, temperature=0, stop=[stop, "never-there"]
+    )
     assert r.choices[0].text == full[: full.find(stop)]
     assert r.choices[0].finish_reason == "stop"
-    streamed = list(c.completions.create(model=model_id(server), prompt="Stop me", max_tokens=60, temperature=0, stop=stop, stream=True))
+    streamed = list(
+        c.completions.create(
+            model=model_id(server), prompt="Stop me", max_tokens=60, temperature=0, stop=stop, stream=True
+        )
+    )
     assert "".join(ch.choices[0].text for ch in streamed) == full[: full.find(stop)]
     assert streamed[-1].choices[0].finish_reason == "stop"
     assert wait_idle(server)["running"] == 0  # the stopped row left the batch
@@ -140,7 +161,9 @@ def test_stop_string_cuts_the_text_and_reports_stop(server, reference):
 def test_ignore_eos_runs_to_max_tokens(server, reference):
     text, reason, n = expected(reference, "abc", 12)
     assert reason == "stop" and n < 12  # this prompt meets EOS early with the tiny model
-    r = client(server).completions.create(model=model_id(server), prompt="abc", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    r = client(server).completions.create(
+        model=model_id(server), prompt="abc", max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 12
     assert r.choices[0].text.startswith(text)
 
@@ -157,7 +180,11 @@ def test_seeded_sampling_is_reproducible(server):
 
 def test_top_k_one_is_greedy(server, reference):
     r = client(server).completions.create(
-        model=model_id(server), prompt="top k", max_tokens=20, temperature=1.0, extra_body={"top_k": 1, "seed": 3}
+        model=model_id(server),
+        prompt="top k",
+        max_tokens=20,
+        temperature=1.0,
+        extra_body={"top_k": 1, "seed": 3},
     )
     assert r.choices[0].text == expected(reference, "top k", 20)[0]
 
@@ -178,7 +205,10 @@ def test_speculation_counters_and_per_request_settings(server, reference):
     drafts = _delta(after, before, "specdraft:spec_decode_num_drafts_total")
     draft_tokens = _delta(after, before, "specdraft:spec_decode_num_draft_tokens_total")
     accepted = _delta(after, before, "specdraft:spec_decode_num_accepted_tokens_total")
-    per_pos = [_delta(after, before, f'specdraft:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}') for i in range(3)]
+    per_pos = [
+        _delta(after, before, f'specdraft:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}')
+        for i in range(3)
+    ]
     assert drafts > 0 and draft_tokens == 3 * drafts  # server k = 3, every step drafts
     assert 0 < accepted <= draft_tokens and sum(per_pos) == accepted
     assert per_pos[0] >= per_pos[1] >= per_pos[2]
@@ -186,7 +216,13 @@ def test_speculation_counters_and_per_request_settings(server, reference):
 
     # "speculation": "off" -> no drafts at all, same text
     before = metrics(server)
-    r = c.completions.create(model=model_id(server), prompt="Speculate", max_tokens=40, temperature=0, extra_body={"speculation": "off"})
+    r = c.completions.create(
+        model=model_id(server),
+        prompt="Speculate",
+        max_tokens=40,
+        temperature=0,
+        extra_body={"speculation": "off"},
+    )
     after = metrics(server)
     assert r.choices[0].text == text
     assert _delta(after, before, "specdraft:spec_decode_num_drafts_total") == 0
@@ -195,7 +231,11 @@ def test_speculation_counters_and_per_request_settings(server, reference):
     # at most one draft token per step for this request
     before = metrics(server)
     r = c.completions.create(
-        model=model_id(server), prompt="Speculate", max_tokens=40, temperature=0, extra_body={"speculation": {"num_speculative_tokens": 1}}
+        model=model_id(server),
+        prompt="Speculate",
+        max_tokens=40,
+        temperature=0,
+        extra_body={"speculation": {"num_speculative_tokens": 1}},
     )
     after = metrics(server)
     assert r.choices[0].text == text
@@ -210,7 +250,9 @@ def test_latency_histograms_and_request_counters(server):
     assert _delta(after, before, "specdraft:time_to_first_token_seconds_count") == 1
     assert _delta(after, before, "specdraft:e2e_request_latency_seconds_count") == 1
     assert _delta(after, before, "specdraft:inter_token_latency_seconds_count") >= 1
-    assert _delta(after, before, 'specdraft:http_requests_total{endpoint="/v1/completions",status="200"}') == 1
+    assert (
+        _delta(after, before, 'specdraft:http_requests_total{endpoint="/v1/completions",status="200"}') == 1
+    )
     assert _delta(after, before, 'specdraft:request_finished_total{finished_reason="length"}') == 1
     assert _delta(after, before, "specdraft:prompt_tokens_total") == len("count me")
 
@@ -232,7 +274,12 @@ def test_64_concurrent_streams_equal_each_request_served_alone(server, reference
             await first_wave_started.wait()
         extra = {} if SPECULATION[i % 4] is None else {"speculation": SPECULATION[i % 4]}
         stream = await c.completions.create(
-            model=model, prompt=PROMPTS[i], max_tokens=max_tokens[i], temperature=0, stream=True, extra_body=extra
+            model=model,
+            prompt=PROMPTS[i],
+            max_tokens=max_tokens[i],
+            temperature=0,
+            stream=True,
+            extra_body=extra,
         )
         parts, reason = [], None
         async for ch in stream:
@@ -244,7 +291,9 @@ def test_64_concurrent_streams_equal_each_request_served_alone(server, reference
     async def main():
         nonlocal first_wave_started
         first_wave_started = asyncio.Event()
-        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300) as c:
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300
+        ) as c:
             return await asyncio.gather(*(one(i, c) for i in range(64)), return_exceptions=True)
 
     before = metrics(server)
@@ -265,7 +314,13 @@ def test_64_concurrent_streams_equal_each_request_served_alone(server, reference
 # -------------------------------------------------------------------------------- disconnects
 def test_streaming_client_disconnect_frees_its_row(server):
     before = metrics(server)
-    body = {"prompt": "long one", "max_tokens": CONTEXT - 64, "temperature": 0, "stream": True, "ignore_eos": True}
+    body = {
+        "prompt": "long one",
+        "max_tokens": CONTEXT - 64,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):

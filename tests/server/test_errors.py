@@ -19,27 +19,111 @@ CASES = [
     ("empty prompt", "/v1/completions", b'{"prompt": ""}', 400, "prompt", None),
     ("two prompts", "/v1/completions", b'{"prompt": ["a", "b"]}', 400, "prompt", None),
     ("token id outside vocab", "/v1/completions", b'{"prompt": [1, 99999]}', 400, "prompt", None),
-    ("negative max_tokens", "/v1/completions", b'{"prompt": "hi", "max_tokens": -3}', 400, "max_tokens", "greater_than_equal"),
-    ("zero max_tokens", "/v1/completions", b'{"prompt": "hi", "max_tokens": 0}', 400, "max_tokens", "greater_than_equal"),
-    ("string max_tokens", "/v1/completions", b'{"prompt": "hi", "max_tokens": "7"}', 400, "max_tokens", "int_type"),
-    ("oversized max_tokens", "/v1/completions", b'{"prompt": "hi", "max_tokens": 100000}', 400, "max_tokens", "context_length_exceeded"),
-    ("temperature out of range", "/v1/completions", b'{"prompt": "hi", "temperature": 3}', 400, "temperature", None),
-    ("temperature of wrong type", "/v1/completions", b'{"prompt": "hi", "temperature": "hot"}', 400, "temperature", None),
+    (
+        "negative max_tokens",
+        "/v1/completions",
+        b'{"prompt": "hi", "max_tokens": -3}',
+        400,
+        "max_tokens",
+        "greater_than_equal",
+    ),
+    (
+        "zero max_tokens",
+        "/v1/completions",
+        b'{"prompt": "hi", "max_tokens": 0}',
+        400,
+        "max_tokens",
+        "greater_than_equal",
+    ),
+    (
+        "string max_tokens",
+        "/v1/completions",
+        b'{"prompt": "hi", "max_tokens": "7"}',
+        400,
+        "max_tokens",
+        "int_type",
+    ),
+    (
+        "oversized max_tokens",
+        "/v1/completions",
+        b'{"prompt": "hi", "max_tokens": 100000}',
+        400,
+        "max_tokens",
+        "context_length_exceeded",
+    ),
+    (
+        "temperature out of range",
+        "/v1/completions",
+        b'{"prompt": "hi", "temperature": 3}',
+        400,
+        "temperature",
+        None,
+    ),
+    (
+        "temperature of wrong type",
+        "/v1/completions",
+        b'{"prompt": "hi", "temperature": "hot"}',
+        400,
+        "temperature",
+        None,
+    ),
     ("top_p zero", "/v1/completions", b'{"prompt": "hi", "top_p": 0}', 400, "top_p", None),
     ("stop of wrong type", "/v1/completions", b'{"prompt": "hi", "stop": [1]}', 400, "stop.0", None),
     ("n = 2", "/v1/completions", b'{"prompt": "hi", "n": 2}', 400, "n", None),
     ("logprobs", "/v1/completions", b'{"prompt": "hi", "logprobs": 2}', 400, "logprobs", None),
     ("echo", "/v1/completions", b'{"prompt": "hi", "echo": true}', 400, "echo", None),
-    ("bad speculation", "/v1/completions", b'{"prompt": "hi", "speculation": {"num_speculative_tokens": -1}}', 400, "speculation.num_speculative_tokens", None),
-    ("unknown speculation", "/v1/completions", b'{"prompt": "hi", "speculation": "sometimes"}', 400, "speculation", None),
-    ("unknown model", "/v1/completions", b'{"prompt": "hi", "model": "gpt-9"}', 404, "model", "model_not_found"),
+    (
+        "bad speculation",
+        "/v1/completions",
+        b'{"prompt": "hi", "speculation": {"num_speculative_tokens": -1}}',
+        400,
+        "speculation.num_speculative_tokens",
+        None,
+    ),
+    (
+        "unknown speculation",
+        "/v1/completions",
+        b'{"prompt": "hi", "speculation": "sometimes"}',
+        400,
+        "speculation",
+        None,
+    ),
+    (
+        "unknown model",
+        "/v1/completions",
+        b'{"prompt": "hi", "model": "gpt-9"}',
+        404,
+        "model",
+        "model_not_found",
+    ),
     ("messages missing", "/v1/chat/completions", b'{"max_tokens": 3}', 400, "messages", "missing"),
     ("messages empty", "/v1/chat/completions", b'{"messages": []}', 400, "messages", None),
     ("messages a string", "/v1/chat/completions", b'{"messages": "hi"}', 400, "messages", None),
-    ("unknown role", "/v1/chat/completions", b'{"messages": [{"role": "robot", "content": "x"}]}', 400, "messages.0.role", None),
-    ("tools", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}', 400, "tools", None),
+    (
+        "unknown role",
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "robot", "content": "x"}]}',
+        400,
+        "messages.0.role",
+        None,
+    ),
+    (
+        "tools",
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}',
+        400,
+        "tools",
+        None,
+    ),
     ("stop string too long", "/v1/completions", LONG_STOP, 400, "stop", None),
-    ("stream not a bool", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "stream": "yes"}', 400, "stream", None),
+    (
+        "stream not a bool",
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}], "stream": "yes"}',
+        400,
+        "stream",
+        None,
+    ),
 ]
 
 
@@ -54,7 +138,9 @@ def check_error_body(r: httpx.Response, status: int) -> dict:
 
 @pytest.mark.parametrize("name,path,body,status,param,code", CASES, ids=[c[0] for c in CASES])
 def test_bad_request_gets_an_openai_error(server, name, path, body, status, param, code):
-    r = httpx.post(f"{server.url}{path}", content=body, headers={"content-type": "application/json"}, timeout=30)
+    r = httpx.post(
+        f"{server.url}{path}", content=body, headers={"content-type": "application/json"}, timeout=30
+    )
     err = check_error_body(r, status)
     assert err["param"] == param
     if code is not None:
@@ -67,16 +153,24 @@ def test_prompt_beyond_the_context_window(server):
     err = check_error_body(r, 400)
     assert err["code"] == "context_length_exceeded" and str(CONTEXT) in err["message"]
     # fits alone, but not with the completion it asks for
-    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x" * (CONTEXT - 10), "max_tokens": 20}, timeout=30)
+    r = httpx.post(
+        f"{server.url}/v1/completions", json={"prompt": "x" * (CONTEXT - 10), "max_tokens": 20}, timeout=30
+    )
     assert check_error_body(r, 400)["code"] == "context_length_exceeded"
     # without max_tokens the completion is bounded by what is left of the window
-    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x" * (CONTEXT - 10), "temperature": 0, "ignore_eos": True}, timeout=60)
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"prompt": "x" * (CONTEXT - 10), "temperature": 0, "ignore_eos": True},
+        timeout=60,
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 10
 
 
 def test_oversized_body_is_413(server):
     body = b'{"prompt": "' + b"x" * (5 * 1024 * 1024) + b'"}'
-    r = httpx.post(f"{server.url}/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=60)
+    r = httpx.post(
+        f"{server.url}/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=60
+    )
     assert check_error_body(r, 413)["code"] == "request_too_large"
 
 
@@ -86,7 +180,11 @@ def test_unknown_route_and_wrong_method(server):
 
 
 def test_server_still_serves_after_bad_input(server):
-    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "still here", "max_tokens": 5, "temperature": 0}, timeout=60)
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"prompt": "still here", "max_tokens": 5, "temperature": 0},
+        timeout=60,
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
     assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
 

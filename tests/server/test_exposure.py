@@ -127,9 +127,10 @@ def test_a_huge_prompt_is_encoded_off_the_event_loop(server):
                 if line.startswith("data: {"):
                     arrivals.append(time.monotonic())
 
-        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c, c.stream(
-            "POST", "/v1/completions", json=other
-        ) as stream:
+        async with (
+            httpx.AsyncClient(base_url=server.url, timeout=120) as c,
+            c.stream("POST", "/v1/completions", json=other) as stream,
+        ):
             reader = asyncio.create_task(read(stream.aiter_lines()))
             while len(arrivals) < 5:
                 await asyncio.sleep(0.01)

@@ -48,8 +48,17 @@ def test_batch_one_target_queues_requests_and_matches_alone(serial_server, refer
     prompts = ["first in line", "second in line"]
 
     async def main():
-        async with openai.AsyncOpenAI(base_url=f"{serial_server.url}/v1", api_key="x", max_retries=0, timeout=120) as c:
-            rs = await asyncio.gather(*(c.completions.create(prompt=p, model=str(serial_server_model), max_tokens=20, temperature=0) for p in prompts))
+        async with openai.AsyncOpenAI(
+            base_url=f"{serial_server.url}/v1", api_key="x", max_retries=0, timeout=120
+        ) as c:
+            rs = await asyncio.gather(
+                *(
+                    c.completions.create(
+                        prompt=p, model=str(serial_server_model), max_tokens=20, temperature=0
+                    )
+                    for p in prompts
+                )
+            )
         return [r.choices[0].text for r in rs]
 
     serial_server_model = httpx.get(f"{serial_server.url}/v1/models").json()["data"][0]["id"]
@@ -59,7 +68,13 @@ def test_batch_one_target_queues_requests_and_matches_alone(serial_server, refer
 
 
 def test_full_queue_answers_429_with_retry_after(serial_server):
-    body = {"prompt": "hold the row", "max_tokens": 3000, "temperature": 0, "stream": True, "ignore_eos": True}
+    body = {
+        "prompt": "hold the row",
+        "max_tokens": 3000,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
 
     async def main():
         async with httpx.AsyncClient(base_url=serial_server.url, timeout=120) as c:
@@ -79,7 +94,9 @@ def test_full_queue_answers_429_with_retry_after(serial_server):
     err = rejected.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["code"] == "rate_limit_exceeded"
     # both streams were closed by the client: their rows and queue slot are free again
-    r = httpx.post(f"{serial_server.url}/v1/completions", json={"prompt": "after", "max_tokens": 4}, timeout=60)
+    r = httpx.post(
+        f"{serial_server.url}/v1/completions", json={"prompt": "after", "max_tokens": 4}, timeout=60
+    )
     assert r.status_code == 200
 
 
@@ -90,7 +107,10 @@ def test_sigterm_finishes_or_aborts_in_flight_streams_and_exits_0(launch):
 
     async def main():
         async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
-            async with c.stream("POST", "/v1/completions", json=long) as a, c.stream("POST", "/v1/completions", json=short) as b:
+            async with (
+                c.stream("POST", "/v1/completions", json=long) as a,
+                c.stream("POST", "/v1/completions", json=short) as b,
+            ):
                 lines_a, lines_b = a.aiter_lines(), b.aiter_lines()
                 await asyncio.gather(_first_chunk(lines_a), _first_chunk(lines_b))
                 srv.proc.send_signal(signal.SIGTERM)

@@ -28,7 +28,9 @@ def scheduler(pipe):
 
 
 def new_job(prompt: list[int], max_tokens: int = 16, **kw) -> Job:
-    return Job(prompt, max_tokens, SamplingParams(), [], None, asyncio.get_running_loop(), asyncio.Queue(), **kw)
+    return Job(
+        prompt, max_tokens, SamplingParams(), [], None, asyncio.get_running_loop(), asyncio.Queue(), **kw
+    )
 
 
 async def drain(job: Job) -> tuple[str, str | None, APIError | None]:

@@ -28,7 +28,9 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 @pytest.fixture(scope="session")
 def data_files(tmp_path_factory) -> tuple[Path, Path]:
     d = tmp_path_factory.mktemp("study-data")
-    return write_jsonl(d / "question.jsonl", SPEC_BENCH), write_jsonl(d / "hellaswag_prompts.jsonl", [{"prompt": p} for p in HELLASWAG])
+    return write_jsonl(d / "question.jsonl", SPEC_BENCH), write_jsonl(
+        d / "hellaswag_prompts.jsonl", [{"prompt": p} for p in HELLASWAG]
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -40,8 +42,17 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 def small_config(**kw):
     from specdraft.study.sweep import StudyConfig
 
-    args = dict(target="tiny", dtype="fp32", threads=1, drafts=["prune:0", "lookup"], ks=[1, 2, 4], batches=[1, 2],
-                max_new_tokens=24, contexts=[16, 64], profile_repeats=1)
+    args = dict(
+        target="tiny",
+        dtype="fp32",
+        threads=1,
+        drafts=["prune:0", "lookup"],
+        ks=[1, 2, 4],
+        batches=[1, 2],
+        max_new_tokens=24,
+        contexts=[16, 64],
+        profile_repeats=1,
+    )
     args.update(kw)
     return StudyConfig(**args)
 
@@ -50,8 +61,17 @@ def small_datasets(pipe, data_files, names=None, per_dataset=2, heldout=2, max_n
     from specdraft.study import datasets as ds
 
     texts, held = ds.select_prompts(data_files[0], data_files[1], names, per_dataset, heldout)
-    return ds.build_datasets(pipe, texts, held, dtype="fp32", max_new_tokens=max_new_tokens, max_prompt_tokens=256,
-                             k_max=8, log=lambda m: None, cache_dir=cache_dir)
+    return ds.build_datasets(
+        pipe,
+        texts,
+        held,
+        dtype="fp32",
+        max_new_tokens=max_new_tokens,
+        max_prompt_tokens=256,
+        k_max=8,
+        log=lambda m: None,
+        cache_dir=cache_dir,
+    )
 
 
 @pytest.fixture(scope="session")

@@ -16,9 +16,15 @@ def t_draft(b):
 
 
 def test_batch_step_time_and_throughput():
-    assert analytic.batch_step_time(3, 2, t_draft, t_target) == pytest.approx(3 * 0.002 + 0.010 + 0.002 * 2 * 4)
-    assert analytic.batch_step_time(3, 2, t_draft, t_target, draft_calls=1) == pytest.approx(0.002 + 0.010 + 0.016)
-    assert analytic.batch_throughput(2.5, 3, 2, t_draft, t_target) == pytest.approx(2 * 2.5 / analytic.batch_step_time(3, 2, t_draft, t_target))
+    assert analytic.batch_step_time(3, 2, t_draft, t_target) == pytest.approx(
+        3 * 0.002 + 0.010 + 0.002 * 2 * 4
+    )
+    assert analytic.batch_step_time(3, 2, t_draft, t_target, draft_calls=1) == pytest.approx(
+        0.002 + 0.010 + 0.016
+    )
+    assert analytic.batch_throughput(2.5, 3, 2, t_draft, t_target) == pytest.approx(
+        2 * 2.5 / analytic.batch_step_time(3, 2, t_draft, t_target)
+    )
 
 
 def test_batch_one_with_expected_tokens_is_the_leviathan_model():

@@ -43,7 +43,9 @@ def test_bad_files(tmp_path, data_files):
 def test_build_attaches_continuations(tiny_pipe, data_files, tmp_path):
     from tests.study.conftest import small_datasets
 
-    datasets, heldout = small_datasets(tiny_pipe, data_files, names=["qa"], per_dataset=2, heldout=2, max_new_tokens=10, cache_dir=tmp_path)
+    datasets, heldout = small_datasets(
+        tiny_pipe, data_files, names=["qa"], per_dataset=2, heldout=2, max_new_tokens=10, cache_dir=tmp_path
+    )
     assert [d.name for d in datasets] == ["qa"] and heldout.name == HELDOUT
     assert all(len(s.continuation) == 10 and s.prompt for s in datasets[0].sequences)
     assert datasets[0].fingerprint != heldout.fingerprint

@@ -20,11 +20,40 @@ KILLS = 2
 
 
 def _study(data_files, out: Path) -> list[str]:
-    return ["study", "--target", "tiny", "--drafts", "prune:0;prune:1;lookup", "--k", "1-6",
-            "--batch", "1,2,4", "--spec-bench", str(data_files[0]), "--hellaswag", str(data_files[1]),
-            "--prompts-per-dataset", "3",
-            "--heldout", "2", "--max-new-tokens", "40", "--contexts", "16,64", "--profile-repeats", "1",
-            "--threads", "1", "--workers", "0", "--validate", "0", "--no-progress", "--out", str(out)]
+    return [
+        "study",
+        "--target",
+        "tiny",
+        "--drafts",
+        "prune:0;prune:1;lookup",
+        "--k",
+        "1-6",
+        "--batch",
+        "1,2,4",
+        "--spec-bench",
+        str(data_files[0]),
+        "--hellaswag",
+        str(data_files[1]),
+        "--prompts-per-dataset",
+        "3",
+        "--heldout",
+        "2",
+        "--max-new-tokens",
+        "40",
+        "--contexts",
+        "16,64",
+        "--profile-repeats",
+        "1",
+        "--threads",
+        "1",
+        "--workers",
+        "0",
+        "--validate",
+        "0",
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
 
 
 def _by_key(path: Path) -> dict[str, dict]:

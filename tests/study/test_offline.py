@@ -10,9 +10,21 @@ import torch
 from specdraft import api
 from specdraft.stats import SpecStats
 from specdraft.study import offline
-from specdraft.study.offline import OfflineProposals, Sequence, cached_continuations, draft_quality, offline_proposals, simulate
+from specdraft.study.offline import (
+    OfflineProposals,
+    Sequence,
+    cached_continuations,
+    draft_quality,
+    offline_proposals,
+    simulate,
+)
 
-PROMPTS = ["hello there, how are you", "the cat sat on the mat and the", "one two three one two three one", "abcabc"]
+PROMPTS = [
+    "hello there, how are you",
+    "the cat sat on the mat and the",
+    "one two three one two three one",
+    "abcabc",
+]
 N = 40
 
 
@@ -70,7 +82,9 @@ def test_quality_is_the_perplexity_of_the_continuation(setup):
     s = seqs[1]
     p = offline_proposals(drafter, s, 2)
     full = torch.tensor([s.prompt + s.continuation])
-    logits = drafter.runtime.forward(drafter.runtime.new_state(1, full.shape[1] + 1), full, torch.arange(full.shape[1]).unsqueeze(0)).logits[0]
+    logits = drafter.runtime.forward(
+        drafter.runtime.new_state(1, full.shape[1] + 1), full, torch.arange(full.shape[1]).unsqueeze(0)
+    ).logits[0]
     P = len(s.prompt)
     logp = torch.log_softmax(logits[P - 1 : -1], -1)
     nll = -logp.gather(1, torch.tensor(s.continuation).unsqueeze(1)).mean()
@@ -87,7 +101,10 @@ def test_simulate_replays_steps_by_hand():
     # step 2: a at pos 3 accepts 0 -> emits 1 (pos 4); b finished
     # step 3: a at pos 4: last token, emits 1
     assert [(s.rows, s.width, s.context, s.emitted, s.first) for s in sim.steps] == [
-        (2, 2, 20, 6, True), (1, 2, 13, 1, False), (1, 2, 14, 1, False)]
+        (2, 2, 20, 6, True),
+        (1, 2, 13, 1, False),
+        (1, 2, 14, 1, False),
+    ]
     assert (sim.generated, sim.accepted, sim.row_steps, sim.drafted) == (8, 4, 4, 8)
     # batch 1: separate groups, each starts with a 'first' step
     assert sum(s.first for s in simulate([a, b], 2, 1).steps) == 2
@@ -112,19 +129,27 @@ def test_simulate_rejects_bad_arguments():
 
 def test_continuations_are_cached(tmp_path, tiny_pipe, monkeypatch):
     prompts = [list(b"cache me"), list(b"and me too")]
-    first = cached_continuations(tiny_pipe.runtime, prompts, 12, tiny_pipe.eos_ids, target="tiny", dtype="fp32", cache_dir=tmp_path)
+    first = cached_continuations(
+        tiny_pipe.runtime, prompts, 12, tiny_pipe.eos_ids, target="tiny", dtype="fp32", cache_dir=tmp_path
+    )
     assert len(list(tmp_path.glob("*.json"))) == 1
 
     def boom(*a, **k):
         raise AssertionError("the target ran again")
 
     monkeypatch.setattr(offline, "generate_continuations", boom)
-    again = cached_continuations(tiny_pipe.runtime, prompts, 12, tiny_pipe.eos_ids, target="tiny", dtype="fp32", cache_dir=tmp_path)
+    again = cached_continuations(
+        tiny_pipe.runtime, prompts, 12, tiny_pipe.eos_ids, target="tiny", dtype="fp32", cache_dir=tmp_path
+    )
     assert [s.continuation for s in again] == [s.continuation for s in first]
     with pytest.raises(AssertionError, match="ran again"):  # another length is another key
-        cached_continuations(tiny_pipe.runtime, prompts, 13, tiny_pipe.eos_ids, target="tiny", dtype="fp32", cache_dir=tmp_path)
+        cached_continuations(
+            tiny_pipe.runtime, prompts, 13, tiny_pipe.eos_ids, target="tiny", dtype="fp32", cache_dir=tmp_path
+        )
     # a damaged cache file is regenerated, not trusted
     monkeypatch.undo()
     next(tmp_path.glob("*.json")).write_text("{not json")
-    redone = cached_continuations(tiny_pipe.runtime, prompts, 12, tiny_pipe.eos_ids, target="tiny", dtype="fp32", cache_dir=tmp_path)
+    redone = cached_continuations(
+        tiny_pipe.runtime, prompts, 12, tiny_pipe.eos_ids, target="tiny", dtype="fp32", cache_dir=tmp_path
+    )
     assert [s.continuation for s in redone] == [s.continuation for s in first]

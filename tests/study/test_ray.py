@@ -33,10 +33,27 @@ def ray_cluster(tmp_path):
         port = s.getsockname()[1]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     with log.open("w") as f:
-        proc = subprocess.Popen([str(ray_bin), "start", "--head", "--block", "--port", str(port), "--num-cpus", "2",
-                                 "--include-dashboard", "false", "--disable-usage-stats",
-                                 "--temp-dir", temp],
-                                stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            [
+                str(ray_bin),
+                "start",
+                "--head",
+                "--block",
+                "--port",
+                str(port),
+                "--num-cpus",
+                "2",
+                "--include-dashboard",
+                "false",
+                "--disable-usage-stats",
+                "--temp-dir",
+                temp,
+            ],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + 300
         address = None
@@ -61,9 +78,19 @@ def test_sweep_on_a_ray_cluster(ray_cluster, tmp_path, tiny_pipe, data_files, sw
     config = small_config()
     datasets, heldout = small_datasets(tiny_pipe, data_files, cache_dir=tmp_path / "cache")
     store = ResultStore(tmp_path / "results.jsonl")
-    store.extend(r for r in read_rows(sweep_results) if r["kind"] == "latency")  # same profile as the inline sweep
-    summary = run_sweep(config, datasets, heldout, store, executor="ray", address=ray_cluster, progress=False,
-                        log=lambda m: None)
+    store.extend(
+        r for r in read_rows(sweep_results) if r["kind"] == "latency"
+    )  # same profile as the inline sweep
+    summary = run_sweep(
+        config,
+        datasets,
+        heldout,
+        store,
+        executor="ray",
+        address=ray_cluster,
+        progress=False,
+        log=lambda m: None,
+    )
     assert summary.computed == 36 + 2 and summary.tasks == 8
     assert not ray.is_initialized()  # the driver disconnected
     ray_rows = {r["key"]: r for r in read_rows(store.path) if r["kind"] in ("config", "quality")}

@@ -11,19 +11,57 @@ from specdraft.errors import SpecdraftError
 from specdraft.study.report import _ranks, pearson, short_name, spearman, write_report
 
 BENCH = {
-    "config": {"target": "tiny", "draft": "lookup", "k": "5", "command": "specdraft bench --target tiny --draft lookup"},
-    "overall": {"prompts": 2, "tokens_per_s": 30.0, "plain_tokens_per_s": 20.0, "speedup": 1.5, "mean_accepted_tokens": 1.8,
-                "acceptance_rate": 0.3, "identical": 2, "tie_divergent": 0, "divergent": 0,
-                "hf_plain_tokens_per_s": 10.0, "hf_assisted_tokens_per_s": 12.0},
-    "categories": {
-        "qa": {"prompts": 1, "tokens_per_s": 25.0, "plain_tokens_per_s": 20.0, "speedup": 1.25, "mean_accepted_tokens": 1.5,
-               "acceptance_rate": 0.2, "identical": 1, "tie_divergent": 0, "divergent": 0,
-               "hf_plain_tokens_per_s": 9.0, "hf_assisted_tokens_per_s": 11.0},
-        "math": {"prompts": 1, "tokens_per_s": 35.0, "plain_tokens_per_s": 20.0, "speedup": 1.75, "mean_accepted_tokens": 2.1,
-                 "acceptance_rate": 0.4, "identical": 1, "tie_divergent": 0, "divergent": 0,
-                 "hf_plain_tokens_per_s": 11.0, "hf_assisted_tokens_per_s": 13.0},
+    "config": {
+        "target": "tiny",
+        "draft": "lookup",
+        "k": "5",
+        "command": "specdraft bench --target tiny --draft lookup",
     },
-    "prompts": [{"id": "1", "category": "qa", "speedup": 1.25}, {"id": "4", "category": "math", "speedup": 1.75}],
+    "overall": {
+        "prompts": 2,
+        "tokens_per_s": 30.0,
+        "plain_tokens_per_s": 20.0,
+        "speedup": 1.5,
+        "mean_accepted_tokens": 1.8,
+        "acceptance_rate": 0.3,
+        "identical": 2,
+        "tie_divergent": 0,
+        "divergent": 0,
+        "hf_plain_tokens_per_s": 10.0,
+        "hf_assisted_tokens_per_s": 12.0,
+    },
+    "categories": {
+        "qa": {
+            "prompts": 1,
+            "tokens_per_s": 25.0,
+            "plain_tokens_per_s": 20.0,
+            "speedup": 1.25,
+            "mean_accepted_tokens": 1.5,
+            "acceptance_rate": 0.2,
+            "identical": 1,
+            "tie_divergent": 0,
+            "divergent": 0,
+            "hf_plain_tokens_per_s": 9.0,
+            "hf_assisted_tokens_per_s": 11.0,
+        },
+        "math": {
+            "prompts": 1,
+            "tokens_per_s": 35.0,
+            "plain_tokens_per_s": 20.0,
+            "speedup": 1.75,
+            "mean_accepted_tokens": 2.1,
+            "acceptance_rate": 0.4,
+            "identical": 1,
+            "tie_divergent": 0,
+            "divergent": 0,
+            "hf_plain_tokens_per_s": 11.0,
+            "hf_assisted_tokens_per_s": 13.0,
+        },
+    },
+    "prompts": [
+        {"id": "1", "category": "qa", "speedup": 1.25},
+        {"id": "4", "category": "math", "speedup": 1.75},
+    ],
     "skipped": [],
 }
 
@@ -38,15 +76,35 @@ def test_study_report(sweep_results, tmp_path):
     path = write_report([sweep_results], tmp_path / "rep")
     text = path.read_text()
     assert path.name == "REPORT.md"
-    for section in ("## Findings", "## Drafts", "## Throughput vs k", "## Speedup vs draft latency",
-                    "## Acceptance vs draft perplexity", "## Draft-step latency breakdown",
-                    "## Predicted vs measured throughput", "## Best configuration per batch size"):
+    for section in (
+        "## Findings",
+        "## Drafts",
+        "## Throughput vs k",
+        "## Speedup vs draft latency",
+        "## Acceptance vs draft perplexity",
+        "## Draft-step latency breakdown",
+        "## Predicted vs measured throughput",
+        "## Best configuration per batch size",
+    ):
         assert section in text, section
     assert "Throughput depends mainly on draft latency: cannot be judged** from 2 draft(s)" in text
-    assert "barely predicts acceptance: " in text and "**The best k**" in text and "median |predicted - measured|" in text
+    assert (
+        "barely predicts acceptance: " in text
+        and "**The best k**" in text
+        and "median |predicted - measured|" in text
+    )
     assert "**Verification cost on this hardware:** a target forward over k + 1 tokens costs " in text
-    _pngs_ok(path.parent, ["throughput_vs_k.png", "speedup_vs_latency.png", "acceptance_vs_perplexity.png",
-                           "draft_latency_breakdown.png", "predicted_vs_measured.png", "best_per_batch.png"])
+    _pngs_ok(
+        path.parent,
+        [
+            "throughput_vs_k.png",
+            "speedup_vs_latency.png",
+            "acceptance_vs_perplexity.png",
+            "draft_latency_breakdown.png",
+            "predicted_vs_measured.png",
+            "best_per_batch.png",
+        ],
+    )
     for png in [line.split("](")[1].rstrip(")") for line in text.splitlines() if line.startswith("![")]:
         assert (path.parent / png).is_file()
 
@@ -61,8 +119,15 @@ def test_findings_follow_the_data(sweep_results, tmp_path):
             r["t_draft_s"] = 0.010 if slow else 0.001
             r["predicted_speedup"] = 0.5 if slow else 2.0
             r["predicted_tokens_per_s"] = r["predicted_plain_tokens_per_s"] * r["predicted_speedup"]
-    rows.append({**next(r for r in rows if r["kind"] == "config"), "draft": "prune:1", "t_draft_s": 0.005,
-                 "predicted_speedup": 1.0, "draft_kind": "model"})
+    rows.append(
+        {
+            **next(r for r in rows if r["kind"] == "config"),
+            "draft": "prune:1",
+            "t_draft_s": 0.005,
+            "predicted_speedup": 1.0,
+            "draft_kind": "model",
+        }
+    )
     fake.write_text("".join(json.dumps(r) + "\n" for r in rows))
     text = write_report([fake], tmp_path / "rep").read_text()
     assert "Throughput depends mainly on draft latency: holds here.** Across 3 drafts" in text
@@ -83,8 +148,19 @@ def test_bench_only_report_for_the_demo(tmp_path):
 def test_profile_json_is_rendered(tmp_path):
     from specdraft.bench.profile import LatencyProfile
 
-    prof = LatencyProfile("t", "prune:0", "fp32", 1, 64, 3, 1, {1: {1: 0.01, 2: 0.012}}, {1: 0.002},
-                          {"attention": 0.0005, "mlp": 0.0005, "lm_head": 0.001}, "test")
+    prof = LatencyProfile(
+        "t",
+        "prune:0",
+        "fp32",
+        1,
+        64,
+        3,
+        1,
+        {1: {1: 0.01, 2: 0.012}},
+        {1: 0.002},
+        {"attention": 0.0005, "mlp": 0.0005, "lm_head": 0.001},
+        "test",
+    )
     prof.save(tmp_path / "profile.json")
     text = write_report([tmp_path / "profile.json"], tmp_path / "rep").read_text()
     assert "## Latency profile: profile.json" in text and "## Draft-step latency breakdown" in text

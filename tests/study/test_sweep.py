@@ -51,11 +51,18 @@ def test_sweep_rows(sweep_results):
     # 2 drafts x 3 k x 2 batches x 3 datasets
     assert len(cfg) == 36 and len({r["key"] for r in rows}) == len(rows)
     assert {(r["draft"], r["k"], r["batch"], r["dataset"]) for r in cfg} == {
-        (d, k, b, ds) for d in ("prune:0", "lookup") for k in (1, 2, 4) for b in (1, 2) for ds in ("qa", "math", "hellaswag")}
+        (d, k, b, ds)
+        for d in ("prune:0", "lookup")
+        for k in (1, 2, 4)
+        for b in (1, 2)
+        for ds in ("qa", "math", "hellaswag")
+    }
     for r in cfg:
         assert 1.0 <= r["mean_accepted_length"] <= r["k"] + 1
         assert r["predicted_tokens_per_s"] > 0 and r["predicted_plain_tokens_per_s"] > 0
-        assert r["predicted_speedup"] == pytest.approx(r["predicted_tokens_per_s"] / r["predicted_plain_tokens_per_s"], rel=1e-3)
+        assert r["predicted_speedup"] == pytest.approx(
+            r["predicted_tokens_per_s"] / r["predicted_plain_tokens_per_s"], rel=1e-3
+        )
         assert r["code_version"] and r["config"]["k"] == r["k"]
     model = [r for r in cfg if r["draft"] == "prune:0"]
     assert all(r["draft_perplexity_dataset"] > 1 for r in model)
@@ -69,7 +76,9 @@ def test_sweep_rows(sweep_results):
     for r in online:  # greedy: the real run reproduces the cached continuations and their acceptance
         assert r["outputs_equal_cached"] == r["prompts"]
         assert r["online_mean_accepted_length"] >= r["offline_mean_accepted_length"]
-        assert r["relative_error"] == pytest.approx(analytic.relative_error(r["predicted_tokens_per_s"], r["measured_tokens_per_s"]), abs=1e-4)
+        assert r["relative_error"] == pytest.approx(
+            analytic.relative_error(r["predicted_tokens_per_s"], r["measured_tokens_per_s"]), abs=1e-4
+        )
 
 
 def test_prediction_replays_the_analytic_step_time():
@@ -77,9 +86,18 @@ def test_prediction_replays_the_analytic_step_time():
     from specdraft.bench.profile import LatencyProfile
 
     def prof(draft):
-        return LatencyProfile("t", draft or "none", "fp32", 1, 100, 1, 0,
-                              {b: {n: 0.010 * b * n + 0.005 for n in range(1, 6)} for b in (1, 2)},
-                              {b: 0.001 * b for b in (1, 2)} if draft else {})
+        return LatencyProfile(
+            "t",
+            draft or "none",
+            "fp32",
+            1,
+            100,
+            1,
+            0,
+            {b: {n: 0.010 * b * n + 0.005 for n in range(1, 6)} for b in (1, 2)},
+            {b: 0.001 * b for b in (1, 2)} if draft else {},
+        )
+
     lat = Latencies(target={100: prof(None)}, drafts={"d": {100: prof("d")}}, draft_kinds={"d": "model"})
     p = OfflineProposals(90, matched=[3, 0, 1, 0, 2, 0], valid=[4] * 6)
     sim = simulate([p], k=2, batch=1)
@@ -95,9 +113,17 @@ def test_prediction_charges_a_draft_that_stops_early_only_the_forwards_it_ran():
     """Gated drafts record per-position draft forwards; a batched step runs the most any row needs."""
     from specdraft.bench.profile import LatencyProfile
 
-    prof = lambda draft: LatencyProfile("t", draft or "none", "fp32", 1, 100, 1, 0,  # noqa: E731
-                                        {b: {n: 0.010 * n for n in range(1, 6)} for b in (1, 2)},
-                                        {b: 0.001 for b in (1, 2)} if draft else {})
+    prof = lambda draft: LatencyProfile(
+        "t",
+        draft or "none",
+        "fp32",
+        1,
+        100,
+        1,
+        0,  # noqa: E731
+        {b: {n: 0.010 * n for n in range(1, 6)} for b in (1, 2)},
+        {b: 0.001 for b in (1, 2)} if draft else {},
+    )
     lat = Latencies(target={100: prof(None)}, drafts={"d": {100: prof("d")}}, draft_kinds={"d": "model"})
     a = OfflineProposals(90, matched=[0, 0, 0, 0], valid=[1, 1, 1, 1], steps=[1, 3, 1, 1])
     b = OfflineProposals(90, matched=[0, 0, 0, 0], valid=[2, 2, 2, 2], steps=[2, 2, 2, 2])
@@ -105,8 +131,12 @@ def test_prediction_charges_a_draft_that_stops_early_only_the_forwards_it_ran():
     assert [s.draft_steps for s in sim.steps] == [2, 3, 2, 2]
     assert [s.draft_steps for s in simulate([a, b], k=2, batch=2).steps] == [2, 2, 2, 2]  # capped at k
     seconds = sweep.predict(sim, lat, "d")[1]
-    assert seconds == pytest.approx(3 * 0.001 + 0.010 * 3 + 2 * (2 * 0.001 + 0.010 * 3))  # first step left out
-    assert simulate([OfflineProposals(90, [0], [1])], k=4, batch=1).steps[0].draft_steps is None  # not recorded: k
+    assert seconds == pytest.approx(
+        3 * 0.001 + 0.010 * 3 + 2 * (2 * 0.001 + 0.010 * 3)
+    )  # first step left out
+    assert (
+        simulate([OfflineProposals(90, [0], [1])], k=4, batch=1).steps[0].draft_steps is None
+    )  # not recorded: k
 
 
 def test_interrupted_sweep_resumes_without_duplicates_or_losses(tmp_path, tiny_pipe, data_files, monkeypatch):
@@ -130,7 +160,9 @@ def test_interrupted_sweep_resumes_without_duplicates_or_losses(tmp_path, tiny_p
     # and a kill in the middle of writing a row
     with path.open("a") as f:
         f.write('{"key": "half-writ')
-    summary = run_sweep(config, datasets, heldout, ResultStore(path), workers=0, progress=False, log=lambda m: None)
+    summary = run_sweep(
+        config, datasets, heldout, ResultStore(path), workers=0, progress=False, log=lambda m: None
+    )
     rows = read_rows(path)
     keys = [r["key"] for r in rows]
     assert len(keys) == len(set(keys))  # no duplicates
@@ -138,17 +170,50 @@ def test_interrupted_sweep_resumes_without_duplicates_or_losses(tmp_path, tiny_p
     assert len(_config_rows(path)) == 3 * 3 * 2 * 3 == summary.configurations
     assert len([r for r in rows if r["kind"] == "quality"]) == 3
     assert summary.computed == len(rows) - len(partial)  # only the missing rows were computed
-    again = run_sweep(config, datasets, heldout, ResultStore(path), workers=0, progress=False, log=lambda m: None)
+    again = run_sweep(
+        config, datasets, heldout, ResultStore(path), workers=0, progress=False, log=lambda m: None
+    )
     assert again.computed == 0 and again.tasks == 0
 
 
 def test_killed_cli_sweep_resumes(tmp_path, data_files):
     """A real SIGKILL of `specdraft study` (local process pool of two workers) in the middle, then a rerun."""
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "specdraft.cli", "study", "--target", "tiny", "--drafts", "prune:0;prune:1;lookup",
-           "--k", "1-8", "--batch", "1,2,4", "--spec-bench", str(data_files[0]), "--hellaswag", str(data_files[1]),
-           "--prompts-per-dataset", "3", "--heldout", "2", "--max-new-tokens", "48", "--contexts", "16,64",
-           "--profile-repeats", "1", "--workers", "2", "--validate", "0", "--no-progress", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "specdraft.cli",
+        "study",
+        "--target",
+        "tiny",
+        "--drafts",
+        "prune:0;prune:1;lookup",
+        "--k",
+        "1-8",
+        "--batch",
+        "1,2,4",
+        "--spec-bench",
+        str(data_files[0]),
+        "--hellaswag",
+        str(data_files[1]),
+        "--prompts-per-dataset",
+        "3",
+        "--heldout",
+        "2",
+        "--max-new-tokens",
+        "48",
+        "--contexts",
+        "16,64",
+        "--profile-repeats",
+        "1",
+        "--workers",
+        "2",
+        "--validate",
+        "0",
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
     env = {**os.environ, "SPECDRAFT_CACHE": str(tmp_path / "cache")}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     results = out / "results.jsonl"
@@ -177,5 +242,12 @@ def test_killed_cli_sweep_resumes(tmp_path, data_files):
 def test_unknown_executor(tmp_path, tiny_pipe, data_files):
     datasets, heldout = small_datasets(tiny_pipe, data_files, names=["qa"], cache_dir=tmp_path / "cache")
     with pytest.raises(SpecdraftError, match="unknown executor"):
-        run_sweep(small_config(drafts=["lookup"]), datasets, None, ResultStore(tmp_path / "r.jsonl"), executor="slurm",
-                  progress=False, log=lambda m: None)
+        run_sweep(
+            small_config(drafts=["lookup"]),
+            datasets,
+            None,
+            ResultStore(tmp_path / "r.jsonl"),
+            executor="slurm",
+            progress=False,
+            log=lambda m: None,
+        )
