@@ -42,7 +42,7 @@ from specdraft.engine import Engine, Request, StepEvent, decode_requests, genera
 from specdraft.errors import SpecdraftError
 from specdraft.kernels import cpu_has_fast_bf16
 from specdraft.models.llama import LLAMA_FAMILY, LlamaWeights
-from specdraft.models.loading import DEFAULT_TARGET, LoadedModel, load_model
+from specdraft.models.loading import DEFAULT_TARGET, LoadedModel, load_model, load_tokenizer
 from specdraft.models.runtime import Runtime, make_runtime
 from specdraft.policy import KPolicy, make_policy
 from specdraft.stats import SpecStats
@@ -111,14 +111,7 @@ class Pipeline:
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
-        ids = set()
-        tok = self.tokenizer
-        if tok.eos_token_id is not None:
-            ids.add(tok.eos_token_id)
-        eos = getattr(self.target.model.generation_config, "eos_token_id", None)
-        if eos is not None:
-            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
-        return tuple(sorted(ids))
+        return self.target.eos_ids()
 
     def encode(self, prompt: str | list[dict], chat: bool | None = None) -> list[int]:
         """Prompt text (or chat messages) to token ids; instruct models get their chat template."""
@@ -279,7 +272,10 @@ def load(
         if runtime not in ("auto", "quant"):
             raise SpecdraftError(f"--dtype q runs the quantized runtime, not {runtime!r}")
         rt = QuantRuntime(gguf_path(target))
-        loaded = load_model(target, torch.float32)  # the tokenizer (and a model for drafters that need one)
+        # the tokenizer only, unless the drafter is built from the target's transformers model
+        # (a designed draft shares its embedding)
+        need_model = registry.DraftSpec.parse(draft).kind == "designed"
+        loaded = load_model(target, torch.float32) if need_model else load_tokenizer(target)
         return Pipeline(loaded, rt, make_drafter(draft, loaded, rt, resolve_dtype(draft_dtype, draft=True)), draft)
     if dtype == "auto" and not cpu_has_fast_bf16():
         # the runtime decides (bf16 weights for the compact one, fp32 for transformers'), so load

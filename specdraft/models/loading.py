@@ -65,20 +65,35 @@ class LoadedModel:
     """A model ready for inference and the tokenizer that goes with it.
 
     Attributes:
-        model: transformers causal LM in eval mode, parameters frozen, in the requested dtype.
+        model: transformers causal LM in eval mode, parameters frozen, in the requested dtype;
+            None when only the tokenizer was loaded (:func:`load_tokenizer`).
         tokenizer: the matching tokenizer.
         name: the alias or path exactly as the caller gave it.
         source: one human-readable line saying where the weights came from.
+        generation_eos: end-of-sequence ids of the generation config, read from its file when
+            there is no model (a model carries them in ``model.generation_config``).
     """
 
-    model: PreTrainedModel
+    model: PreTrainedModel | None
     tokenizer: PreTrainedTokenizerBase
     name: str
     source: str
+    generation_eos: tuple[int, ...] = ()
 
     def is_chat(self) -> bool:
         """Whether the tokenizer carries a chat template (prompts can be chat messages)."""
         return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def eos_ids(self) -> tuple[int, ...]:
+        """The ids that end a generation: the tokenizer's end-of-sequence token and the
+        generation config's."""
+        ids = set(self.generation_eos)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        if eos is not None:
+            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+        return tuple(sorted(ids))
 
 
 # --------------------------------------------------------------------------------------------
@@ -486,3 +501,66 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.bfloat16) -> Loaded
     model.eval()
     model.requires_grad_(False)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name_or_path, source=source)
+
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+
+
+def _tokenizer_intact(cache: Path) -> bool:
+    """Whether a conversion cache entry has its tokenizer and config files as its marker recorded
+    them (size and sha256; the weights, checked by :func:`_cache_damage`, are not read)."""
+    try:
+        files = json.loads((cache / _CACHE_MARKER).read_text())["files"]
+        small = {name: want for name, want in files.items() if not name.endswith(_WEIGHT_SUFFIXES)}
+        if "tokenizer.json" not in small:
+            return False
+        for name, want in small.items():
+            f = cache / name
+            if f.stat().st_size != want["size"]:
+                return False
+            with f.open("rb") as fh:
+                if hashlib.file_digest(fh, "sha256").hexdigest() != want["sha256"]:
+                    return False
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return True
+
+
+def load_tokenizer(name_or_path: str) -> LoadedModel:
+    """A model's tokenizer without the model, for runtimes that read the weights themselves (the
+    quantized GGUF runtime, :mod:`specdraft.models.quant`): no transformers model, no float copy
+    of the weights, and none of transformers' model code imported.
+
+    A GGUF (alias or file) takes the tokenizer from its conversion cache when that entry's
+    tokenizer files are intact; with no such entry the model is loaded (and converted, once) by
+    :func:`load_model`, so later calls find it. A transformers directory gives its own tokenizer.
+
+    Returns:
+        A :class:`LoadedModel` whose ``model`` is None (unless :func:`load_model` had to run).
+
+    Raises:
+        SpecdraftError: as :func:`load_model`.
+    """
+    from transformers import PreTrainedTokenizerFast  # not AutoTokenizer: that imports the model code
+
+    ref = resolve_model_path(name_or_path)
+    if ref.kind == "alias":
+        directory = _cache_dir(ref.package.alias, ref.package.fingerprint_files())
+    elif ref.kind == "gguf":
+        directory = _cache_dir(ref.path.stem, [ref.path])
+    elif ref.kind == "hf_dir":
+        directory = ref.path
+    else:
+        return load_model(name_or_path, torch.float32)
+    if ref.kind != "hf_dir" and not _tokenizer_intact(directory):
+        return load_model(name_or_path, torch.float32)
+    try:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(directory, local_files_only=True)
+        gen = directory / "generation_config.json"
+        eos = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
+    except (OSError, ValueError) as e:
+        why = f"{type(e).__name__}: {_first_line(e)}"
+        raise SpecdraftError(f"cannot load the tokenizer in {directory}: {why}") from None
+    eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+    source = f"tokenizer from {directory}"
+    return LoadedModel(model=None, tokenizer=tokenizer, name=name_or_path, source=source, generation_eos=eos)
