@@ -1,4 +1,4 @@
-"""The designed default draft against plain decoding, the best untrained layer-pruned draft and
+r"""The designed default draft against plain decoding, the best untrained layer-pruned draft and
 transformers' plain ``generate``: Spec-Bench prompts, batch 1, greedy, all in one process.
 
 After an untimed warm-up of every method (which also lets the gated designed draft measure its
@@ -11,7 +11,8 @@ classifies a difference) and ``mismatches`` counts those that differ.
 Acceptance (mean accepted length with the bonus token, acceptance rate) is reported per Spec-Bench
 category.
 
-    .venv/bin/python benchmarks/bench_designed.py --limit 2 --max-new-tokens 64 --json runs/bench_designed.json
+    .venv/bin/python benchmarks/bench_designed.py --limit 2 --max-new-tokens 64 \
+        --json runs/bench_designed.json
 
 Spec-Bench is evaluation-only here; nothing is trained on it.
 """
@@ -29,12 +30,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specdraft import api  # noqa: E402
-from specdraft.bench import harness  # noqa: E402
-from specdraft.bench.hf_baselines import HFBaselines  # noqa: E402
-from specdraft.bench.prompts import fit_context, load_prompts, parse_categories  # noqa: E402
-from specdraft.policy import make_policy  # noqa: E402
-from specdraft.stats import SpecStats  # noqa: E402
+from specdraft import api
+from specdraft.bench import harness
+from specdraft.bench.hf_baselines import HFBaselines
+from specdraft.bench.prompts import fit_context, load_prompts, parse_categories
+from specdraft.policy import make_policy
+from specdraft.stats import SpecStats
 
 
 def main() -> int:
@@ -169,7 +170,8 @@ def main() -> int:
         print(
             f"  {c:<15} "
             + "   ".join(
-                f"{n} {categories[n][c]['mean_accepted_length']:.2f} / {categories[n][c]['acceptance_rate']:.1%}"
+                f"{n} {categories[n][c]['mean_accepted_length']:.2f} / "
+                f"{categories[n][c]['acceptance_rate']:.1%}"
                 for n in categories
             )
         )
@@ -185,7 +187,8 @@ def main() -> int:
             cost, categories["designed"]["all"]["mean_accepted_length"], args.k, ratios
         )
         print(
-            f"per-token acceptance the designed draft would need for 2.0x plain decoding with this cost model: "
+            "per-token acceptance the designed draft would need for 2.0x plain decoding "
+            "with this cost model: "
             + (
                 f"{needed['alpha_for_2x']:.2f} (at k = {needed['k_for_2x']})"
                 if needed["alpha_for_2x"] is not None

@@ -28,15 +28,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specdraft import api  # noqa: E402
-from specdraft.bench.hf_baselines import HFBaselines  # noqa: E402
-from specdraft.bench.profile import profile_latency  # noqa: E402
-from specdraft.bench.prompts import fit_context, load_prompts, parse_categories  # noqa: E402
-from specdraft.bench import harness  # noqa: E402
-from specdraft.bench.harness import runtime_precision  # noqa: E402
-from specdraft.bench.runner import BenchOptions, markdown_table, run_bench  # noqa: E402
-from specdraft.drafters.prompt_lookup import PromptLookupDrafter  # noqa: E402
-from specdraft.registry import DraftSpec  # noqa: E402
+from specdraft import api
+from specdraft.bench import harness
+from specdraft.bench.harness import runtime_precision
+from specdraft.bench.hf_baselines import HFBaselines
+from specdraft.bench.profile import profile_latency
+from specdraft.bench.prompts import fit_context, load_prompts, parse_categories
+from specdraft.bench.runner import BenchOptions, markdown_table, run_bench
+from specdraft.drafters.prompt_lookup import PromptLookupDrafter
+from specdraft.registry import DraftSpec
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -140,8 +140,8 @@ def main(argv=None) -> int:
     draft_precision = api.resolve_dtype(args.draft_dtype, draft=True)
     precision = runtime_precision(pipe.runtime)
     print(
-        f"target {args.target} ({precision}), {torch.get_num_threads()} threads, {len(prompts)} Spec-Bench questions, "
-        f"{args.max_new_tokens} new tokens"
+        f"target {args.target} ({precision}), {torch.get_num_threads()} threads, {len(prompts)} "
+        f"Spec-Bench questions, {args.max_new_tokens} new tokens"
     )
     results: dict = {"command": command, "threads": torch.get_num_threads(), "dtype": precision}
 
@@ -170,15 +170,16 @@ def main(argv=None) -> int:
             drafter = api.make_drafter(draft, pipe.target, pipe.runtime, draft_precision)
             if kinds[draft] == "designed" and isinstance(drafter, PromptLookupDrafter):
                 print(
-                    f"\n(c) {draft}: no designed draft for this target, so it would be prompt lookup again; skipped"
+                    f"\n(c) {draft}: no designed draft for this target, so it would be prompt lookup "
+                    "again; skipped"
                 )
                 continue
             dpipe = api.Pipeline(pipe.target, pipe.runtime, drafter, draft)
             res = run_bench(dpipe, prompts, options, log=lambda msg: None)
             results["c"][draft] = {"overall": res.overall, "categories": res.categories}
             print(
-                f"\n(c) draft {draft} ({res.config['draft_dtype'] or 'no model'}), k {args.k}: speculative vs own plain "
-                f"decoding per Spec-Bench category\n{markdown_table(res)}"
+                f"\n(c) draft {draft} ({res.config['draft_dtype'] or 'no model'}), k {args.k}: "
+                f"speculative vs own plain decoding per Spec-Bench category\n{markdown_table(res)}"
             )
         best = max(results["c"], key=lambda d: results["c"][d]["overall"]["speedup"] or 0)
         cats = results["c"][best]["categories"]

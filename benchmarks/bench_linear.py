@@ -35,9 +35,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specdraft import api, kernels  # noqa: E402
-from specdraft.models import llama  # noqa: E402
-from specdraft.models.llama import LlamaRuntime, LlamaWeights  # noqa: E402
+from specdraft import api, kernels
+from specdraft.models import llama
+from specdraft.models.llama import LlamaRuntime, LlamaWeights
 
 
 def main(argv=None) -> int:
@@ -99,7 +99,8 @@ def main(argv=None) -> int:
         kernels.USE_PACKED = kernels.USE_NATIVE_LAYERS = True
     med = {s: {n: statistics.median(v) * 1e3 for n, v in d.items()} for s, d in times.items()}
     print(
-        f"\n{args.target}, {torch.get_num_threads()} thread(s), context {args.context}, median of {args.rounds} rounds"
+        f"\n{args.target}, {torch.get_num_threads()} thread(s), context {args.context}, median of "
+        f"{args.rounds} rounds"
     )
     print("| strategy | " + " | ".join(f"T{n} ms" for n in sizes) + " | T8/T1 |")
     print("|---|" + "---|" * (len(sizes) + 1))

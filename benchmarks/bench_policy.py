@@ -28,10 +28,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specdraft import api  # noqa: E402
-from specdraft.bench import harness  # noqa: E402
-from specdraft.bench.prompts import fit_context, load_prompts, parse_categories  # noqa: E402
-from specdraft.policy import make_policy  # noqa: E402
+from specdraft import api
+from specdraft.bench import harness
+from specdraft.bench.prompts import fit_context, load_prompts, parse_categories
+from specdraft.policy import make_policy
 
 # name -> policy factory; a name not here goes to make_policy ("auto", "heuristic", "4")
 POLICIES: dict = {}
@@ -91,8 +91,9 @@ def main(argv=None) -> int:
     cats = list(dict.fromkeys(p.category for p in prompts)) + ["overall"]
     rate = {n: {c: totals[n][c].tokens_per_s for c in cats} for n in names}
     print(
-        f"\n{args.target}, draft {args.draft}, {torch.get_num_threads()} threads, {len(ids)} Spec-Bench first turns, "
-        f"{args.max_new_tokens} new tokens; speedup = tokens/s over plain decoding in the same run"
+        f"\n{args.target}, draft {args.draft}, {torch.get_num_threads()} threads, {len(ids)} Spec-Bench "
+        f"first turns, {args.max_new_tokens} new tokens; speedup = tokens/s over plain decoding in the "
+        "same run"
     )
     print("| category | plain tok/s | " + " | ".join(f"k {n}" for n in names[1:]) + " |")
     print("|---|---|" + "---|" * (len(names) - 1))

@@ -250,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
                 r = asyncio.run(run_round(url, model, prompts, args.clients, args.max_tokens, mode))
                 rounds.append(r)
                 print(
-                    f"round {len(rounds)}: {mode:4s} {r.tokens} tokens in {r.wall:.1f} s = {r.tokens_per_s:.1f} tok/s",
+                    f"round {len(rounds)}: {mode:4s} {r.tokens} tokens in {r.wall:.1f} s = "
+                    f"{r.tokens_per_s:.1f} tok/s",
                     flush=True,
                 )
     finally:
@@ -267,22 +268,30 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(len(s.results) for s, _ in pairs)
     print()
     print(
-        f"server: {args.target}, draft {args.draft}, k {args.k}, threads {args.threads}; {args.clients} concurrent clients, "
-        f"{len(prompts)} requests/round, max_tokens {args.max_tokens}, greedy"
+        f"server: {args.target}, draft {args.draft}, k {args.k}, threads {args.threads}; {args.clients} "
+        f"concurrent clients, {len(prompts)} requests/round, max_tokens {args.max_tokens}, greedy"
     )
     print(
-        "(shared, slow CPU: absolute figures drift between runs; the ratio from interleaved rounds is the figure to compare)"
+        "(shared, slow CPU: absolute figures drift between runs; the ratio from interleaved rounds is "
+        "the figure to compare)"
     )
     print(f"{'':18s}{'spec':>12s}{'off':>12s}")
-    for key, label in (("tokens_per_s_median", "tok/s (median)"), ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
-                       ("itl_p50_ms", "ITL p50 ms"), ("itl_p99_ms", "ITL p99 ms"), ("tpot_p50_ms", "TPOT p50 ms")):  # fmt: skip
+    for key, label in (
+        ("tokens_per_s_median", "tok/s (median)"),
+        ("ttft_p50_ms", "TTFT p50 ms"),
+        ("ttft_p99_ms", "TTFT p99 ms"),
+        ("itl_p50_ms", "ITL p50 ms"),
+        ("itl_p99_ms", "ITL p99 ms"),
+        ("tpot_p50_ms", "TPOT p50 ms"),
+    ):
         print(f"{label:18s}{spec[key]:12.1f}{off[key]:12.1f}")
     print(
-        f"spec/off tok/s per pair: {', '.join(f'{x:.3f}' for x in ratios)}; median {statistics.median(ratios):.3f}"
+        f"spec/off tok/s per pair: {', '.join(f'{x:.3f}' for x in ratios)}; median "
+        f"{statistics.median(ratios):.3f}"
     )
     print(
-        f"spec rounds: {spec['drafts']:.0f} row-steps drafted, mean accepted length {spec['mean_accepted_length']:.2f} "
-        f"(bonus included), acceptance {spec['acceptance_rate']:.1%}"
+        f"spec rounds: {spec['drafts']:.0f} row-steps drafted, mean accepted length "
+        f"{spec['mean_accepted_length']:.2f} (bonus included), acceptance {spec['acceptance_rate']:.1%}"
     )
     print(f"identical outputs spec vs off: {same}/{total}")
     print(

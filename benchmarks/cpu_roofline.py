@@ -40,8 +40,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specdraft import api, kernels  # noqa: E402
-from specdraft.bench.profile import median_time, profile_latency  # noqa: E402
+from specdraft import api, kernels
+from specdraft.bench.profile import median_time, profile_latency
 
 _PEAK = [float("nan")]  # the measured FMA peak, GFLOP/s
 
@@ -84,7 +84,9 @@ int main(int argc, char **argv) {
                     s2 = _mm256_add_ps(s2, _mm256_load_ps(buf + i + 16));
                     s3 = _mm256_add_ps(s3, _mm256_load_ps(buf + i + 24));
                 }
-                float f[8]; _mm256_storeu_ps(f, _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3))); sink += f[0];
+                float f[8];
+                _mm256_storeu_ps(f, _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+                sink += f[0];
             }
             double gbs = n * 4.0 / (omp_get_wtime() - t0) / 1e9;
             best = gbs > best ? gbs : best;
@@ -130,8 +132,8 @@ def main(argv=None) -> int:
     t1, t8 = prof.target_time(1) * 1e3, prof.target_time(8) * 1e3
     floor = {n: max(weight_gb / bw, 2 * n * params / 1e9 / peak) * 1e3 for n in (1, 8)}
     print(
-        f"\n{args.target}: {params / 1e6:.1f} M parameters in linear layers ({weight_gb * 1e3:.0f} MB as bf16), "
-        f"{args.threads} thread(s), context {args.context}"
+        f"\n{args.target}: {params / 1e6:.1f} M parameters in linear layers ({weight_gb * 1e3:.0f} MB as "
+        f"bf16), {args.threads} thread(s), context {args.context}"
     )
     print(f"peak fp32 FMA: {peak:.0f} GFLOP/s; memory read: {bw:.1f} GB/s")
     print(
@@ -140,7 +142,8 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|")
     for n, t in ((1, t1), (8, t8)):
         print(
-            f"| {n} | {weight_gb / bw * 1e3:.1f} | {2 * n * params / 1e9 / peak * 1e3:.1f} | {floor[n]:.1f} | {t:.1f} |"
+            f"| {n} | {weight_gb / bw * 1e3:.1f} | {2 * n * params / 1e9 / peak * 1e3:.1f} | "
+            f"{floor[n]:.1f} | {t:.1f} |"
         )
     print(f"T8/T1: floors {floor[8] / floor[1]:.2f}, runtime {t8 / t1:.2f}")
     if kernels.available() and w.dtype == torch.bfloat16:
@@ -201,19 +204,22 @@ def kernel_bound(pipe, params: int, stream_floor_ms: float, args) -> None:
     other = {n: med[f"fwd{n}"] - med[f"lin{n}"] for n in (1, 8)}
     o = other[1]
     print(
-        f"\npacked kernel, 8 rows, weight in cache: {rate:.0f} GFLOP/s ({rate / _PEAK[0] * 100:.0f}% of the FMA peak)"
+        f"\npacked kernel, 8 rows, weight in cache: {rate:.0f} GFLOP/s ({rate / _PEAK[0] * 100:.0f}% of "
+        "the FMA peak)"
     )
     print("| rows | linears alone ms | forward ms | other work ms (forward - linears) |")
     print("|---|---|---|---|")
     for n in (1, 8):
         print(f"| {n} | {med[f'lin{n}']:.1f} | {med[f'fwd{n}']:.1f} | {other[n]:.1f} |")
     print(
-        f"8-row linears at the in-cache rate, stream hidden: L8 = {l8:.1f} ms; 1-row stream floor L1 = {stream_floor_ms:.1f} ms"
+        f"8-row linears at the in-cache rate, stream hidden: L8 = {l8:.1f} ms; 1-row stream floor L1 = "
+        f"{stream_floor_ms:.1f} ms"
     )
     need = (l8 - 1.2 * stream_floor_ms) / 0.2
     print(
-        f"bound T8/T1 >= (L8 + O) / (L1 + O) = {(l8 + o) / (stream_floor_ms + o):.2f} with this runtime's O = {o:.1f} ms "
-        f"(1-token forward minus its linears); it reaches 1.2 only for O >= {need:.1f} ms"
+        f"bound T8/T1 >= (L8 + O) / (L1 + O) = {(l8 + o) / (stream_floor_ms + o):.2f} with this "
+        f"runtime's O = {o:.1f} ms (1-token forward minus its linears); it reaches 1.2 only for O >= "
+        f"{need:.1f} ms"
     )
 
 

@@ -50,7 +50,8 @@ DTYPES: dict[str, DType] = {
     "auto": DType(
         None,
         {
-            "target": "bf16 (without native bf16: bf16 weights with fp32 arithmetic through the native kernels; "
+            "target": "bf16 (without native bf16: bf16 weights with fp32 arithmetic through the native "
+            "kernels; "
             "fp32 without them or with --runtime hf)",
             "draft": "bf16 where native or run by the native kernels, else int8",
             "study-target": "bf16 where native or run by the few-row kernel, else fp32",

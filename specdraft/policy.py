@@ -174,7 +174,8 @@ class CostAwareK:
             or not 1 <= probe_every <= probe_max
         ):
             raise SpecdraftError(
-                "CostAwareK: need 1 <= k_start, probe_k <= k_max, 0 < decay < 1, 1 <= probe_every <= probe_max"
+                "CostAwareK: need 1 <= k_start, probe_k <= k_max, 0 < decay < 1, 1 <= probe_every <= "
+                "probe_max"
             )
         self.k_max, self.k_start, self.decay = k_max, k_start, decay
         self.probe_every, self.probe_k, self.probe_max = probe_every, probe_k, probe_max

@@ -101,7 +101,7 @@ class DraftSpec:
         text = (text or "default").strip()
         if text == "default":
             text = DEFAULT_DRAFT
-        kind, sep, arg = text.partition(":")
+        kind, _, arg = text.partition(":")
         if kind not in DRAFTERS or kind == "model":
             return cls("model", text)
         return cls(kind, DRAFTERS[kind].check(kind, arg))

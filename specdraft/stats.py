@@ -77,7 +77,7 @@ class SpecStats:
                 self.drafted_per_position[i] += int(drafted[i])
                 self.accepted_per_position[i] += int(accepted[i])
 
-    def merge(self, other: "SpecStats") -> None:
+    def merge(self, other: SpecStats) -> None:
         """Add another run's counters (e.g. per-prompt stats into a benchmark total)."""
         for name in ("steps", "target_forwards", "drafted", "accepted", "generated"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -136,11 +136,19 @@ class SpecStats:
     def summary(self) -> str:
         """A few human-readable lines for the CLI."""
         lines = [
-            f"generated {self.generated} tokens in {self.total_time:.2f} s: {self.tokens_per_s:.1f} tok/s "
-            f"(decode {self.decode_tokens_per_s:.1f} tok/s)",
-            f"target forwards {self.target_forwards}, mean accepted length {self.mean_accepted_length:.2f} "
-            f"(bonus token included), acceptance {self.acceptance_rate:.1%} ({self.accepted}/{self.drafted})",
-            f"time: draft {self.draft_time:.2f} s, target {self.target_time:.2f} s, prefill {self.prefill_time:.2f} s",
+            (
+                f"generated {self.generated} tokens in {self.total_time:.2f} s: {self.tokens_per_s:.1f} "
+                f"tok/s (decode {self.decode_tokens_per_s:.1f} tok/s)"
+            ),
+            (
+                f"target forwards {self.target_forwards}, mean accepted length "
+                f"{self.mean_accepted_length:.2f} (bonus token included), acceptance "
+                f"{self.acceptance_rate:.1%} ({self.accepted}/{self.drafted})"
+            ),
+            (
+                f"time: draft {self.draft_time:.2f} s, target {self.target_time:.2f} s, prefill "
+                f"{self.prefill_time:.2f} s"
+            ),
         ]
         if self.drafted_per_position:
             curve = " ".join(f"{x:.2f}" for x in self.per_position_acceptance())

@@ -26,7 +26,9 @@ def test_alpha_edges():
 
 
 def test_throughput_speedup_best_k():
-    t_target = lambda n: 0.03 + 0.002 * (n - 1)
+    def t_target(n):
+        return 0.03 + 0.002 * (n - 1)
+
     assert analytic.step_time(3, 0.005, t_target) == pytest.approx(3 * 0.005 + 0.036)
     assert analytic.speedup(0.8, 0, 0.005, t_target) == pytest.approx(1.0)
     tp = analytic.throughput(0.8, 4, 0.005, t_target)
@@ -40,7 +42,9 @@ def test_throughput_speedup_best_k():
 
 
 def test_alpha_needed_is_the_least_acceptance_that_reaches_the_speedup():
-    t_target = lambda n: 1.0 + 0.05 * (n - 1)  # relative to a 1-token step
+    def t_target(n):  # relative to a 1-token step
+        return 1.0 + 0.05 * (n - 1)
+
     alpha, k = analytic.alpha_needed(2.0, 0.13, t_target, k_max=8)
     assert analytic.speedup(alpha, k, 0.13, t_target) >= 2.0 - 1e-6
     below = alpha - 1e-3

@@ -165,7 +165,7 @@ def test_max_new_tokens_is_exact_even_when_a_step_accepts_more(tiny, reference, 
     engine = Engine(tiny.target, make_drafter(tiny, "self"), FixedK(8))  # 9 tokens per step
     reqs = [Request(p, max_new) for p in PROMPTS]
     events = list(generate(engine, reqs))
-    assert [sum((e.tokens for e in events if e.request_id == r.id), []) for r in reqs] == [
+    assert [[x for e in events if e.request_id == r.id for x in e.tokens] for r in reqs] == [
         ref[:max_new] for ref in reference
     ]
     finals = [e for e in events if e.finished]

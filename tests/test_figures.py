@@ -30,7 +30,9 @@ NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE]-?\d+)?")
 @cache
 def committed() -> tuple[str, ...]:
     """The tracked files under the result folders (every file there when this is no git checkout)."""
-    out = subprocess.run(["git", "ls-files", *RESULT_DIRS], cwd=REPO, capture_output=True, text=True)
+    out = subprocess.run(
+        ["git", "ls-files", *RESULT_DIRS], cwd=REPO, capture_output=True, text=True, check=False
+    )
     if out.returncode == 0:
         return tuple(out.stdout.split())
     return tuple(str(p.relative_to(REPO)) for d in RESULT_DIRS for p in (REPO / d).rglob("*") if p.is_file())

@@ -1,5 +1,7 @@
 """Draft-length policies: fixed, transformers' heuristic, and the cost-aware choice including k = 0."""
 
+from itertools import pairwise
+
 import pytest
 import torch
 
@@ -53,7 +55,9 @@ def feed(policy: CostAwareK, alpha: float, t_draft: float, t_target, steps: int 
 
 
 def test_cost_aware_speculates_when_it_pays_and_not_when_it_does_not():
-    flat = lambda n: 0.030 + 0.001 * n  # a forward over n tokens costs barely more than over one
+    def flat(n):  # a forward over n tokens costs barely more than over one
+        return 0.030 + 0.001 * n
+
     p = CostAwareK(k_max=8)
     good = feed(p, alpha=0.8, t_draft=0.002, t_target=flat)
     assert good >= 3
@@ -69,7 +73,10 @@ def test_per_position_curve_beats_one_alpha_on_bursty_acceptance():
     """Acceptance that is all or nothing (a draft either continues a repeated passage or is
     wrong from its first token) has per-position rates 0.5, 1, 1, ...: one geometric alpha would
     say ~0.6 and stop early; the curve drafts long."""
-    flat = lambda n: 0.030 + 0.0005 * n
+
+    def flat(n):
+        return 0.030 + 0.0005 * n
+
     p = CostAwareK(k_max=8)
     g = torch.Generator().manual_seed(1)
     for _ in range(300):
@@ -83,7 +90,10 @@ def test_per_position_curve_beats_one_alpha_on_bursty_acceptance():
 def test_classes_get_their_own_curves_and_rows_are_trimmed_to_them():
     """Two kinds of proposal in one stream (prompt lookup's long and short matches): the good
     class is verified in full, the bad one cut to what pays."""
-    step_t = lambda n: 0.030 + 0.004 * n
+
+    def step_t(n):
+        return 0.030 + 0.004 * n
+
     p = CostAwareK(k_max=8)
     g = torch.Generator().manual_seed(2)
     alphas = {3: 0.9, 1: 0.05}
@@ -103,7 +113,9 @@ def test_classes_get_their_own_curves_and_rows_are_trimmed_to_them():
 
 
 def test_cost_aware_probes_while_at_zero():
-    flat = lambda n: 0.03
+    def flat(n):
+        return 0.03
+
     p = CostAwareK(k_max=8, probe_every=4, probe_k=2, probe_max=4)  # no back-off
     feed(p, alpha=0.1, t_draft=0.03, t_target=flat)
     ks = []
@@ -115,7 +127,9 @@ def test_cost_aware_probes_while_at_zero():
 
 
 def test_failed_probes_back_off_and_a_paying_probe_resets():
-    flat = lambda n: 0.03
+    def flat(n):
+        return 0.03
+
     p = CostAwareK(k_max=8, probe_every=4, probe_k=2, probe_max=16)
     feed(p, alpha=0.1, t_draft=0.03, t_target=flat)
     probes = []
@@ -124,7 +138,7 @@ def test_failed_probes_back_off_and_a_paying_probe_resets():
         if k:
             probes.append(step)
         p.update(k, t(k), t(0), k * 0.03, 0.03)
-    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    gaps = [b - a for a, b in pairwise(probes)]
     assert gaps == sorted(gaps) and gaps[-2:] == [16, 16] and p.probe_interval == 16, gaps
     # a probe after which speculation pays (a fast, well-accepted draft) resets the interval
     while p.choose() == 0:

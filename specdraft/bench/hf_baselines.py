@@ -77,13 +77,19 @@ def _designed_assistant(spec: DraftSpec, pipe: Pipeline):
     if path is None:
         return (
             None,
-            f"{spec}: no designed draft for this target (prompt lookup is used; transformers' prompt lookup is the matching baseline)",
+            (
+                f"{spec}: no designed draft for this target (prompt lookup is used; transformers' prompt "
+                "lookup is the matching baseline)"
+            ),
         )
     meta = read_meta(path)
     if meta.kind != "layers":
         return (
             None,
-            f"{spec} is a {meta.kind}-conditioned draft: transformers' assisted generation cannot feed it the target's hidden state",
+            (
+                f"{spec} is a {meta.kind}-conditioned draft: transformers' assisted generation cannot feed "
+                "it the target's hidden state"
+            ),
         )
     dtype = next(pipe.target.model.parameters()).dtype
     model, _, _ = load_draft(path, pipe.target.model, dtype)
@@ -117,12 +123,12 @@ class HFBaselines:
 
     def _generate(self, ids: list[int], max_new_tokens: int, params: SamplingParams, **extra) -> list[int]:
         input_ids = torch.tensor([ids])
-        kwargs = dict(
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=max_new_tokens,
-            eos_token_id=list(self.eos_ids) or None,
-            pad_token_id=self.eos_ids[0] if self.eos_ids else None,
-        )
+        kwargs = {
+            "attention_mask": torch.ones_like(input_ids),
+            "max_new_tokens": max_new_tokens,
+            "eos_token_id": list(self.eos_ids) or None,
+            "pad_token_id": self.eos_ids[0] if self.eos_ids else None,
+        }
         if params.greedy:
             kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
         else:
@@ -178,7 +184,10 @@ def build_hf_baselines(pipe: Pipeline, k: int | None) -> HFBaselines:
         layers = spec.layers
         assistant = pruned_hf_model(model, layers)
         dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-        note = f"a LlamaForCausalLM with the target's layers {layers} (num_hidden_layers={len(layers)}), weights copied, {dtype}"
+        note = (
+            f"a LlamaForCausalLM with the target's layers {layers} (num_hidden_layers={len(layers)}), "
+            f"weights copied, {dtype}"
+        )
     else:
         dtype = next(model.parameters()).dtype
         assistant, note = load_model(spec.arg, dtype).model, f"draft model {spec}"

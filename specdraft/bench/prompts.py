@@ -157,7 +157,8 @@ def select(
         unknown = [c for c in categories if c not in present]
         if unknown:
             raise SpecdraftError(
-                f"unknown categor{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}: the file has {', '.join(present)}"
+                f"unknown categor{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}: the file "
+                f"has {', '.join(present)}"
             )
         prompts = [p for p in prompts if p.category in categories]
     if limit is not None:

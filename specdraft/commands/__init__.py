@@ -72,7 +72,8 @@ def add_model_arguments(p: argparse.ArgumentParser, draft: bool = True) -> None:
             "--k",
             type=k_spec,
             default="auto",
-            help="draft length: 'auto' (cost-aware, the default: measures latency and acceptance and picks k, 0 included), an integer >= 0 or 'heuristic'",
+            help="draft length: 'auto' (cost-aware, the default: measures latency and acceptance and "
+            "picks k, 0 included), an integer >= 0 or 'heuristic'",
         )
     p.add_argument(
         "--dtype", default="auto", choices=dtypes.choices("target"), help=dtypes.help_text("target")

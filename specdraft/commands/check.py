@@ -91,7 +91,10 @@ def run(args: argparse.Namespace) -> int:
         [spec] = decode_requests(engine, [Request(ids, args.max_new_tokens, eos_ids=pipe.eos_ids)])
         verdict = lossless.classify(spec, plain, margins, tol)
         counts[verdict] += 1
-        line = f"[{i}] {verdict:<13} {len(spec):>4} tokens, mean accepted length {engine.stats.mean_accepted_length:.2f}"
+        line = (
+            f"[{i}] {verdict:<13} {len(spec):>4} tokens, mean accepted length "
+            f"{engine.stats.mean_accepted_length:.2f}"
+        )
         at = lossless.first_difference(spec, plain)
         if at is not None:
             margin = f"{margins[at]:.4g}" if at < len(margins) else "n/a (one run stopped)"
@@ -101,7 +104,10 @@ def run(args: argparse.Namespace) -> int:
             d = lossless.logit_drift(pipe.runtime, ids, plain, max(k, 1))
             drift_abs = max(d.max_abs, drift_abs or 0.0)
             drift_shift = max(d.max_margin_shift, drift_shift or 0.0)
-            line += f"; drift(k={d.k}) max |dlogit| {d.max_abs:.4g}, max margin shift {d.max_margin_shift:.4g}, argmax flips {d.argmax_flips}"
+            line += (
+                f"; drift(k={d.k}) max |dlogit| {d.max_abs:.4g}, max margin shift "
+                f"{d.max_margin_shift:.4g}, argmax flips {d.argmax_flips}"
+            )
         print(line + f"  | {prompt[:50]!r}", flush=True)
 
     summary = ", ".join(f"{n} {c}" for c, n in counts.items())

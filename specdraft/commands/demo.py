@@ -2,12 +2,13 @@
 
 On the embedded default model and the default draft: one question per Spec-Bench category (13
 categories; the 8 MT-bench ones have two turns), short answers, long prompts truncated, plain and
-speculative decoding interleaved (``--baselines`` adds the transformers baselines); then a latency profile of the
-target and the draft, and the report. ``--time-budget`` (270 s) bounds the whole demo: the bench
-starts no new question once the profile and the report (about 45 s kept for them) would not fit, so
-a busy machine gives a shorter bench rather than a late demo; the questions left out are listed in
-``bench.json`` under ``skipped``. Without ``--threads`` the demo uses every core when the machine
-is idle and one thread when it is busy (:func:`demo_threads`). Everything goes to ``runs/demo/`` (git-ignored):
+speculative decoding interleaved (``--baselines`` adds the transformers baselines); then a latency
+profile of the target and the draft, and the report. ``--time-budget`` (270 s) bounds the whole
+demo: the bench starts no new question once the profile and the report (about 45 s kept for them)
+would not fit, so a busy machine gives a shorter bench rather than a late demo; the questions left
+out are listed in ``bench.json`` under ``skipped``. Without ``--threads`` the demo uses every core
+when the machine is idle and one thread when it is busy (:func:`demo_threads`). Everything goes to
+``runs/demo/`` (git-ignored):
 
 - ``bench.json`` / ``bench.md``: the ``specdraft bench`` results and table;
 - ``profile.json``: T_target(1, n) and T_draft(1) and the draft-step breakdown;
@@ -53,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--time-budget",
         type=float,
         default=270.0,
-        help="seconds for the whole demo: the bench starts no new question once the profile and report would not fit",
+        help="seconds for the whole demo: the bench starts no new question once the profile and report "
+        "would not fit",
     )
 
 
@@ -78,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
         draft_dtype=args.draft_dtype,
     )
     print(
-        f"target {pipe.target.name} ({pipe.target.source}); draft {pipe.draft_spec}; k {args.k}; {pipe.runtime}; "
+        f"target {pipe.target.name} ({pipe.target.source}); draft {pipe.draft_spec}; k {args.k}; "
+        f"{pipe.runtime}; "
         f"{args.threads} thread(s)",
         file=sys.stderr,
     )
@@ -96,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
     result = run_bench(pipe, prompts, options, log=notes.append)
     if result.skipped:
         print(
-            f"note: {len(result.skipped)} of {len(prompts)} questions not run ({notes[-1] if notes else 'skipped'})",
+            f"note: {len(result.skipped)} of {len(prompts)} questions not run "
+            f"({notes[-1] if notes else 'skipped'})",
             file=sys.stderr,
         )
     result.config["command"] = _command(args)

@@ -35,7 +35,8 @@ def _data_args(p: argparse.ArgumentParser, prompts: int) -> None:
     p.add_argument(
         "--sources",
         default="gsm8k,hellaswag",
-        help="prompt sources, round-robin: gsm8k, hellaswag, self (requests the target writes itself, Magpie-style)",
+        help="prompt sources, round-robin: gsm8k, hellaswag, self (requests the target writes itself, "
+        "Magpie-style)",
     )
     p.add_argument("--gen-dtype", choices=dtypes.choices("gen"), default="same", help=dtypes.help_text("gen"))
     p.add_argument(
@@ -137,7 +138,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _pipe(args):
     from specdraft import api
-
     from specdraft.models.llama import LlamaRuntime
 
     # auto: what transformers' modules (the training path) compute in: fp32 unless bf16 is native
@@ -152,14 +152,14 @@ def _data_kw(args) -> dict:
     """target_data keywords shared by every design action."""
     from specdraft.design.data import parse_sources
 
-    return dict(
-        max_new_tokens=args.max_new_tokens,
-        batch_size=args.gen_batch,
-        sources=parse_sources(args.sources),
-        gen_dtype=dtypes.torch_dtype(args.gen_dtype),
-        hidden=True,
-        progress=not args.quiet,
-    )
+    return {
+        "max_new_tokens": args.max_new_tokens,
+        "batch_size": args.gen_batch,
+        "sources": parse_sources(args.sources),
+        "gen_dtype": dtypes.torch_dtype(args.gen_dtype),
+        "hidden": True,
+        "progress": not args.quiet,
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -198,7 +198,8 @@ def _search(args) -> int:
     print(f"{'layers':<22} {'alpha':>6} {'T_draft ms':>10} {'k':>2} {'pred tok/s':>10} {'speedup':>7}")
     for c in cands[:10]:
         print(
-            f"{','.join(map(str, c.layers)):<22} {c.alpha:6.3f} {c.t_draft * 1e3:10.2f} {c.k:2d} {c.tokens_per_s:10.1f} {c.speedup:7.2f}"
+            f"{','.join(map(str, c.layers)):<22} {c.alpha:6.3f} {c.t_draft * 1e3:10.2f} {c.k:2d} "
+            f"{c.tokens_per_s:10.1f} {c.speedup:7.2f}"
         )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -251,12 +252,11 @@ def _build(args) -> int:
 
 
 def _export(args) -> int:
-    from specdraft.design.artifact import load_draft, read_meta, save_draft
-    from specdraft.design.artifact import resolve_draft_dir
+    from specdraft.design.artifact import load_draft, read_meta, resolve_draft_dir, save_draft
 
     src = resolve_draft_dir(args.draft)
     pipe = _pipe(args)
-    draft, meta, extra = load_draft(src, pipe.target.model)
+    draft, meta, _ = load_draft(src, pipe.target.model)
     if meta.kind != "layers":
         raise SpecdraftError(
             f"{src} is a {meta.kind} draft: it exports only in its own format (copy the directory)"
@@ -293,8 +293,9 @@ def _compare(args) -> int:
     )
     for r in rows:
         print(
-            f"{r['name']:<28} params {r['params'] / 1e6:5.2f} M  T_draft {r['t_draft_ms']:6.2f} ms  alpha {r['alpha']:.3f}  "
-            f"predicted {r['predicted_tokens_per_s']:6.1f} tok/s ({r['predicted_speedup']:.2f}x, k={r['k']})"
+            f"{r['name']:<28} params {r['params'] / 1e6:5.2f} M  T_draft {r['t_draft_ms']:6.2f} ms  "
+            f"alpha {r['alpha']:.3f}  predicted {r['predicted_tokens_per_s']:6.1f} tok/s "
+            f"({r['predicted_speedup']:.2f}x, k={r['k']})"
         )
     print(f"wrote {args.json}")
     return 0

@@ -80,7 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--contexts",
         type=_ints,
         default=None,
-        help="context lengths at which latencies are profiled (default: 32 and max-prompt-tokens + max-new-tokens)",
+        help="context lengths at which latencies are profiled (default: 32 and max-prompt-tokens + "
+        "max-new-tokens)",
     )
     p.add_argument("--profile-repeats", type=int, default=5)
     p.add_argument(
@@ -122,7 +123,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--validate-reprofile",
         action="store_true",
-        help="re-measure latencies right before and after each validation run as well (separates drift from model error)",
+        help="re-measure latencies right before and after each validation run as well (separates drift "
+        "from model error)",
     )
     p.add_argument("--out", default="runs/study", help="output directory (results.jsonl goes there)")
     p.add_argument("--no-progress", action="store_true")
@@ -150,7 +152,7 @@ def reproducing_command(args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> int:
     from specdraft import api
     from specdraft.study import datasets as ds
-    from specdraft.study.store import ResultStore, row_key
+    from specdraft.study.store import ResultStore, code_version, row_key
     from specdraft.study.sweep import (
         StudyConfig,
         build_drafter,
@@ -159,7 +161,6 @@ def run(args: argparse.Namespace) -> int:
         load_target,
         run_sweep,
     )
-    from specdraft.study.store import code_version
     from specdraft.study.validate import summarize, validate
 
     def log(msg: str) -> None:
@@ -223,8 +224,8 @@ def run(args: argparse.Namespace) -> int:
     store = ResultStore(out / "results.jsonl")
     n_cfg = len(drafts) * len(config.ks) * len(config.batches) * len(datasets)
     log(
-        f"study: {len(drafts)} drafts x {len(config.ks)} k x {len(config.batches)} batch sizes x {len(datasets)} datasets "
-        f"= {n_cfg} configurations; code {version}; results {store.path}"
+        f"study: {len(drafts)} drafts x {len(config.ks)} k x {len(config.batches)} batch sizes x "
+        f"{len(datasets)} datasets = {n_cfg} configurations; code {version}; results {store.path}"
     )
     command = reproducing_command(args)
     store.append(
@@ -249,8 +250,8 @@ def run(args: argparse.Namespace) -> int:
         version=version,
     )
     log(
-        f"sweep: {summary.configurations} configurations, {summary.computed} rows computed in {summary.seconds:.0f} s "
-        f"({summary.tasks} offline passes)"
+        f"sweep: {summary.configurations} configurations, {summary.computed} rows computed in "
+        f"{summary.seconds:.0f} s ({summary.tasks} offline passes)"
     )
     online = []
     if args.validate > 0:
@@ -269,13 +270,19 @@ def run(args: argparse.Namespace) -> int:
     s = summarize(online)
     total = time.perf_counter() - t0
     print(
-        f"configurations: {summary.configurations} (computed now: {summary.computed}); sweep {summary.seconds:.0f} s; "
-        f"total {total:.0f} s"
+        f"configurations: {summary.configurations} (computed now: {summary.computed}); sweep "
+        f"{summary.seconds:.0f} s; total {total:.0f} s"
     )
     if online:
-        line = f"online validation: {s['validated']} configurations, median |predicted - measured| / measured = {s['median_relative_error']:.1%}"
+        line = (
+            f"online validation: {s['validated']} configurations, median |predicted - measured| / "
+            f"measured = {s['median_relative_error']:.1%}"
+        )
         if "median_reprofiled_relative_error" in s:
-            line += f" (with latencies re-measured right before and after each run: {s['median_reprofiled_relative_error']:.1%})"
+            line += (
+                " (with latencies re-measured right before and after each run: "
+                f"{s['median_reprofiled_relative_error']:.1%})"
+            )
         print(line)
     print(f"results: {store.path}\nnext: specdraft report {store.path} --out {out}")
     return 0

@@ -10,8 +10,9 @@ A directory holds::
 The *compact* form (what ``drafts/`` commits) leaves out ``model.embed_tokens.weight`` (and
 ``lm_head.weight``): the draft shares the target's embedding and LM head (they stay frozen in
 training), so loading restores them from the target and checks first that the target is the one
-the draft was designed for (vocabulary, hidden size and an embedding fingerprint). The *full* form (``--full``) also writes
-the embedding: plain ``transformers.AutoModelForCausalLM.from_pretrained(dir)`` loads it, and it
+the draft was designed for (vocabulary, hidden size and an embedding fingerprint). The *full* form
+(``--full``) also writes the embedding: plain ``transformers.AutoModelForCausalLM.from_pretrained(dir)``
+loads it, and it
 works as ``assistant_model`` in transformers or as a draft model in other engines. Other engines
 use the full head; the head subset in ``specdraft.json`` is a specdraft inference option.
 

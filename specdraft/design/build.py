@@ -11,7 +11,7 @@ import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -47,7 +47,8 @@ class BuildConfig:
         max_new_tokens: answer length cap when generating data.
         gen_batch: rows decoded together when generating data.
         sources: prompt sources (:func:`~specdraft.design.data.training_prompts`).
-        gen_dtype: ``same`` (the pipeline's runtime), ``bf16`` or ``fp32``: the target's weights when answering.
+        gen_dtype: ``same`` (the pipeline's runtime), ``bf16`` or ``fp32``: the target's weights when
+            answering.
         train: offline distillation settings (``steps = 0``: no training, an untrained pruned draft).
         on_policy: on-policy settings (``rounds = 0``: none).
         dtype: storage dtype of the saved draft (``fp32`` or ``bf16``).
@@ -151,19 +152,20 @@ def build_draft(
     work = Path(work) if work else out.with_name(out.name + ".work")
     times = {}
     t = time.perf_counter()
-    kw = dict(
-        max_new_tokens=cfg.max_new_tokens,
-        batch_size=cfg.gen_batch,
-        hidden=True,
-        progress=progress,
-        sources=cfg.sources,
-        gen_dtype=dtypes.torch_dtype(cfg.gen_dtype),
-    )
+    kw = {
+        "max_new_tokens": cfg.max_new_tokens,
+        "batch_size": cfg.gen_batch,
+        "hidden": True,
+        "progress": progress,
+        "sources": cfg.sources,
+        "gen_dtype": dtypes.torch_dtype(cfg.gen_dtype),
+    }
     data = target_data(pipe, n_prompts=cfg.prompts, **kw)
     val = target_data(pipe, n_prompts=cfg.val_prompts, split="val", **kw)
     times["data_s"] = round(time.perf_counter() - t, 1)
     log(
-        f"data: {len(data)} answers, {data.num_response_tokens} tokens (validation {len(val)}, {val.num_response_tokens}) in {times['data_s']:.0f} s"
+        f"data: {len(data)} answers, {data.num_response_tokens} tokens (validation {len(val)}, "
+        f"{val.num_response_tokens}) in {times['data_s']:.0f} s"
     )
 
     V = pipe.runtime.vocab_size
@@ -226,7 +228,7 @@ def build_draft(
             "transformers": transformers.__version__,
             "python": platform.python_version(),
         },
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         **result,
     }
     width = (
@@ -268,14 +270,18 @@ def recipe_markdown(name: str, meta: DraftMeta) -> str:
     lines = [
         f"# {name}",
         "",
-        f"A designed draft for `{meta.target}`: {len(meta.init_layers)} layer(s) initialised from target layer(s) "
-        f"{meta.init_layers}, {r.get('params', 0) / 1e6:.2f} M own parameters, "
+        f"A designed draft for `{meta.target}`: {len(meta.init_layers)} layer(s) initialised from target "
+        f"layer(s) {meta.init_layers}, {r.get('params', 0) / 1e6:.2f} M own parameters, "
         + (
-            f"head over the {len(meta.head_tokens)} most frequent answer tokens ({meta.head_coverage:.1%} coverage)."
+            f"head over the {len(meta.head_tokens)} most frequent answer tokens "
+            f"({meta.head_coverage:.1%} coverage)."
             if meta.head_tokens
             else "full-vocabulary head."
         ),
-        "The embedding and (tied) LM head are the target's and are not stored here; loading restores them from the target.",
+        (
+            "The embedding and (tied) LM head are the target's and are not stored here; loading restores "
+            "them from the target."
+        ),
         "",
         "## Reproduce",
         "",
@@ -284,23 +290,39 @@ def recipe_markdown(name: str, meta: DraftMeta) -> str:
         "```",
         "",
         f"- seed: {r.get('seed')}; torch threads: {r.get('threads')}",
-        f"- data: the target's own greedy answers to training prompts from {', '.join(r.get('data', {}).get('sources', []))} "
-        f"({r.get('data', {}).get('train_prompts')} prompts, {r.get('data', {}).get('train_tokens')} answer tokens; "
-        f"validation: {r.get('data', {}).get('val_prompts')} held-out prompts). Spec-Bench is never used.",
+        (
+            "- data: the target's own greedy answers to training prompts from "
+            f"{', '.join(r.get('data', {}).get('sources', []))} "
+            f"({r.get('data', {}).get('train_prompts')} prompts, {r.get('data', {}).get('train_tokens')} "
+            f"answer tokens; validation: {r.get('data', {}).get('val_prompts')} held-out prompts). "
+            "Spec-Bench is never used."
+        ),
         f"- time: {r.get('time_s')} (seconds; data generation is cached, so a rerun spends it once)",
-        f"- validation acceptance (teacher-forced, greedy): untrained {val.get('untrained', {}).get('alpha', float('nan')):.3f}, "
-        f"trained {val.get('trained', {}).get('alpha', float('nan')):.3f}",
+        (
+            "- validation acceptance (teacher-forced, greedy): untrained "
+            f"{val.get('untrained', {}).get('alpha', float('nan')):.3f}, trained "
+            f"{val.get('trained', {}).get('alpha', float('nan')):.3f}"
+        ),
         f"- made {r.get('date')} with {r.get('versions')}",
         "",
-        "Re-running the command with the cached data repeats the training run exactly (seeded data order; same thread count",
-        "and kind of CPU; `tests/commands/test_design.py` checks it). From an empty cache the data is generated again: the",
+        (
+            "Re-running the command with the cached data repeats the training run exactly (seeded data "
+            "order; same thread count"
+        ),
+        (
+            "and kind of CPU; `tests/commands/test_design.py` checks it). From an empty cache the data is "
+            "generated again: the"
+        ),
         "same greedy answers, up to rare near-ties where another batch composition rounds differently.",
         "",
         "## Use",
         "",
         "```",
         f"specdraft generate 'Hello' --draft designed:{name}",
-        f"specdraft design export drafts/{name} --out /tmp/{name}-hf   # self-contained transformers directory",
+        (
+            f"specdraft design export drafts/{name} --out /tmp/{name}-hf   # self-contained transformers "
+            "directory"
+        ),
         "```",
         "",
     ]

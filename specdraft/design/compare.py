@@ -16,15 +16,13 @@ Rows (``--json``; read by the study report)::
 
 from __future__ import annotations
 
-import torch
-
 from specdraft.bench.profile import measure_latency
 from specdraft.design.data import target_data
 from specdraft.design.prune import depth_prune, ffn_for_budget, importance, param_count, width_prune
 from specdraft.design.search import predict
 from specdraft.design.train import DraftLM, TrainConfig, train_offline, validate
-from specdraft.models.subset_head import SubsetHeadRuntime, draft_weights
 from specdraft.models.llama import LlamaRuntime
+from specdraft.models.subset_head import SubsetHeadRuntime, draft_weights
 
 
 def spread(n_layers: int, depth: int) -> list[int]:

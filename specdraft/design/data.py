@@ -268,7 +268,7 @@ class TargetData:
     def num_response_tokens(self) -> int:
         return sum(t.shape[0] for t in self.topk_idx)
 
-    def extend(self, other: "TargetData") -> None:
+    def extend(self, other: TargetData) -> None:
         self.tokens += other.tokens
         self.prompt_lens += other.prompt_lens
         self.topk_idx += other.topk_idx
@@ -305,7 +305,7 @@ class TargetData:
         durable.replace_file(tmp, path)
 
     @classmethod
-    def load(cls, path: Path) -> "TargetData":
+    def load(cls, path: Path) -> TargetData:
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 

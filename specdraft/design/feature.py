@@ -113,7 +113,8 @@ class FeatureDraftLM(torch.nn.Module):
         self.tokens.load_own_state(state)
 
     def features(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``(B, T, C)`` features, ``(B, T)`` next tokens and positions -> ``(B, T, C)`` predicted next features."""
+        """``(B, T, C)`` features, ``(B, T)`` next tokens and positions -> ``(B, T, C)`` predicted next
+        features."""
         emb = self.draft.get_input_embeddings()(tokens)
         x = self.fc(torch.cat([feats, emb], dim=-1))
         return self.draft.model(inputs_embeds=x, position_ids=positions, use_cache=False).last_hidden_state

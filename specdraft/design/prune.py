@@ -196,7 +196,7 @@ def ffn_for_budget(target_model, depth: int, budget: int, *, kv_heads: int, q_pe
     D = getattr(cfg, "head_dim", None) or C // cfg.num_attention_heads
     per_layer = budget / depth - C  # minus the final norm, spread
     attn = layer_params(C, kv_heads * q_per_kv, kv_heads, D, 0)
-    ffn = int(round((per_layer - attn) / (3 * C)))
+    ffn = round((per_layer - attn) / (3 * C))
     if ffn < 1:
         raise SpecdraftError(
             f"a {depth}-layer draft with these heads exceeds {budget} parameters before any FFN"

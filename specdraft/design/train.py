@@ -24,9 +24,10 @@ acceptance rewards); p outside the cached top-K is taken as the leftover mass sp
 Earlier positions weigh more: a rejection at position i discards every later draft token.
 
 Checkpoints: every ``checkpoint_every`` steps the trainable weights, optimizer state, step, RNG and
-running loss go to ``<out>/checkpoint.pt`` (written to a temporary file, fsynced, then renamed). A run started again with
-the same output directory resumes there; a killed run loses at most one interval. The data order is
-a function of (seed, step), so a resumed run continues exactly where the killed one was.
+running loss go to ``<out>/checkpoint.pt`` (written to a temporary file, fsynced, then renamed). A
+run started again with the same output directory resumes there; a killed run loses at most one
+interval. The data order is a function of (seed, step), so a resumed run continues exactly where the
+killed one was.
 """
 
 from __future__ import annotations
@@ -179,14 +180,14 @@ class DraftLM(torch.nn.Module):
         return F.linear(h, self.head_w)
 
     # the interface train_offline / validate use (a feature-conditioned draft has the same)
-    def make_batch(self, data: TargetData, idx: list[int], max_len: int) -> "Batch":
+    def make_batch(self, data: TargetData, idx: list[int], max_len: int) -> Batch:
         return make_batch(data, idx, self.to_sub, max_len)
 
-    def loss(self, batch: "Batch", cfg: "TrainConfig") -> tuple[torch.Tensor, dict]:
+    def loss(self, batch: Batch, cfg: TrainConfig) -> tuple[torch.Tensor, dict]:
         h = self.hidden(batch.ids)[batch.rows, batch.cols]  # (M, C)
         return distill_loss(self.head(h), batch, cfg.ce_weight, cfg.kl_weight)
 
-    def predict(self, batch: "Batch") -> torch.Tensor:
+    def predict(self, batch: Batch) -> torch.Tensor:
         """``(M,)`` head rows the draft would propose (greedy) at the labelled positions."""
         return self.head(self.hidden(batch.ids)[batch.rows, batch.cols]).argmax(-1)
 
@@ -333,7 +334,7 @@ def load_checkpoint(path: Path) -> dict:
         ck = torch.load(path, map_location="cpu", weights_only=True)
         if not isinstance(ck, dict) or not {"step", "model", "opt", "config"} <= set(ck):
             raise ValueError("missing fields")
-    except Exception as e:  # torch raises many types for a damaged file
+    except Exception as e:  # noqa: BLE001 - torch raises many types for a damaged file
         raise SpecdraftError(
             f"corrupted checkpoint {path} ({type(e).__name__}: {str(e)[:80]}); delete it to start over"
         ) from None
@@ -516,10 +517,10 @@ def collect_replay(
 ) -> Replay:
     """Decode ``prompts`` greedily with speculative decoding using the current draft; keep each
     block's positions up to and including the first rejected one, with the target's top-K there."""
-    from specdraft.models.subset_head import SubsetHeadRuntime, draft_weights
     from specdraft.drafters.model import ModelDrafter
     from specdraft.engine import Engine, Request
     from specdraft.models.llama import LlamaRuntime
+    from specdraft.models.subset_head import SubsetHeadRuntime, draft_weights
     from specdraft.policy import FixedK
 
     V = target_runtime.vocab_size

@@ -74,7 +74,7 @@ class DraftState:
     def select_rows(self, rows: torch.Tensor) -> None:
         self.batch_size = len(rows)
 
-    def append(self, other: "DraftState") -> None:
+    def append(self, other: DraftState) -> None:
         self.batch_size += other.batch_size
 
 

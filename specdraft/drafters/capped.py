@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from specdraft.drafters.base import DraftContext, DraftState, Drafter, Proposal
+from specdraft.drafters.base import DraftContext, Drafter, DraftState, Proposal
 
 
 class RowCappedDrafter:

@@ -38,7 +38,7 @@ class FeatureDraftState(DraftState):
         self.kv.select_rows(rows)
         self.src, self.prev_L, self.start = self.src[rows], self.prev_L[rows], self.start[rows]
 
-    def append(self, other: "FeatureDraftState") -> None:
+    def append(self, other: FeatureDraftState) -> None:
         super().append(other)
         self.kv.append(other.kv)
         self.src = torch.cat([self.src, torch.full_like(other.src, -1)])

@@ -48,7 +48,7 @@ class ModelDraftState(DraftState):
         self.kv.select_rows(rows)
         self.fed, self.base = self.fed[rows], self.base[rows]
 
-    def append(self, other: "ModelDraftState") -> None:
+    def append(self, other: ModelDraftState) -> None:
         super().append(other)
         self.kv.append(other.kv)
         self.fed = torch.cat([self.fed, other.fed])

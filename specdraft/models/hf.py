@@ -29,7 +29,7 @@ class HFState:
         if len(rows) != 1:
             raise SpecdraftError("the transformers adapter cannot drop rows from a batch of one")
 
-    def append(self, other: "HFState") -> None:
+    def append(self, other: HFState) -> None:
         raise SpecdraftError("the transformers adapter runs one sequence at a time (batch size 1)")
 
 

@@ -65,7 +65,7 @@ class LlamaWeights:
     @classmethod
     def from_hf(
         cls, model, dtype: torch.dtype = torch.bfloat16, compute: torch.dtype | None = None
-    ) -> "LlamaWeights":
+    ) -> LlamaWeights:
         """Extract (and fuse) the weights of a transformers Llama-family causal LM.
 
         Args:
@@ -129,7 +129,7 @@ class LlamaWeights:
             compute=compute if compute != dtype else None,
         )
 
-    def quantize_int8(self) -> "LlamaWeights":
+    def quantize_int8(self) -> LlamaWeights:
         """Pack every matmul (and the LM head) for :func:`int8_linear`; dense copies stay for reference."""
         for layer in self.layers:
             layer.q_qkv, layer.q_o = pack_int8(layer.wqkv), pack_int8(layer.wo)
@@ -137,7 +137,7 @@ class LlamaWeights:
         self.q_head = pack_int8(self.lm_head)
         return self
 
-    def subset(self, layer_ids: list[int], dtype: torch.dtype) -> "LlamaWeights":
+    def subset(self, layer_ids: list[int], dtype: torch.dtype) -> LlamaWeights:
         """A model made of ``layer_ids`` (in that order) with this model's embedding, norm and head,
         in ``dtype`` (``torch.qint8``: int8). Shares tensors when the dtype is unchanged."""
         n = len(self.layers)
@@ -253,7 +253,7 @@ class LlamaKV:
         self.k = [t.index_select(0, rows) for t in self.k]
         self.v = [t.index_select(0, rows) for t in self.v]
 
-    def append(self, other: "LlamaKV") -> None:
+    def append(self, other: LlamaKV) -> None:
         """Append another state's rows: how new requests join a batch after their prefill."""
         cap = max(self.capacity, other.capacity)
         self.ensure_capacity(cap)

@@ -285,7 +285,7 @@ def _prepare_chat(ctx: _Context, body: bytes) -> tuple[P.ChatCompletionRequest, 
 
 
 async def _serve(
-    ctx: _Context, request: Request, req, ids: list[int], max_tokens: int | None, renderer: "_Renderer"
+    ctx: _Context, request: Request, req, ids: list[int], max_tokens: int | None, renderer: _Renderer
 ):
     """Submit the request's job to the scheduler; stream its output (SSE) or collect it."""
     config = ctx.config
@@ -373,7 +373,8 @@ def _check_context(prompt_len: int, max_tokens: int | None, context: int, defaul
     if prompt_len + max_tokens > context:
         raise P.APIError(
             400,
-            f"this model's maximum context length is {context} tokens; you requested {prompt_len + max_tokens} "
+            f"this model's maximum context length is {context} tokens; you requested "
+            f"{prompt_len + max_tokens} "
             f"({prompt_len} in the prompt, {max_tokens} for the completion)",
             param="max_tokens",
             code="context_length_exceeded",

@@ -87,7 +87,8 @@ class Metrics:
         )
         self.request_finished = Counter(
             f"{p}request_finished",
-            "Generations that ended, by finish reason (stop, length, cancelled: client gone, abort: server shutdown, error)",
+            "Generations that ended, by finish reason (stop, length, cancelled: client gone, abort: "
+            "server shutdown, error)",
             ["finished_reason"],
             registry=r,
         )

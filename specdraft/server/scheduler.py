@@ -205,7 +205,8 @@ class Scheduler:
             if len(self._live) >= self.max_batch + self.max_queue:
                 raise APIError(
                     429,
-                    f"server busy: {self.max_batch} requests decoding and {self.max_queue} waiting; retry later",
+                    f"server busy: {self.max_batch} requests decoding and {self.max_queue} waiting; "
+                    "retry later",
                     type="rate_limit_error",
                     code="rate_limit_exceeded",
                     headers={"Retry-After": "1"},
@@ -269,7 +270,7 @@ class Scheduler:
                 try:
                     if not self._iterate():
                         return
-                except Exception as e:  # noqa: BLE001 - a bug here must not leave requests hanging
+                except Exception as e:  # a bug here must not leave requests hanging
                     log.exception("scheduler iteration failed; failing the requests it held")
                     with self._cond:  # every job out of the queue: rows, half-admitted, cancelling
                         waiting = set(self._waiting)
@@ -354,7 +355,7 @@ class Scheduler:
                     pairs.append((job, req))
                 except SpecdraftError as e:
                     self._fail(job, APIError(400, str(e)))
-                except Exception as e:  # noqa: BLE001 - isolate the request, keep serving
+                except Exception as e:  # isolate the request, keep serving
                     log.exception("prefill failed for one request")
                     self._fail(job, APIError(500, f"internal error during prefill: {e}", type="server_error"))
         for job, req in pairs:
@@ -378,7 +379,7 @@ class Scheduler:
             self.drafter.caps = torch.tensor(caps)
         try:
             events = self.engine.step()
-        except Exception as e:  # noqa: BLE001 - fail this batch, keep the server up
+        except Exception as e:  # fail this batch, keep the server up
             log.exception("engine step failed; failing the %d requests of this batch", len(rows))
             self._rows.clear()
             self.engine = self._new_engine()
@@ -394,7 +395,7 @@ class Scheduler:
                 continue
             try:
                 self._deliver(job, ev, now)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 log.exception("delivering output failed for one request")
                 self._fail(job, APIError(500, f"internal error: {e}", type="server_error"))
 

@@ -12,8 +12,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from specdraft.bench.prompts import BenchPrompt, data_file, default_prompts_path, fit_context, read_prompts
 from specdraft.errors import SpecdraftError
@@ -69,7 +69,8 @@ def select_prompts(
         unknown = [n for n in names if n not in texts]
         if unknown:
             raise SpecdraftError(
-                f"unknown dataset{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: available are {', '.join(texts)}"
+                f"unknown dataset{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: available are "
+                f"{', '.join(texts)}"
             )
         texts = {n: texts[n] for n in names}
     if not texts:
@@ -117,7 +118,8 @@ def build_datasets(
     datasets = []
     for i, (name, prompts) in enumerate(texts.items(), 1):
         log(
-            f"target continuations {i}/{len(texts)}: {name} ({len(prompts)} prompts x {max_new_tokens} tokens)"
+            f"target continuations {i}/{len(texts)}: {name} ({len(prompts)} prompts x {max_new_tokens} "
+            "tokens)"
         )
         datasets.append(make(name, prompts))
     heldout = None

@@ -29,7 +29,6 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-
 from typing import NamedTuple
 
 import torch
@@ -215,8 +214,8 @@ def offline_proposals(
 
     if getattr(drafter, "hidden_layers", ()):
         raise SpecdraftError(
-            f"draft {getattr(drafter, 'name', drafter)!r} reads the target's hidden states; offline acceptance "
-            "replays drafts from token prefixes only: measure it online (specdraft bench)"
+            f"draft {getattr(drafter, 'name', drafter)!r} reads the target's hidden states; offline "
+            "acceptance replays drafts from token prefixes only: measure it online (specdraft bench)"
         )
     fast = isinstance(drafter, ModelDrafter) and isinstance(drafter.runtime.new_state(1, 1), LlamaKV)
     nll = top1 = None

@@ -422,7 +422,8 @@ def plot_acceptance_vs_perplexity(st: Study, path: Path, corr: dict) -> None:
     )
     a1.set_ylabel(f"mean accepted length, k={st.k_ref}, batch {min(st.batches)}")
     a1.set_title(
-        f"per draft: Pearson {_fmt(corr.get('ppl_acc_pearson'))}, Spearman {_fmt(corr.get('ppl_acc_spearman'))}"
+        f"per draft: Pearson {_fmt(corr.get('ppl_acc_pearson'))}, Spearman "
+        f"{_fmt(corr.get('ppl_acc_spearman'))}"
     )
     pts = _dataset_points(st)
     colors = _colors(st.datasets)
@@ -462,7 +463,7 @@ def plot_breakdown(breakdowns: dict[str, dict[str, float]], path: Path) -> None:
     for bucket in buckets:
         vals = [1e3 * breakdowns[n].get(bucket, 0.0) for n in names]
         ax.barh(names, vals, left=left, color=colors[bucket], label=bucket)
-        left = [l + v for l, v in zip(left, vals)]
+        left = [x + v for x, v in zip(left, vals)]
     for i, total in enumerate(left):
         ax.annotate(
             f"{total:.2f} ms", (total, i), xytext=(3, 0), textcoords="offset points", va="center", fontsize=7
@@ -553,7 +554,7 @@ def plot_bench(doc: dict, path: Path, title: str) -> None:
         ("hf_assisted_tokens_per_s", "HF assisted"),
         ("hf_prompt_lookup_tokens_per_s", "HF prompt lookup"),
     ]
-    methods = [(m, l) for m, l in methods if any(data[c].get(m) is not None for c in cats)]
+    methods = [(m, name) for m, name in methods if any(data[c].get(m) is not None for c in cats)]
     fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(cats) + 2), 3.8))
     w = 0.8 / max(len(methods), 1)
     for j, (m, label) in enumerate(methods):
@@ -646,20 +647,21 @@ def findings(st: Study, corr: dict, best: dict[int, dict], online: list[dict]) -
     )
     if lat is None:
         out.append(
-            f"**Throughput depends mainly on draft latency: cannot be judged** from {len(st.drafts)} draft(s) "
-            "(a rank correlation needs at least 3 with different latencies)."
+            f"**Throughput depends mainly on draft latency: cannot be judged** from {len(st.drafts)} "
+            "draft(s) (a rank correlation needs at least 3 with different latencies)."
         )
     else:
         holds = abs(lat) >= 0.5 and (ppl_sp is None or abs(lat) > abs(ppl_sp))
         fastest = min(st.drafts, key=lambda d: d.t_draft_ms)
         top = max(st.drafts, key=lambda d: d.best_speedup[b1])
         out.append(
-            f"**Throughput depends mainly on draft latency: {'holds' if holds else 'does not hold'} here.** Across "
-            f"{len(st.drafts)} drafts at batch {b1} (each at its best k), Spearman rho between draft step latency and "
-            f"predicted speedup is {_fmt(lat)}, against {_fmt(ppl_sp)} for draft perplexity and {_fmt(acc_sp)} for "
-            f"mean accepted length. The best draft is `{short_name(top.draft)}` ({top.best_speedup[b1]:.2f}x at k={top.best_k[b1]}, "
-            f"T_draft {top.t_draft_ms:.2f} ms = {top.t_draft_ms / top.t_target_ms:.1%} of a target step); the cheapest is "
-            f"`{short_name(fastest.draft)}` ({fastest.t_draft_ms:.2f} ms)."
+            f"**Throughput depends mainly on draft latency: {'holds' if holds else 'does not hold'} "
+            f"here.** Across {len(st.drafts)} drafts at batch {b1} (each at its best k), Spearman rho "
+            f"between draft step latency and predicted speedup is {_fmt(lat)}, against {_fmt(ppl_sp)} "
+            f"for draft perplexity and {_fmt(acc_sp)} for mean accepted length. The best draft is "
+            f"`{short_name(top.draft)}` ({top.best_speedup[b1]:.2f}x at k={top.best_k[b1]}, T_draft "
+            f"{top.t_draft_ms:.2f} ms = {top.t_draft_ms / top.t_target_ms:.1%} of a target step); the "
+            f"cheapest is `{short_name(fastest.draft)}` ({fastest.t_draft_ms:.2f} ms)."
         )
     pa, pa_p, n = corr["ppl_acc_spearman"], corr["ppl_acc_pearson"], corr["n_model_drafts"]
     ds = corr["ppl_acc_ds_spearman"]
@@ -675,12 +677,13 @@ def findings(st: Study, corr: dict, best: dict[int, dict], online: list[dict]) -
         verdict = "holds" if holds else ("partly holds" if mixed else "does not hold")
         top1 = corr["top1_acc_spearman"]
         out.append(
-            f"**Language-modelling quality (perplexity) barely predicts acceptance: {verdict} here.** Over {n} model "
-            f"drafts, log-perplexity on held-out target text vs mean accepted length (k={st.k_ref}): Pearson "
-            f"{_fmt(pa_p)}, Spearman {_fmt(pa)}; over {corr['n_points_ds']} (draft, dataset) pairs with per-dataset "
-            f"perplexity: Spearman {_fmt(ds)}. (Negative = lower perplexity, more accepted tokens; |rho| < 0.5 counts "
-            f"as barely predictive.) Top-1 agreement with the target, by contrast, has Spearman {_fmt(top1)} with "
-            f"acceptance; perplexity vs speedup: Spearman {_fmt(corr['ppl_speedup_spearman'])}."
+            f"**Language-modelling quality (perplexity) barely predicts acceptance: {verdict} here.** "
+            f"Over {n} model drafts, log-perplexity on held-out target text vs mean accepted length "
+            f"(k={st.k_ref}): Pearson {_fmt(pa_p)}, Spearman {_fmt(pa)}; over {corr['n_points_ds']} "
+            f"(draft, dataset) pairs with per-dataset perplexity: Spearman {_fmt(ds)}. (Negative = lower "
+            "perplexity, more accepted tokens; |rho| < 0.5 counts as barely predictive.) Top-1 agreement "
+            f"with the target, by contrast, has Spearman {_fmt(top1)} with acceptance; perplexity vs "
+            f"speedup: Spearman {_fmt(corr['ppl_speedup_spearman'])}."
         )
     if st.batches and st.drafts:
         parts = []
@@ -703,10 +706,11 @@ def findings(st: Study, corr: dict, best: dict[int, dict], online: list[dict]) -
             and statistics.median(model_ks[last]) < statistics.median(model_ks[first])
         )
         out.append(
-            f"**The best k** (median of each draft's k with the highest predicted throughput): {'; '.join(parts)}. "
+            "**The best k** (median of each draft's k with the highest predicted throughput): "
+            f"{'; '.join(parts)}. "
             + (
-                "The best k shrinks as the batch grows: verification scores b x (k + 1) tokens, so extra draft tokens "
-                "cost more in a bigger batch."
+                "The best k shrinks as the batch grows: verification scores b x (k + 1) tokens, so extra "
+                "draft tokens cost more in a bigger batch."
                 if shrinks
                 else "The best k does not shrink with batch size here."
             )
@@ -714,7 +718,7 @@ def findings(st: Study, corr: dict, best: dict[int, dict], online: list[dict]) -
         sp = {b: best[b]["speedup"] for b in st.batches}
         falls = sp[last] < sp[first]
         out.append(
-            f"**Batch size:** the best configuration's predicted speedup is "
+            "**Batch size:** the best configuration's predicted speedup is "
             + ", ".join(
                 f"{sp[b]:.2f}x at batch {b} (`{short_name(best[b]['draft'])}`, k={best[b]['k']})"
                 for b in st.batches
@@ -729,13 +733,14 @@ def findings(st: Study, corr: dict, best: dict[int, dict], online: list[dict]) -
     if cost:
         b_lo, b_hi = cost["batches"]
         out.append(
-            f"**Verification cost on this hardware:** a target forward over k + 1 tokens costs "
+            "**Verification cost on this hardware:** a target forward over k + 1 tokens costs "
             + ", ".join(f"{cost[b_lo][n]:.2f}x" for n in sorted(cost[b_lo]) if n > 1)
-            + f" a plain step for k = {', '.join(str(n - 1) for n in sorted(cost[b_lo]) if n > 1)} at batch {b_lo}, and "
+            + f" a plain step for k = {', '.join(str(n - 1) for n in sorted(cost[b_lo]) if n > 1)} at "
+            f"batch {b_lo}, and "
             + ", ".join(f"{cost[b_hi][n]:.2f}x" for n in sorted(cost[b_hi]) if n > 1)
-            + f" at batch {b_hi} (context {cost['context']}). A draft pays only when its accepted tokens per step "
-            "outgrow this ratio plus its own cost: with T_target(k + 1) far above T_target(1), even a free draft "
-            "(prompt lookup) needs long accepted runs."
+            + f" at batch {b_hi} (context {cost['context']}). A draft pays only when its accepted tokens "
+            "per step outgrow this ratio plus its own cost: with T_target(k + 1) far above T_target(1), "
+            "even a free draft (prompt lookup) needs long accepted runs."
         )
     if online:
         med = statistics.median(r["relative_error"] for r in online)
@@ -744,18 +749,21 @@ def findings(st: Study, corr: dict, best: dict[int, dict], online: list[dict]) -
             abs(r["online_mean_accepted_length"] - r["offline_mean_accepted_length"]) < 1e-6 for r in online
         )
         line = (
-            f"**Analytic model vs real runs:** median |predicted - measured| / measured = {med:.1%} over {len(online)} "
-            f"configurations run online ({within} within 10%); the online mean accepted length equals the offline "
-            f"one in {acc_eq} of {len(online)} runs"
+            f"**Analytic model vs real runs:** median |predicted - measured| / measured = {med:.1%} over "
+            f"{len(online)} configurations run online ({within} within 10%); the online mean accepted "
+            f"length equals the offline one in {acc_eq} of {len(online)} runs"
         )
         re = [r["reprofiled_relative_error"] for r in online if "reprofiled_relative_error" in r]
         if re:
-            line += f"; with latencies re-measured right before and after each run the median error is {statistics.median(re):.1%}"
+            line += (
+                "; with latencies re-measured right before and after each run the median error is "
+                f"{statistics.median(re):.1%}"
+            )
         cf = [r["analytic_relative_error"] for r in online if "analytic_relative_error" in r]
         if cf:
             line += (
-                f"; the closed form b E[tokens] / (k T_draft + T_target(k + 1)) at the mean context, without the "
-                f"step-by-step replay, has median error {statistics.median(cf):.1%}"
+                "; the closed form b E[tokens] / (k T_draft + T_target(k + 1)) at the mean context, "
+                f"without the step-by-step replay, has median error {statistics.median(cf):.1%}"
             )
         out.append(line + ".")
     return out
@@ -773,7 +781,6 @@ def _study_sections(st: Study, inp: Inputs, out_dir: Path) -> tuple[list[str], l
     body = []
     plot_throughput_vs_k(st, out_dir / "throughput_vs_k.png")
     plot_speedup_vs_latency(st, out_dir / "speedup_vs_latency.png")
-    b1 = min(st.batches)
     body.append(
         "## Drafts\n\n"
         + _table(
@@ -801,15 +808,17 @@ def _study_sections(st: Study, inp: Inputs, out_dir: Path) -> tuple[list[str], l
                 for d in st.drafts
             ],
         )
-        + f"\n\nT_target(1, 1) = {st.drafts[0].t_target_ms:.2f} ms (median over the datasets' contexts). Speedups are "
-        "predicted steady-state decode throughput over plain decoding of the same target, mean over datasets."
+        + f"\n\nT_target(1, 1) = {st.drafts[0].t_target_ms:.2f} ms (median over the datasets' contexts). "
+        "Speedups are predicted steady-state decode throughput over plain decoding of the same target, "
+        "mean over datasets."
     )
     body.append("## Throughput vs k\n\n![throughput vs k](throughput_vs_k.png)")
     body.append("## Speedup vs draft latency\n\n![speedup vs draft latency](speedup_vs_latency.png)")
     if any(d.perplexity is not None for d in st.drafts):
         plot_acceptance_vs_perplexity(st, out_dir / "acceptance_vs_perplexity.png", corr)
         body.append(
-            "## Acceptance vs draft perplexity\n\n![acceptance vs perplexity](acceptance_vs_perplexity.png)\n\n"
+            "## Acceptance vs draft perplexity\n\n"
+            "![acceptance vs perplexity](acceptance_vs_perplexity.png)\n\n"
             + _table(
                 ["pair", "n", "Pearson", "Spearman"],
                 [
@@ -854,8 +863,8 @@ def _study_sections(st: Study, inp: Inputs, out_dir: Path) -> tuple[list[str], l
         plot_breakdown(breakdowns, out_dir / "draft_latency_breakdown.png")
         body.append(
             "## Draft-step latency breakdown\n\n![draft latency breakdown](draft_latency_breakdown.png)\n\n"
-            "From the profiler (`specdraft.bench.profile`): one batch-1 draft step under torch.profiler, scaled "
-            "to its unprofiled median."
+            "From the profiler (`specdraft.bench.profile`): one batch-1 draft step under torch.profiler, "
+            "scaled to its unprofiled median."
         )
     if st.online:
         plot_predicted_vs_measured(st.online, out_dir / "predicted_vs_measured.png")
@@ -890,8 +899,8 @@ def _study_sections(st: Study, inp: Inputs, out_dir: Path) -> tuple[list[str], l
                     for r in st.online
                 ],
             )
-            + "\n\nMeasured: steady-state decode tokens/s of a real engine run (prefill and each batch's first step left "
-            "out, as in the prediction)."
+            + "\n\nMeasured: steady-state decode tokens/s of a real engine run (prefill and each batch's "
+            "first step left out, as in the prediction)."
         )
     plot_best_per_batch(st, best, out_dir / "best_per_batch.png")
     per_ds = []
@@ -944,7 +953,10 @@ def _bench_sections(inp: Inputs, out_dir: Path) -> tuple[list[str], list[str]]:
     for i, (path, doc) in enumerate(inp.bench, 1):
         png = f"bench_{i}_{path.stem}.png"
         cfg = doc.get("config", {})
-        title = f"bench {path.name}: target {cfg.get('target', '?')}, draft {cfg.get('draft', '?')}, k {cfg.get('k', '?')}"
+        title = (
+            f"bench {path.name}: target {cfg.get('target', '?')}, draft {cfg.get('draft', '?')}, k "
+            f"{cfg.get('k', '?')}"
+        )
         plot_bench(doc, out_dir / png, title)
         o = doc["overall"]
         text = f"## Bench: {path.name}\n\n"
@@ -958,7 +970,8 @@ def _bench_sections(inp: Inputs, out_dir: Path) -> tuple[list[str], list[str]]:
             )
         body.append(text)
         line = (
-            f"**Bench `{path.name}`:** speculative decoding ran at {_fmt(o.get('tokens_per_s'), '{:.1f}')} tokens/s vs "
+            f"**Bench `{path.name}`:** speculative decoding ran at "
+            f"{_fmt(o.get('tokens_per_s'), '{:.1f}')} tokens/s vs "
             f"{_fmt(o.get('plain_tokens_per_s'), '{:.1f}')} plain ({_fmt(o.get('speedup'), '{:.2f}x')}), "
             f"{_fmt(o.get('mean_accepted_tokens'))} tokens per target forward over {o.get('prompts')} prompts"
         )
@@ -999,11 +1012,12 @@ def write_report(inputs: list[Path], out_dir: Path) -> Path:
         versions = sorted({r["code_version"] for r in inp.config})
         prof = next((p for r in inp.latency for p in r.get("profiles", {}).values()), {})
         header.append(
-            f"\nStudy: target {', '.join(targets)}; {len(inp.config)} configurations = {len(st.drafts)} drafts x "
-            f"{len(st.ks)} k x {len(st.batches)} batch sizes x {len(st.datasets)} datasets ({', '.join(st.datasets)}); "
-            f"code {', '.join(versions)}; {prof.get('dtype', '?')}, {prof.get('threads', '?')} thread(s), {prof.get('cpu', '?')}. "
-            "Acceptance is measured offline against cached greedy target continuations; throughput is predicted "
-            "from it and profiled latencies with `specdraft.analytic`."
+            f"\nStudy: target {', '.join(targets)}; {len(inp.config)} configurations = {len(st.drafts)} "
+            f"drafts x {len(st.ks)} k x {len(st.batches)} batch sizes x {len(st.datasets)} datasets "
+            f"({', '.join(st.datasets)}); code {', '.join(versions)}; {prof.get('dtype', '?')}, "
+            f"{prof.get('threads', '?')} thread(s), {prof.get('cpu', '?')}. Acceptance is measured "
+            "offline against cached greedy target continuations; throughput is predicted from it and "
+            "profiled latencies with `specdraft.analytic`."
         )
         if inp.runs:
             header.append(

@@ -34,9 +34,9 @@ import hashlib
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
 
 from specdraft import analytic, dtypes
 from specdraft.errors import SpecdraftError
@@ -191,7 +191,8 @@ class Task:
     version: str
     threads: int = 1
 
-    def keys(self) -> list[str]:
+    def row_keys(self) -> list[str]:
+        """The keys of every row this task writes."""
         return [r[0] for r in self.planned()]
 
     def planned(self) -> list[tuple[str, dict]]:
@@ -262,7 +263,7 @@ def predict(sim: Simulation, lat: Latencies, draft: str) -> tuple[float, float]:
         seconds += analytic.batch_step_time(
             s.width,
             s.rows,
-            lambda b, c=s.context: lat.draft_time(draft, b, c) if step_calls else 0.0,
+            lambda b, c=s.context, calls=step_calls: lat.draft_time(draft, b, c) if calls else 0.0,
             lambda b, n, c=s.context: lat.target_time(b, n, c),
             draft_calls=step_calls,
         )
@@ -497,7 +498,8 @@ def latency_rows(
     tkey = row_key(tcfg, version)
     if tkey not in by_key:
         log(
-            f"profiling the target: batches {sorted(config.batches)}, n = 1..{config.k_max + 1}, contexts {sorted(config.contexts)}"
+            f"profiling the target: batches {sorted(config.batches)}, n = 1..{config.k_max + 1}, "
+            f"contexts {sorted(config.contexts)}"
         )
         prof = measure_target(
             pipe.runtime,
@@ -623,10 +625,10 @@ def run_sweep(
     pipe = load_target(config.target, config.dtype, config.threads)
     lat = latency_rows(config, version, store, pipe, log)
     tasks = plan_tasks(config, datasets, heldout, lat, version)
-    total = sum(len(t.keys()) for t in tasks if t.kind == "config")
-    todo = [t for t in tasks if any(k not in store for k in t.keys())]
-    pending_rows = sum(len([k for k in t.keys() if k not in store]) for t in todo)
-    all_rows = sum(len(t.keys()) for t in tasks)
+    total = sum(len(t.row_keys()) for t in tasks if t.kind == "config")
+    todo = [t for t in tasks if any(k not in store for k in t.row_keys())]
+    pending_rows = sum(len([k for k in t.row_keys() if k not in store]) for t in todo)
+    all_rows = sum(len(t.row_keys()) for t in tasks)
     if pending_rows < all_rows:  # a killed run left rows behind (whole tasks or part of one)
         log(
             f"resuming: {all_rows - pending_rows} of {all_rows} rows already in {store.path} "

@@ -19,8 +19,8 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from specdraft import analytic
 from specdraft.engine import Engine, Request
@@ -255,7 +255,8 @@ def validate(
         log(
             f"validate {i}/{n}: {draft} k={k} b={b} {row['dataset']}: measured {run.tokens_per_s:.1f} tok/s, "
             f"predicted {predicted:.1f} ({result['relative_error']:.1%}); accepted/step online "
-            f"{result['online_mean_accepted_length']:.2f} vs offline {result['offline_mean_accepted_length']:.2f}"
+            f"{result['online_mean_accepted_length']:.2f} vs offline "
+            f"{result['offline_mean_accepted_length']:.2f}"
         )
     return out
 

@@ -161,7 +161,7 @@ def test_self_draft_accepts_everything_and_matches_plain(pipe, prompt_file):
 
 def test_classify_reports_divergence_at_confident_and_tie_positions(pipe):
     ids = pipe.encode("Who wrote Hamlet?")
-    ref, margins = lossless.plain_greedy_margins(pipe.runtime, ids, 8, pipe.eos_ids)
+    ref, _ = lossless.plain_greedy_margins(pipe.runtime, ids, 8, pipe.eos_ids)
     changed = list(ref)
     changed[3] = (changed[3] + 1) % 256
     plain = MethodRun(turns=[ref], prompt_ids=[ids])

@@ -1,4 +1,5 @@
-"""``specdraft demo``: bench, profile and report in one folder, the time budget, a clone with no data folder."""
+"""``specdraft demo``: bench, profile and report in one folder, the time budget, a clone with no data
+folder."""
 
 import json
 

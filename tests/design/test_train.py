@@ -34,7 +34,15 @@ def _model(tiny_pipe, head=None):
     return DraftLM(depth_prune(tiny_pipe.target.model, [0]), head)
 
 
-CFG = dict(steps=6, batch_size=3, max_len=40, lr=3e-3, warmup=1, checkpoint_every=2, eval_every=3)
+CFG = {
+    "steps": 6,
+    "batch_size": 3,
+    "max_len": 40,
+    "lr": 3e-3,
+    "warmup": 1,
+    "checkpoint_every": 2,
+    "eval_every": 3,
+}
 
 
 def test_loss_falls_and_validation_acceptance_rises(tiny_pipe, data, tmp_path):

@@ -11,11 +11,11 @@ from specdraft.models import (
     ALIASES,
     DEFAULT_TARGET,
     load_model,
+    loading,
     resolve_model_path,
     tiny_llama,
     tiny_tokenizer,
 )
-from specdraft.models import loading
 
 
 def _one_line(e: pytest.ExceptionInfo) -> str:

@@ -29,7 +29,7 @@ class ServerProcess:
 
     def __init__(self, args: list[str], log_path: Path, start_timeout: float = 180.0):
         self.log_path = log_path
-        self.log = open(log_path, "w")
+        self.log = open(log_path, "w")  # noqa: SIM115 - the server writes to it until stop() closes it
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         cmd = [
             sys.executable,

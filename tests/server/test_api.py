@@ -170,7 +170,7 @@ def test_ignore_eos_runs_to_max_tokens(server, reference):
 
 def test_seeded_sampling_is_reproducible(server):
     c = client(server)
-    kw = dict(model=model_id(server), prompt="Random", max_tokens=32, temperature=0.9, top_p=0.95)
+    kw = {"model": model_id(server), "prompt": "Random", "max_tokens": 32, "temperature": 0.9, "top_p": 0.95}
     a = c.completions.create(seed=7, **kw).choices[0].text
     b = c.completions.create(seed=7, **kw).choices[0].text
     other = c.completions.create(seed=8, **kw).choices[0].text

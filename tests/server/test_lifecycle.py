@@ -106,15 +106,15 @@ def test_sigterm_finishes_or_aborts_in_flight_streams_and_exits_0(launch):
     long = {"prompt": "long", "max_tokens": 4000, "temperature": 0, "stream": True, "ignore_eos": True}
 
     async def main():
-        async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
-            async with (
-                c.stream("POST", "/v1/completions", json=long) as a,
-                c.stream("POST", "/v1/completions", json=short) as b,
-            ):
-                lines_a, lines_b = a.aiter_lines(), b.aiter_lines()
-                await asyncio.gather(_first_chunk(lines_a), _first_chunk(lines_b))
-                srv.proc.send_signal(signal.SIGTERM)
-                return await asyncio.gather(_rest(lines_a), _rest(lines_b))
+        async with (
+            httpx.AsyncClient(base_url=srv.url, timeout=120) as c,
+            c.stream("POST", "/v1/completions", json=long) as a,
+            c.stream("POST", "/v1/completions", json=short) as b,
+        ):
+            lines_a, lines_b = a.aiter_lines(), b.aiter_lines()
+            await asyncio.gather(_first_chunk(lines_a), _first_chunk(lines_b))
+            srv.proc.send_signal(signal.SIGTERM)
+            return await asyncio.gather(_rest(lines_a), _rest(lines_b))
 
     try:
         (_, long_reason, long_done), (_, short_reason, short_done) = asyncio.run(main())

@@ -42,17 +42,17 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 def small_config(**kw):
     from specdraft.study.sweep import StudyConfig
 
-    args = dict(
-        target="tiny",
-        dtype="fp32",
-        threads=1,
-        drafts=["prune:0", "lookup"],
-        ks=[1, 2, 4],
-        batches=[1, 2],
-        max_new_tokens=24,
-        contexts=[16, 64],
-        profile_repeats=1,
-    )
+    args = {
+        "target": "tiny",
+        "dtype": "fp32",
+        "threads": 1,
+        "drafts": ["prune:0", "lookup"],
+        "ks": [1, 2, 4],
+        "batches": [1, 2],
+        "max_new_tokens": 24,
+        "contexts": [16, 64],
+        "profile_repeats": 1,
+    }
     args.update(kw)
     return StudyConfig(**args)
 
