@@ -30,14 +30,14 @@ by the factories of :data:`specdraft.registry.DRAFTERS`:
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 
 from specdraft import kernels, registry
-from specdraft.dtypes import DTYPES, choices
 from specdraft.drafters.base import Drafter
+from specdraft.dtypes import DTYPES, choices
 from specdraft.engine import Engine, Request, StepEvent, decode_requests, generate
 from specdraft.errors import SpecdraftError
 from specdraft.kernels import cpu_has_fast_bf16
@@ -76,7 +76,9 @@ def resolve_dtype(name: str | torch.dtype, draft: bool = False, runtime: str = "
         names = [n for n in choices("draft" if draft else "target") if n != "q"]
         raise SpecdraftError(f"unknown dtype {name!r}: use {', '.join(names)}")
     if dt == torch.qint8 and not draft:
-        raise SpecdraftError("int8 is a draft precision (--draft-dtype int8): an int8 target would not be lossless")
+        raise SpecdraftError(
+            "int8 is a draft precision (--draft-dtype int8): an int8 target would not be lossless"
+        )
     return dt
 
 
@@ -129,7 +131,8 @@ class Pipeline:
 
     def engine(self, k: int | str | KPolicy = 5, hidden_layers: tuple[int, ...] = ()) -> Engine:
         policy = k if hasattr(k, "choose") else make_policy(k)
-        hidden_layers = hidden_layers or getattr(self.drafter, "hidden_layers", ())  # feature-conditioned drafters
+        # feature-conditioned drafters name the target layers they read
+        hidden_layers = hidden_layers or getattr(self.drafter, "hidden_layers", ())
         return Engine(self.runtime, self.drafter, policy, hidden_layers=hidden_layers)
 
     def stream(
@@ -142,9 +145,13 @@ class Pipeline:
         stop: list[str] | None = None,
         chat: bool | None = None,
         engine: Engine | None = None,
-    ) -> Iterator["TextDelta"]:
+    ) -> Iterator[TextDelta]:
         """Stream text deltas for one prompt (a list of ints is taken as token ids)."""
-        ids = prompt if (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)) else self.encode(prompt, chat)
+        ids = (
+            prompt
+            if (isinstance(prompt, list) and prompt and isinstance(prompt[0], int))
+            else self.encode(prompt, chat)
+        )
         engine = engine or self.engine(k)
         detok = Detokenizer(self.tokenizer, stop or [])
         request = Request(ids, max_new_tokens, params, self.eos_ids)
@@ -159,7 +166,7 @@ class Pipeline:
         finally:
             events.close()
 
-    def generate(self, prompt, **kwargs) -> "GenerationResult":
+    def generate(self, prompt, **kwargs) -> GenerationResult:
         """Generate for one prompt and return text, tokens and statistics."""
         engine = kwargs.pop("engine", None) or self.engine(kwargs.pop("k", 5))
         parts, tokens, from_draft, reason = [], [], [], None
@@ -276,12 +283,15 @@ def load(
         # (a designed draft shares its embedding)
         need_model = registry.DraftSpec.parse(draft).kind == "designed"
         loaded = load_model(target, torch.float32) if need_model else load_tokenizer(target)
-        return Pipeline(loaded, rt, make_drafter(draft, loaded, rt, resolve_dtype(draft_dtype, draft=True)), draft)
+        drafter = make_drafter(draft, loaded, rt, resolve_dtype(draft_dtype, draft=True))
+        return Pipeline(loaded, rt, drafter, draft)
     if dtype == "auto" and not cpu_has_fast_bf16():
         # the runtime decides (bf16 weights for the compact one, fp32 for transformers'), so load
         # in fp32 and let the compact runtime cast its copy
         loaded = load_model(target, torch.float32)
-        compact = runtime == "compact" or (runtime == "auto" and loaded.model.config.model_type in LLAMA_FAMILY)
+        compact = runtime == "compact" or (
+            runtime == "auto" and loaded.model.config.model_type in LLAMA_FAMILY
+        )
         dt = resolve_dtype("auto", runtime="compact" if compact else "hf")
     else:
         dt = resolve_dtype(dtype)
@@ -291,11 +301,13 @@ def load(
     return Pipeline(loaded, rt, drafter, draft)
 
 
-def run_batch(pipe: Pipeline, prompts: list[list[int]], *, max_new_tokens: int, k=5, params=SamplingParams()) -> tuple[list[list[int]], SpecStats]:
+def run_batch(
+    pipe: Pipeline, prompts: list[list[int]], *, max_new_tokens: int, k=5, params=SamplingParams()
+) -> tuple[list[list[int]], SpecStats]:
     """Decode several prompts together (ragged batch); returns tokens per prompt and the stats."""
     engine = pipe.engine(k)
     reqs = [Request(p, max_new_tokens, params, pipe.eos_ids) for p in prompts]
     return decode_requests(engine, reqs), engine.stats
 
 
-__all__ = ["Pipeline", "load", "make_drafter", "run_batch", "StepEvent", "SamplingParams"]
+__all__ = ["Pipeline", "SamplingParams", "StepEvent", "load", "make_drafter", "run_batch"]
