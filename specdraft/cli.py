@@ -56,9 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault(
-        "HF_HUB_DISABLE_PROGRESS_BARS", "1"
-    )  # transformers' "Loading weights" bar: stderr stays one line
+    # transformers' "Loading weights" bar: stderr stays one line
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

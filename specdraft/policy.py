@@ -287,9 +287,8 @@ class CostAwareK:
                 cur.reached[j] *= self.decay
                 cur.accepted[j] *= self.decay
             for j in range(min(d, self.k_max)):  # position j was verified if drafts 0..j-1 all held
-                cur.reached[j] += min(
-                    max(a - j + 1, 0.0), 1.0
-                )  # (a fractional count spreads over two positions)
+                # (a fractional count spreads over two positions)
+                cur.reached[j] += min(max(a - j + 1, 0.0), 1.0)
                 cur.accepted[j] += min(max(a - j, 0.0), 1.0)
             if cur.probing:  # did the probe change the verdict?
                 cur.probing = False

@@ -261,9 +261,10 @@ def _export(args) -> int:
         raise SpecdraftError(
             f"{src} is a {meta.kind} draft: it exports only in its own format (copy the directory)"
         )
+    # the tokenizer lands with the draft
     save_draft(
         args.out, draft, read_meta(src), full=True, add_files=lambda d: pipe.tokenizer.save_pretrained(str(d))
-    )  # lands with the draft
+    )
     print(
         f"wrote {args.out}: transformers AutoModelForCausalLM.from_pretrained loads it (embedding included)"
     )

@@ -106,9 +106,8 @@ def importance(target_model, sequences: list[torch.Tensor], layer_ids: list[int]
         def attn_hook(mod, args, li=li, wo=wo):
             x = args[0]  # (B, T, H * D): the heads' outputs before o_proj
             per_head = x.view(*x.shape[:-1], H, D)
-            contrib = torch.einsum("bthd,chd->bthc", per_head, wo.view(wo.shape[0], H, D)).norm(
-                dim=-1
-            )  # (B, T, H)
+            # contrib: (B, T, H)
+            contrib = torch.einsum("bthd,chd->bthc", per_head, wo.view(wo.shape[0], H, D)).norm(dim=-1)
             heads[li] += contrib.sum(dim=(0, 1)).float()
 
         def mlp_hook(mod, args, li=li, wd_norm=wd_norm):

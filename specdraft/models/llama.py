@@ -593,11 +593,12 @@ class TorchAttention:
         else:
             self.mask = (torch.arange(self.S) <= positions.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, S)
         if not self.contiguous:  # (rows, heads, slots) indices of the new keys
+            # index shapes (B, 1, 1), (1, G, 1), (B, 1, T)
             self.index = (
                 torch.arange(B).view(B, 1, 1),
                 torch.arange(n_kv_heads).view(1, -1, 1),
                 positions.unsqueeze(1),
-            )  # (B, 1, 1), (1, G, 1), (B, 1, T)
+            )
 
     def __call__(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """``qkv (B, T, (H + 2G) D)`` -> ``(B, T, H D)``; writes the new keys (rotated) and values
@@ -613,7 +614,8 @@ class TorchAttention:
         else:
             k_cache.index_put_(self.index, k)
             v_cache.index_put_(self.index, v)
+        # att: (B, H, T, D)
         att = F.scaled_dot_product_attention(
             q, k_cache[:, :, :S], v_cache[:, :, :S], attn_mask=self.mask, enable_gqa=G != H
-        )  # (B, H, T, D)
+        )
         return att.transpose(1, 2).reshape(B, T, H * D)

@@ -114,9 +114,8 @@ def test_tolerance_is_zero_in_fp32_only(pipe):
     assert harness.tolerance(pipe.runtime) == 0.0
     assert harness.tolerance(pipe.runtime, 1.5) == 1.5
     bf16 = api.load("tiny", "none", dtype="bf16").runtime
-    assert harness.runtime_precision(bf16).startswith(
-        "bf16"
-    )  # "bf16 weights, fp32 compute" on the native path
+    # "bf16 weights, fp32 compute" on the native path
+    assert harness.runtime_precision(bf16).startswith("bf16")
     assert harness.tolerance(bf16) == lossless.DEFAULT_TOLERANCE
 
 

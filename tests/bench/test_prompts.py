@@ -95,9 +95,8 @@ def test_parse_categories():
 
 
 def test_default_suite_falls_back_to_the_shipped_slice_and_specdraft_data_overrides_it(tmp_path, monkeypatch):
-    monkeypatch.setenv(
-        "SPECDRAFT_DATA", str(tmp_path / "nonexistent")
-    )  # a clone with no data folder beside it
+    # a clone with no data folder beside it
+    monkeypatch.setenv("SPECDRAFT_DATA", str(tmp_path / "nonexistent"))
     monkeypatch.setattr(prompts, "SHARED_DATA", tmp_path / "no-shared")
     assert default_prompts_path() == SHIPPED_DATA / "spec_bench" / "question.jsonl"
     shipped = load_prompts()

@@ -62,9 +62,8 @@ def test_killed_run_resumes_and_matches_an_uninterrupted_run(tiny_pipe, data, tm
     res_full = train_offline(full, data, data, TrainConfig(**CFG), tmp_path / "a", progress=False)
 
     part = _model(tiny_pipe)
-    train_offline(
-        part, data, data, TrainConfig(**CFG), tmp_path / "b", progress=False, stop_after=5
-    )  # "killed" at step 5
+    # "killed" at step 5
+    train_offline(part, data, data, TrainConfig(**CFG), tmp_path / "b", progress=False, stop_after=5)
     assert load_checkpoint(tmp_path / "b" / CHECKPOINT)["step"] == 4  # lost at most one interval
     resumed = _model(tiny_pipe)  # a new process: fresh weights, everything from the checkpoint
     res = train_offline(resumed, data, data, TrainConfig(**CFG), tmp_path / "b", progress=False)

@@ -79,9 +79,8 @@ def test_supports_only_what_the_kernel_handles():
     # bf16 weights the packed kernel takes: up to PACKED_MAX_ROWS (torch would widen W every call)
     assert kernels.supports(torch.randn(kernels.PACKED_MAX_ROWS, 32), w.bfloat16())
     assert not kernels.supports(torch.randn(kernels.PACKED_MAX_ROWS + 1, 32), w.bfloat16())
-    assert not kernels.supports(
-        torch.randn(kernels.MAX_ROWS + 1, 32), torch.randn(40, 32).bfloat16()
-    )  # N % 16
+    # N % 16 != 0
+    assert not kernels.supports(torch.randn(kernels.MAX_ROWS + 1, 32), torch.randn(40, 32).bfloat16())
     assert not kernels.supports(torch.randn(3, 32).bfloat16(), w.bfloat16())  # bf16 activations
     assert not kernels.supports(torch.randn(3, 32), torch.randn(32, 64).t())  # not contiguous
 

@@ -310,9 +310,10 @@ def test_scoring_steps_beyond_the_kernels_limits_equal_one_token_steps(weights, 
     step = rt.forward(state, new, (P + torch.arange(T)).expand(B, T)).logits  # (B, T, V)
     for b in range(B):
         one = _prefilled_rows(rt, prompts[b : b + 1], cap)
+        # singles: (1, T, V)
         singles = torch.cat(
             [rt.forward(one, new[b : b + 1, t : t + 1], torch.tensor([[P + t]])).logits for t in range(T)], 1
-        )  # (1, T, V)
+        )
         assert torch.equal(step[b], singles[0]), f"row {b}: {float((step[b] - singles[0]).abs().max())}"
         for big, small in zip(state.k + state.v, one.k + one.v):
             assert torch.equal(big[b], small[0])

@@ -58,9 +58,8 @@ def test_study_then_report(tmp_path, data_files, capsys):
         == 0
     )
     out = capsys.readouterr().out
-    assert (
-        "configurations: 16 (computed now: 18)" in out
-    )  # 2 drafts x 2 k x 2 batches x 2 datasets + 2 quality rows
+    # 2 drafts x 2 k x 2 batches x 2 datasets + 2 quality rows
+    assert "configurations: 16 (computed now: 18)" in out
     assert "online validation: 1 configurations, median |predicted - measured| / measured = " in out
     assert "(with latencies re-measured right before and after each run: " in out
     rows = read_rows(tmp_path / "study" / "results.jsonl")

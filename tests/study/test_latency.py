@@ -28,9 +28,8 @@ def test_measure_target_and_draft_then_read_between_contexts(prune_pipe):
     assert sorted(drafts) == [16, 32] and all(
         set(p.t_draft) == {1, 2} and p.draft == "prune:0" for p in drafts.values()
     )
-    assert (
-        drafts[16].draft_breakdown and not drafts[32].draft_breakdown
-    )  # the breakdown at the first context only
+    # the breakdown at the first context only
+    assert drafts[16].draft_breakdown and not drafts[32].draft_breakdown
     assert (
         draft_kind(prune_pipe.drafter) == "model"
         and draft_kind(api.load("tiny", "lookup").drafter) == "lookup"

@@ -78,9 +78,8 @@ def test_sweep_on_a_ray_cluster(ray_cluster, tmp_path, tiny_pipe, data_files, sw
     config = small_config()
     datasets, heldout = small_datasets(tiny_pipe, data_files, cache_dir=tmp_path / "cache")
     store = ResultStore(tmp_path / "results.jsonl")
-    store.extend(
-        r for r in read_rows(sweep_results) if r["kind"] == "latency"
-    )  # same profile as the inline sweep
+    # same profile as the inline sweep
+    store.extend(r for r in read_rows(sweep_results) if r["kind"] == "latency")
     summary = run_sweep(
         config,
         datasets,

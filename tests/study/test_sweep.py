@@ -132,12 +132,10 @@ def test_prediction_charges_a_draft_that_stops_early_only_the_forwards_it_ran():
     assert [s.draft_steps for s in sim.steps] == [2, 3, 2, 2]
     assert [s.draft_steps for s in simulate([a, b], k=2, batch=2).steps] == [2, 2, 2, 2]  # capped at k
     seconds = sweep.predict(sim, lat, "d")[1]
-    assert seconds == pytest.approx(
-        3 * 0.001 + 0.010 * 3 + 2 * (2 * 0.001 + 0.010 * 3)
-    )  # first step left out
-    assert (
-        simulate([OfflineProposals(90, [0], [1])], k=4, batch=1).steps[0].draft_steps is None
-    )  # not recorded: k
+    # first step left out
+    assert seconds == pytest.approx(3 * 0.001 + 0.010 * 3 + 2 * (2 * 0.001 + 0.010 * 3))
+    # not recorded: k
+    assert simulate([OfflineProposals(90, [0], [1])], k=4, batch=1).steps[0].draft_steps is None
 
 
 def test_interrupted_sweep_resumes_without_duplicates_or_losses(tmp_path, tiny_pipe, data_files, monkeypatch):
