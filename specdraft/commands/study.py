@@ -151,12 +151,9 @@ def reproducing_command(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from specdraft import api
-    from specdraft.study import datasets as ds
     from specdraft.study.store import ResultStore, code_version, row_key
     from specdraft.study.sweep import (
-        StudyConfig,
         build_drafter,
-        default_drafts,
         latency_rows,
         load_target,
         run_sweep,
@@ -166,60 +163,20 @@ def run(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    dtype = (
-        "fp32" if api.resolve_dtype(args.dtype) == dtypes.torch_dtype("fp32") else "bf16"
-    )  # rows record the name
+    # rows record the name
+    dtype = "fp32" if api.resolve_dtype(args.dtype) == dtypes.torch_dtype("fp32") else "bf16"
     if args.prompts_per_dataset < 1 or args.heldout < 0 or args.max_new_tokens < 2:
         raise SpecdraftError("need --prompts-per-dataset >= 1, --heldout >= 0 and --max-new-tokens >= 2")
     t0 = time.perf_counter()
     version = code_version()  # once: edits to the tree during a long run must not split its rows
     pipe = load_target(args.target, dtype, args.threads)
-    if args.drafts:
-        drafts = [d.strip() for d in args.drafts.split(";") if d.strip()]
-    else:
-        n_layers = len(getattr(pipe.runtime, "layers", []))
-        drafts = default_drafts(n_layers) if n_layers else ["lookup"]
-    drafts = list(dict.fromkeys(drafts + args.draft))
-    contexts = args.contexts or [32, args.max_prompt_tokens + args.max_new_tokens]
-    config = StudyConfig(
-        args.target,
-        dtype,
-        args.threads,
-        drafts,
-        args.k,
-        args.batch,
-        args.max_new_tokens,
-        contexts,
-        args.profile_repeats,
-        args.draft_dtype,
-    )
+    config = _config(args, pipe, dtype)
+    drafts = config.drafts
 
     for spec in drafts:  # a bad draft spec fails now, not after the target has generated continuations
         build_drafter(pipe, spec, config.draft_dtype)
 
-    def path_or_default(value, default):
-        if value == "none":
-            return None
-        return Path(value) if value else default()
-
-    names = [n.strip() for n in args.datasets.split(",") if n.strip()] if args.datasets else None
-    texts, held = ds.select_prompts(
-        path_or_default(args.spec_bench, ds.default_prompts_path),
-        path_or_default(args.hellaswag, ds.default_hellaswag_path),
-        names,
-        args.prompts_per_dataset,
-        args.heldout,
-    )
-    datasets, heldout = ds.build_datasets(
-        pipe,
-        texts,
-        held,
-        dtype=dtype,
-        max_new_tokens=args.max_new_tokens,
-        max_prompt_tokens=args.max_prompt_tokens,
-        k_max=config.k_max,
-        log=log,
-    )
+    datasets, heldout = _datasets(args, pipe, config, log)
     out = Path(args.out)
     store = ResultStore(out / "results.jsonl")
     n_cfg = len(drafts) * len(config.ks) * len(config.batches) * len(datasets)
@@ -268,12 +225,73 @@ def run(args: argparse.Namespace) -> int:
             version=version,
         )
     s = summarize(online)
-    total = time.perf_counter() - t0
+    _print_summary(summary, s, time.perf_counter() - t0, store.path, out)
+    return 0
+
+
+def _config(args: argparse.Namespace, pipe, dtype: str):
+    """The study configuration: ``--drafts`` (default: layer-pruned drafts over the target's depth,
+    or prompt lookup) plus each ``--draft``, and the grid and profiling settings."""
+    from specdraft.study.sweep import StudyConfig, default_drafts
+
+    if args.drafts:
+        drafts = [d.strip() for d in args.drafts.split(";") if d.strip()]
+    else:
+        n_layers = len(getattr(pipe.runtime, "layers", []))
+        drafts = default_drafts(n_layers) if n_layers else ["lookup"]
+    drafts = list(dict.fromkeys(drafts + args.draft))
+    contexts = args.contexts or [32, args.max_prompt_tokens + args.max_new_tokens]
+    return StudyConfig(
+        args.target,
+        dtype,
+        args.threads,
+        drafts,
+        args.k,
+        args.batch,
+        args.max_new_tokens,
+        contexts,
+        args.profile_repeats,
+        args.draft_dtype,
+    )
+
+
+def _datasets(args: argparse.Namespace, pipe, config, log):
+    """The datasets (prompts and the target's cached continuations) and the held-out texts."""
+    from specdraft.study import datasets as ds
+
+    def path_or_default(value, default):
+        if value == "none":
+            return None
+        return Path(value) if value else default()
+
+    names = [n.strip() for n in args.datasets.split(",") if n.strip()] if args.datasets else None
+    texts, held = ds.select_prompts(
+        path_or_default(args.spec_bench, ds.default_prompts_path),
+        path_or_default(args.hellaswag, ds.default_hellaswag_path),
+        names,
+        args.prompts_per_dataset,
+        args.heldout,
+    )
+    datasets, heldout = ds.build_datasets(
+        pipe,
+        texts,
+        held,
+        dtype=config.dtype,
+        max_new_tokens=args.max_new_tokens,
+        max_prompt_tokens=args.max_prompt_tokens,
+        k_max=config.k_max,
+        log=log,
+    )
+    return datasets, heldout
+
+
+def _print_summary(summary, s: dict, total: float, results: Path, out: Path) -> None:
+    """The closing lines on stdout: rows and times, the online validation error, what next."""
     print(
         f"configurations: {summary.configurations} (computed now: {summary.computed}); sweep "
         f"{summary.seconds:.0f} s; total {total:.0f} s"
     )
-    if online:
+    if s["validated"]:
         line = (
             f"online validation: {s['validated']} configurations, median |predicted - measured| / "
             f"measured = {s['median_relative_error']:.1%}"
@@ -284,5 +302,4 @@ def run(args: argparse.Namespace) -> int:
                 f"{s['median_reprofiled_relative_error']:.1%})"
             )
         print(line)
-    print(f"results: {store.path}\nnext: specdraft report {store.path} --out {out}")
-    return 0
+    print(f"results: {results}\nnext: specdraft report {results} --out {out}")

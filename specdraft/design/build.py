@@ -152,16 +152,7 @@ def build_draft(
     work = Path(work) if work else out.with_name(out.name + ".work")
     times = {}
     t = time.perf_counter()
-    kw = {
-        "max_new_tokens": cfg.max_new_tokens,
-        "batch_size": cfg.gen_batch,
-        "hidden": True,
-        "progress": progress,
-        "sources": cfg.sources,
-        "gen_dtype": dtypes.torch_dtype(cfg.gen_dtype),
-    }
-    data = target_data(pipe, n_prompts=cfg.prompts, **kw)
-    val = target_data(pipe, n_prompts=cfg.val_prompts, split="val", **kw)
+    data, val = _target_data(pipe, cfg, progress)
     times["data_s"] = round(time.perf_counter() - t, 1)
     log(
         f"data: {len(data)} answers, {data.num_response_tokens} tokens (validation {len(val)}, "
@@ -171,36 +162,13 @@ def build_draft(
     V = pipe.runtime.vocab_size
     head = head_subset(data, cfg.head, V, pipe.eos_ids, prompt_token_counts(pipe))
     draft = make_draft(pipe, cfg, val)
-    if cfg.kind == "feature":
-        from specdraft.design.feature import FeatureDraftLM
-
-        model = FeatureDraftLM(draft, head.token_ids if head else None)
-    else:
-        model = DraftLM(draft, head.token_ids if head else None)
+    model = _draft_model(draft, cfg, head)
     if head:
         log(f"head: {len(head)} tokens cover {head.coverage:.1%} of the target's answer tokens")
     before = validate(model, val, cfg.train.max_len)
     log(f"untrained: validation acceptance {before['alpha']:.3f}")
 
-    result = {}
-    t = time.perf_counter()
-    if cfg.train.steps > 0:
-        res = train_offline(model, data, val, cfg.train, work, progress=progress)
-        result["offline"] = {"steps": res.steps, "val": res.val, "history": res.history}
-    times["train_s"] = round(time.perf_counter() - t, 1)
-    t = time.perf_counter()
-    if cfg.on_policy.rounds > 0 and cfg.kind == "feature":
-        raise SpecdraftError("on-policy training is implemented for token-level drafts (kind layers) only")
-    if cfg.on_policy.rounds > 0:
-        texts = training_prompts(
-            cfg.on_policy.first_prompt + cfg.on_policy.rounds * cfg.on_policy.prompts_per_round
-        )
-        prompts = [pipe.encode(x) for x in texts[cfg.on_policy.first_prompt :]]
-        res = train_on_policy(
-            model, pipe.runtime, prompts, cfg.on_policy, work, eos_ids=pipe.eos_ids, progress=progress
-        )
-        result["on_policy"] = {"rounds": res.steps, "history": res.history}
-    times["on_policy_s"] = round(time.perf_counter() - t, 1)
+    result = _train(model, pipe, cfg, data, val, work, progress, times)
     after = validate(model, val, cfg.train.max_len)
     log(f"trained: validation acceptance {after['alpha']:.3f}")
 
@@ -231,22 +199,13 @@ def build_draft(
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         **result,
     }
-    width = (
-        None
-        if cfg.ffn is None and cfg.kv_heads is None and cfg.q_per_kv is None
-        else {
-            "kv_heads": draft.config.num_key_value_heads,
-            "q_per_kv": draft.config.num_attention_heads // draft.config.num_key_value_heads,
-            "ffn": draft.config.intermediate_size,
-        }
-    )
     meta = DraftMeta.for_target(
         pipe.target.model,
         pipe.target.name,
         kind=cfg.kind,
         head=head,
         init_layers=list(cfg.layers),
-        width=width,
+        width=_width(cfg, draft),
         recipe=recipe,
     )
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.dtype]
@@ -261,6 +220,68 @@ def build_draft(
     )
     log(f"saved {out} ({recipe['params'] / 1e6:.2f} M own parameters)")
     return recipe
+
+
+def _target_data(pipe, cfg: BuildConfig, progress: bool) -> tuple[TargetData, TargetData]:
+    """The target's answers to the training and to the validation prompts (cached)."""
+    kw = {
+        "max_new_tokens": cfg.max_new_tokens,
+        "batch_size": cfg.gen_batch,
+        "hidden": True,
+        "progress": progress,
+        "sources": cfg.sources,
+        "gen_dtype": dtypes.torch_dtype(cfg.gen_dtype),
+    }
+    data = target_data(pipe, n_prompts=cfg.prompts, **kw)
+    val = target_data(pipe, n_prompts=cfg.val_prompts, split="val", **kw)
+    return data, val
+
+
+def _draft_model(draft, cfg: BuildConfig, head):
+    """The trainable module around the draft: token-level, or conditioned on target features."""
+    if cfg.kind == "feature":
+        from specdraft.design.feature import FeatureDraftLM
+
+        return FeatureDraftLM(draft, head.token_ids if head else None)
+    return DraftLM(draft, head.token_ids if head else None)
+
+
+def _train(model, pipe, cfg: BuildConfig, data, val, work: Path, progress: bool, times: dict) -> dict:
+    """Offline distillation, then on-policy rounds, as ``cfg`` asks; their results by stage. Their
+    durations go to ``times`` (``train_s``, ``on_policy_s``)."""
+    result = {}
+    t = time.perf_counter()
+    if cfg.train.steps > 0:
+        res = train_offline(model, data, val, cfg.train, work, progress=progress)
+        result["offline"] = {"steps": res.steps, "val": res.val, "history": res.history}
+    times["train_s"] = round(time.perf_counter() - t, 1)
+    t = time.perf_counter()
+    if cfg.on_policy.rounds > 0 and cfg.kind == "feature":
+        raise SpecdraftError("on-policy training is implemented for token-level drafts (kind layers) only")
+    if cfg.on_policy.rounds > 0:
+        texts = training_prompts(
+            cfg.on_policy.first_prompt + cfg.on_policy.rounds * cfg.on_policy.prompts_per_round
+        )
+        prompts = [pipe.encode(x) for x in texts[cfg.on_policy.first_prompt :]]
+        res = train_on_policy(
+            model, pipe.runtime, prompts, cfg.on_policy, work, eos_ids=pipe.eos_ids, progress=progress
+        )
+        result["on_policy"] = {"rounds": res.steps, "history": res.history}
+    times["on_policy_s"] = round(time.perf_counter() - t, 1)
+    return result
+
+
+def _width(cfg: BuildConfig, draft) -> dict | None:
+    """The draft's own widths when ``cfg`` narrows any (None: the target's)."""
+    return (
+        None
+        if cfg.ffn is None and cfg.kv_heads is None and cfg.q_per_kv is None
+        else {
+            "kv_heads": draft.config.num_key_value_heads,
+            "q_per_kv": draft.config.num_attention_heads // draft.config.num_key_value_heads,
+            "ffn": draft.config.intermediate_size,
+        }
+    )
 
 
 def recipe_markdown(name: str, meta: DraftMeta) -> str:

@@ -156,43 +156,12 @@ def self_prompts(
     """
     from tqdm import tqdm
 
-    from specdraft.models.loading import cache_root
     from specdraft.verify import SamplingParams
 
     tok = pipe.tokenizer
-    if not getattr(tok, "chat_template", None):
-        raise SpecdraftError("the 'self' prompt source needs an instruct target with a chat template")
-    marker = "\x00specdraft\x00"
-    text = tok.apply_chat_template(
-        [{"role": "user", "content": marker}], add_generation_prompt=False, tokenize=False
-    )
-    prefix = tok(text[: text.index(marker)], add_special_tokens=False)["input_ids"]
-    key = hashlib.sha256(
-        json.dumps(
-            {
-                "format": FORMAT,
-                "target": pipe.target.name,
-                "prefix": prefix,
-                "seed": seed,
-                "split": split,
-                "max": max_tokens,
-            }
-        ).encode()
-    ).hexdigest()[:12]
-    path = (Path(cache) if cache else cache_root() / "design") / f"self-prompts-{key}.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    kept, tried = [], 0
-    if path.exists():  # a killed run's cache: a half-written last line is dropped, as in the study store
-        for lineno, rec in enumerate(read_rows(path, tolerate_truncated_tail=True), 1):
-            if not isinstance(rec.get("i"), int) or not isinstance(rec.get("text", 0), (str, type(None))):
-                raise SpecdraftError(
-                    f"{path}: record {lineno} is not {{'i': int, 'text': str or null}}; "
-                    "delete the file and rerun"
-                )
-            tried = max(tried, rec["i"] + 1)
-            if rec["text"] is not None:
-                kept.append(rec["text"])
-        repair_tail(path)
+    prefix = _self_prompt_prefix(tok)
+    path = _self_prompts_path(pipe, prefix, seed=seed, split=split, max_tokens=max_tokens, cache=cache)
+    kept, tried = _read_self_prompts(path)
     if len(kept) >= n:
         return kept[:n]
     base = (seed * 7919 + (0 if split == "train" else 1_000_003)) * 1_000_000
@@ -238,6 +207,55 @@ def self_prompts(
             tried = todo[-1] + 1
     bar.close()
     return kept[:n]
+
+
+def _self_prompt_prefix(tok) -> list[int]:
+    """The chat template's tokens before a user message: where the target starts writing one."""
+    if not getattr(tok, "chat_template", None):
+        raise SpecdraftError("the 'self' prompt source needs an instruct target with a chat template")
+    marker = "\x00specdraft\x00"
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": marker}], add_generation_prompt=False, tokenize=False
+    )
+    return tok(text[: text.index(marker)], add_special_tokens=False)["input_ids"]
+
+
+def _self_prompts_path(pipe, prefix: list[int], *, seed: int, split: str, max_tokens: int, cache) -> Path:
+    """The cache file of one (target, template, seed, split, length cap); its folder exists."""
+    from specdraft.models.loading import cache_root
+
+    key = hashlib.sha256(
+        json.dumps(
+            {
+                "format": FORMAT,
+                "target": pipe.target.name,
+                "prefix": prefix,
+                "seed": seed,
+                "split": split,
+                "max": max_tokens,
+            }
+        ).encode()
+    ).hexdigest()[:12]
+    path = (Path(cache) if cache else cache_root() / "design") / f"self-prompts-{key}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _read_self_prompts(path: Path) -> tuple[list[str], int]:
+    """The requests kept so far and the number of samples tried, from a (killed) run's cache."""
+    kept, tried = [], 0
+    if path.exists():  # a killed run's cache: a half-written last line is dropped, as in the study store
+        for lineno, rec in enumerate(read_rows(path, tolerate_truncated_tail=True), 1):
+            if not isinstance(rec.get("i"), int) or not isinstance(rec.get("text", 0), (str, type(None))):
+                raise SpecdraftError(
+                    f"{path}: record {lineno} is not {{'i': int, 'text': str or null}}; "
+                    "delete the file and rerun"
+                )
+            tried = max(tried, rec["i"] + 1)
+            if rec["text"] is not None:
+                kept.append(rec["text"])
+        repair_tail(path)
+    return kept, tried
 
 
 # ------------------------------------------------------------------------------------ records

@@ -638,7 +638,19 @@ def best_per_batch(st: Study) -> dict[int, dict]:
 
 def findings(st: Study, corr: dict, best: dict[int, dict], online: list[dict]) -> list[str]:
     """Sentences about the original study's claims, each with its verdict computed from the data."""
-    out = []
+    out = [_latency_finding(st, corr), _perplexity_finding(st, corr)]
+    if st.batches and st.drafts:
+        out += [_best_k_finding(st), _batch_size_finding(st, best)]
+    cost = verification_cost(st)
+    if cost:
+        out.append(_verification_finding(cost))
+    if online:
+        out.append(_online_finding(online))
+    return out
+
+
+def _latency_finding(st: Study, corr: dict) -> str:
+    """Throughput depends mainly on draft latency?"""
     b1 = min(st.batches)
     lat, ppl_sp, acc_sp = (
         corr["lat_speedup_spearman"],
@@ -646,127 +658,141 @@ def findings(st: Study, corr: dict, best: dict[int, dict], online: list[dict]) -
         corr["acc_speedup_spearman"],
     )
     if lat is None:
-        out.append(
+        return (
             f"**Throughput depends mainly on draft latency: cannot be judged** from {len(st.drafts)} "
             "draft(s) (a rank correlation needs at least 3 with different latencies)."
         )
-    else:
-        holds = abs(lat) >= 0.5 and (ppl_sp is None or abs(lat) > abs(ppl_sp))
-        fastest = min(st.drafts, key=lambda d: d.t_draft_ms)
-        top = max(st.drafts, key=lambda d: d.best_speedup[b1])
-        out.append(
-            f"**Throughput depends mainly on draft latency: {'holds' if holds else 'does not hold'} "
-            f"here.** Across {len(st.drafts)} drafts at batch {b1} (each at its best k), Spearman rho "
-            f"between draft step latency and predicted speedup is {_fmt(lat)}, against {_fmt(ppl_sp)} "
-            f"for draft perplexity and {_fmt(acc_sp)} for mean accepted length. The best draft is "
-            f"`{short_name(top.draft)}` ({top.best_speedup[b1]:.2f}x at k={top.best_k[b1]}, T_draft "
-            f"{top.t_draft_ms:.2f} ms = {top.t_draft_ms / top.t_target_ms:.1%} of a target step); the "
-            f"cheapest is `{short_name(fastest.draft)}` ({fastest.t_draft_ms:.2f} ms)."
-        )
+    holds = abs(lat) >= 0.5 and (ppl_sp is None or abs(lat) > abs(ppl_sp))
+    fastest = min(st.drafts, key=lambda d: d.t_draft_ms)
+    top = max(st.drafts, key=lambda d: d.best_speedup[b1])
+    return (
+        f"**Throughput depends mainly on draft latency: {'holds' if holds else 'does not hold'} "
+        f"here.** Across {len(st.drafts)} drafts at batch {b1} (each at its best k), Spearman rho "
+        f"between draft step latency and predicted speedup is {_fmt(lat)}, against {_fmt(ppl_sp)} "
+        f"for draft perplexity and {_fmt(acc_sp)} for mean accepted length. The best draft is "
+        f"`{short_name(top.draft)}` ({top.best_speedup[b1]:.2f}x at k={top.best_k[b1]}, T_draft "
+        f"{top.t_draft_ms:.2f} ms = {top.t_draft_ms / top.t_target_ms:.1%} of a target step); the "
+        f"cheapest is `{short_name(fastest.draft)}` ({fastest.t_draft_ms:.2f} ms)."
+    )
+
+
+def _perplexity_finding(st: Study, corr: dict) -> str:
+    """Language-modelling quality (perplexity) barely predicts acceptance?"""
     pa, pa_p, n = corr["ppl_acc_spearman"], corr["ppl_acc_pearson"], corr["n_model_drafts"]
     ds = corr["ppl_acc_ds_spearman"]
     if pa is None and ds is None:
-        out.append(
+        return (
             "**Language-modelling quality (perplexity) barely predicts acceptance: cannot be judged** "
             f"({corr['n_model_drafts']} model draft(s) with a perplexity; a correlation needs at least 3)."
         )
-    else:
-        weak = [abs(x) < 0.5 for x in (pa, ds) if x is not None]
-        holds = all(weak)
-        mixed = any(weak) and not holds
-        verdict = "holds" if holds else ("partly holds" if mixed else "does not hold")
-        top1 = corr["top1_acc_spearman"]
-        out.append(
-            f"**Language-modelling quality (perplexity) barely predicts acceptance: {verdict} here.** "
-            f"Over {n} model drafts, log-perplexity on held-out target text vs mean accepted length "
-            f"(k={st.k_ref}): Pearson {_fmt(pa_p)}, Spearman {_fmt(pa)}; over {corr['n_points_ds']} "
-            f"(draft, dataset) pairs with per-dataset perplexity: Spearman {_fmt(ds)}. (Negative = lower "
-            "perplexity, more accepted tokens; |rho| < 0.5 counts as barely predictive.) Top-1 agreement "
-            f"with the target, by contrast, has Spearman {_fmt(top1)} with acceptance; perplexity vs "
-            f"speedup: Spearman {_fmt(corr['ppl_speedup_spearman'])}."
-        )
-    if st.batches and st.drafts:
-        parts = []
-        for b in st.batches:
-            every = [d.best_k[b] for d in st.drafts]
-            paying = [d.best_k[b] for d in st.drafts if d.best_speedup[b] > 1.0]
-            parts.append(
-                f"batch {b}: {statistics.median(every):g} over all drafts, "
-                + (
-                    f"{statistics.median(paying):g} over the {len(paying)} that beat plain decoding"
-                    if paying
-                    else "none beats plain decoding"
-                )
-            )
-        model_ks = {b: [d.best_k[b] for d in st.drafts if d.kind == "model"] for b in st.batches}
-        first, last = st.batches[0], st.batches[-1]
-        shrinks = (
-            model_ks[first]
-            and model_ks[last]
-            and statistics.median(model_ks[last]) < statistics.median(model_ks[first])
-        )
-        out.append(
-            "**The best k** (median of each draft's k with the highest predicted throughput): "
-            f"{'; '.join(parts)}. "
+    weak = [abs(x) < 0.5 for x in (pa, ds) if x is not None]
+    holds = all(weak)
+    mixed = any(weak) and not holds
+    verdict = "holds" if holds else ("partly holds" if mixed else "does not hold")
+    top1 = corr["top1_acc_spearman"]
+    return (
+        f"**Language-modelling quality (perplexity) barely predicts acceptance: {verdict} here.** "
+        f"Over {n} model drafts, log-perplexity on held-out target text vs mean accepted length "
+        f"(k={st.k_ref}): Pearson {_fmt(pa_p)}, Spearman {_fmt(pa)}; over {corr['n_points_ds']} "
+        f"(draft, dataset) pairs with per-dataset perplexity: Spearman {_fmt(ds)}. (Negative = lower "
+        "perplexity, more accepted tokens; |rho| < 0.5 counts as barely predictive.) Top-1 agreement "
+        f"with the target, by contrast, has Spearman {_fmt(top1)} with acceptance; perplexity vs "
+        f"speedup: Spearman {_fmt(corr['ppl_speedup_spearman'])}."
+    )
+
+
+def _best_k_finding(st: Study) -> str:
+    """The best k per batch size, and whether it shrinks as the batch grows."""
+    parts = []
+    for b in st.batches:
+        every = [d.best_k[b] for d in st.drafts]
+        paying = [d.best_k[b] for d in st.drafts if d.best_speedup[b] > 1.0]
+        parts.append(
+            f"batch {b}: {statistics.median(every):g} over all drafts, "
             + (
-                "The best k shrinks as the batch grows: verification scores b x (k + 1) tokens, so extra "
-                "draft tokens cost more in a bigger batch."
-                if shrinks
-                else "The best k does not shrink with batch size here."
+                f"{statistics.median(paying):g} over the {len(paying)} that beat plain decoding"
+                if paying
+                else "none beats plain decoding"
             )
         )
-        sp = {b: best[b]["speedup"] for b in st.batches}
-        falls = sp[last] < sp[first]
-        out.append(
-            "**Batch size:** the best configuration's predicted speedup is "
-            + ", ".join(
-                f"{sp[b]:.2f}x at batch {b} (`{short_name(best[b]['draft'])}`, k={best[b]['k']})"
-                for b in st.batches
-            )
-            + (
-                " - speculation pays less as the batch grows (the target step becomes compute-bound)."
-                if falls
-                else " - it does not fall with batch size here."
-            )
+    model_ks = {b: [d.best_k[b] for d in st.drafts if d.kind == "model"] for b in st.batches}
+    first, last = st.batches[0], st.batches[-1]
+    shrinks = (
+        model_ks[first]
+        and model_ks[last]
+        and statistics.median(model_ks[last]) < statistics.median(model_ks[first])
+    )
+    return (
+        "**The best k** (median of each draft's k with the highest predicted throughput): "
+        f"{'; '.join(parts)}. "
+        + (
+            "The best k shrinks as the batch grows: verification scores b x (k + 1) tokens, so extra "
+            "draft tokens cost more in a bigger batch."
+            if shrinks
+            else "The best k does not shrink with batch size here."
         )
-    cost = verification_cost(st)
-    if cost:
-        b_lo, b_hi = cost["batches"]
-        out.append(
-            "**Verification cost on this hardware:** a target forward over k + 1 tokens costs "
-            + ", ".join(f"{cost[b_lo][n]:.2f}x" for n in sorted(cost[b_lo]) if n > 1)
-            + f" a plain step for k = {', '.join(str(n - 1) for n in sorted(cost[b_lo]) if n > 1)} at "
-            f"batch {b_lo}, and "
-            + ", ".join(f"{cost[b_hi][n]:.2f}x" for n in sorted(cost[b_hi]) if n > 1)
-            + f" at batch {b_hi} (context {cost['context']}). A draft pays only when its accepted tokens "
-            "per step outgrow this ratio plus its own cost: with T_target(k + 1) far above T_target(1), "
-            "even a free draft (prompt lookup) needs long accepted runs."
+    )
+
+
+def _batch_size_finding(st: Study, best: dict[int, dict]) -> str:
+    """Whether the best predicted speedup falls with batch size."""
+    first, last = st.batches[0], st.batches[-1]
+    sp = {b: best[b]["speedup"] for b in st.batches}
+    falls = sp[last] < sp[first]
+    return (
+        "**Batch size:** the best configuration's predicted speedup is "
+        + ", ".join(
+            f"{sp[b]:.2f}x at batch {b} (`{short_name(best[b]['draft'])}`, k={best[b]['k']})"
+            for b in st.batches
         )
-    if online:
-        med = statistics.median(r["relative_error"] for r in online)
-        within = sum(r["relative_error"] <= 0.10 for r in online)
-        acc_eq = sum(
-            abs(r["online_mean_accepted_length"] - r["offline_mean_accepted_length"]) < 1e-6 for r in online
+        + (
+            " - speculation pays less as the batch grows (the target step becomes compute-bound)."
+            if falls
+            else " - it does not fall with batch size here."
         )
-        line = (
-            f"**Analytic model vs real runs:** median |predicted - measured| / measured = {med:.1%} over "
-            f"{len(online)} configurations run online ({within} within 10%); the online mean accepted "
-            f"length equals the offline one in {acc_eq} of {len(online)} runs"
+    )
+
+
+def _verification_finding(cost: dict) -> str:
+    """What a target forward over k + 1 tokens costs relative to a plain step."""
+    b_lo, b_hi = cost["batches"]
+    return (
+        "**Verification cost on this hardware:** a target forward over k + 1 tokens costs "
+        + ", ".join(f"{cost[b_lo][n]:.2f}x" for n in sorted(cost[b_lo]) if n > 1)
+        + f" a plain step for k = {', '.join(str(n - 1) for n in sorted(cost[b_lo]) if n > 1)} at "
+        f"batch {b_lo}, and "
+        + ", ".join(f"{cost[b_hi][n]:.2f}x" for n in sorted(cost[b_hi]) if n > 1)
+        + f" at batch {b_hi} (context {cost['context']}). A draft pays only when its accepted tokens "
+        "per step outgrow this ratio plus its own cost: with T_target(k + 1) far above T_target(1), "
+        "even a free draft (prompt lookup) needs long accepted runs."
+    )
+
+
+def _online_finding(online: list[dict]) -> str:
+    """The analytic model's error against real (online) runs."""
+    med = statistics.median(r["relative_error"] for r in online)
+    within = sum(r["relative_error"] <= 0.10 for r in online)
+    acc_eq = sum(
+        abs(r["online_mean_accepted_length"] - r["offline_mean_accepted_length"]) < 1e-6 for r in online
+    )
+    line = (
+        f"**Analytic model vs real runs:** median |predicted - measured| / measured = {med:.1%} over "
+        f"{len(online)} configurations run online ({within} within 10%); the online mean accepted "
+        f"length equals the offline one in {acc_eq} of {len(online)} runs"
+    )
+    re = [r["reprofiled_relative_error"] for r in online if "reprofiled_relative_error" in r]
+    if re:
+        line += (
+            "; with latencies re-measured right before and after each run the median error is "
+            f"{statistics.median(re):.1%}"
         )
-        re = [r["reprofiled_relative_error"] for r in online if "reprofiled_relative_error" in r]
-        if re:
-            line += (
-                "; with latencies re-measured right before and after each run the median error is "
-                f"{statistics.median(re):.1%}"
-            )
-        cf = [r["analytic_relative_error"] for r in online if "analytic_relative_error" in r]
-        if cf:
-            line += (
-                "; the closed form b E[tokens] / (k T_draft + T_target(k + 1)) at the mean context, "
-                f"without the step-by-step replay, has median error {statistics.median(cf):.1%}"
-            )
-        out.append(line + ".")
-    return out
+    cf = [r["analytic_relative_error"] for r in online if "analytic_relative_error" in r]
+    if cf:
+        line += (
+            "; the closed form b E[tokens] / (k T_draft + T_target(k + 1)) at the mean context, "
+            f"without the step-by-step replay, has median error {statistics.median(cf):.1%}"
+        )
+    return line + "."
 
 
 # ------------------------------------------------------------------------------------------------
@@ -778,10 +804,27 @@ def _study_sections(st: Study, inp: Inputs, out_dir: Path) -> tuple[list[str], l
     """(findings, body sections) for study results."""
     corr = correlations(st)
     best = best_per_batch(st)
-    body = []
     plot_throughput_vs_k(st, out_dir / "throughput_vs_k.png")
     plot_speedup_vs_latency(st, out_dir / "speedup_vs_latency.png")
-    body.append(
+    body = [
+        _drafts_section(st),
+        "## Throughput vs k\n\n![throughput vs k](throughput_vs_k.png)",
+        "## Speedup vs draft latency\n\n![speedup vs draft latency](speedup_vs_latency.png)",
+    ]
+    if any(d.perplexity is not None for d in st.drafts):
+        body.append(_perplexity_section(st, corr, out_dir))
+    breakdown = _breakdown_section(inp, out_dir)
+    if breakdown:
+        body.append(breakdown)
+    if st.online:
+        body.append(_online_section(st.online, out_dir))
+    body.append(_best_section(st, best, out_dir))
+    return findings(st, corr, best, st.online), body
+
+
+def _drafts_section(st: Study) -> str:
+    """One table row per draft: latency, quality, acceptance, best k and speedup per batch size."""
+    return (
         "## Drafts\n\n"
         + _table(
             [
@@ -812,43 +855,48 @@ def _study_sections(st: Study, inp: Inputs, out_dir: Path) -> tuple[list[str], l
         "Speedups are predicted steady-state decode throughput over plain decoding of the same target, "
         "mean over datasets."
     )
-    body.append("## Throughput vs k\n\n![throughput vs k](throughput_vs_k.png)")
-    body.append("## Speedup vs draft latency\n\n![speedup vs draft latency](speedup_vs_latency.png)")
-    if any(d.perplexity is not None for d in st.drafts):
-        plot_acceptance_vs_perplexity(st, out_dir / "acceptance_vs_perplexity.png", corr)
-        body.append(
-            "## Acceptance vs draft perplexity\n\n"
-            "![acceptance vs perplexity](acceptance_vs_perplexity.png)\n\n"
-            + _table(
-                ["pair", "n", "Pearson", "Spearman"],
+
+
+def _perplexity_section(st: Study, corr: dict, out_dir: Path) -> str:
+    """Acceptance vs draft perplexity: the plot and the correlations."""
+    plot_acceptance_vs_perplexity(st, out_dir / "acceptance_vs_perplexity.png", corr)
+    return (
+        "## Acceptance vs draft perplexity\n\n"
+        "![acceptance vs perplexity](acceptance_vs_perplexity.png)\n\n"
+        + _table(
+            ["pair", "n", "Pearson", "Spearman"],
+            [
                 [
-                    [
-                        "log perplexity vs accepted/step (per draft)",
-                        corr["n_model_drafts"],
-                        _fmt(corr["ppl_acc_pearson"]),
-                        _fmt(corr["ppl_acc_spearman"]),
-                    ],
-                    [
-                        "log perplexity vs accepted/step (per draft and dataset)",
-                        corr["n_points_ds"],
-                        _fmt(corr["ppl_acc_ds_pearson"]),
-                        _fmt(corr["ppl_acc_ds_spearman"]),
-                    ],
-                    [
-                        "log perplexity vs speedup (per draft)",
-                        corr["n_model_drafts"],
-                        _fmt(corr["ppl_speedup_pearson"]),
-                        _fmt(corr["ppl_speedup_spearman"]),
-                    ],
-                    [
-                        "draft latency vs speedup (all drafts)",
-                        len(st.drafts),
-                        _fmt(corr["lat_speedup_pearson"]),
-                        _fmt(corr["lat_speedup_spearman"]),
-                    ],
+                    "log perplexity vs accepted/step (per draft)",
+                    corr["n_model_drafts"],
+                    _fmt(corr["ppl_acc_pearson"]),
+                    _fmt(corr["ppl_acc_spearman"]),
                 ],
-            )
+                [
+                    "log perplexity vs accepted/step (per draft and dataset)",
+                    corr["n_points_ds"],
+                    _fmt(corr["ppl_acc_ds_pearson"]),
+                    _fmt(corr["ppl_acc_ds_spearman"]),
+                ],
+                [
+                    "log perplexity vs speedup (per draft)",
+                    corr["n_model_drafts"],
+                    _fmt(corr["ppl_speedup_pearson"]),
+                    _fmt(corr["ppl_speedup_spearman"]),
+                ],
+                [
+                    "draft latency vs speedup (all drafts)",
+                    len(st.drafts),
+                    _fmt(corr["lat_speedup_pearson"]),
+                    _fmt(corr["lat_speedup_spearman"]),
+                ],
+            ],
         )
+    )
+
+
+def _breakdown_section(inp: Inputs, out_dir: Path) -> str | None:
+    """The draft-step latency breakdown of the study's latency rows and profile files, if any."""
     breakdowns = {}
     for r in inp.latency:
         for c in sorted(r.get("profiles", {}), key=int):
@@ -859,49 +907,57 @@ def _study_sections(st: Study, inp: Inputs, out_dir: Path) -> tuple[list[str], l
     for path, doc in inp.profiles:
         if doc.get("draft_breakdown"):
             breakdowns[f"{doc.get('draft', path.stem)} ({path.name})"] = doc["draft_breakdown"]
-    if breakdowns:
-        plot_breakdown(breakdowns, out_dir / "draft_latency_breakdown.png")
-        body.append(
-            "## Draft-step latency breakdown\n\n![draft latency breakdown](draft_latency_breakdown.png)\n\n"
-            "From the profiler (`specdraft.bench.profile`): one batch-1 draft step under torch.profiler, "
-            "scaled to its unprofiled median."
-        )
-    if st.online:
-        plot_predicted_vs_measured(st.online, out_dir / "predicted_vs_measured.png")
-        body.append(
-            "## Predicted vs measured throughput\n\n![predicted vs measured](predicted_vs_measured.png)\n\n"
-            + _table(
+    if not breakdowns:
+        return None
+    plot_breakdown(breakdowns, out_dir / "draft_latency_breakdown.png")
+    return (
+        "## Draft-step latency breakdown\n\n![draft latency breakdown](draft_latency_breakdown.png)\n\n"
+        "From the profiler (`specdraft.bench.profile`): one batch-1 draft step under torch.profiler, "
+        "scaled to its unprofiled median."
+    )
+
+
+def _online_section(online: list[dict], out_dir: Path) -> str:
+    """Predicted vs measured throughput of the online validation runs."""
+    plot_predicted_vs_measured(online, out_dir / "predicted_vs_measured.png")
+    return (
+        "## Predicted vs measured throughput\n\n![predicted vs measured](predicted_vs_measured.png)\n\n"
+        + _table(
+            [
+                "draft",
+                "dataset",
+                "k",
+                "batch",
+                "measured tok/s",
+                "predicted tok/s",
+                "error",
+                "accepted/step online",
+                "offline",
+                "outputs = cached",
+            ],
+            [
                 [
-                    "draft",
-                    "dataset",
-                    "k",
-                    "batch",
-                    "measured tok/s",
-                    "predicted tok/s",
-                    "error",
-                    "accepted/step online",
-                    "offline",
-                    "outputs = cached",
-                ],
-                [
-                    [
-                        f"`{short_name(r['draft'])}`",
-                        r["dataset"],
-                        r["k"],
-                        r["batch"],
-                        f"{r['measured_tokens_per_s']:.1f}",
-                        f"{r['predicted_tokens_per_s']:.1f}",
-                        f"{r['relative_error']:.1%}",
-                        f"{r['online_mean_accepted_length']:.3f}",
-                        f"{r['offline_mean_accepted_length']:.3f}",
-                        f"{r['outputs_equal_cached']}/{r['prompts']}",
-                    ]
-                    for r in st.online
-                ],
-            )
-            + "\n\nMeasured: steady-state decode tokens/s of a real engine run (prefill and each batch's "
-            "first step left out, as in the prediction)."
+                    f"`{short_name(r['draft'])}`",
+                    r["dataset"],
+                    r["k"],
+                    r["batch"],
+                    f"{r['measured_tokens_per_s']:.1f}",
+                    f"{r['predicted_tokens_per_s']:.1f}",
+                    f"{r['relative_error']:.1%}",
+                    f"{r['online_mean_accepted_length']:.3f}",
+                    f"{r['offline_mean_accepted_length']:.3f}",
+                    f"{r['outputs_equal_cached']}/{r['prompts']}",
+                ]
+                for r in online
+            ],
         )
+        + "\n\nMeasured: steady-state decode tokens/s of a real engine run (prefill and each batch's "
+        "first step left out, as in the prediction)."
+    )
+
+
+def _best_section(st: Study, best: dict[int, dict], out_dir: Path) -> str:
+    """The best configuration per batch size, overall and per dataset."""
     plot_best_per_batch(st, best, out_dir / "best_per_batch.png")
     per_ds = []
     for ds in st.datasets:
@@ -924,7 +980,7 @@ def _study_sections(st: Study, inp: Inputs, out_dir: Path) -> tuple[list[str], l
                         f"{r['mean_accepted_length']:.2f}",
                     ]
                 )
-    body.append(
+    return (
         "## Best configuration per batch size\n\n![best per batch](best_per_batch.png)\n\n"
         + _table(
             ["batch", "draft", "k", "predicted tok/s", "plain tok/s", "speedup"],
@@ -943,7 +999,6 @@ def _study_sections(st: Study, inp: Inputs, out_dir: Path) -> tuple[list[str], l
         + "\n\nPer dataset (smallest and largest batch):\n\n"
         + _table(["dataset", "batch", "draft", "k", "predicted tok/s", "speedup", "accepted/step"], per_ds)
     )
-    return findings(st, corr, best, st.online), body
 
 
 def _bench_sections(inp: Inputs, out_dir: Path) -> tuple[list[str], list[str]]:

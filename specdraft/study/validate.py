@@ -21,16 +21,20 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from specdraft import analytic
 from specdraft.engine import Engine, Request
 from specdraft.policy import FixedK
 from specdraft.stats import SpecStats
 from specdraft.study.latency import Latencies, draft_kind, measure_draft, measure_target
-from specdraft.study.offline import offline_proposals, simulate
+from specdraft.study.offline import Simulation, offline_proposals, simulate
 from specdraft.study.store import ResultStore, code_version, row_key
 from specdraft.study.sweep import Dataset, StudyConfig, build_drafter, load_target, predict
 from specdraft.verify import SamplingParams
+
+if TYPE_CHECKING:
+    from specdraft.api import Pipeline
 
 
 @dataclass
@@ -155,8 +159,7 @@ def validate(
     out = []
     for i, row in enumerate(choose(rows, n), 1):
         ds = datasets[row["dataset"]]
-        k, b, draft = row["k"], row["batch"], row["draft"]
-        count = max(b, prompts or len(ds.sequences))
+        count = max(row["batch"], prompts or len(ds.sequences))
         seqs = [s for s in ds.sequences if s.continuation][:count]
         cfg = {
             "kind": "online",
@@ -168,97 +171,117 @@ def validate(
         if key in store:
             out.append(next(r for r in store.rows if r.get("key") == key))
             continue
-        drafter = build_drafter(pipe, draft, config.draft_dtype)
-        props = [offline_proposals(drafter, s, k) for s in seqs]
-        sim = simulate(props, k, b)
-        tok, sec = predict(sim, lat, draft)
-        predicted = tok / sec
-        ctx = statistics.mean(s.context for s in sim.steps if not s.first)
-        closed = analytic.batch_throughput(
-            sim.mean_accepted_length,
-            k,
-            b,
-            lambda bb: lat.draft_time(draft, bb, ctx),
-            lambda bb, n: lat.target_time(bb, n, ctx),
-            draft_calls=lat.draft_calls(draft, k),
-        )
-        sizes = sorted({x for x in config.batches if x <= b} | {b})
-        ctxs = sorted({min(s.context for s in sim.steps), max(s.context for s in sim.steps)})
-
-        def fresh() -> Latencies:  # the batch sizes and context range this run decodes at
-            return Latencies(
-                target=measure_target(
-                    pipe.runtime,
-                    batch_sizes=sizes,
-                    k_max=k,
-                    contexts=ctxs,
-                    repeats=config.profile_repeats,
-                    name=config.target,
-                ),
-                drafts={
-                    draft: measure_draft(
-                        pipe.runtime,
-                        drafter,
-                        draft,
-                        batch_sizes=sizes,
-                        contexts=ctxs,
-                        repeats=config.profile_repeats,
-                        name=config.target,
-                    )
-                },
-                draft_kinds={draft: draft_kind(drafter)},
-            )
-
-        # warm-up (first-call allocations), then the timed run
-        online_run(pipe.runtime, drafter, [seqs[0].prompt], k, 1, 4, pipe.eos_ids)
-        before = fresh() if reprofile else None
-        run = online_run(
-            pipe.runtime, drafter, [s.prompt for s in seqs], k, b, config.max_new_tokens, pipe.eos_ids
-        )
-        after = fresh() if reprofile else None
-        same = sum(o == s.continuation for o, s in zip(run.outputs, seqs))
-        result = {
-            "key": key,
-            "kind": "online",
-            "code_version": version,
-            "config": cfg,
-            "validates": row["key"],
-            "target": config.target,
-            "draft": draft,
-            "dataset": row["dataset"],
-            "k": k,
-            "batch": b,
-            "prompts": len(seqs),
-            "outputs_equal_cached": same,
-            "measured_tokens_per_s": round(run.tokens_per_s, 4),
-            "measured_total_tokens_per_s": round(run.total_tokens / run.total_seconds, 4)
-            if run.total_seconds
-            else None,
-            "predicted_tokens_per_s": round(predicted, 4),
-            "relative_error": round(analytic.relative_error(predicted, run.tokens_per_s), 5),
-            "analytic_tokens_per_s": round(closed, 4),
-            "analytic_relative_error": round(analytic.relative_error(closed, run.tokens_per_s), 5),
-            "online_mean_accepted_length": round(run.stats.mean_accepted_length, 5),
-            "offline_mean_accepted_length": round(sim.mean_accepted_length, 5),
-            "online_draft_time_s": round(run.stats.draft_time, 5),
-            "online_target_time_s": round(run.stats.target_time, 5),
-            "seconds": round(run.total_seconds, 3),
-        }
-        if reprofile:
-            seconds = statistics.mean(predict(sim, lt, draft)[1] for lt in (before, after))
-            result["reprofiled_predicted_tokens_per_s"] = round(tok / seconds, 4)
-            result["reprofiled_relative_error"] = round(
-                analytic.relative_error(tok / seconds, run.tokens_per_s), 5
-            )
+        fields, summary = _validate_one(config, pipe, lat, row, seqs, reprofile)
+        result = {"key": key, "kind": "online", "code_version": version, "config": cfg, **fields}
         store.append(result)
         out.append(result)
-        log(
-            f"validate {i}/{n}: {draft} k={k} b={b} {row['dataset']}: measured {run.tokens_per_s:.1f} tok/s, "
-            f"predicted {predicted:.1f} ({result['relative_error']:.1%}); accepted/step online "
-            f"{result['online_mean_accepted_length']:.2f} vs offline "
-            f"{result['offline_mean_accepted_length']:.2f}"
-        )
+        log(f"validate {i}/{n}: {summary}")
     return out
+
+
+def _validate_one(
+    config: StudyConfig, pipe: Pipeline, lat: Latencies, row: dict, seqs: list, reprofile: bool
+) -> tuple[dict, str]:
+    """One configuration: its prediction from the sweep's latencies, then a real engine run on
+    ``seqs`` (with latencies re-measured around it when ``reprofile``).
+
+    Returns:
+        The row's fields after ``key``, ``kind``, ``code_version`` and ``config``, and a one-line
+        summary for the log.
+    """
+    k, b, draft = row["k"], row["batch"], row["draft"]
+    drafter = build_drafter(pipe, draft, config.draft_dtype)
+    props = [offline_proposals(drafter, s, k) for s in seqs]
+    sim = simulate(props, k, b)
+    tok, sec = predict(sim, lat, draft)
+    predicted = tok / sec
+    closed = _closed_form(sim, lat, draft, k, b)
+    sizes = sorted({x for x in config.batches if x <= b} | {b})
+    ctxs = sorted({min(s.context for s in sim.steps), max(s.context for s in sim.steps)})
+    # warm-up (first-call allocations), then the timed run
+    online_run(pipe.runtime, drafter, [seqs[0].prompt], k, 1, 4, pipe.eos_ids)
+    before = _measure(config, pipe, drafter, draft, k, sizes, ctxs) if reprofile else None
+    run = online_run(
+        pipe.runtime, drafter, [s.prompt for s in seqs], k, b, config.max_new_tokens, pipe.eos_ids
+    )
+    after = _measure(config, pipe, drafter, draft, k, sizes, ctxs) if reprofile else None
+    same = sum(o == s.continuation for o, s in zip(run.outputs, seqs))
+    result = {
+        "validates": row["key"],
+        "target": config.target,
+        "draft": draft,
+        "dataset": row["dataset"],
+        "k": k,
+        "batch": b,
+        "prompts": len(seqs),
+        "outputs_equal_cached": same,
+        "measured_tokens_per_s": round(run.tokens_per_s, 4),
+        "measured_total_tokens_per_s": round(run.total_tokens / run.total_seconds, 4)
+        if run.total_seconds
+        else None,
+        "predicted_tokens_per_s": round(predicted, 4),
+        "relative_error": round(analytic.relative_error(predicted, run.tokens_per_s), 5),
+        "analytic_tokens_per_s": round(closed, 4),
+        "analytic_relative_error": round(analytic.relative_error(closed, run.tokens_per_s), 5),
+        "online_mean_accepted_length": round(run.stats.mean_accepted_length, 5),
+        "offline_mean_accepted_length": round(sim.mean_accepted_length, 5),
+        "online_draft_time_s": round(run.stats.draft_time, 5),
+        "online_target_time_s": round(run.stats.target_time, 5),
+        "seconds": round(run.total_seconds, 3),
+    }
+    if reprofile:
+        seconds = statistics.mean(predict(sim, lt, draft)[1] for lt in (before, after))
+        result["reprofiled_predicted_tokens_per_s"] = round(tok / seconds, 4)
+        result["reprofiled_relative_error"] = round(
+            analytic.relative_error(tok / seconds, run.tokens_per_s), 5
+        )
+    summary = (
+        f"{draft} k={k} b={b} {row['dataset']}: measured {run.tokens_per_s:.1f} tok/s, predicted "
+        f"{predicted:.1f} ({result['relative_error']:.1%}); accepted/step online "
+        f"{result['online_mean_accepted_length']:.2f} vs offline {result['offline_mean_accepted_length']:.2f}"
+    )
+    return result, summary
+
+
+def _closed_form(sim: Simulation, lat: Latencies, draft: str, k: int, b: int) -> float:
+    """The closed-form batch throughput at the simulation's mean context (no step-by-step replay)."""
+    ctx = statistics.mean(s.context for s in sim.steps if not s.first)
+    return analytic.batch_throughput(
+        sim.mean_accepted_length,
+        k,
+        b,
+        lambda bb: lat.draft_time(draft, bb, ctx),
+        lambda bb, n: lat.target_time(bb, n, ctx),
+        draft_calls=lat.draft_calls(draft, k),
+    )
+
+
+def _measure(
+    config: StudyConfig, pipe: Pipeline, drafter, draft: str, k: int, sizes: list[int], ctxs: list[int]
+) -> Latencies:
+    """Latencies re-measured at the batch sizes and context range one validation run decodes at."""
+    return Latencies(
+        target=measure_target(
+            pipe.runtime,
+            batch_sizes=sizes,
+            k_max=k,
+            contexts=ctxs,
+            repeats=config.profile_repeats,
+            name=config.target,
+        ),
+        drafts={
+            draft: measure_draft(
+                pipe.runtime,
+                drafter,
+                draft,
+                batch_sizes=sizes,
+                contexts=ctxs,
+                repeats=config.profile_repeats,
+                name=config.target,
+            )
+        },
+        draft_kinds={draft: draft_kind(drafter)},
+    )
 
 
 def summarize(online_rows: list[dict]) -> dict:
