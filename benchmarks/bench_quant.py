@@ -2,15 +2,17 @@
 
 In one run, on the same chat-templated token ids and thread count:
 
-- decode rate: plain greedy generation, runtimes alternating prompt by prompt (A B, then B A),
-  tokens after the first over the time after the first (prefill excluded), and end to end;
+- decode rate: greedy generation, plain and with the default drafter (prompt lookup, ``--k auto``),
+  runtimes alternating prompt by prompt (A B, then B A), tokens after the first over the time
+  after the first (prefill excluded), and end to end;
 - T(n) / T(1), n = 1..9: one forward of n new tokens at a ``--context``-token cache, rounds
   alternating between the runtimes, medians;
 - greedy agreement: the fraction of prompts whose outputs are identical, the mean common prefix,
   and the position-wise token agreement;
 - start to first token and peak RSS: a fresh Python process per runtime (warm caches), each
-  loading what a generation needs (tokenizer included) and running one prefill; peak RSS is the
-  process's VmHWM (ru_maxrss would carry over the parent's peak through fork and exec).
+  running ``api.load(..., dtype="auto" | "q")`` (what ``specdraft generate --dtype ...`` loads:
+  for ``q`` the tokenizer only) and one prefill; peak RSS is the process's VmHWM (ru_maxrss
+  would carry over the parent's peak through fork and exec).
 
     .venv/bin/python benchmarks/bench_quant.py --threads 2
 """
@@ -29,10 +31,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.engine import Engine, Request, generate
 from specdraft.models import loading
 from specdraft.models.llama import LlamaRuntime, LlamaWeights
 from specdraft.models.quant import QuantRuntime
+from specdraft.policy import make_policy
 
 PROMPTS = [
     "Explain why the sky is blue in two short paragraphs.",
@@ -43,53 +47,47 @@ PROMPTS = [
     "Give me a recipe for a simple tomato soup.",
 ]
 
-CHILD = {
-    "bf16 compact": """
+CHILD = """
 import torch
-from specdraft.models.loading import load_model
-from specdraft.models.llama import LlamaRuntime, LlamaWeights
-torch.set_num_threads({threads})
-m = load_model("smollm2-135m", torch.float32)
-rt = LlamaRuntime(LlamaWeights.from_hf(m.model, torch.bfloat16))
-tok = m.tokenizer
-""",
-    "quantized": """
-import torch
-from transformers import AutoTokenizer
-from specdraft.models.quant import QuantRuntime
-torch.set_num_threads({threads})
-rt = QuantRuntime({gguf!r})
-tok = AutoTokenizer.from_pretrained({cache!r}, local_files_only=True)
-""",
-}
-CHILD_TAIL = """
-ids = tok("<|im_start|>user\\nHello<|im_end|>\\n<|im_start|>assistant\\n")["input_ids"]
-ids = torch.tensor([list(ids)])
+from specdraft import api
+pipe = api.load("smollm2-135m", "none", dtype={dtype!r}, threads={threads})
+ids = torch.tensor([pipe.encode("Hello")])
+rt = pipe.runtime
 out = rt.forward(rt.new_state(1, 64), ids, torch.arange(ids.shape[1]).unsqueeze(0))
 hwm = [line for line in open("/proc/self/status") if line.startswith("VmHWM")][0]  # this process's peak
 print(int(out.logits[0, -1].argmax()), int(hwm.split()[1]) // 1024)
 """
+DTYPE = {"bf16 compact": "auto", "quantized": "q"}
 
 
 def chat_ids(tok, text: str) -> list[int]:
-    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+    )
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
 
 
-def startup(name: str, threads: int, gguf: Path, cache: Path) -> tuple[float, int]:
+def startup(name: str, threads: int) -> tuple[float, int]:
     """Seconds from process start to the first token's logits, and peak RSS (MB)."""
-    code = CHILD[name].format(threads=threads, gguf=str(gguf), cache=str(cache)) + CHILD_TAIL
+    code = CHILD.format(dtype=DTYPE[name], threads=threads)
     t = time.perf_counter()
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, cwd=Path(__file__).resolve().parents[1])
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     dt = time.perf_counter() - t
     if r.returncode:
         raise RuntimeError(r.stderr[-2000:])
     return dt, int(r.stdout.split()[-1])
 
 
-def run_plain(rt, prompt: list[int], n: int) -> tuple[list[int], float, float]:
-    """Greedy tokens, seconds for all of them, seconds after the first."""
-    eng = Engine(rt)
+def run_plain(rt, prompt: list[int], n: int, speculative: bool = False) -> tuple[list[int], float, float]:
+    """Greedy tokens, seconds for all of them, seconds after the first; plain decoding, or the
+    default drafter (prompt lookup) with ``--k auto``."""
+    eng = Engine(rt, PromptLookupDrafter(), make_policy("auto")) if speculative else Engine(rt)
     toks: list[int] = []
     t0 = time.perf_counter()
     t1 = None
@@ -104,7 +102,12 @@ def run_plain(rt, prompt: list[int], n: int) -> tuple[list[int], float, float]:
 def step_time(rt, n: int, context: int, reps: int) -> float:
     state = rt.new_state(1, context + 16)
     ids = torch.randint(0, 49000, (1, context + n), generator=torch.Generator().manual_seed(0))
-    rt.forward(state, ids[:, :context], torch.arange(context).unsqueeze(0), logits_index=torch.tensor([[context - 1]]))
+    rt.forward(
+        state,
+        ids[:, :context],
+        torch.arange(context).unsqueeze(0),
+        logits_index=torch.tensor([[context - 1]]),
+    )
     pos = torch.arange(context, context + n).unsqueeze(0)
     times = []
     for _ in range(reps):
@@ -112,6 +115,34 @@ def step_time(rt, n: int, context: int, reps: int) -> float:
         rt.forward(state, ids[:, context:], pos)
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def decode_rates(
+    runtimes, prompts, new_tokens: int, speculative: bool, report: dict
+) -> dict[str, list[list[int]]]:
+    """Greedy decoding of every prompt by each runtime, alternating (A B, then B A); prints and
+    records tokens/s after the first token and end to end; returns the tokens."""
+    names = list(runtimes)
+    outs: dict[str, list[list[int]]] = {n: [] for n in names}
+    total = {n: 0.0 for n in names}
+    after_first = {n: 0.0 for n in names}
+    for i, prompt in enumerate(prompts):
+        for name in names if i % 2 == 0 else names[::-1]:
+            toks, dt, dt1 = run_plain(runtimes[name], prompt, new_tokens, speculative)
+            outs[name].append(toks)
+            total[name] += dt
+            after_first[name] += dt1
+    kind = "with the default drafter (prompt lookup, --k auto)" if speculative else "plain"
+    print(f"\ngreedy decoding, {kind}, {len(prompts)} prompts x {new_tokens} new tokens")
+    for n in names:
+        n_tok = sum(len(t) for t in outs[n])
+        dec, e2e = (n_tok - len(prompts)) / after_first[n], n_tok / total[n]
+        report.setdefault("decode_tokens_per_s", {})[n] = dec
+        report.setdefault("end_to_end_tokens_per_s", {})[n] = e2e
+        print(f"  {n:14s} decode {dec:6.1f} tok/s   end to end {e2e:6.1f} tok/s")
+    q, b = report["decode_tokens_per_s"]["quantized"], report["decode_tokens_per_s"]["bf16 compact"]
+    print(f"  quantized / bf16 decode: {q / b:.2f}x", flush=True)
+    return outs
 
 
 def main(argv=None) -> int:
@@ -123,10 +154,13 @@ def main(argv=None) -> int:
     p.add_argument("--startup-runs", type=int, default=2)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    print("command: .venv/bin/python benchmarks/bench_quant.py " + " ".join(sys.argv[1:] if argv is None else argv), flush=True)
+    print(
+        "command: .venv/bin/python benchmarks/bench_quant.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        flush=True,
+    )
     torch.set_num_threads(args.threads)
     gguf = loading._smollm2_gguf()
-    cache = loading._cache_dir("smollm2-135m", [gguf])
     loaded = loading.load_model("smollm2-135m", torch.float32)  # converts once, if not cached
     tok = loaded.tokenizer
     runtimes = {
@@ -140,26 +174,14 @@ def main(argv=None) -> int:
     for rt in runtimes.values():  # warm-up
         run_plain(rt, prompts[0], 8)
 
-    outs: dict[str, list[list[int]]] = {n: [] for n in names}
-    total = {n: 0.0 for n in names}
-    after_first = {n: 0.0 for n in names}
-    for i, prompt in enumerate(prompts):
-        for name in names if i % 2 == 0 else names[::-1]:
-            toks, dt, dt1 = run_plain(runtimes[name], prompt, args.new_tokens)
-            outs[name].append(toks)
-            total[name] += dt
-            after_first[name] += dt1
-    n_tok = {n: sum(len(t) for t in outs[n]) for n in names}
-    report = {"threads": args.threads, "decode_tokens_per_s": {}, "end_to_end_tokens_per_s": {}}
-    print(f"\nplain greedy decoding, {len(prompts)} prompts x {args.new_tokens} new tokens")
-    for n in names:
-        dec = (n_tok[n] - len(prompts)) / after_first[n]
-        e2e = n_tok[n] / total[n]
-        report["decode_tokens_per_s"][n] = dec
-        report["end_to_end_tokens_per_s"][n] = e2e
-        print(f"  {n:14s} decode {dec:6.1f} tok/s   end to end {e2e:6.1f} tok/s")
-    q, b = report["decode_tokens_per_s"]["quantized"], report["decode_tokens_per_s"]["bf16 compact"]
-    print(f"  quantized / bf16 decode: {q / b:.2f}x")
+    report = {"threads": args.threads}
+    outs = {}
+    for speculative in (False, True):
+        label = "prompt lookup, --k auto" if speculative else "plain"
+        outs[label] = decode_rates(
+            runtimes, prompts, args.new_tokens, speculative, report.setdefault(label, {})
+        )
+    outs = outs["plain"]
 
     same = sum(a == c for a, c in zip(outs["quantized"], outs["bf16 compact"]))
     prefix, agree, count = [], 0, 0
@@ -168,12 +190,21 @@ def main(argv=None) -> int:
         prefix.append(k)
         agree += sum(x == y for x, y in zip(a, c))
         count += min(len(a), len(c))
-    report["agreement"] = {"identical_outputs": same, "prompts": len(prompts), "mean_common_prefix": statistics.mean(prefix),
-                           "positionwise": agree / count}
-    print(f"\ngreedy agreement quantized vs bf16: {same}/{len(prompts)} outputs identical, mean common prefix "
-          f"{statistics.mean(prefix):.1f} of {args.new_tokens} tokens, position-wise {agree / count:.3f}")
+    report["agreement"] = {
+        "identical_outputs": same,
+        "prompts": len(prompts),
+        "mean_common_prefix": statistics.mean(prefix),
+        "positionwise": agree / count,
+    }
+    print(
+        f"\ngreedy agreement quantized vs bf16: {same}/{len(prompts)} outputs identical, mean common prefix "
+        f"{statistics.mean(prefix):.1f} of {args.new_tokens} tokens, position-wise {agree / count:.3f}"
+    )
 
-    print(f"\nT(n) / T(1) at a {args.context}-token context (medians of {args.rounds} rounds, runtimes alternating)")
+    print(
+        f"\nT(n) / T(1) at a {args.context}-token context "
+        f"(medians of {args.rounds} rounds, runtimes alternating)"
+    )
     times = {n: {k: [] for k in range(1, 10)} for n in names}
     for _ in range(args.rounds):
         for k in range(1, 10):
@@ -190,10 +221,13 @@ def main(argv=None) -> int:
             cells.append(f"{t * 1e3:9.2f} ms  {t / t1:5.2f}x T1")
         print(f"  {k}  " + "".join(f"{c:>26s}" for c in cells))
 
-    print(f"\nstart to first token (fresh process, warm cache, tokenizer included) and peak RSS, {args.startup_runs} runs each")
+    print(
+        f"\nstart to first token (fresh process, warm caches, api.load(dtype=auto | q)) and peak RSS, "
+        f"{args.startup_runs} runs each"
+    )
     report["startup"] = {}
     for n in names:
-        runs = [startup(n, args.threads, gguf, cache) for _ in range(args.startup_runs)]
+        runs = [startup(n, args.threads) for _ in range(args.startup_runs)]
         s, rss = min(r[0] for r in runs), max(r[1] for r in runs)
         report["startup"][n] = {"seconds_min": s, "peak_rss_mb": rss}
         print(f"  {n:14s} {s:5.2f} s (best)   peak RSS {rss} MB")
