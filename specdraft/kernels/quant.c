@@ -80,25 +80,43 @@ static inline int block_bytes(int type) {
 
 int quant_block_bytes(int type) { return block_bytes(type); }
 
-/* Blocks [b0, b1) of each of M rows (row stride K) -> a (M, K / 32). */
+/* Blocks [b0, b1) of each of M rows (row stride K) -> a (M, K / 32), per block:
+ *   amax = max |x|, d = amax / 127, q = round(x / d) (x (1 / d), to nearest even, as lrintf),
+ *   clamped to [-127, 127], s = d sum(q).
+ * The max is exact in any order and the sum is of integers, so the 8-lane form below is the
+ * scalar definition, value for value. */
 static void quantize_blocks(const float *x, block_a8 *a, int M, int K, int b0, int b1) {
     const int nb = K / QK;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (long m = 0; m < M; m++)
         for (int b = b0; b < b1; b++) {
             const float *xb = x + m * K + (long)b * QK;
             block_a8 *ab = a + m * nb + b;
-            float amax = 0.0f;
-            for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
-            const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-            int sum = 0;
-            for (int i = 0; i < QK; i++) {
-                long q = lrintf(xb[i] * id);
-                q = q > 127 ? 127 : q < -127 ? -127 : q;
-                ab->qs[i] = (int8_t)q;
-                sum += (int)q;
+            __m256 v[4], mx = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                v[i] = _mm256_loadu_ps(xb + 8 * i);
+                mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
             }
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_movehdup_ps(h));
+            const float d = _mm_cvtss_f32(h) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            const __m256i lim = _mm256_set1_epi32(127), nlim = _mm256_set1_epi32(-127);
+            __m256i q[4], sum = _mm256_setzero_si256();
+            for (int i = 0; i < 4; i++) {
+                q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id))); /* MXCSR: nearest even */
+                q[i] = _mm256_max_epi32(_mm256_min_epi32(q[i], lim), nlim);
+                sum = _mm256_add_epi32(sum, q[i]);
+            }
+            const __m256i q16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xd8); /* x 0..15 */
+            const __m256i q16b = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xd8);
+            const __m256i q8 = _mm256_permute4x64_epi64(_mm256_packs_epi16(q16, q16b), 0xd8);
+            _mm256_storeu_si256((__m256i *)ab->qs, q8);
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
             ab->d = d;
-            ab->s = d * (float)sum;
+            ab->s = d * (float)_mm_cvtsi128_si32(s4);
         }
 }
 
