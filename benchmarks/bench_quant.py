@@ -10,7 +10,7 @@ In one run, on the same chat-templated token ids and thread count:
 - greedy agreement: the fraction of prompts whose outputs are identical, the mean common prefix,
   and the position-wise token agreement;
 - start to first token and peak RSS: a fresh Python process per runtime (warm caches), each
-  running ``api.load(..., dtype="auto" | "q")`` (what ``specdraft generate --dtype ...`` loads:
+  running ``api.load(..., dtype="bf16" | "q")`` (what ``specdraft generate --dtype ...`` loads:
   for ``q`` the tokenizer only) and one prefill; peak RSS is the process's VmHWM (ru_maxrss
   would carry over the parent's peak through fork and exec).
 
@@ -57,7 +57,7 @@ out = rt.forward(rt.new_state(1, 64), ids, torch.arange(ids.shape[1]).unsqueeze(
 hwm = [line for line in open("/proc/self/status") if line.startswith("VmHWM")][0]  # this process's peak
 print(int(out.logits[0, -1].argmax()), int(hwm.split()[1]) // 1024)
 """
-DTYPE = {"bf16 compact": "auto", "quantized": "q"}
+DTYPE = {"bf16 compact": "bf16", "quantized": "q"}
 
 
 def chat_ids(tok, text: str) -> list[int]:
@@ -222,7 +222,7 @@ def main(argv=None) -> int:
         print(f"  {k}  " + "".join(f"{c:>26s}" for c in cells))
 
     print(
-        f"\nstart to first token (fresh process, warm caches, api.load(dtype=auto | q)) and peak RSS, "
+        f"\nstart to first token (fresh process, warm caches, api.load(dtype=bf16 | q)) and peak RSS, "
         f"{args.startup_runs} runs each"
     )
     report["startup"] = {}

@@ -27,6 +27,7 @@ import ctypes
 import hashlib
 import json
 import os
+import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,8 +54,14 @@ _lib: ctypes.CDLL | None = None
 class QMat(ctypes.Structure):
     """``qmat`` in quant.c: one (N, K) weight matrix in GGUF blocks."""
 
-    _fields_ = [("w", ctypes.c_void_p), ("type", ctypes.c_int), ("rows", ctypes.c_int), ("cols", ctypes.c_int),
-                ("row_bytes", ctypes.c_long), ("omap", ctypes.c_void_p)]
+    _fields_ = [
+        ("w", ctypes.c_void_p),
+        ("type", ctypes.c_int),
+        ("rows", ctypes.c_int),
+        ("cols", ctypes.c_int),
+        ("row_bytes", ctypes.c_long),
+        ("omap", ctypes.c_void_p),
+    ]
 
 
 MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # per layer, in qlayer's order
@@ -73,19 +80,21 @@ def lib() -> ctypes.CDLL:
         return _lib
     if not kernels.available():
         raise SpecdraftError(f"the quantized runtime needs the native kernels ({kernels.status()})")
-    try:
-        so = ctypes.CDLL(str(build.build_library(SOURCE)))
-    except (OSError, RuntimeError) as e:
+
+    def setup(so: ctypes.CDLL) -> None:
+        vp, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+        so.quant_quantize.argtypes = [vp, vp, i, i]
+        so.quant_matmul.argtypes = [vp, vp, vp, i, ctypes.c_long, i, i]
+        so.quant_dequant.argtypes = [vp, vp, i, vp]
+        so.quant_layers.argtypes = [vp, vp] + [i] * 8 + [f, i] + [vp] * 7 + [i, i]
+        for fn in (so.quant_quantize, so.quant_matmul, so.quant_dequant, so.quant_layers):
+            fn.restype = None
+
+    try:  # checked and rebuilt when damaged, as fewrows.c is (kernels.build.open_library)
+        _lib = build.open_library(SOURCE, setup)
+    except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
         raise SpecdraftError(f"the quantized kernels did not build: {e}") from e
-    vp, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    so.quant_quantize.argtypes = [vp, vp, i, i]
-    so.quant_matmul.argtypes = [vp, vp, vp, i, ctypes.c_long, i, i]
-    so.quant_dequant.argtypes = [vp, vp, i, vp]
-    so.quant_layers.argtypes = [vp, vp] + [i] * 8 + [f, i] + [vp] * 7 + [i, i]
-    for fn in (so.quant_quantize, so.quant_matmul, so.quant_dequant, so.quant_layers):
-        fn.restype = None
-    _lib = so
-    return so
+    return _lib
 
 
 def variants() -> list[str]:
@@ -119,7 +128,9 @@ class QuantMatrix:
         return QMat(self.data.ctypes.data, self.type, self.rows, self.cols, self.data.shape[1], omap)
 
 
-def quant_matmul(w: QuantMatrix, x: torch.Tensor, variant: str = "avx2", threads: int | None = None) -> torch.Tensor:
+def quant_matmul(
+    w: QuantMatrix, x: torch.Tensor, variant: str = "avx2", threads: int | None = None
+) -> torch.Tensor:
     """``quantize(x) @ W^T`` for fp32 ``x (..., K)``: each row quantized on its own; ``(..., N)``."""
     if x.dtype != torch.float32 or x.shape[-1] != w.cols:
         raise ValueError(f"quant_matmul: x must be float32 (..., {w.cols})")
@@ -127,8 +138,15 @@ def quant_matmul(w: QuantMatrix, x: torch.Tensor, variant: str = "avx2", threads
     M = x.numel() // w.cols
     y = torch.empty(*x.shape[:-1], w.rows, dtype=torch.float32)
     s = w.struct()
-    lib().quant_matmul(ctypes.byref(s), x.data_ptr(), y.data_ptr(), M, w.rows, VARIANTS[variant],
-                       threads or torch.get_num_threads())
+    lib().quant_matmul(
+        ctypes.byref(s),
+        x.data_ptr(),
+        y.data_ptr(),
+        M,
+        w.rows,
+        VARIANTS[variant],
+        threads or torch.get_num_threads(),
+    )
     return y
 
 
@@ -166,7 +184,9 @@ def _index_path(gguf: Path) -> Path:
     from specdraft.models.loading import cache_root
 
     st = gguf.stat()
-    key = hashlib.sha256(f"{_INDEX_FORMAT}\0{gguf.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        f"{_INDEX_FORMAT}\0{gguf.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()
+    ).hexdigest()[:16]
     return cache_root() / "quant" / f"{gguf.stem}-{key}.json"
 
 
@@ -186,8 +206,12 @@ def _read_index(gguf: Path) -> dict:
         if isinstance(value, (int, float, str)):
             fields[name] = value
     tensors = {
-        t.name: {"type": int(t.tensor_type), "shape": [int(n) for n in t.shape], "offset": int(t.data_offset),
-                 "bytes": int(t.n_bytes)}
+        t.name: {
+            "type": int(t.tensor_type),
+            "shape": [int(n) for n in t.shape],
+            "offset": int(t.data_offset),
+            "bytes": int(t.n_bytes),
+        }
         for t in reader.tensors
     }
     return {"format": _INDEX_FORMAT, "fields": fields, "tensors": tensors}
@@ -275,7 +299,10 @@ class QuantWeights:
                 raise SpecdraftError(f"{path.name}: GGUF field {arch}.{key} missing")
             return value
 
-        H, G = int(num("attention.head_count")), int(num("attention.head_count_kv", num("attention.head_count")))
+        H, G = (
+            int(num("attention.head_count")),
+            int(num("attention.head_count_kv", num("attention.head_count"))),
+        )
         C, L = int(num("embedding_length")), int(num("block_count"))
         D = int(num("attention.key_length", C // H))
         mm = np.memmap(path, dtype=np.uint8, mode="r")
@@ -298,7 +325,8 @@ class QuantWeights:
             if t not in QTYPES:
                 raise SpecdraftError(
                     f"{path.name}: {name} has ggml type {t}; the quantized runtime takes "
-                    f"{', '.join(QTYPES.values())}")
+                    f"{', '.join(QTYPES.values())}"
+                )
             K, N = info["shape"][0], info["shape"][-1]
             row_bytes = K // 32 * BLOCK_BYTES[t]
             if K % 32 or row_bytes * N != info["bytes"]:
@@ -328,10 +356,25 @@ class QuantWeights:
             inv_freq = inv_freq / vector("rope_freqs.weight")
         F = layers[0].gate.rows
         if D % 16 or C % 32 or F % 32 or H % G or H * D % 32:
-            raise SpecdraftError(f"{path.name}: widths the quantized kernels do not take (C={C}, F={F}, D={D})")
-        return cls(path=path, mm=mm, embed=embed, head=head, norm=vector("output_norm.weight"), layers=layers,
-                   n_heads=H, n_kv_heads=G, head_dim=D, hidden=C, ffn=F, eps=float(num("attention.layer_norm_rms_epsilon")),
-                   inv_freq=inv_freq, max_context=int(num("context_length", 2048)))
+            raise SpecdraftError(
+                f"{path.name}: widths the quantized kernels do not take (C={C}, F={F}, D={D})"
+            )
+        return cls(
+            path=path,
+            mm=mm,
+            embed=embed,
+            head=head,
+            norm=vector("output_norm.weight"),
+            layers=layers,
+            n_heads=H,
+            n_kv_heads=G,
+            head_dim=D,
+            hidden=C,
+            ffn=F,
+            eps=float(num("attention.layer_norm_rms_epsilon")),
+            inv_freq=inv_freq,
+            max_context=int(num("context_length", 2048)),
+        )
 
     @property
     def types(self) -> dict[str, int]:
@@ -354,7 +397,9 @@ class QuantRuntime:
         self.w = weights if isinstance(weights, QuantWeights) else QuantWeights.from_gguf(weights)
         self.variant = variant or variants()[-1]
         if self.variant not in variants():
-            raise SpecdraftError(f"kernel variant {self.variant!r} not available here: {', '.join(variants())}")
+            raise SpecdraftError(
+                f"kernel variant {self.variant!r} not available here: {', '.join(variants())}"
+            )
         self.vocab_size = self.w.head.rows
         self.max_context = self.w.max_context
         self.dtype = torch.float32  # activations, KV cache, logits
@@ -364,10 +409,16 @@ class QuantRuntime:
         self._rmsnorm_fn = fewrows.rmsnorm_f32
         self._rmsnorm = ctypes.cast(fewrows.rmsnorm_f32, ctypes.c_void_p).value
         L = len(self.w.layers)
-        self._layers = (QLayer * L)(*[
-            QLayer(ly.attn_norm.data_ptr(), ly.ffn_norm.data_ptr(), *[getattr(ly, n).struct() for n in MATRICES])
-            for ly in self.w.layers
-        ])
+        self._layers = (QLayer * L)(
+            *[
+                QLayer(
+                    ly.attn_norm.data_ptr(),
+                    ly.ffn_norm.data_ptr(),
+                    *[getattr(ly, n).struct() for n in MATRICES],
+                )
+                for ly in self.w.layers
+            ]
+        )
         self._head = self.w.head.struct()
         self._rope_len = 0
         self._cos = self._sin = None
@@ -407,9 +458,31 @@ class QuantRuntime:
         layers = ctypes.byref(self._layers, first * ctypes.sizeof(QLayer))
         kcs = ctypes.byref(kc, first * ctypes.sizeof(ctypes.c_void_p))
         vcs = ctypes.byref(vc, first * ctypes.sizeof(ctypes.c_void_p))
-        kernels._call("specdraft::quant_layers", self._lib.quant_layers, x.data_ptr(), pos.data_ptr(), B, T, w.hidden,
-                      w.n_heads, w.n_kv_heads, w.head_dim, w.ffn, cap, w.eps, L, layers, kcs, vcs, cos.data_ptr(),
-                      sin.data_ptr(), self._attend, self._rmsnorm, VARIANTS[self.variant], torch.get_num_threads())
+        kernels._call(
+            "specdraft::quant_layers",
+            self._lib.quant_layers,
+            x.data_ptr(),
+            pos.data_ptr(),
+            B,
+            T,
+            w.hidden,
+            w.n_heads,
+            w.n_kv_heads,
+            w.head_dim,
+            w.ffn,
+            cap,
+            w.eps,
+            L,
+            layers,
+            kcs,
+            vcs,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            self._attend,
+            self._rmsnorm,
+            VARIANTS[self.variant],
+            torch.get_num_threads(),
+        )
 
     @torch.inference_mode()
     def forward(
@@ -446,8 +519,16 @@ class QuantRuntime:
             if li in hidden_layers:
                 hidden[li] = x.clone()
         normed = torch.empty_like(x)
-        kernels._call("specdraft::rms_norm", self._rmsnorm_fn, x.data_ptr(), w.norm.data_ptr(), normed.data_ptr(),
-                      B * T, w.hidden, w.eps)
+        kernels._call(
+            "specdraft::rms_norm",
+            self._rmsnorm_fn,
+            x.data_ptr(),
+            w.norm.data_ptr(),
+            normed.data_ptr(),
+            B * T,
+            w.hidden,
+            w.eps,
+        )
         if -1 in hidden_layers:
             hidden[-1] = normed
         if logits_index is not None:

@@ -21,11 +21,16 @@ from specdraft.models.quant import QuantMatrix, QuantRuntime, dequantize_rows, q
 from specdraft.policy import FixedK
 from tests.helpers import decode, plain_greedy, random_prompts
 
-pytestmark = pytest.mark.skipif(not kernels.available() or "avx2" not in quant.variants(),
-                                reason=f"native kernels unavailable ({kernels.status()})")
+pytestmark = pytest.mark.skipif(
+    not kernels.available() or "avx2" not in quant.variants(),
+    reason=f"native kernels unavailable ({kernels.status()})",
+)
 
-TYPES = {"Q4_0": gguf.GGMLQuantizationType.Q4_0, "Q4_1": gguf.GGMLQuantizationType.Q4_1,
-         "Q8_0": gguf.GGMLQuantizationType.Q8_0}
+TYPES = {
+    "Q4_0": gguf.GGMLQuantizationType.Q4_0,
+    "Q4_1": gguf.GGMLQuantizationType.Q4_1,
+    "Q8_0": gguf.GGMLQuantizationType.Q8_0,
+}
 VARIANTS = quant.variants()  # every kernel variant this CPU runs
 
 
@@ -35,7 +40,9 @@ def quantized(w: np.ndarray, qtype) -> QuantMatrix:
 
 
 def dequantized(m: QuantMatrix) -> torch.Tensor:
-    return torch.from_numpy(gguf.quants.dequantize(m.data, gguf.GGMLQuantizationType(m.type)).astype(np.float32))
+    return torch.from_numpy(
+        gguf.quants.dequantize(m.data, gguf.GGMLQuantizationType(m.type)).astype(np.float32)
+    )
 
 
 @pytest.mark.parametrize("K", [32, 160, 1024])
@@ -77,8 +84,17 @@ def test_dequantize_rows_match_gguf(name):
 # A tiny Llama written as a GGUF
 # --------------------------------------------------------------------------------------------
 
-CFG = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
-       "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": True}
+CFG = {
+    "vocab_size": 96,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+}
 ROPE_THETA = 10000.0  # transformers' default
 
 
@@ -178,9 +194,13 @@ def test_steps_are_bit_identical_to_one_token_steps(tiny_gguf):
         whole = rt.forward(state, tokens, torch.arange(20).unsqueeze(0)).logits[0]
         state = rt.new_state(1, 32)
         rt.forward(state, tokens[:, :11], torch.arange(11).unsqueeze(0))
-        verify = rt.forward(state, tokens[:, 11:], torch.arange(11, 20).unsqueeze(0)).logits[0]  # a 9-token step
+        verify = rt.forward(state, tokens[:, 11:], torch.arange(11, 20).unsqueeze(0)).logits[
+            0
+        ]  # a 9-token step
         state = rt.new_state(1, 32)
-        steps = torch.cat([rt.forward(state, tokens[:, i : i + 1], torch.tensor([[i]])).logits[0] for i in range(20)])
+        steps = torch.cat(
+            [rt.forward(state, tokens[:, i : i + 1], torch.tensor([[i]])).logits[0] for i in range(20)]
+        )
         assert torch.equal(whole, steps), variant
         assert torch.equal(verify, steps[11:]), variant
         results.append(whole)
