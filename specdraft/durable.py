@@ -2,14 +2,18 @@
 
 A file is written beside its destination under a temporary name, fsynced and renamed over it
 (``os.replace`` is atomic on POSIX), then the folder is fsynced so the new name is on disk too.
-A reader sees the old file or the new one, never a mix or a half.
+A reader sees the old file or the new one, never a mix or a half. Append-only JSONL files are
+read back with :func:`read_rows` and mended after a kill with :func:`repair_tail`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
+
+from specdraft.errors import SpecdraftError
 
 
 def fsync(path: str | Path) -> None:
@@ -62,3 +66,63 @@ def replace_dir(new: str | Path, dest: str | Path) -> None:
     fsync(dest.parent)
     if old.exists():
         shutil.rmtree(old)
+
+
+def read_rows(path: Path, *, tolerate_truncated_tail: bool = False) -> list[dict]:
+    """Every row of a JSONL file of objects (results, caches).
+
+    Args:
+        path: the file.
+        tolerate_truncated_tail: ignore a last line that is cut short (no trailing newline and not
+            valid JSON), as a killed writer leaves it.
+
+    Raises:
+        SpecdraftError: a missing file or a malformed line (naming the file and the line).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise SpecdraftError(f"file not found: {path}")
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    rows = []
+    for lineno, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            last = lineno == len(lines) and not data.endswith(b"\n")
+            if last and tolerate_truncated_tail:
+                break
+            msg = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+            raise SpecdraftError(f"{path}:{lineno}: malformed JSON line ({msg})") from None
+        if not isinstance(row, dict):
+            raise SpecdraftError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+        rows.append(row)
+    return rows
+
+
+def repair_tail(path: Path) -> None:
+    """Make a JSONL file that a killed writer left end on a newline, fsynced.
+
+    A last line without its newline is either a whole row (the kill came between the row and its
+    newline, or another tool wrote it so): it is kept and the newline added, as :func:`read_rows`
+    counts it; or a half-written row: it is cut.
+    """
+    path = Path(path)
+    data = path.read_bytes()
+    if not data or data.endswith(b"\n"):
+        return
+    start = data.rfind(b"\n") + 1
+    try:
+        whole = isinstance(json.loads(data[start:]), dict)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        whole = False
+    with path.open("r+b") as f:
+        if whole:
+            f.seek(len(data))
+            f.write(b"\n")
+        else:
+            f.truncate(start)
+        f.flush()
+        os.fsync(f.fileno())

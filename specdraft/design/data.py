@@ -45,10 +45,10 @@ import torch
 
 from specdraft import durable
 from specdraft.bench.prompts import data_file, is_shipped_slice
+from specdraft.durable import read_rows, repair_tail
 from specdraft.engine import Engine, Request
 from specdraft.errors import SpecdraftError
 from specdraft.policy import FixedK
-from specdraft.study.store import read_rows, repair_tail
 
 FORMAT = 1
 VAL_PER_SOURCE = 200

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
+from specdraft.durable import read_rows
 from specdraft.errors import SpecdraftError
 from specdraft.registry import DraftSpec
-from specdraft.study.store import read_rows
 
 REPORT = "REPORT.md"
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import specdraft
-from specdraft.errors import SpecdraftError
+from specdraft.durable import read_rows, repair_tail
 
 # Files whose contents decide the numbers in a row: editing them changes the code version, so
 # rows computed by older code are recomputed instead of being mixed with new ones.
@@ -51,66 +51,6 @@ def row_key(config: dict, version: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def read_rows(path: Path, *, tolerate_truncated_tail: bool = False) -> list[dict]:
-    """Every row of a JSONL results file.
-
-    Args:
-        path: the file.
-        tolerate_truncated_tail: ignore a last line that is cut short (no trailing newline and not
-            valid JSON), as a killed writer leaves it.
-
-    Raises:
-        SpecdraftError: a missing file or a malformed line (naming the file and the line).
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise SpecdraftError(f"results file not found: {path}")
-    data = path.read_bytes()
-    lines = data.split(b"\n")
-    rows = []
-    for lineno, raw in enumerate(lines, 1):
-        if not raw.strip():
-            continue
-        try:
-            row = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            last = lineno == len(lines) and not data.endswith(b"\n")
-            if last and tolerate_truncated_tail:
-                break
-            msg = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8"
-            raise SpecdraftError(f"{path}:{lineno}: malformed JSON line ({msg})") from None
-        if not isinstance(row, dict):
-            raise SpecdraftError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-        rows.append(row)
-    return rows
-
-
-def repair_tail(path: Path) -> None:
-    """Make a JSONL file that a killed writer left end on a newline, fsynced.
-
-    A last line without its newline is either a whole row (the kill came between the row and its
-    newline, or another tool wrote it so): it is kept and the newline added, as :func:`read_rows`
-    counts it; or a half-written row: it is cut.
-    """
-    path = Path(path)
-    data = path.read_bytes()
-    if not data or data.endswith(b"\n"):
-        return
-    start = data.rfind(b"\n") + 1
-    try:
-        whole = isinstance(json.loads(data[start:]), dict)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        whole = False
-    with path.open("r+b") as f:
-        if whole:
-            f.seek(len(data))
-            f.write(b"\n")
-        else:
-            f.truncate(start)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 class ResultStore:
     """An append-only JSONL file of rows with unique ``key`` fields.
 
@@ -128,7 +68,7 @@ class ResultStore:
         self.keys = {r["key"] for r in self.rows if "key" in r}
 
     def _cut_partial_tail(self) -> None:
-        """Make the file end on a newline so appends start on a new line (see :func:`repair_tail`)."""
+        """End the file on a newline so appends start a new line (:func:`specdraft.durable.repair_tail`)."""
         repair_tail(self.path)
 
     def __contains__(self, key: str) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specdraft.cli import main
-from specdraft.study.store import read_rows
+from specdraft.durable import read_rows
 
 
 def _study(data_files, out, *extra):

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from specdraft.cli import main
-from specdraft.study.store import read_rows
+from specdraft.durable import read_rows
 
 REPO = Path(__file__).resolve().parents[2]
 KILLS = 2

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from specdraft.study.store import ResultStore, read_rows
+from specdraft.durable import read_rows
+from specdraft.study.store import ResultStore
 from specdraft.study.sweep import run_sweep
 from tests.study.conftest import small_config, small_datasets
 

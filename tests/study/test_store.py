@@ -6,8 +6,9 @@ import json
 
 import pytest
 
+from specdraft.durable import read_rows
 from specdraft.errors import SpecdraftError
-from specdraft.study.store import ResultStore, code_version, read_rows, row_key
+from specdraft.study.store import ResultStore, code_version, row_key
 
 
 def test_keys_depend_on_config_and_code_version():

@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 
 from specdraft import analytic
+from specdraft.durable import read_rows
 from specdraft.errors import SpecdraftError
 from specdraft.study import sweep
 from specdraft.study.latency import Latencies
 from specdraft.study.offline import OfflineProposals, simulate
-from specdraft.study.store import ResultStore, read_rows
+from specdraft.study.store import ResultStore
 from specdraft.study.sweep import default_drafts, run_sweep
 from tests.study.conftest import small_config, small_datasets
 
