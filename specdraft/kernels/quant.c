@@ -51,7 +51,7 @@
 #define QK 32
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8 }; /* ggml type ids */
 enum { V_REF = 0, V_AVX2 = 1 };              /* kernel variants */
-#define MR 2                                 /* activation rows per tile */
+#define MR 3                                 /* activation rows per tile, at most */
 #define PF 2048                              /* prefetch distance in bytes */
 
 typedef struct {
@@ -198,11 +198,11 @@ static inline __m256 scales4(int type, const uint8_t *p, long rs, __m256 *dm) {
 
 /* ---- the AVX2 tiles ----------------------------------------------------------------------------
  *
- * A tile is NC = 4 consecutive weight rows (output columns) against R <= MR = 2 activation rows:
+ * A tile is NC = 4 consecutive weight rows (output columns) against R <= 3 activation rows:
  * per block and (r, c), the operations of dot_ref, with the per-column scalars (d_w d_a and, for
  * Q4_1, m s_a) done for the 4 columns in one vector operation, so each output is the same
  * sequence of float operations (scalar == AVX2, whatever the tile) while NC x R accumulation chains
- * run side by side. With M <= 2 rows a tile reads the file's blocks directly (tile_direct); with
+ * run side by side. With M <= 3 rows a tile reads the file's blocks directly (tile_direct); with
  * more, it unpacks its 4 rows once (tile_unpack: 4 K int8 weights, the scales as floats) and each
  * group of <= 2 rows runs over that copy in L1 (tile_rows), so the nibbles are split, the scales
  * gathered and converted once per tile, not once per row group. */
@@ -370,20 +370,20 @@ static inline void store_out(const qmat *W, const float *out, int R, int n, int 
 static inline __attribute__((always_inline)) void range_avx2(int type, const qmat *W, const block_a8 *a,
                                                              int M, float *y, long ldy, int n0, int n1,
                                                              int add, const unpacked *u) {
-    const int nb = W->cols / QK, groups = (M + MR - 1) / MR;
+    const int nb = W->cols / QK, groups = (M + 1) / 2; /* M > 3: balanced groups of <= 2 rows */
     const long rs = W->row_bytes;
     float out[MR * NC];
     int n = n0;
     for (; n + NC <= n1; n += NC) {
         const uint8_t *w = W->w + n * rs;
-        if (M == 1) {
-            tile_direct(type, w, rs, a, nb, nb, 1, out);
-            store_out(W, out, 1, n, NC, y, ldy, add);
-            continue;
-        }
-        if (M == 2) {
-            tile_direct(type, w, rs, a, nb, nb, 2, out);
-            store_out(W, out, 2, n, NC, y, ldy, add);
+        if (M <= 3) {
+            if (M == 1)
+                tile_direct(type, w, rs, a, nb, nb, 1, out);
+            else if (M == 2)
+                tile_direct(type, w, rs, a, nb, nb, 2, out);
+            else
+                tile_direct(type, w, rs, a, nb, nb, 3, out);
+            store_out(W, out, M, n, NC, y, ldy, add);
             continue;
         }
         tile_unpack(type, w, rs, nb, u);
@@ -398,8 +398,8 @@ static inline __attribute__((always_inline)) void range_avx2(int type, const qma
         }
     }
     for (; n < n1; n++)
-        for (int m0 = 0; m0 < M; m0 += MR) {
-            const int R = M - m0 < MR ? M - m0 : MR;
+        for (int m0 = 0; m0 < M; m0 += 2) {
+            const int R = M - m0 < 2 ? M - m0 : 2;
             if (R == 2)
                 dot_avx2(type, W->w + n * rs, a + (long)m0 * nb, nb, nb, 2, out);
             else
@@ -421,7 +421,7 @@ static void matmul_range(const qmat *W, const block_a8 *a, int M, float *y, long
         return;
     }
     unpacked u = {NULL, NULL, NULL};
-    if (M > 2) {
+    if (M > 3) {
         u.q = (int8_t *)aligned_alloc(32, (size_t)nb * (NC * QK + 48) / 32 * 32 + 32); /* q, then d and m */
         u.d = (float *)(u.q + (size_t)nb * NC * QK), u.m = u.d + 8 * nb;
     }
