@@ -248,6 +248,18 @@ class LlamaKV:
                 grown[:, :, : t.shape[2]] = t
                 cache[i] = grown
 
+    def move_slots(self, row: int, src: torch.Tensor, dst: int) -> None:
+        """Copy row ``row``'s entries at slots ``src (n,)`` to slots ``dst .. dst + n - 1``, every layer.
+
+        After a token-tree step (:mod:`specdraft.tree`) the accepted nodes' keys/values sit at their
+        node slots; moving them to the slots of their positions gives the cache a chain step would
+        have left (no re-forward). ``src`` may overlap the destination (the entries are read first).
+        """
+        dst_slots = torch.arange(dst, dst + src.shape[0])
+        for cache in (self.k, self.v):
+            for t in cache:
+                t[row, :, dst_slots] = t[row, :, src]  # (G, n, D); advanced indexing reads a copy
+
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (in that order): how finished requests leave a batch."""
         self.k = [t.index_select(0, rows) for t in self.k]
@@ -461,8 +473,13 @@ class LlamaRuntime:
         hidden_layers: tuple[int, ...] = (),
         attn_mask: torch.Tensor | None = None,
         logits_index: torch.Tensor | None = None,
+        slots: torch.Tensor | None = None,
     ) -> ForwardOutput:
         """Run the layers over new tokens (see :class:`specdraft.models.runtime.Runtime`).
+
+        ``slots`` (``(B, T)``, with ``attn_mask``): the cache slots of the new tokens where they
+        differ from their RoPE positions, as in a token tree (:mod:`specdraft.tree`: siblings share
+        a position, each node has its own slot); default: the positions.
 
         A *scoring step* (causal, no ``logits_index``: a decode step, or a verification of draft
         tokens) in fp32 gives each row and token bit for bit what that row alone gets one token at
@@ -477,8 +494,11 @@ class LlamaRuntime:
         runs them with torch's attention (:class:`TorchAttention`).
         """
         last = int(positions.max())
-        if last >= state.capacity:
-            raise SpecdraftError(f"position {last} beyond cache capacity {state.capacity}")
+        if slots is not None and attn_mask is None:
+            raise SpecdraftError("slots apart from positions need an attention mask over the slots")
+        top = last if slots is None else max(last, int(slots.max()))
+        if top >= state.capacity:
+            raise SpecdraftError(f"position {top} beyond cache capacity {state.capacity}")
         exact = attn_mask is None and logits_index is None and self.dtype == torch.float32
         path = self._path(tokens.shape, hidden_layers, attn_mask, exact)
         x = self.w.embed[tokens].to(self.dtype)  # (B, T, C)
@@ -486,7 +506,7 @@ class LlamaRuntime:
         if path == "native":  # no per-op overhead between the layers
             x = self._decode_layers(x, positions, state.k, state.v, *self._rope_tables(last + 1))
         else:
-            attend = self._attention(path, positions, attn_mask)
+            attend = self._attention(path, positions, attn_mask, slots)
             x = self._run_layers(x, state, attend, exact, set(hidden_layers), hidden)
         return self._head(x, exact, hidden_layers, hidden, logits_index)
 
@@ -511,13 +531,15 @@ class LlamaRuntime:
         native = set(hidden_layers) <= {-1} and self._native_layers(Tk, 1 if exact else B * T)
         return "native" if native else "fused"
 
-    def _attention(self, path: str, positions: torch.Tensor, attn_mask: torch.Tensor | None):
+    def _attention(
+        self, path: str, positions: torch.Tensor, attn_mask: torch.Tensor | None, slots: torch.Tensor | None
+    ):
         """This step's attention block, called per layer as ``attend(qkv, k_cache, v_cache)``."""
         w = self.w
         if path == "fused":
             cos, sin = self._rope_tables(int(positions.max()) + 1)
             return kernels.RopeAttention(positions, cos, sin, w.n_heads, w.n_kv_heads)
-        return TorchAttention(positions, *self._rope(positions), w.n_heads, w.n_kv_heads, attn_mask)
+        return TorchAttention(positions, *self._rope(positions), w.n_heads, w.n_kv_heads, attn_mask, slots)
 
     def _run_layers(
         self, x: torch.Tensor, state: LlamaKV, attend, exact: bool, wanted: set[int], hidden: dict
@@ -562,11 +584,12 @@ class TorchAttention:
     then called per layer, as :class:`specdraft.kernels.RopeAttention`.
 
     Args:
-        positions: ``(B, T)`` each new token's position, which is also its cache slot.
+        positions: ``(B, T)`` each new token's position, which is also its cache slot (unless ``slots``).
         cos, sin: ``(B, 1, T, D)`` RoPE tables at those positions.
         n_heads, n_kv_heads: H query heads sharing G key/value heads.
         attn_mask: ``(B, T, S)`` boolean mask over cache slots; None: causal (a query at
             position p sees slots 0..p).
+        slots: ``(B, T)`` cache slots of the new tokens (with ``attn_mask``); None: the positions.
     """
 
     def __init__(
@@ -577,14 +600,16 @@ class TorchAttention:
         n_heads: int,
         n_kv_heads: int,
         attn_mask: torch.Tensor | None = None,
+        slots: torch.Tensor | None = None,
     ):
         B, T = positions.shape
+        slots = positions if slots is None else slots
         self.B, self.T, self.H, self.G = B, T, n_heads, n_kv_heads
         self.cos, self.sin = cos, sin
         # Where do the new keys go? One contiguous run shared by all rows (batch 1, or equal
         # lengths) is a slice write; ragged rows scatter by position.
-        self.start = int(positions[0, 0])
-        self.contiguous = bool((positions == self.start + torch.arange(T)).all())
+        self.start = int(slots[0, 0])
+        self.contiguous = bool((slots == self.start + torch.arange(T)).all())
         self.S = int(positions.max()) + 1 if attn_mask is None else attn_mask.shape[-1]
         if attn_mask is not None:
             self.mask = attn_mask.unsqueeze(1)  # (B, 1, T, S)
@@ -597,7 +622,7 @@ class TorchAttention:
             self.index = (
                 torch.arange(B).view(B, 1, 1),
                 torch.arange(n_kv_heads).view(1, -1, 1),
-                positions.unsqueeze(1),
+                slots.unsqueeze(1),
             )
 
     def __call__(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
