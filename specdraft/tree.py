@@ -140,6 +140,15 @@ class TokenTree:
         return anc
 
     @cached_property
+    def repeats(self) -> torch.Tensor:
+        """``(N,)`` bool: an earlier sibling carries the same token (only a tree built directly has
+        such nodes; the rules of this module never accept them, see :func:`_follow`)."""
+        same = (self.parents.unsqueeze(1) == self.parents) & (
+            self.tokens.unsqueeze(1) == self.tokens
+        )  # (N, N)
+        return (same & torch.ones_like(same).tril(-1)).any(dim=1)
+
+    @cached_property
     def children(self) -> dict[int, list[int]]:
         """Children of each node in try order (``-1``: the root); leaves are absent."""
         kids: dict[int, list[int]] = {}
@@ -197,11 +206,14 @@ def _follow(tree: TokenTree, target_tokens: torch.Tensor) -> TreeVerdict:
     token after it. ``target_tokens``: ``(N + 1,)``, row 0 after the root, row 1 + i after node i."""
     if tree.num_nodes == 0:
         return TreeVerdict(nodes=torch.zeros(0, dtype=torch.int64), tokens=target_tokens[:1])
-    match = tree.tokens == target_tokens[tree.parents + 1]  # (N,)
+    # a repeated sibling is never followed: with point masses the first one carrying the token is
+    # accepted exactly when the sample is that token, and the rule then rejects the repeat for sure
+    # (choosing between repeats by how deep they go would bias a sampled output)
+    match = (tree.tokens == target_tokens[tree.parents + 1]) & ~tree.repeats  # (N,)
     ok = ~(tree.ancestors & ~match).any(dim=1)  # (N,) the node and all its ancestors match
     if not ok.any():
         return TreeVerdict(nodes=torch.zeros(0, dtype=torch.int64), tokens=target_tokens[:1])
-    best = int(torch.where(ok, tree.depth, -1).argmax())  # the deepest (first, if children repeat a token)
+    best = int(torch.where(ok, tree.depth, -1).argmax())  # the deepest; one path matches at most
     path = tree.ancestors[best].nonzero().squeeze(1)  # ascending index = root-to-leaf order
     return TreeVerdict(nodes=path, tokens=torch.cat([tree.tokens[path], target_tokens[best + 1 : best + 2]]))
 

@@ -98,6 +98,19 @@ def test_greedy_partially_accepted_branches_the_longest_wins():
     assert v.nodes.tolist() == [0] and v.tokens.tolist() == [1, 5]
 
 
+def test_a_repeated_sibling_is_never_followed():
+    """Siblings built directly with the same token: the first one is the candidate, as the
+    rejection rule with point masses has it, even when the repeat's branch would go deeper."""
+    t = TokenTree(torch.tensor([3, 1, 3, 2]), torch.tensor([-1, 0, -1, 2]))
+    assert t.repeats.tolist() == [False, False, True, False]
+    #   after:      root 3  1  3  2
+    v = verify_tree_greedy(t, argmax_logits([3, 5, 0, 2, 4]))
+    assert v.nodes.tolist() == [0] and v.tokens.tolist() == [3, 5]
+    p = torch.eye(V)[[3, 5, 0, 2, 4]]  # the same, sampled from point masses
+    v = verify_tree_sampling(t, p, torch.Generator().manual_seed(0))
+    assert v.nodes.tolist() == [0] and v.tokens.tolist() == [3, 5]
+
+
 def test_an_empty_tree_is_a_plain_step():
     t = TokenTree.from_chains([])
     assert verify_tree(t, argmax_logits([4]), GREEDY, None).tokens.tolist() == [4]
