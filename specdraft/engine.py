@@ -62,6 +62,8 @@ class StepEvent:
         from_draft: per token, whether it was a draft token the target accepted.
         finished: no more tokens will come for this request.
         finish_reason: ``"stop"`` (EOS), ``"length"`` (max_new_tokens) or ``"cancelled"``.
+        collapsed: the policy flagged this request at this step (its drafts are accepted far less
+            than the drafter's average: an acceleration-collapse input, issue 17); once per request.
     """
 
     request_id: int
@@ -69,6 +71,7 @@ class StepEvent:
     from_draft: list[bool]
     finished: bool = False
     finish_reason: str | None = None
+    collapsed: bool = False
 
 
 class Engine:
@@ -107,6 +110,7 @@ class Engine:
         self.kv = None
         self.draft_state = None
         self.target_hidden: dict = {}
+        self.collapsed: set[int] = set()  # request ids the policy flagged (rows that left included)
 
     # ------------------------------------------------------------------ batch membership
     @property
@@ -210,7 +214,8 @@ class Engine:
         B = self.active
         params = [r.params for r in self.requests]
         L = self.lengths
-        k = self.policy.choose() if self.drafter is not None else 0
+        ids = [r.id for r in self.requests]
+        k = self.policy.choose(ids) if self.drafter is not None else 0
 
         # 1. propose
         t0 = time.perf_counter()
@@ -223,7 +228,7 @@ class Engine:
             num_valid = prop.num_valid if prop.num_valid is not None else torch.full((B,), k)
             proposed = int(num_valid.max())  # the draft time was spent on these
             bucket = prop.bucket
-            num_valid = self.policy.trim(num_valid, bucket)
+            num_valid = self.policy.trim(num_valid, bucket, ids)
             k = int(num_valid.max())  # trim columns nobody proposed or verifies
             draft_tokens = draft_tokens[:, :k]
             draft_probs = draft_probs[:, :k] if draft_probs is not None else None
@@ -270,8 +275,14 @@ class Engine:
         self.stats.target_time += t2 - t1
         self.stats.observe(num_valid if k else torch.zeros(B, dtype=torch.int64), n, emitted)
         self.policy.update(
-            proposed, num_valid if k else torch.zeros(B, dtype=torch.int64), n, t1 - t0, t2 - t1, bucket
+            proposed, num_valid if k else torch.zeros(B, dtype=torch.int64), n, t1 - t0, t2 - t1, bucket, ids
         )
+        flagged = self.policy.collapsed - self.collapsed
+        if flagged:
+            self.collapsed |= flagged
+            self.stats.collapsed += len(flagged)
+            for ev in events:
+                ev.collapsed = ev.request_id in flagged
         if finished:
             self._keep([b for b in range(B) if b not in finished])
         self.stats.total_time += t3 - t0

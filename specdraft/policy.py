@@ -10,11 +10,16 @@
   get one acceptance curve per class, and each row's proposal is cut to the best length for its
   class (:meth:`KPolicy.trim`). While a class is at k = 0 it probes a small k every ``probe_every``
   steps so its estimate can recover; each probe that still says "do not speculate" doubles the
-  interval (up to ``probe_max``), one that pays resets it.
+  interval (up to ``probe_max``), one that pays resets it. It also watches each request (row) on
+  its own (:class:`_Row`): a row whose drafts keep being rejected is switched to 0 draft tokens
+  while the others keep drafting, probes on the same schedule, and is flagged as collapsed when its
+  acceptance is far below the drafter's (:attr:`CostAwareK.collapsed`), the defense against
+  acceleration-collapse inputs (issue 17).
 
 A policy sees a step twice: :meth:`KPolicy.choose` before the drafter runs (how many tokens to ask
 for) and :meth:`KPolicy.trim` after (how many of each row's proposal to verify); then
-:meth:`KPolicy.update` with what verification accepted.
+:meth:`KPolicy.update` with what verification accepted. All three are told the rows' request ids
+(``rows``), so a policy can follow requests as they join and leave the batch.
 
 Wrappers and the prefix rule that drafters share:
 
@@ -28,6 +33,7 @@ Wrappers and the prefix rule that drafters share:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -42,12 +48,18 @@ class KPolicy(Protocol):
     """The largest k :meth:`choose` can return; the engine reserves cache room for it
     (:attr:`specdraft.engine.Engine.reserve`)."""
 
-    def choose(self) -> int:
-        """Draft length to ask the drafter for (0: plain decoding)."""
+    collapsed: set[int]
+    """Request ids flagged as collapsed (drafts far less accepted than the drafter's average)."""
+
+    def choose(self, rows: list[int] | None = None) -> int:
+        """Draft length to ask the drafter for (0: plain decoding); ``rows``: the batch's request ids."""
         ...
 
-    def trim(self, num_valid: torch.Tensor, bucket: torch.Tensor | None) -> torch.Tensor:
-        """``(B,)`` how many of each row's ``num_valid`` proposed tokens to verify."""
+    def trim(
+        self, num_valid: torch.Tensor, bucket: torch.Tensor | None, rows: list[int] | None = None
+    ) -> torch.Tensor:
+        """``(B,)`` how many of each row's ``num_valid`` proposed tokens to verify. It may read only
+        what earlier steps taught (never the proposed tokens), so that sampling stays lossless."""
         ...
 
     def update(
@@ -58,17 +70,20 @@ class KPolicy(Protocol):
         draft_time: float,
         target_time: float,
         bucket: torch.Tensor | None = None,
+        rows: list[int] | None = None,
     ) -> None:
         """What the step did: ``k`` tokens in the longest proposal (what the draft time was spent
         on), ``(B,)`` drafts verified (after :meth:`trim`) and accepted, seconds spent drafting and
-        verifying, and the proposal's classes."""
+        verifying, the proposal's classes and the rows' request ids."""
         ...
 
 
 class _Fixed:
-    """Policies that choose k before the step and keep every proposed token."""
+    """Policies that choose k before the step and keep every proposed token (no row is watched)."""
 
-    def trim(self, num_valid: torch.Tensor, bucket: torch.Tensor | None) -> torch.Tensor:
+    collapsed: frozenset[int] = frozenset()
+
+    def trim(self, num_valid, bucket, rows=None) -> torch.Tensor:
         return num_valid
 
 
@@ -84,10 +99,10 @@ class FixedK(_Fixed):
     def k_max(self) -> int:
         return self.k
 
-    def choose(self) -> int:
+    def choose(self, rows=None) -> int:
         return self.k
 
-    def update(self, k, num_drafted, num_accepted, draft_time, target_time, bucket=None) -> None:
+    def update(self, k, num_drafted, num_accepted, draft_time, target_time, bucket=None, rows=None) -> None:
         pass
 
     def __repr__(self) -> str:
@@ -101,10 +116,10 @@ class HeuristicK(_Fixed):
         self.k = k_start
         self.k_max = k_max
 
-    def choose(self) -> int:
+    def choose(self, rows=None) -> int:
         return self.k
 
-    def update(self, k, num_drafted, num_accepted, draft_time, target_time, bucket=None) -> None:
+    def update(self, k, num_drafted, num_accepted, draft_time, target_time, bucket=None, rows=None) -> None:
         if k == 0:
             return
         if bool((num_accepted >= num_drafted).all()):
@@ -132,6 +147,70 @@ class _Curve:
     rates: list[float] | None = None  # cached c_j, None: recompute
 
 
+@dataclass(frozen=True)
+class RowWatch:
+    """How :class:`CostAwareK` watches each request on its own (issue 17's defense).
+
+    A row (request) is switched off, 0 draft tokens verified, once its own decayed acceptance of
+    the first draft token falls below ``floor`` with at least ``evidence`` decayed proposals
+    behind it (``decay`` 0.8, ``evidence`` 2: three rejected proposals in a row). While off it
+    probes ``probe_k`` tokens on the policy's schedule (``probe_every``, doubling to ``probe_max``);
+    a probe that is accepted lifts the estimate above ``floor`` and switches it back on. A row
+    that is off spends no draft token of its own: when every row is off the batch decodes plainly.
+
+    A row is flagged once as collapsed (:attr:`CostAwareK.collapsed`) when its first-token
+    acceptance over all its proposals, h hits of n, is below ``detect_fraction`` of the drafter's
+    running average p (rows that are on, decay ``average_decay`` per proposal) and so unlikely
+    under p that ``P(X <= h | Binomial(n, p)) < detect_alpha``: a row that is merely unlucky is
+    not flagged, one that is always wrong is after ``log(alpha) / log(1 - p)`` proposals
+    (3 at p = 0.9, 13 at p = 0.3).
+
+    Attributes:
+        decay: weight of history in a row's acceptance estimate (per proposal).
+        floor: below this first-token acceptance a row is off.
+        evidence: decayed proposals needed before a row can be switched off.
+        detect_fraction: flagged only below this fraction of the drafter's average acceptance.
+        detect_alpha: and only when that few hits are this unlikely at the average.
+        average_decay: weight of history in the drafter's average (per row proposal).
+    """
+
+    decay: float = 0.8
+    floor: float = 0.1
+    evidence: float = 2.0
+    detect_fraction: float = 0.25
+    detect_alpha: float = 0.01
+    average_decay: float = 0.98
+
+    def __post_init__(self):
+        if not (0 < self.decay < 1 and 0 < self.average_decay < 1 and 0 <= self.floor < 1):
+            raise SpecdraftError("RowWatch: need 0 < decay, average_decay < 1 and 0 <= floor < 1")
+        if not (self.evidence > 0 and 0 < self.detect_fraction <= 1 and 0 < self.detect_alpha < 1):
+            raise SpecdraftError(
+                "RowWatch: need evidence > 0, 0 < detect_fraction <= 1, 0 < detect_alpha < 1"
+            )
+
+
+@dataclass
+class _Row:
+    """One request's record: ``reached`` / ``accepted`` decayed counts of its proposals and of
+    those whose first token was accepted (the on/off switch), ``proposals`` / ``hits`` the same
+    without decay (detection), and its probe schedule while off."""
+
+    probe_interval: int
+    reached: float = 0.0
+    accepted: float = 0.0
+    proposals: int = 0
+    hits: int = 0
+    off: bool = False
+    since_probe: int = 0
+    probing: bool = False
+
+
+def binomial_cdf(h: int, n: int, p: float) -> float:
+    """``P(X <= h)`` for ``X ~ Binomial(n, p)``."""
+    return sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(h + 1))
+
+
 class CostAwareK:
     """Choose k by the analytic model with latencies and per-position acceptance measured online.
 
@@ -150,12 +229,18 @@ class CostAwareK:
     before, misjudges drafts whose acceptance comes in bursts: prompt lookup after a 3-token match
     is accepted ~0.8 of the time here, after a 1-token match ~0.2.
 
+    Given the rows' request ids, it also watches each row (:class:`RowWatch`): a row whose drafts
+    keep failing is cut to 0 while the others draft, probes, recovers, and may be flagged in
+    :attr:`collapsed`; such a row no longer teaches the class curves. A row's cut reads only its
+    earlier steps, never the tokens proposed now, so sampling stays lossless.
+
     Args:
         k_max: largest k considered.
         k_start: k used until the first measurements arrive.
         decay: weight of history in the moving averages and the acceptance counts.
         probe_every: at k = 0, try ``probe_k`` once every this many steps at first.
         probe_max: the longest interval between probes (after failed probes doubled it).
+        watch: per-row watching (None: one policy for the whole batch, as before issue 17).
     """
 
     def __init__(
@@ -166,6 +251,7 @@ class CostAwareK:
         probe_every: int = 8,
         probe_k: int = 2,
         probe_max: int = 64,
+        watch: RowWatch | None = RowWatch(),
     ):
         if (
             not 1 <= k_start <= k_max
@@ -187,6 +273,10 @@ class CostAwareK:
         )
         self._times: list[float] | None = None  # cached T_target(1 .. k_max + 1)
         self.last_k = k_start
+        self.watch = watch
+        self.row_state: dict[int, _Row] = {}  # request id -> its own record
+        self.collapsed: set[int] = set()  # request ids flagged (of the rows still in the batch)
+        self.average = [0.0, 0.0]  # the drafter's first-token (reached, accepted), rows that are on
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
@@ -241,7 +331,30 @@ class CostAwareK:
         cur.since_probe, cur.probing = 0, True
         return self.probe_k
 
-    def choose(self) -> int:
+    def _follow(self, rows: list[int]) -> list[_Row]:
+        """The rows' records (new ones for rows that joined; those of rows that left dropped), each
+        off row one step nearer its probe."""
+        keep = set(rows)
+        for gone in [r for r in self.row_state if r not in keep]:
+            del self.row_state[gone]
+        self.collapsed &= keep
+        out = []
+        for r in rows:
+            if r not in self.row_state:
+                self.row_state[r] = _Row(self.probe_every)
+            row = self.row_state[r]
+            if row.off and not row.probing:
+                row.since_probe += 1
+                if row.since_probe >= row.probe_interval:
+                    row.since_probe, row.probing = 0, True
+            out.append(row)
+        return out
+
+    def choose(self, rows: list[int] | None = None) -> int:
+        states = self._follow(rows) if rows is not None and self.watch is not None else []
+        if states and all(s.off for s in states):  # nobody drafts but the rows due for a probe
+            self.last_k = self.probe_k if any(s.probing for s in states) else 0
+            return self.last_k
         if self.t_draft is None or 1 not in self.t_target:
             # measure: a speculative step first, then one plain step for T_target(1)
             k = self.k_start if self.t_draft is None else 0
@@ -255,18 +368,31 @@ class CostAwareK:
         self.last_k = k
         return k
 
-    def trim(self, num_valid: torch.Tensor, bucket: torch.Tensor | None) -> torch.Tensor:
-        if bucket is None or self.t_draft is None or 1 not in self.t_target:
-            return num_valid
-        best: dict[int, int] = {}
-        caps = []
-        for b in bucket.tolist():
-            if b not in best:
-                best[b] = self._best(b, 0.0)  # the drafting is done: only verification counts now
-            caps.append(self._probe(self._curve(b), best[b]))
-        return torch.minimum(num_valid, torch.tensor(caps, dtype=num_valid.dtype))
+    def trim(
+        self, num_valid: torch.Tensor, bucket: torch.Tensor | None, rows: list[int] | None = None
+    ) -> torch.Tensor:
+        out = num_valid
+        if bucket is not None and self.t_draft is not None and 1 in self.t_target:
+            best: dict[int, int] = {}
+            caps = []
+            for b in bucket.tolist():
+                if b not in best:
+                    best[b] = self._best(b, 0.0)  # the drafting is done: only verification counts now
+                caps.append(self._probe(self._curve(b), best[b]))
+            out = torch.minimum(num_valid, torch.tensor(caps, dtype=num_valid.dtype))
+        if rows is None or self.watch is None:
+            return out
+        # a row that is off verifies nothing, or probe_k tokens when its probe is due
+        row_caps = []
+        for r, cap in zip(rows, out.tolist()):
+            row = self.row_state.get(r)
+            if row is None or not row.off:
+                row_caps.append(cap)
+            else:
+                row_caps.append(self.probe_k if row.probing else 0)
+        return torch.minimum(num_valid, torch.tensor(row_caps, dtype=num_valid.dtype))
 
-    def update(self, k, num_drafted, num_accepted, draft_time, target_time, bucket=None) -> None:
+    def update(self, k, num_drafted, num_accepted, draft_time, target_time, bucket=None, rows=None) -> None:
         drafted = int(num_drafted.max()) if num_drafted.numel() else 0
         # the target scored drafted + 1 tokens per row (fewer than k + 1 when a drafter such as
         # prompt lookup found less to propose or trim() cut it): that is the size this time belongs to
@@ -278,9 +404,12 @@ class CostAwareK:
         if self.classes is None:
             self.classes = bucket is not None
         classes = bucket.tolist() if bucket is not None else [None] * num_drafted.numel()
-        for b, d, a in zip(classes, num_drafted.tolist(), num_accepted.tolist()):
+        ids = rows if rows is not None and self.watch is not None else [None] * num_drafted.numel()
+        for b, d, a, r in zip(classes, num_drafted.tolist(), num_accepted.tolist(), ids):
             if d == 0:
                 continue
+            if r is not None and not self._observe_row(r, a):
+                continue  # a row that is off (this was its probe) does not teach its class
             cur = self._curve(b)
             cur.rates = None
             for j in range(self.k_max):
@@ -294,6 +423,45 @@ class CostAwareK:
                 cur.probing = False
                 pays = self._best(b, self.t_draft if b is None else 0.0) > 0
                 cur.probe_interval = self.probe_every if pays else min(2 * cur.probe_interval, self.probe_max)
+
+    def _observe_row(self, r: int, accepted: int) -> bool:
+        """Record row r's proposal (its first token accepted or not), switch it off or on, flag it;
+        whether it was on (a proposal its class may learn from)."""
+        w = self.watch
+        row = self.row_state.setdefault(r, _Row(self.probe_every))
+        hit = accepted >= 1
+        row.reached = w.decay * row.reached + 1.0
+        row.accepted = w.decay * row.accepted + hit
+        row.proposals += 1
+        row.hits += hit
+        was_on = not row.off
+        rate = row.accepted / row.reached
+        if row.off:  # this was a probe
+            row.probing = False
+            if rate >= w.floor:
+                row.off, row.probe_interval = False, self.probe_every
+            else:
+                row.probe_interval = min(2 * row.probe_interval, self.probe_max)
+        elif row.reached >= w.evidence and rate < w.floor:
+            row.off, row.since_probe = True, 0
+        if was_on:
+            self.average = [
+                w.average_decay * self.average[0] + 1.0,
+                w.average_decay * self.average[1] + hit,
+            ]
+        self._detect(r, row)
+        return was_on
+
+    def _detect(self, r: int, row: _Row) -> None:
+        """Flag row r once when its acceptance is far below, and implausibly low for, the average."""
+        w = self.watch
+        if r in self.collapsed or self.average[0] < 1.0:
+            return
+        p = self.average[1] / self.average[0]
+        if row.hits < w.detect_fraction * p * row.proposals and (
+            binomial_cdf(row.hits, row.proposals, p) < w.detect_alpha
+        ):
+            self.collapsed.add(r)
 
     @property
     def probe_interval(self) -> int:
@@ -332,15 +500,21 @@ class CappedPolicy:
         self.cap: int | None = None
         self.k_max = inner.k_max  # the cap only lowers k: the inner policy's room suffices
 
-    def choose(self) -> int:
-        k = self.inner.choose()
+    @property
+    def collapsed(self) -> set[int]:
+        return self.inner.collapsed
+
+    def choose(self, rows: list[int] | None = None) -> int:
+        k = self.inner.choose(rows)
         return k if self.cap is None else min(k, self.cap)
 
-    def trim(self, num_valid: torch.Tensor, bucket: torch.Tensor | None) -> torch.Tensor:
-        return self.inner.trim(num_valid, bucket)
+    def trim(
+        self, num_valid: torch.Tensor, bucket: torch.Tensor | None, rows: list[int] | None = None
+    ) -> torch.Tensor:
+        return self.inner.trim(num_valid, bucket, rows)
 
-    def update(self, k, num_drafted, num_accepted, draft_time, target_time, bucket=None) -> None:
-        self.inner.update(k, num_drafted, num_accepted, draft_time, target_time, bucket)
+    def update(self, k, num_drafted, num_accepted, draft_time, target_time, bucket=None, rows=None) -> None:
+        self.inner.update(k, num_drafted, num_accepted, draft_time, target_time, bucket, rows)
 
     def __repr__(self) -> str:
         return f"CappedPolicy({self.inner!r})"

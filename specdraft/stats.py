@@ -33,6 +33,7 @@ class SpecStats:
         total_time: wall seconds of the whole run.
         drafted_per_position / accepted_per_position: per draft position counts.
         k_history: draft length used at each batched step.
+        collapsed: requests the policy flagged as collapsed (:attr:`specdraft.policy.CostAwareK.collapsed`).
     """
 
     steps: int = 0
@@ -47,6 +48,7 @@ class SpecStats:
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     k_history: list[int] = field(default_factory=list)
+    collapsed: int = 0
 
     def observe(
         self, num_drafted: torch.Tensor, num_accepted: torch.Tensor, num_emitted: torch.Tensor
@@ -79,7 +81,7 @@ class SpecStats:
 
     def merge(self, other: SpecStats) -> None:
         """Add another run's counters (e.g. per-prompt stats into a benchmark total)."""
-        for name in ("steps", "target_forwards", "drafted", "accepted", "generated"):
+        for name in ("steps", "target_forwards", "drafted", "accepted", "generated", "collapsed"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("draft_time", "target_time", "prefill_time", "total_time"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -131,6 +133,7 @@ class SpecStats:
             "prefill_time_s": round(self.prefill_time, 4),
             "total_time_s": round(self.total_time, 4),
             "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance()],
+            "collapsed": self.collapsed,
         }
 
     def summary(self) -> str:

@@ -74,7 +74,7 @@ class TrimToOne(FixedK):
         super().__init__(4)
         self.seen = []
 
-    def trim(self, num_valid, bucket):
+    def trim(self, num_valid, bucket, rows=None):
         self.seen.append(None if bucket is None else bucket.tolist())
         return num_valid.clamp(max=1)
 

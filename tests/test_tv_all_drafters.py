@@ -10,8 +10,8 @@ The statistical test is the one of ``tests/test_sampling.py`` (target: a tiny Ll
 8, its head scaled up; every output of NEW tokens enumerated exactly), run for every drafter class
 and every path that cuts a proposal: a model draft, prompt lookup (no q), the README's example
 bigram drafter (no q), the target drafting for itself, a layer-pruned draft, the gated designed
-draft (best prefix and early stop), the feature draft, the cost-aware policy's per-class trim and
-the server's per-row caps. Each case also
+draft (best prefix and early stop), the feature draft, the cost-aware policy's per-class trim, its
+per-row cut of rows whose drafts fail (issue 17) and the server's per-row caps. Each case also
 checks that its cut really happened, and the old gating rule is shown to fail the same test.
 """
 
@@ -35,7 +35,7 @@ from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.engine import Engine, Request
 from specdraft.models.llama import LlamaRuntime, LlamaWeights
 from specdraft.models.tiny import tiny_llama
-from specdraft.policy import CappedPolicy, CostAwareK, FixedK, VerifyCost, best_prefix
+from specdraft.policy import CappedPolicy, CostAwareK, FixedK, RowWatch, VerifyCost, best_prefix
 from specdraft.stats import SpecStats
 from specdraft.verify import SamplingParams, logits_to_probs, verify_sampling
 
@@ -115,19 +115,26 @@ class SteadyClock:
         self.k_max = inner.k_max
         self.cut = 0  # rows trim() shortened
         self.kept = 0  # rows it left with at least one token
+        self.off = 0  # rows the per-row watch had switched off when a step began
 
-    def choose(self):
-        return self.inner.choose()
+    @property
+    def collapsed(self):
+        return self.inner.collapsed
 
-    def trim(self, num_valid, bucket):
-        out = self.inner.trim(num_valid, bucket)
+    def choose(self, rows=None):
+        k = self.inner.choose(rows)
+        self.off += sum(self.inner.row_state[r].off for r in rows if r in self.inner.row_state)
+        return k
+
+    def trim(self, num_valid, bucket, rows=None):
+        out = self.inner.trim(num_valid, bucket, rows)
         self.cut += int((out < num_valid).sum())
         self.kept += int((out > 0).sum())
         return out
 
-    def update(self, k, num_drafted, num_accepted, draft_time, target_time, bucket=None):
+    def update(self, k, num_drafted, num_accepted, draft_time, target_time, bucket=None, rows=None):
         n = int(num_drafted.max()) if num_drafted.numel() else 0
-        self.inner.update(k, num_drafted, num_accepted, 0.1 * k, 1.0 + 0.2 * n, bucket)
+        self.inner.update(k, num_drafted, num_accepted, 0.1 * k, 1.0 + 0.2 * n, bucket, rows)
 
 
 class SampledTokenGate(GatedDrafter):
@@ -174,6 +181,11 @@ def _early_stop(rec, policy):
     _lengths(0, 1, 2)(rec, policy)  # plain steps and proposals of several lengths
 
 
+def _rows_off(rec, policy):
+    # some rows off (their step verified nothing: k = 0 for an all-off batch, else trim), some drafted
+    assert policy.off > 0 and policy.kept > 0, (policy.off, policy.kept)
+
+
 def _trimmed(rec, policy):
     assert policy.cut > 0 and policy.kept > 0, (policy.cut, policy.kept)  # trim cut some rows, not all
 
@@ -211,6 +223,13 @@ def make_case(name: str, target: LlamaRuntime) -> Case:
     if name == "cost-aware-trim":
         policy = SteadyClock(CostAwareK(k_max=3, k_start=3, probe_every=2))
         return Case(PromptLookupDrafter(), policy, batch=100, check=_trimmed)
+    if name == "cost-aware-rows":
+        # per-row watching strict enough to act within NEW = 2 steps: a row whose first proposal
+        # was rejected verifies nothing at its second step (the cut reads the earlier step only;
+        # the rows left at step 2 are all such rows, so the batch's k is 0 there)
+        watch = RowWatch(evidence=0.5, floor=0.5)
+        policy = SteadyClock(CostAwareK(k_max=2, k_start=2, probe_every=8, watch=watch))
+        return Case(ModelDrafter(peaked(seed=11, scale=12.0), "other"), policy, batch=100, check=_rows_off)
     if name == "server-row-caps":
         drafter, policy = (
             RowCappedDrafter(ModelDrafter(peaked(seed=11, scale=12.0), "other")),
@@ -262,6 +281,7 @@ CASES = [
     "gated-early-stop",
     "feature",
     "cost-aware-trim",
+    "cost-aware-rows",
     "server-row-caps",
 ]
 

@@ -229,6 +229,7 @@ class _Tally:
             "target_time_s": _r(stats.target_time),
             "prefill_time_s": _r(stats.prefill_time),
             "per_position_acceptance": [round(x, 4) for x in stats.per_position_acceptance()],
+            "collapsed": stats.collapsed,
         }
         for cls in CLASSES:
             out[cls.replace("-", "_")] = self.classes[cls] if self.classified else None
@@ -471,6 +472,7 @@ def _row(
         "plain_tokens_per_s": _r(plain.new_tokens / plain.seconds if plain.seconds else 0.0),
         "mean_accepted_tokens": _r(spec.stats.mean_accepted_length),
         "acceptance_rate": _r(spec.stats.acceptance_rate),
+        "collapsed": spec.stats.collapsed,  # requests of this prompt flagged (issue 17)
         "equality": equality,
         "first_difference": first_diff,
         "notes": plain.notes,

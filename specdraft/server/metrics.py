@@ -7,6 +7,9 @@ Speculative decoding counters follow vLLM's ``spec_decode/metrics.py`` vocabular
 - ``spec_decode_num_accepted_tokens``: draft tokens the target accepted.
 - ``spec_decode_num_accepted_tokens_per_pos{position}``: accepted draft tokens at each draft
   position (0-based); divided by ``num_drafts`` it is the per-position acceptance curve.
+- ``spec_decode_collapsed_requests``: requests the draft-length policy flagged as collapsed, their
+  drafts accepted far less than the drafter's average (an acceleration-collapse input; see
+  :class:`specdraft.policy.RowWatch` for the rule). specdraft's own, not in vLLM.
 
 Mean accepted length (bonus token included) is ``1 + accepted_tokens / num_drafts``.
 Inter-token latency is observed once per streamed step, as vLLM does: a speculative step that
@@ -127,6 +130,11 @@ class Metrics:
             ["position"],
             registry=r,
         )
+        self.collapsed_requests = Counter(
+            f"{p}spec_decode_collapsed_requests",
+            "Requests whose draft acceptance collapsed far below the drafter's average (flagged once each)",
+            registry=r,
+        )
 
     def observe_step(self, stats: SpecStats) -> None:
         """Add one engine step's statistics (a fresh :class:`SpecStats` per step)."""
@@ -137,6 +145,7 @@ class Metrics:
         self.num_accepted_tokens.inc(stats.accepted)
         for pos, n in enumerate(stats.accepted_per_position):
             self.accepted_per_pos.labels(position=str(pos)).inc(n)
+        self.collapsed_requests.inc(stats.collapsed)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
