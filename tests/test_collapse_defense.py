@@ -6,6 +6,8 @@ tokens fed), never timed."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -20,7 +22,7 @@ from tests.helpers import plain_greedy
 
 V = 256
 N = 96  # new tokens per prompt
-PROMPTS = [[10 + i, 40, 41, 42, 43 + i] for i in range(4)]  # first tokens 10..13 name the rows
+PROMPTS = [[10 + i, 40, 41, 42, 43 + i] for i in range(4)]
 
 
 class Oracle:
@@ -107,7 +109,7 @@ def test_an_always_wrong_drafter_costs_about_plain_decoding(tiny, reference):
     Each step still emits one token (the target's own), so target forwards equal plain decoding's
     and the tokens fed beyond plain decoding's are bounded by those few proposals and probes."""
     policy = Recording()
-    drafter = WrongRows(Oracle(PROMPTS, reference), {10, 11, 12, 13}, V)
+    drafter = WrongRows(Oracle(PROMPTS, reference), PROMPTS, V)
     engine = Engine(tiny.target, drafter, policy)
     ids, out = run(engine, PROMPTS)
     assert [out[i] for i in ids] == [r[:N] for r in reference]
@@ -138,7 +140,7 @@ def test_the_batch_wide_policy_keeps_paying_for_an_always_wrong_drafter(tiny, re
     """Without per-row watching, with a free drafter and a cheap verification the class curve alone
     does not reach k = 0: the check above measures the defense, not a property of the drafter."""
     policy = Recording(watch=None)
-    drafter = WrongRows(Oracle(PROMPTS, reference), {10, 11, 12, 13}, V)
+    drafter = WrongRows(Oracle(PROMPTS, reference), PROMPTS, V)
     engine = Engine(tiny.target, drafter, policy)
     ids, out = run(engine, PROMPTS)
     assert [out[i] for i in ids] == [r[:N] for r in reference]
@@ -155,7 +157,7 @@ def test_clean_rows_keep_drafting_next_to_spoiled_rows(tiny, reference):
     clean_forwards = engine.stats.target_forwards
 
     policy = Recording()
-    engine = Engine(tiny.target, WrongRows(Oracle(PROMPTS, reference), {11, 13}, V), policy)
+    engine = Engine(tiny.target, WrongRows(Oracle(PROMPTS, reference), [PROMPTS[1], PROMPTS[3]], V), policy)
     ids, out = run(engine, PROMPTS)
     assert [out[i] for i in ids] == [r[:N] for r in reference]
     good, bad = [ids[0], ids[2]], [ids[1], ids[3]]
@@ -173,7 +175,7 @@ def test_clean_rows_keep_drafting_next_to_spoiled_rows(tiny, reference):
 
 def test_a_row_recovers_when_its_drafts_are_right_again(tiny, reference):
     policy = Recording()
-    drafter = WrongRows(Oracle(PROMPTS, reference), {10}, V)
+    drafter = WrongRows(Oracle(PROMPTS, reference), PROMPTS[:1], V)
     engine = Engine(tiny.target, drafter, policy)
     ids, out = run(engine, PROMPTS[:1], steps=20)
     row = policy.row_state[ids[0]]
@@ -226,3 +228,18 @@ def test_metrics_count_collapsed_requests():
     m.observe_step(SpecStats())
     text = m.render().decode()
     assert "specdraft:spec_decode_collapsed_requests_total 2.0" in text
+
+
+def test_wrong_rows_shifts_the_chosen_rows_tokens_with_their_distribution():
+    class Fixed:
+        name, vocab_size = "fixed", 4
+
+        def propose(self, state, ctx, k):
+            probs = torch.tensor([[0.1, 0.2, 0.3, 0.4]]).expand(2, k, 4)
+            return Proposal(torch.tensor([[3, 1], [3, 1]])[:, :k], probs)
+
+    ctx = SimpleNamespace(tokens=torch.tensor([[5, 6, 0], [7, 8, 0]]), lengths=torch.tensor([2, 2]))
+    prop = WrongRows(Fixed(), [[7, 8]], 4).propose(None, ctx, 2)
+    assert prop.tokens.tolist() == [[3, 1], [0, 2]]  # row 1 shifted, wrapping at the vocabulary
+    q = prop.probs.gather(-1, prop.tokens.unsqueeze(-1)).squeeze(-1)
+    assert torch.allclose(q, torch.tensor([[0.4, 0.2], [0.4, 0.2]]))  # each token keeps its own q

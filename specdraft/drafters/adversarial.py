@@ -1,7 +1,7 @@
 """A drafter whose proposals are spoiled for chosen rows: the collapse defense's test drafter.
 
-:class:`WrongRows` wraps any drafter and, for the rows whose prompt starts with one of the given
-tokens, shifts every proposed token by one (``x -> (x + 1) mod V``), and the draft distribution
+:class:`WrongRows` wraps any drafter and, for the rows whose prompt is one of the given prompts,
+shifts every proposed token by one (``x -> (x + 1) mod V``), and the draft distribution
 with it (``q'(x + 1) = q(x)``), so each proposal is still distributed as the q it is verified
 against (sampling stays lossless) but a draft that was right is now wrong: such a row's drafts
 are (almost) always rejected, as under an acceleration-collapse input (issue 17). Setting
@@ -18,17 +18,17 @@ from specdraft.drafters.base import DraftContext, Drafter, DraftState, Proposal
 
 
 class WrongRows:
-    """``inner``'s proposals, shifted by one token for rows whose first token is in ``first_tokens``.
+    """``inner``'s proposals, shifted by one token for the rows of the given prompts.
 
     Args:
         inner: the drafter to spoil.
-        first_tokens: rows whose prompt starts with one of these are spoiled.
+        prompts: rows whose committed tokens start with one of these (token ids) are spoiled.
         vocab: vocabulary size (the shift wraps around it).
     """
 
-    def __init__(self, inner: Drafter, first_tokens: set[int], vocab: int):
+    def __init__(self, inner: Drafter, prompts: list[list[int]], vocab: int):
         self.inner = inner
-        self.first_tokens = set(first_tokens)
+        self.prompts = [torch.tensor(p, dtype=torch.int64) for p in prompts]
         self.vocab = vocab
         self.enabled = True
         self.name = f"wrong-rows({inner.name})"
@@ -42,8 +42,11 @@ class WrongRows:
         prop = self.inner.propose(state, ctx, k)
         if not self.enabled:
             return prop
-        first = ctx.tokens[:, 0].tolist()
-        bad = torch.tensor([t in self.first_tokens for t in first])  # (B,)
+        bad = torch.zeros(ctx.tokens.shape[0], dtype=torch.bool)  # (B,)
+        for p in self.prompts:
+            n = len(p)
+            if n <= ctx.tokens.shape[1]:
+                bad |= (ctx.lengths >= n) & (ctx.tokens[:, :n] == p).all(1)
         tokens = torch.where(bad.unsqueeze(1), (prop.tokens + 1) % self.vocab, prop.tokens)  # (B, k)
         probs = prop.probs
         if probs is not None:  # (B, k, V): q'(x + 1) = q(x)
