@@ -6,7 +6,7 @@ VENV := .venv
 PIP := $(VENV)/bin/python -m pip
 STAMP := $(VENV)/.stamp
 
-.PHONY: venv test demo clean-venv
+.PHONY: venv test demo peers clean-venv
 
 venv: $(STAMP)
 
@@ -31,6 +31,17 @@ test: venv
 
 demo: venv
 	$(VENV)/bin/specdraft demo
+
+# Optional peers for `specdraft bench --baselines llamacpp` (not part of `make test`): llama-cpp-python
+# built from source for this CPU only (no CUDA), on 2 cores, ~10 minutes. The llamafile GEMMs stay on
+# (llama.cpp's default); `make peers PEERS_CMAKE_ARGS="... -DGGML_LLAMAFILE=OFF"` builds without them.
+LLAMA_CPP_PYTHON ?= 0.3.36
+PEERS_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_OPENMP=ON
+PEERS_JOBS ?= 2
+peers: venv
+	CMAKE_ARGS="$(PEERS_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$(PEERS_JOBS) \
+		$(PIP) install --no-binary llama-cpp-python --no-cache-dir llama-cpp-python==$(LLAMA_CPP_PYTHON)
+	$(VENV)/bin/python -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
 
 clean-venv:
 	rm -rf $(VENV)

@@ -42,6 +42,7 @@ from specdraft import lossless
 from specdraft.api import Pipeline
 from specdraft.bench import harness
 from specdraft.bench.harness import Method, Run
+from specdraft.bench.llamacpp_baselines import LLAMACPP_METHODS, agreement
 from specdraft.bench.prompts import BenchPrompt, fit_context
 from specdraft.errors import SpecdraftError
 from specdraft.policy import make_policy
@@ -50,6 +51,8 @@ from specdraft.verify import SamplingParams
 
 CLASSES = (lossless.IDENTICAL, lossless.TIE_DIVERGENT, lossless.DIVERGENT)
 HF_METHODS = ("hf_plain", "hf_assisted", "hf_prompt_lookup")
+BASELINE_METHODS = HF_METHODS + LLAMACPP_METHODS
+BASELINES = ("hf", "llamacpp")
 WARMUP_TOKENS = 8
 
 
@@ -62,7 +65,8 @@ class BenchOptions:
         max_new_tokens: generation budget per turn.
         params: sampling parameters (temperature 0 = greedy); a sampling run seeds prompt i with
             ``seed + i`` (seed 0 when unset), the same for every method.
-        baselines: ``("hf",)`` adds the transformers baselines.
+        baselines: ``"hf"`` adds the transformers baselines, ``"llamacpp"`` llama.cpp's
+            (:mod:`specdraft.bench.llamacpp_baselines`; needs llama-cpp-python, ``make peers``).
         long_prompts: ``truncate`` (cut the middle) or ``skip`` prompts longer than the budget.
         max_prompt_tokens: cap on prompt tokens (None: the context window allows).
         tolerance: near-tie margin for the equality check; None: 0 in fp32, else
@@ -90,9 +94,15 @@ class BenchOptions:
             raise SpecdraftError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.long_prompts not in ("truncate", "skip"):
             raise SpecdraftError(f"unknown long-prompt mode {self.long_prompts!r}: use truncate or skip")
-        unknown = [b for b in self.baselines if b != "hf"]
+        unknown = [b for b in self.baselines if b not in BASELINES]
         if unknown:
-            raise SpecdraftError(f"unknown baseline {', '.join(unknown)}: use --baselines hf")
+            raise SpecdraftError(
+                f"unknown baseline {', '.join(unknown)}: use --baselines hf, llamacpp or hf,llamacpp"
+            )
+        if "llamacpp" in self.baselines:
+            from specdraft.bench.llamacpp_baselines import require
+
+            require()  # before any model loads: one line saying how to install it
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise SpecdraftError(f"--max-prompt-tokens must be >= 1, got {self.max_prompt_tokens}")
 
@@ -198,11 +208,17 @@ class _Tally:
     methods: dict[str, harness.Totals] = field(default_factory=dict)
     classes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CLASSES, 0))
     classified: bool = True
+    shared: dict[str, list[int]] = field(default_factory=dict)  # method -> [shared, plain tokens, equal]
 
     def add(self, row: dict, runs: dict[str, MethodRun]) -> None:
         self.prompts += 1
         for method, run in runs.items():
             self.methods.setdefault(method, harness.Totals()).add(run.as_run())
+            if row.get(f"{method}_shared_tokens") is not None:
+                sums = self.shared.setdefault(method, [0, 0, 0])
+                sums[0] += row[f"{method}_shared_tokens"]
+                sums[1] += row["plain_new_tokens"]
+                sums[2] += row[f"{method}_first_difference"] is None
         if row["equality"] is None:
             self.classified = False
         else:
@@ -233,12 +249,17 @@ class _Tally:
         }
         for cls in CLASSES:
             out[cls.replace("-", "_")] = self.classes[cls] if self.classified else None
-        for method in HF_METHODS:
+        for method in BASELINE_METHODS:
             rate = self.rate(method)
             if rate is not None:
                 out[f"{method}_tokens_per_s"] = _r(rate)
                 out[f"{method}_new_tokens"] = self._tokens(method)
                 out[f"speedup_vs_{method}"] = _r(spec / rate if spec and rate else None)
+                out[f"plain_speedup_vs_{method}"] = _r(plain / rate if plain and rate else None)
+        for method, (shared, total, equal) in self.shared.items():
+            # greedy token agreement with specdraft's plain output: leading tokens shared, summed
+            out[f"{method}_agreement"] = _r(shared / total if total else None)
+            out[f"{method}_identical"] = equal
         return out
 
     def _tokens(self, method: str) -> int:
@@ -273,13 +294,17 @@ def run_bench(
     log = log or (lambda msg: print(msg, file=sys.stderr))
     _check(pipe, prompts, options)
     hf = _hf_baselines(pipe, options, log) if "hf" in options.baselines else None
-    methods = _methods(pipe, options, hf)
+    lc = _llamacpp_baselines(pipe, options) if "llamacpp" in options.baselines else None
+    methods = _methods(pipe, options, hf, lc)
     budget = harness.prompt_budget(pipe.runtime, methods, options.max_new_tokens, options.max_prompt_tokens)
     if budget < 2:
         raise SpecdraftError(
             f"--max-new-tokens {options.max_new_tokens} leaves no room for a prompt in the context "
             f"window ({pipe.runtime.max_context})"
         )
+    if lc is not None:  # room for the longest prompt, the new tokens and one draft past them
+        lc.load(budget + options.max_new_tokens + lc.lookup_tokens + 1)
+        log(f"note: {lc.note}")
     tol = harness.tolerance(pipe.runtime, options.tolerance)
 
     started = time.perf_counter()
@@ -319,7 +344,7 @@ def run_bench(
             "every prompt was skipped: none fits the context window (use --long-prompts truncate)"
         )
     return BenchResult(
-        config=_config(pipe, options, hf, budget, tol),
+        config=_config(pipe, options, hf, lc, budget, tol),
         overall=overall.summary(),
         categories={c: t.summary() for c, t in categories.items()},
         prompts=rows,
@@ -354,8 +379,16 @@ def _hf_baselines(pipe: Pipeline, options: BenchOptions, log: Callable[[str], No
     return hf
 
 
-def _methods(pipe: Pipeline, options: BenchOptions, hf) -> list[Method]:
-    """plain, spec and the transformers baselines, in this order (prompt 0's)."""
+def _llamacpp_baselines(pipe: Pipeline, options: BenchOptions):
+    from specdraft.bench.llamacpp_baselines import build_llamacpp_baselines
+
+    return build_llamacpp_baselines(
+        pipe.target.name, torch.get_num_threads(), pipe.eos_ids, options.fixed_k, pipe.draft_spec
+    )
+
+
+def _methods(pipe: Pipeline, options: BenchOptions, hf, lc=None) -> list[Method]:
+    """plain, spec, the transformers and the llama.cpp baselines, in this order (prompt 0's)."""
     policy = make_policy(options.k)  # one policy for the whole run: an adaptive one keeps learning
     methods = [
         harness.engine_method("plain", pipe.runtime, None, eos_ids=pipe.eos_ids),
@@ -363,6 +396,8 @@ def _methods(pipe: Pipeline, options: BenchOptions, hf) -> list[Method]:
     ]
     for name in hf.methods if hf else ():
         methods.append(harness.baseline_method(name, lambda ids, n, p, m=name: hf.run(m, ids, n, p)))
+    for name in lc.methods if lc else ():
+        methods.append(harness.baseline_method(name, lambda ids, n, p, m=name: lc.run(m, ids, n, p)))
     return methods
 
 
@@ -423,7 +458,7 @@ def _advance(bar, overall: _Tally) -> None:
     bar.update(1)
 
 
-def _config(pipe: Pipeline, options: BenchOptions, hf, budget: int, tol: float) -> dict:
+def _config(pipe: Pipeline, options: BenchOptions, hf, lc, budget: int, tol: float) -> dict:
     params = options.params
     return {
         "target": pipe.target.name,
@@ -443,6 +478,7 @@ def _config(pipe: Pipeline, options: BenchOptions, hf, budget: int, tol: float) 
         "runtime": repr(pipe.runtime),
         "baselines": list(options.baselines),
         "hf_assistant": hf.assistant_note if hf else None,
+        "llamacpp": lc.note if lc else None,
         "long_prompts": options.long_prompts,
         "prompt_budget_tokens": budget,
         "equality_tolerance": tol if params.greedy else None,
@@ -480,11 +516,18 @@ def _row(
     row["speedup"] = _r(
         row["tokens_per_s"] / row["plain_tokens_per_s"] if row["plain_tokens_per_s"] else None
     )
-    for method in HF_METHODS:
+    for method in BASELINE_METHODS:
         if method in runs:
             run = runs[method]
             row[f"{method}_new_tokens"] = run.new_tokens
             row[f"{method}_tokens_per_s"] = _r(run.new_tokens / run.seconds if run.seconds else 0.0)
+    for method in LLAMACPP_METHODS:
+        if method in runs and options.params.greedy:  # another runtime: agreement, not equality
+            reference = plain.as_run().tokens
+            shared, first = agreement(reference, runs[method].as_run().tokens)
+            row[f"{method}_shared_tokens"] = shared
+            row[f"{method}_first_difference"] = first
+            row[f"{method}_agreement"] = _r(shared / len(reference) if reference else None)
     return row
 
 
@@ -498,6 +541,8 @@ def markdown_table(result: BenchResult | dict) -> str:
             ("hf_plain", "HF plain"),
             ("hf_assisted", "HF assisted"),
             ("hf_prompt_lookup", "HF lookup"),
+            ("llamacpp_plain", "llama.cpp plain"),
+            ("llamacpp_spec", "llama.cpp lookup"),
         )
         if f"{m}_tokens_per_s" in d["overall"]
     ]

@@ -26,7 +26,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
     p.add_argument("--max-new-tokens", type=positive_int, default=128, help="generation budget per turn")
     p.add_argument(
-        "--baselines", default="", help="'hf': also transformers generate plain, assisted and prompt lookup"
+        "--baselines",
+        default="",
+        help="'hf': also transformers generate plain, assisted and prompt lookup; 'llamacpp': also "
+        "llama.cpp plain and prompt lookup on the target's GGUF (needs llama-cpp-python: make peers); "
+        "both: 'hf,llamacpp'",
     )
     p.add_argument(
         "--long-prompts",
