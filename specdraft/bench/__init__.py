@@ -1,2 +1,3 @@
 """Evaluation: Spec-Bench-style benchmarks (:mod:`.runner`), prompt files (:mod:`.prompts`),
-transformers baselines (:mod:`.hf_baselines`) and the latency profiler (:mod:`.profile`)."""
+transformers and llama.cpp baselines (:mod:`.hf_baselines`, :mod:`.llamacpp_baselines`) and the latency
+profiler (:mod:`.profile`)."""
