@@ -1,0 +1,164 @@
+"""The discrete attack: a short suffix of real tokens found by gradient-guided search (GCG-style).
+
+The prompt becomes ``head + suffix + tail`` (``tail``: the chat template's closing tokens, so the
+suffix sits at the end of the user's message). Each step takes the gradient of
+``degradation + lam * preservation`` (:mod:`specdraft.attack.losses`) with respect to the suffix's
+one-hot rows (``(m, V)``, through both models' embedding matrices), keeps the ``topk`` tokens with
+the most negative gradient at each suffix position, samples ``candidates`` single-token swaps from
+them, drops those a client could not send (``valid``: the decoded text must encode back to the same
+ids) and evaluates the rest exactly, in batches; the best swap is kept when it lowers the loss
+(Zou et al. 2023, "Universal and Transferable Adversarial Attacks on Aligned Language Models").
+The suffix returned is the best one seen that keeps the target's argmax on ``y`` at every position
+(its greedy output unchanged), else the best one seen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from specdraft.attack.losses import Models, continuation_slice, degradation, keeps_argmax, preservation
+from specdraft.errors import SpecdraftError
+
+
+@dataclass(frozen=True)
+class DiscreteConfig:
+    """Settings of :func:`attack_discrete`.
+
+    Attributes:
+        steps: search steps (one swap kept at most per step).
+        topk: swap tokens kept per suffix position from the gradient.
+        candidates: swaps sampled and evaluated per step.
+        batch: candidates per forward pass.
+        lam: weight of the preservation term.
+        greedy: greedy degradation (q of the target token); False: sampling (sum min(p, q)).
+        seed: seeds the sampling of swaps.
+    """
+
+    steps: int = 20
+    topk: int = 32
+    candidates: int = 32
+    batch: int = 8
+    lam: float = 1.0
+    greedy: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        if min(self.steps, self.topk, self.candidates, self.batch) < 1 or self.lam < 0:
+            raise SpecdraftError(f"bad discrete attack settings: {self}")
+
+
+@dataclass
+class DiscreteResult:
+    """What :func:`attack_discrete` found.
+
+    Attributes:
+        suffix: the suffix's token ids.
+        loss: its ``degradation + lam * preservation``.
+        degradation: its degradation.
+        keeps_argmax: whether the target's greedy output on the attacked prompt is still ``y``.
+        history: per step, the kept suffix's ``{"loss", "degradation", "preservation"}``.
+    """
+
+    suffix: list[int]
+    loss: float
+    degradation: float
+    keeps_argmax: bool
+    history: list[dict] = field(default_factory=list)
+
+
+def attack_discrete(
+    models: Models,
+    head: list[int],
+    tail: list[int],
+    y: list[int],
+    suffix: list[int],
+    config: DiscreteConfig = DiscreteConfig(),
+    allowed: torch.Tensor | None = None,
+    valid: Callable[[list[int]], bool] | None = None,
+    clean: list[int] | None = None,
+) -> DiscreteResult:
+    """Search a suffix that makes the draft reject ``y`` while the target keeps it.
+
+    Args:
+        models: the differentiable target and draft.
+        head: the prompt's ids before the suffix.
+        tail: the prompt's ids after the suffix (may be empty).
+        y: the target's greedy continuation of the clean prompt.
+        suffix: the initial suffix (its length m is kept).
+        config: the search's settings.
+        allowed: ``(V,)`` bool, tokens the suffix may use (default: all).
+        valid: ``valid(suffix) -> bool``: whether a candidate can be sent as text.
+        clean: the clean prompt's ids (default ``head + tail``), for the preservation term.
+    """
+    if not y or not suffix:
+        raise SpecdraftError("the discrete attack needs a continuation and a suffix of >= 1 token")
+    Et, Ed = models.target_embedding, models.draft_embedding
+    V, m = Et.shape[0], len(suffix)
+    allowed = torch.ones(V, dtype=torch.bool) if allowed is None else allowed
+    gen = torch.Generator().manual_seed(config.seed)
+    ys = torch.tensor(y)
+    clean_ids = torch.tensor(head + tail if clean is None else clean)
+    with torch.no_grad():
+        seq = torch.cat([clean_ids, ys]).unsqueeze(0)
+        logp_clean = models.target_logprobs(Et[seq])[:, continuation_slice(len(clean_ids), len(y))]
+    cont = continuation_slice(len(head) + m + len(tail), len(y))
+    h, t = torch.tensor(head, dtype=torch.int64), torch.tensor(tail, dtype=torch.int64)
+
+    def losses(suffixes: torch.Tensor, onehot: torch.Tensor | None = None):
+        """``(B, m)`` suffixes (or a ``(m, V)`` one-hot for the gradient) -> loss, deg, pres, kept."""
+        B = suffixes.shape[0]
+        ids = torch.cat([h.expand(B, -1), suffixes, t.expand(B, -1), ys.expand(B, -1)], 1)
+        xt, xd = Et[ids], Ed[ids]  # (B, T, C)
+        if onehot is not None:
+            s = slice(len(head), len(head) + m)
+            xt = torch.cat([xt[:, : s.start], (onehot @ Et).unsqueeze(0), xt[:, s.stop :]], 1)
+            xd = torch.cat([xd[:, : s.start], (onehot @ Ed).unsqueeze(0), xd[:, s.stop :]], 1)
+        logp = models.target_logprobs(xt)[:, cont]
+        logq = models.draft_logprobs(xd)[:, cont]
+        deg = degradation(logq, ys, None if config.greedy else logp.detach())
+        pres = preservation(logp_clean, logp)
+        return deg + config.lam * pres, deg, pres, keeps_argmax(logp, ys)
+
+    def evaluate(cands: torch.Tensor):
+        with torch.no_grad():
+            parts = [losses(c) for c in cands.split(config.batch)]
+        return [torch.cat([p[i] for p in parts]) for i in range(4)]
+
+    current = torch.tensor([suffix])
+    loss, deg, pres, kept = evaluate(current)
+    cur_loss, cur_deg, cur_pres = float(loss[0]), float(deg[0]), float(pres[0])
+    best = DiscreteResult(list(suffix), cur_loss, float(deg[0]), bool(kept[0]))
+    for _ in range(config.steps):
+        onehot = torch.zeros(m, V)
+        onehot[torch.arange(m), current[0]] = 1.0
+        onehot.requires_grad_(True)
+        (grad,) = torch.autograd.grad(losses(current, onehot)[0][0], onehot)  # (m, V)
+        grad = grad.masked_fill(~allowed, float("inf"))
+        top = (-grad).topk(min(config.topk, int(allowed.sum())), dim=1).indices  # (m, topk)
+        pos = torch.randint(0, m, (config.candidates,), generator=gen)
+        pick = torch.randint(0, top.shape[1], (config.candidates,), generator=gen)
+        cands = current.repeat(config.candidates, 1)
+        cands[torch.arange(config.candidates), pos] = top[pos, pick]
+        cands = torch.unique(cands, dim=0)
+        cands = cands[(cands != current).any(1)]
+        if valid is not None:
+            keep = [valid(c.tolist()) for c in cands]
+            cands = cands[torch.tensor(keep, dtype=torch.bool)] if cands.shape[0] else cands
+        if cands.shape[0] == 0:
+            best.history.append({"loss": cur_loss, "degradation": cur_deg, "preservation": cur_pres})
+            continue
+        loss, deg, pres, kept = evaluate(cands)
+        i = int(loss.argmin())
+        if float(loss[i]) < cur_loss:
+            current, cur_loss = cands[i : i + 1], float(loss[i])
+            cur_deg, cur_pres = float(deg[i]), float(pres[i])
+            better = (bool(kept[i]), -cur_loss) > (best.keeps_argmax, -best.loss)
+            if better:
+                best = DiscreteResult(
+                    current[0].tolist(), cur_loss, float(deg[i]), bool(kept[i]), best.history
+                )
+        best.history.append({"loss": cur_loss, "degradation": cur_deg, "preservation": cur_pres})
+    return best

@@ -1,0 +1,114 @@
+"""The attack's losses and methods on tiny random models (issue 17)."""
+
+import itertools
+
+import pytest
+import torch
+
+from specdraft.attack.continuous import ContinuousConfig, attack_continuous
+from specdraft.attack.discrete import DiscreteConfig, attack_discrete
+from specdraft.attack.lookup import attack_lookup, simulated_lookup_length
+from specdraft.attack.losses import (
+    Models,
+    degradation,
+    greedy_from_embeds,
+    preservation,
+    project_out,
+    simulated_accepted_length,
+)
+from specdraft.attack.run import layer_subset, rouge_l
+from specdraft.drafters.prompt_lookup import PromptLookupDrafter
+from specdraft.models.tiny import tiny_llama
+
+PROMPT = list(b"the cat sat on the mat")
+
+
+@pytest.fixture(scope="module")
+def models() -> Models:
+    target = tiny_llama()
+    return Models(target, layer_subset(target, [0]))
+
+
+def greedy(models: Models, delta=None, n: int = 8) -> list[int]:
+    x = models.target_embedding[torch.tensor(PROMPT)].detach()
+    return greedy_from_embeds(models.target, (x if delta is None else x + delta).unsqueeze(0), n)
+
+
+def test_project_out_removes_the_preservation_component():
+    g = torch.randn(5, 7, generator=torch.Generator().manual_seed(0))
+    h = torch.randn(5, 7, generator=torch.Generator().manual_seed(1))
+    assert abs(float((g * h).sum())) > 1e-2  # the test can fail: g starts with a component along h
+    r = project_out(g, h)
+    assert abs(float((r * h).sum())) < 1e-5 * float(g.norm() * h.norm())
+    assert torch.allclose(g - r, (g * h).sum() / (h * h).sum() * h, atol=1e-6)
+    assert torch.equal(project_out(g, torch.zeros_like(h)), g)
+
+
+def test_losses_by_hand():
+    logq = torch.log(torch.tensor([[[0.5, 0.5, 0.0], [0.1, 0.2, 0.7]]]).clamp_min(1e-30))  # (1, 2, 3)
+    logp = torch.log(torch.tensor([[[1.0, 0.0, 0.0], [0.2, 0.2, 0.6]]]).clamp_min(1e-30))
+    y = torch.tensor([0, 2])
+    assert degradation(logq, y).item() == pytest.approx((0.5 + 0.7) / 2)
+    assert degradation(logq, y, logp).item() == pytest.approx((0.5 + 0.9) / 2)  # sum min(p, q)
+    assert preservation(logp, logp).item() == pytest.approx(0.0, abs=1e-6)
+    assert preservation(logp, logq).item() > 0
+
+
+def test_simulated_accepted_length():
+    assert simulated_accepted_length([False] * 6, 4) == 1.0
+    assert simulated_accepted_length([True] * 9, 2) == 3.0  # steps accept 2 and emit 1
+    assert simulated_accepted_length([True, True, False, True], 5) == pytest.approx(4 / 2)
+
+
+def test_continuous_with_large_lambda_keeps_the_target_greedy_output(models):
+    y = greedy(models)
+    found = attack_continuous(
+        models, PROMPT, y, ContinuousConfig(steps=6, eps=0.5, step_size=0.05, lam=1000.0)
+    )
+    assert all(h["keeps_argmax"] for h in found.history)
+    # the target's own greedy decoding from the perturbed embeddings, not the teacher-forced check
+    last = found.history[-1]
+    assert greedy(models, found.delta) == y and last["preservation"] < 1e-3
+    without = attack_continuous(models, PROMPT, y, ContinuousConfig(steps=6, eps=0.5, step_size=0.2, lam=0.0))
+    assert without.history[-1]["preservation"] > 10 * last["preservation"]  # the term is what keeps it
+
+
+def test_continuous_degradation_decreases_and_stays_bounded(models):
+    y = greedy(models)
+    cfg = ContinuousConfig(steps=8, eps=0.5, step_size=0.2, lam=0.0)
+    found = attack_continuous(models, PROMPT, y, cfg)
+    degs = [h["degradation"] for h in found.history]
+    assert all(b < a for a, b in itertools.pairwise(degs)) and degs[-1] < 0.9 * degs[0]
+    radius = cfg.eps * float(models.target_embedding.norm(dim=1).mean())
+    delta = attack_continuous(models, PROMPT, y, ContinuousConfig(steps=3, eps=0.5, step_size=1.0, lam=0.0))
+    assert float(delta.delta.norm(dim=1).max()) <= radius * (1 + 1e-4)
+
+
+def test_discrete_lowers_the_loss(models):
+    y = greedy(models)
+    head, suffix = PROMPT, list(b" ! ! ! !")
+    allowed = torch.zeros(256, dtype=torch.bool)
+    allowed[32:127] = True
+    found = attack_discrete(
+        models, head, [], y, suffix, DiscreteConfig(steps=6, candidates=16, lam=0.0), allowed, clean=PROMPT
+    )
+    losses = [h["loss"] for h in found.history]
+    assert losses[-1] < losses[0] and all(b <= a for a, b in itertools.pairwise(losses))
+    assert len(found.suffix) == len(suffix) and all(32 <= t < 127 for t in found.suffix)
+
+
+def test_lookup_decoys_lower_the_simulated_acceptance():
+    drafter = PromptLookupDrafter(3)
+    text = "one two three four"
+    y = list(b" five six seven eight five six seven eight")
+    encode = lambda s: list(s.encode())  # noqa: E731
+    clean = simulated_lookup_length(drafter, encode(text), y, 4)
+    found = attack_lookup(drafter, text, encode, lambda ids: bytes(ids).decode(), y, 4, list(b" zzz qqq"))
+    assert found.decoys and found.simulated[0] == clean
+    assert simulated_lookup_length(drafter, encode(found.text), y, 4) == found.simulated[-1] < clean
+
+
+def test_rouge_l():
+    assert rouge_l([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
+    assert rouge_l([1, 2, 3, 4], [5, 6]) == 0.0
+    assert rouge_l([1, 2, 3, 4], [1, 3, 9, 4]) == pytest.approx(0.75)
