@@ -25,6 +25,7 @@ COMMANDS = {
     "check": "specdraft.commands.check",
     "serve": "specdraft.commands.serve",
     "design": "specdraft.commands.design",
+    "attack": "specdraft.commands.attack",
 }
 
 

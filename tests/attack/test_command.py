@@ -1,0 +1,75 @@
+"""``specdraft attack`` on the tiny model: both files with the contract's keys; bad input is one line."""
+
+import json
+
+import pytest
+
+from tests.helpers import TINY_CLI as TINY
+from tests.helpers import run_cli
+
+CONTRACT = {
+    "clean_mean_accepted",
+    "attacked_mean_accepted",
+    "identical_prefix_rate",
+    "rouge_l",
+    "clean_speedup",
+    "attacked_speedup",
+    "defended_speedup",
+    "detected_rate",
+    "false_positive_rate",
+}
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    path = tmp_path / "p.jsonl"
+    rows = [
+        {"question_id": 7, "category": "writing", "turns": ["the cat sat on the mat", "and then?"]},
+        {"prompt": "abc abc abc hello"},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize(
+    "method, draft, extra",
+    [
+        ("continuous", "prune:0", ("--steps", "2")),
+        ("discrete", "prune:0", ("--steps", "2", "--candidates", "4")),
+    ],
+)
+def test_attack_writes_both_files(capsys, tmp_path, prompts, method, draft, extra):
+    out = tmp_path / "out"
+    argv = ["attack", *TINY, "--draft", draft, "--method", method, "--prompts", str(prompts), "--limit", "2"]
+    rc, stdout, err = run_cli(capsys, *argv, "--max-new-tokens", "6", "--out", str(out), *extra)
+    assert rc == 0 and "wrote" in stdout, err
+    rows = [json.loads(line) for line in (out / "attacked.jsonl").read_text().splitlines()]
+    assert [r["question_id"] for r in rows] == ["7", "2"] and all(len(r["turns"]) == 1 for r in rows)
+    result = json.loads((out / "attack.json").read_text())
+    assert CONTRACT <= set(result["overall"]) and len(result["prompts"]) == 2
+    assert result["config"]["command"].startswith("specdraft attack --target tiny")
+    overall = result["overall"]
+    assert 1.0 <= overall["clean_mean_accepted"] <= 6 and 0.0 <= overall["rouge_l"] <= 1.0
+    if method == "continuous":  # embeddings are not text: what the engine cannot measure is null
+        assert overall["attacked_speedup"] is None and overall["detected_rate"] is None
+    else:
+        assert overall["attacked_speedup"] > 0 and rows[0]["turns"][0].startswith("the cat sat on the mat")
+    # the file is a prompt file specdraft bench reads
+    from specdraft.bench.prompts import read_prompts
+
+    assert len(read_prompts(out / "attacked.jsonl")) == 2
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompts", "/nonexistent/p.jsonl"], "prompt file not found"),
+        (["--limit", "0"], "--limit"),
+        (["--method", "lookup", "--draft", "prune:0"], "--method lookup attacks prompt lookup"),
+        (["--method", "continuous", "--draft", "lookup"], "no differentiable model"),
+    ],
+)
+def test_bad_input_is_one_line(capsys, tmp_path, prompts, args, message):
+    argv = ["attack", *TINY, "--method", "discrete", "--draft", "prune:0", "--prompts", str(prompts)]
+    rc, _, err = run_cli(capsys, *argv, "--out", str(tmp_path / "o"), "--max-new-tokens", "4", *args)
+    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
