@@ -36,6 +36,7 @@ def prompts(tmp_path):
     [
         ("continuous", "prune:0", ("--steps", "2")),
         ("discrete", "prune:0", ("--steps", "2", "--candidates", "4")),
+        ("lookup", "lookup", ()),
     ],
 )
 def test_attack_writes_both_files(capsys, tmp_path, prompts, method, draft, extra):
