@@ -34,7 +34,7 @@ Wrappers and the prefix rule that drafters share:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -204,6 +204,7 @@ class _Row:
     off: bool = False
     since_probe: int = 0
     probing: bool = False
+    pending: list = field(default_factory=list)  # (class, drafted, accepted) not yet taught to the class
 
 
 def binomial_cdf(h: int, n: int, p: float) -> float:
@@ -231,8 +232,10 @@ class CostAwareK:
 
     Given the rows' request ids, it also watches each row (:class:`RowWatch`): a row whose drafts
     keep failing is cut to 0 while the others draft, probes, recovers, and may be flagged in
-    :attr:`collapsed`; such a row no longer teaches the class curves. A row's cut reads only its
-    earlier steps, never the tokens proposed now, so sampling stays lossless.
+    :attr:`collapsed`; such a row no longer teaches the class curves, and a row's proposals teach
+    them only once one of its drafts has been accepted (until then they wait in ``_Row.pending``).
+    A row's cut reads only its earlier steps, never the tokens proposed now, so sampling stays
+    lossless.
 
     Args:
         k_max: largest k considered.
@@ -361,9 +364,10 @@ class CostAwareK:
         elif not self.classes:  # a drafter without classes: decide here
             k = self._probe(self._curve(None), self._best(None, self.t_draft))
         else:  # ask for what the most promising class seen would use; trim() cuts each row
+            # (probe_k while no class has been learned: rows' first proposals wait in _Row.pending)
             k = max(
-                self.probe_k,
-                *(self._best(b, self.t_draft) for b, cur in self.curves.items() if cur.reached[0] > 0),
+                [self.probe_k]
+                + [self._best(b, self.t_draft) for b, cur in self.curves.items() if cur.reached[0] > 0]
             )
         self.last_k = k
         return k
@@ -408,21 +412,34 @@ class CostAwareK:
         for b, d, a, r in zip(classes, num_drafted.tolist(), num_accepted.tolist(), ids):
             if d == 0:
                 continue
-            if r is not None and not self._observe_row(r, a):
-                continue  # a row that is off (this was its probe) does not teach its class
-            cur = self._curve(b)
-            cur.rates = None
-            for j in range(self.k_max):
-                cur.reached[j] *= self.decay
-                cur.accepted[j] *= self.decay
-            for j in range(min(d, self.k_max)):  # position j was verified if drafts 0..j-1 all held
-                # (a fractional count spreads over two positions)
-                cur.reached[j] += min(max(a - j + 1, 0.0), 1.0)
-                cur.accepted[j] += min(max(a - j, 0.0), 1.0)
-            if cur.probing:  # did the probe change the verdict?
-                cur.probing = False
-                pays = self._best(b, self.t_draft if b is None else 0.0) > 0
-                cur.probe_interval = self.probe_every if pays else min(2 * cur.probe_interval, self.probe_max)
+            if r is not None:
+                if not self._observe_row(r, a):
+                    continue  # a row that is off (this was its probe) does not teach its class
+                row = self.row_state[r]
+                if row.hits == 0:  # held back until the row has had a draft accepted, dropped if it
+                    # goes off first: rows under attack do not teach the other rows' classes
+                    row.pending = [] if row.off else [*row.pending, (b, d, a)]
+                    continue
+                for pending in row.pending:
+                    self._learn(*pending)
+                row.pending = []
+            self._learn(b, d, a)
+
+    def _learn(self, b: int | None, d: int, a: int) -> None:
+        """Add one row's proposal of class b (d drafts verified, a accepted) to the class's curve."""
+        cur = self._curve(b)
+        cur.rates = None
+        for j in range(self.k_max):
+            cur.reached[j] *= self.decay
+            cur.accepted[j] *= self.decay
+        for j in range(min(d, self.k_max)):  # position j was verified if drafts 0..j-1 all held
+            # (a fractional count spreads over two positions)
+            cur.reached[j] += min(max(a - j + 1, 0.0), 1.0)
+            cur.accepted[j] += min(max(a - j, 0.0), 1.0)
+        if cur.probing:  # did the probe change the verdict?
+            cur.probing = False
+            pays = self._best(b, self.t_draft if b is None else 0.0) > 0
+            cur.probe_interval = self.probe_every if pays else min(2 * cur.probe_interval, self.probe_max)
 
     def _observe_row(self, r: int, accepted: int) -> bool:
         """Record row r's proposal (its first token accepted or not), switch it off or on, flag it;

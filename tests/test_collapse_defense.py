@@ -243,3 +243,21 @@ def test_wrong_rows_shifts_the_chosen_rows_tokens_with_their_distribution():
     assert prop.tokens.tolist() == [[3, 1], [0, 2]]  # row 1 shifted, wrapping at the vocabulary
     q = prop.probs.gather(-1, prop.tokens.unsqueeze(-1)).squeeze(-1)
     assert torch.allclose(q, torch.tensor([[0.4, 0.2], [0.4, 0.2]]))  # each token keeps its own q
+
+
+def test_rows_that_never_hit_do_not_teach_the_class_curve():
+    """A row's misses wait until one of its drafts is accepted; a row that goes off first drops
+    them, so a spoiled row does not pull down the curve the clean rows are cut with."""
+    p = CostAwareK()
+    rows = [1, 2]
+    for _ in range(4):
+        p.choose(rows)
+        nv = p.trim(torch.tensor([2, 2]), None, rows)
+        p.update(2, nv, torch.tensor([2, 0]) * (nv > 0), 1e-4, 0.01, None, rows)
+    assert p.row_state[2].off and p.row_state[2].pending == []
+    assert p.rates()[0] > 0.8  # row 1's hits only (row 2's three misses would bring it near 0.5)
+    p.choose([3])
+    p.update(2, torch.tensor([2]), torch.tensor([0]), 1e-4, 0.01, None, [3])
+    assert p.row_state[3].pending == [(None, 2, 0)]
+    p.update(2, torch.tensor([2]), torch.tensor([1]), 1e-4, 0.01, None, [3])
+    assert p.row_state[3].pending == [] and p.rates()[0] < 0.8  # taught, miss included, after its hit
