@@ -33,7 +33,7 @@
  * output row depends on its own input row only: a (k + 1)-token verification gives bit-identical
  * logits to k + 1 one-token steps (tests check 1..64 rows).
  *
- * Tiles (AVX2): 4 weight rows x up to 2 activation rows, so a 1-row product has 4 independent
+ * Tiles (AVX2): 4 weight rows x up to 3 activation rows, so a 1-row product has 4 independent
  * accumulation chains and each unpacked weight block serves every row; see "the AVX2 tiles".
  *
  * Threads: OpenMP over output columns (the same libgomp as torch's); quant_layers opens one
@@ -204,7 +204,7 @@ static inline __m256 scales4(int type, const uint8_t *p, long rs, __m256 *dm) {
  * sequence of float operations (scalar == AVX2, whatever the tile) while NC x R accumulation chains
  * run side by side. With M <= 3 rows a tile reads the file's blocks directly (tile_direct); with
  * more, it unpacks its 4 rows once (tile_unpack: 4 K int8 weights, the scales as floats) and each
- * group of <= 2 rows runs over that copy in L1 (tile_rows), so the nibbles are split, the scales
+ * group of <= 3 rows runs over that copy in L1 (tile_rows), so the nibbles are split, the scales
  * gathered and converted once per tile, not once per row group. */
 #define NC 4
 
@@ -365,12 +365,12 @@ static inline void store_out(const qmat *W, const float *out, int R, int n, int 
         }
 }
 
-/* All M rows against weight rows [n0, n1): 4-row tiles (direct for M <= 2, else unpacked once and
- * run in balanced groups of <= 2 rows), then the rows left over one at a time. */
+/* All M rows against weight rows [n0, n1): 4-row tiles (direct for M <= 3, else unpacked once and
+ * run in balanced groups of <= 3 rows: 8 rows as 3 + 3 + 2), then the rows left over one at a time. */
 static inline __attribute__((always_inline)) void range_avx2(int type, const qmat *W, const block_a8 *a,
                                                              int M, float *y, long ldy, int n0, int n1,
                                                              int add, const unpacked *u) {
-    const int nb = W->cols / QK, groups = (M + 1) / 2; /* M > 3: balanced groups of <= 2 rows */
+    const int nb = W->cols / QK, groups = (M + 2) / 3; /* M > 3: balanced groups of <= 3 rows */
     const long rs = W->row_bytes;
     float out[MR * NC];
     int n = n0;
@@ -389,7 +389,9 @@ static inline __attribute__((always_inline)) void range_avx2(int type, const qma
         tile_unpack(type, w, rs, nb, u);
         for (int g = 0, m0 = 0; g < groups; g++) {
             const int R = (M - m0 + groups - g - 1) / (groups - g);
-            if (R == 2)
+            if (R == 3)
+                tile_rows(type, u, a + (long)m0 * nb, nb, nb, 3, out);
+            else if (R == 2)
                 tile_rows(type, u, a + (long)m0 * nb, nb, nb, 2, out);
             else
                 tile_rows(type, u, a + (long)m0 * nb, nb, nb, 1, out);
