@@ -29,6 +29,17 @@ from specdraft.engine import Engine, Request
 from specdraft.policy import CostAwareK
 
 
+def cpu_name() -> str:
+    """The CPU model (``/proc/cpuinfo``), or the machine type where that is not readable."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="smollm2-135m")
@@ -84,7 +95,7 @@ def decode(engine: Engine, prompts: list[list[int]], max_new: int, attacked: set
 def main(argv=None) -> int:
     args = parse_args(argv)
     print("command: python benchmarks/bench_collapse.py " + " ".join(sys.argv[1:] if argv is None else argv))
-    print(f"cpu: {platform.processor() or platform.machine()}, threads {args.threads}", flush=True)
+    print(f"cpu: {cpu_name()}, threads {args.threads}", flush=True)
     pipe = api.load(args.target, args.draft, threads=args.threads)
     every = load_prompts(None, None, args.batch)  # up to batch per category: spread over categories
     texts = [p.turns[0] for p in every[:: max(1, len(every) // args.batch)]][: args.batch]
