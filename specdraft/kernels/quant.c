@@ -53,6 +53,7 @@ enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8 }; /* ggml type ids */
 enum { V_REF = 0, V_AVX2 = 1 };              /* kernel variants */
 #define MR 3                                 /* activation rows per tile, at most */
 #define PF 2048                              /* prefetch distance in bytes */
+#define KT 768 /* rows up to KT wide take the lane-transposed tiles (their activations stay in L1) */
 
 typedef struct {
     float d, s; /* scale, d * sum(qs) */
@@ -205,7 +206,12 @@ static inline __m256 scales4(int type, const uint8_t *p, long rs, __m256 *dm) {
  * run side by side. With M <= 3 rows a tile reads the file's blocks directly (tile_direct); with
  * more, it unpacks its 4 rows once (tile_unpack: 4 K int8 weights, the scales as floats) and each
  * group of <= 3 rows runs over that copy in L1 (tile_rows), so the nibbles are split, the scales
- * gathered and converted once per tile, not once per row group. */
+ * gathered and converted once per tile, not once per row group. For rows up to KT wide the copy
+ * has its 8-lane groups transposed (lanes k and k + 4 of the 4 columns in one vector) and the
+ * activations are laid out alike once per matmul: a product vector's scale vector is then
+ * [d_w(0..3) d_w(0..3)] d_a as is (no broadcast per column) and the lane sums are 4 columns at a
+ * time; wider rows (ffn_down, K = 1536) keep the by-column copy (tile_rows_cols), as the 4x larger
+ * transposed activations no longer stay in L1 there (1.0-1.07x slower in an A/B). */
 #define NC 4
 
 /* R activation rows against weight rows w, w + rs, ..., w + 3 rs, from the file's blocks:
@@ -257,15 +263,115 @@ tile_direct(int type, const uint8_t *w, long rs, const block_a8 *a, long as, int
     }
 }
 
-/* A tile's 4 weight rows unpacked: q (nb, NC, 32) integer weights, d (nb, 8) scales as scales4
- * returns them, m (nb, 4) the Q4_1 mins. */
+/* A tile's 4 weight rows unpacked with their lanes transposed: for block b and k < 4, q[b, k] is
+ * the 32 bytes [g(0, k) g(1, k) g(2, k) g(3, k) | g(0, k + 4) ... g(3, k + 4)], g(c, j) the 4
+ * weights of lane j of column c (|w| for Q4_0 and Q8_0, whose signs are in s[b, k], the same
+ * layout of w); d (nb, 8) the scales as scales4 returns them, m (nb, 4) the Q4_1 mins. With the
+ * activation bytes laid out alike (a4: lane k of a block four times, then lane k + 4 four times),
+ * one product vector holds lanes k and k + 4 of the 4 columns, so [d_w(0..3) d_w(0..3)] d_a is its
+ * scale vector as it is: no per-column broadcast. */
 typedef struct {
-    int8_t *q;
+    int8_t *q, *s;
     float *d, *m;
 } unpacked;
 
+static inline __attribute__((always_inline)) void transpose4(__m256i *v) { /* 4 x 8 dwords */
+    const __m256i t0 = _mm256_unpacklo_epi32(v[0], v[1]), t1 = _mm256_unpacklo_epi32(v[2], v[3]);
+    const __m256i t2 = _mm256_unpackhi_epi32(v[0], v[1]), t3 = _mm256_unpackhi_epi32(v[2], v[3]);
+    v[0] = _mm256_unpacklo_epi64(t0, t1), v[1] = _mm256_unpackhi_epi64(t0, t1);
+    v[2] = _mm256_unpacklo_epi64(t2, t3), v[3] = _mm256_unpackhi_epi64(t2, t3);
+}
+
 static inline __attribute__((always_inline)) void tile_unpack(int type, const uint8_t *w, long rs, int nb,
                                                               const unpacked *u) {
+    const int bb = block_bytes(type);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = w + (long)b * bb;
+        for (int o = 0; o < NC * bb; o += 64)
+            _mm_prefetch((const char *)(w + PF + (long)b * NC * bb + o), _MM_HINT_T0);
+        __m256 dm;
+        _mm256_store_ps(u->d + 8 * b, scales4(type, blk, rs, &dm));
+        if (type == T_Q4_1)
+            _mm_store_ps(u->m + 4 * b, _mm256_castps256_ps128(_mm256_permutevar8x32_ps(
+                                           dm, _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7))));
+        __m256i v[NC], aw[NC];
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; c++) {
+            v[c] = unpack_avx2(type, blk + c * rs);
+            aw[c] = type == T_Q4_1 ? v[c] : _mm256_sign_epi8(v[c], v[c]);
+        }
+        transpose4(aw);
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) _mm256_store_si256((__m256i *)(u->q + (b * 4 + k) * QK), aw[k]);
+        if (type != T_Q4_1) {
+            transpose4(v);
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) _mm256_store_si256((__m256i *)(u->s + (b * 4 + k) * QK), v[k]);
+        }
+    }
+}
+
+/* The activation bytes of M rows in the transposed layout: a4 (M, nb, 4, 32). */
+static void acts_transposed(const block_a8 *a, int M, int nb, int8_t *a4) {
+    for (long i = 0; i < (long)M * nb; i++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)a[i].qs);
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++)
+        {
+            const __m256i lanes = _mm256_setr_epi32(k, k, k, k, k + 4, k + 4, k + 4, k + 4);
+            _mm256_store_si256((__m256i *)(a4 + (i * 4 + k) * QK), _mm256_permutevar8x32_epi32(q, lanes));
+        }
+    }
+}
+
+/* R activation rows against an unpacked tile: out[r * NC + c], the operations of tile_direct
+ * (per output, lane j: fma(d_w d_a, lane, acc) in block order, then hsum_ref's sums, then + mins). */
+static inline __attribute__((always_inline)) void tile_rows(int type, const unpacked *u, const block_a8 *a,
+                                                            const int8_t *a4, long as, int nb, int R,
+                                                            float *out) {
+    __m256 acc[MR][4]; /* acc[r][k]: lanes k (low half) and k + 4 (high half) of the 4 columns */
+    __m128 mins[MR];   /* lane c: column c's m term (Q4_1) */
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) acc[r][k] = _mm256_setzero_ps();
+        mins[r] = _mm_setzero_ps();
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int b = 0; b < nb; b++) {
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const block_a8 *ab = a + r * as + b;
+            const __m256 sc = _mm256_mul_ps(_mm256_load_ps(u->d + 8 * b), _mm256_broadcast_ss(&ab->d));
+            if (type == T_Q4_1)
+                mins[r] = _mm_fmadd_ps(_mm_load_ps(u->m + 4 * b), _mm_broadcast_ss(&ab->s), mins[r]);
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) {
+                const __m256i aw = _mm256_load_si256((const __m256i *)(u->q + (b * 4 + k) * QK));
+                __m256i av = _mm256_load_si256((const __m256i *)(a4 + ((r * as + b) * 4 + k) * QK));
+                if (type != T_Q4_1)
+                    av = _mm256_sign_epi8(av, _mm256_load_si256((const __m256i *)(u->s + (b * 4 + k) * QK)));
+                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, av), ones);
+                acc[r][k] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(p), acc[r][k]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) { /* ((a0 + a4) + (a1 + a5)) + ((a2 + a6) + (a3 + a7)), 4 columns at once */
+        __m128 s[4];
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++)
+            s[k] = _mm_add_ps(_mm256_castps256_ps128(acc[r][k]), _mm256_extractf128_ps(acc[r][k], 1));
+        const __m128 y = _mm_add_ps(_mm_add_ps(s[0], s[1]), _mm_add_ps(s[2], s[3]));
+        _mm_storeu_ps(out + r * NC, _mm_add_ps(y, mins[r]));
+    }
+}
+
+/* The same by columns, for wide rows (K > KT): q (nb, NC, 32) the integer weights of the 4 columns,
+ * d and m as above; the activations as they are. */
+
+static inline __attribute__((always_inline)) void tile_unpack_cols(int type, const uint8_t *w, long rs,
+                                                                   int nb, const unpacked *u) {
     const int bb = block_bytes(type);
     for (int b = 0; b < nb; b++) {
         const uint8_t *blk = w + (long)b * bb;
@@ -283,8 +389,9 @@ static inline __attribute__((always_inline)) void tile_unpack(int type, const ui
 }
 
 /* R activation rows against an unpacked tile: out[r * NC + c], the operations of tile_direct. */
-static inline __attribute__((always_inline)) void tile_rows(int type, const unpacked *u, const block_a8 *a,
-                                                            long as, int nb, int R, float *out) {
+static inline __attribute__((always_inline)) void tile_rows_cols(int type, const unpacked *u,
+                                                                 const block_a8 *a, long as, int nb, int R,
+                                                                 float *out) {
     __m256 acc[MR][NC];
     __m128 mins[MR]; /* lane c: column c's m term (Q4_1) */
 #pragma GCC unroll 4
@@ -369,7 +476,7 @@ static inline void store_out(const qmat *W, const float *out, int R, int n, int 
  * run in balanced groups of <= 3 rows: 8 rows as 3 + 3 + 2), then the rows left over one at a time. */
 static inline __attribute__((always_inline)) void range_avx2(int type, const qmat *W, const block_a8 *a,
                                                              int M, float *y, long ldy, int n0, int n1,
-                                                             int add, const unpacked *u) {
+                                                             int add, const unpacked *u, const int8_t *a4) {
     const int nb = W->cols / QK, groups = (M + 2) / 3; /* M > 3: balanced groups of <= 3 rows */
     const long rs = W->row_bytes;
     float out[MR * NC];
@@ -386,15 +493,26 @@ static inline __attribute__((always_inline)) void range_avx2(int type, const qma
             store_out(W, out, M, n, NC, y, ldy, add);
             continue;
         }
-        tile_unpack(type, w, rs, nb, u);
+        if (a4)
+            tile_unpack(type, w, rs, nb, u);
+        else
+            tile_unpack_cols(type, w, rs, nb, u);
         for (int g = 0, m0 = 0; g < groups; g++) {
             const int R = (M - m0 + groups - g - 1) / (groups - g);
-            if (R == 3)
-                tile_rows(type, u, a + (long)m0 * nb, nb, nb, 3, out);
+            const block_a8 *am = a + (long)m0 * nb;
+            const int8_t *a4m = a4 ? a4 + (long)m0 * nb * 4 * QK : NULL;
+            if (!a4 && R == 3)
+                tile_rows_cols(type, u, am, nb, nb, 3, out);
+            else if (!a4 && R == 2)
+                tile_rows_cols(type, u, am, nb, nb, 2, out);
+            else if (!a4)
+                tile_rows_cols(type, u, am, nb, nb, 1, out);
+            else if (R == 3)
+                tile_rows(type, u, am, a4m, nb, nb, 3, out);
             else if (R == 2)
-                tile_rows(type, u, a + (long)m0 * nb, nb, nb, 2, out);
+                tile_rows(type, u, am, a4m, nb, nb, 2, out);
             else
-                tile_rows(type, u, a + (long)m0 * nb, nb, nb, 1, out);
+                tile_rows(type, u, am, a4m, nb, nb, 1, out);
             store_out(W, out, R, n, NC, y + (long)m0 * ldy, ldy, add);
             m0 += R;
         }
@@ -422,17 +540,20 @@ static void matmul_range(const qmat *W, const block_a8 *a, int M, float *y, long
             }
         return;
     }
-    unpacked u = {NULL, NULL, NULL};
-    if (M > 3) {
-        u.q = (int8_t *)aligned_alloc(32, (size_t)nb * (NC * QK + 48) / 32 * 32 + 32); /* q, then d and m */
-        u.d = (float *)(u.q + (size_t)nb * NC * QK), u.m = u.d + 8 * nb;
+    unpacked u = {NULL, NULL, NULL, NULL};
+    int8_t *a4 = NULL;
+    if (M > MR && n0 + NC <= n1) { /* q, s, d, m of a tile, then the activations' a4 */
+        const size_t tile = ((size_t)nb * (2 * 4 * QK + 48) + 31) / 32 * 32, acts = (size_t)M * nb * 4 * QK;
+        u.q = (int8_t *)aligned_alloc(32, tile + acts);
+        u.s = u.q + (size_t)nb * 4 * QK, u.d = (float *)(u.s + (size_t)nb * 4 * QK), u.m = u.d + 8 * nb;
+        if (W->cols <= KT) a4 = u.q + tile, acts_transposed(a, M, nb, a4);
     }
     if (W->type == T_Q4_0)
-        range_avx2(T_Q4_0, W, a, M, y, ldy, n0, n1, add, &u);
+        range_avx2(T_Q4_0, W, a, M, y, ldy, n0, n1, add, &u, a4);
     else if (W->type == T_Q4_1)
-        range_avx2(T_Q4_1, W, a, M, y, ldy, n0, n1, add, &u);
+        range_avx2(T_Q4_1, W, a, M, y, ldy, n0, n1, add, &u, a4);
     else
-        range_avx2(T_Q8_0, W, a, M, y, ldy, n0, n1, add, &u);
+        range_avx2(T_Q8_0, W, a, M, y, ldy, n0, n1, add, &u, a4);
     free(u.q);
 }
 
