@@ -37,8 +37,8 @@ class Models:
     Attributes:
         target: transformers causal LM of the target (fp32, frozen).
         draft: transformers causal LM of the draft (same tokenizer; fp32, frozen).
-        head: ``(Vd,)`` target ids of the draft's output rows, or None when the draft predicts the
-            whole vocabulary.
+        head: ``(Vd,)`` the target ids the draft may propose (its output rows, or the rows of its
+            full-width head that are used), or None when it proposes from the whole vocabulary.
     """
 
     target: torch.nn.Module
@@ -62,9 +62,12 @@ class Models:
     def draft_logprobs(self, embeds: torch.Tensor) -> torch.Tensor:
         """``(B, T, Cd)`` input embeddings -> ``(B, T, V)`` the draft's log-probabilities over the
         target's vocabulary (``-inf`` outside a truncated head)."""
-        logq = torch.log_softmax(self.draft(inputs_embeds=embeds, use_cache=False).logits.float(), -1)
+        logits = self.draft(inputs_embeds=embeds, use_cache=False).logits.float()
         if self.head is None:
-            return logq
+            return torch.log_softmax(logits, -1)
+        if logits.shape[-1] != self.head.shape[0]:  # a full-width head of which only ``head`` is used
+            logits = logits[..., self.head]
+        logq = torch.log_softmax(logits, -1)
         V = self.target_embedding.shape[0]
         full = logq.new_full((*logq.shape[:-1], V), float("-inf"))
         return full.index_copy(-1, self.head, logq)
