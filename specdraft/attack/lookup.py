@@ -56,20 +56,21 @@ def simulated_lookup_length(drafter: PromptLookupDrafter, prompt: list[int], y: 
     return (accepted + steps) / steps if steps else 0.0
 
 
-def decoy_candidates(y: list[int], n: int, wrong: list[int], k: int, limit: int = 24) -> list[list[int]]:
-    """Up to ``limit`` decoys: each distinct n-gram of ``y`` (first occurrence order) followed by
-    ``k`` tokens of ``wrong`` whose first differs from the token after the n-gram in ``y``."""
+def decoy_candidates(y: list[int], n: int, wrong: list[int], k: int) -> list[list[int]]:
+    """Decoys: each distinct m-gram of ``y`` (m = n down to 1, first occurrence order) followed by
+    ``k`` tokens of ``wrong`` whose first differs from the token after the m-gram in ``y``. Prompt
+    lookup tries its longest n first, so a longer decoy takes over a match that a shorter n-gram of
+    the user's text would make."""
     seen, out = set(), []
-    for i in range(len(y) - n):
-        gram = tuple(y[i : i + n])
-        if gram in seen:
-            continue
-        seen.add(gram)
-        follow = [t for t in wrong if t != y[i + n]]
-        start = wrong.index(follow[0]) if follow else 0
-        out.append([*gram, *wrong[start : start + k]])
-        if len(out) == limit:
-            break
+    for m in range(n, 0, -1):
+        for i in range(len(y) - m):
+            gram = tuple(y[i : i + m])
+            if gram in seen:
+                continue
+            seen.add(gram)
+            follow = [t for t in wrong if t != y[i + m]]
+            start = wrong.index(follow[0]) if follow else 0
+            out.append([*gram, *wrong[start : start + k]])
     return out
 
 
@@ -99,10 +100,10 @@ def attack_lookup(
     for cand in decoy_candidates(y, drafter.max_ngram, wrong, k):
         if len(result.decoys) >= max_decoys:
             break
-        phrase = decode(cand).strip()
-        if not phrase:
+        phrase = decode(cand)  # kept as decoded: a leading space is part of the first token
+        if not phrase.strip():
             continue
-        trial = f"{result.text}\n{phrase}" if not result.decoys else f"{result.text} {phrase}"
+        trial = f"{result.text}\n{phrase}" if not result.decoys else result.text + phrase
         score = simulated_lookup_length(drafter, encode(trial), y, k)
         if score < result.simulated[-1]:
             result.text = trial
