@@ -316,8 +316,7 @@ static void acts_transposed(const block_a8 *a, int M, int nb, int8_t *a4) {
     for (long i = 0; i < (long)M * nb; i++) {
         const __m256i q = _mm256_loadu_si256((const __m256i *)a[i].qs);
 #pragma GCC unroll 4
-        for (int k = 0; k < 4; k++)
-        {
+        for (int k = 0; k < 4; k++) {
             const __m256i lanes = _mm256_setr_epi32(k, k, k, k, k + 4, k + 4, k + 4, k + 4);
             _mm256_store_si256((__m256i *)(a4 + (i * 4 + k) * QK), _mm256_permutevar8x32_epi32(q, lanes));
         }
@@ -369,7 +368,6 @@ static inline __attribute__((always_inline)) void tile_rows(int type, const unpa
 
 /* The same by columns, for wide rows (K > KT): q (nb, NC, 32) the integer weights of the 4 columns,
  * d and m as above; the activations as they are. */
-
 static inline __attribute__((always_inline)) void tile_unpack_cols(int type, const uint8_t *w, long rs,
                                                                    int nb, const unpacked *u) {
     const int bb = block_bytes(type);
