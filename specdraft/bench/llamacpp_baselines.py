@@ -100,6 +100,7 @@ class LlamaCppBaselines:
                 "llamacpp_plain": llama_cpp.Llama(**common, logits_all=False),
                 "llamacpp_spec": llama_cpp.Llama(
                     **common,
+                    logits_all=True,  # as a draft_model forces; sizes its logits buffer to n_ctx rows
                     draft_model=LlamaPromptLookupDecoding(
                         max_ngram_size=self.lookup_ngram, num_pred_tokens=self.lookup_tokens
                     ),

@@ -104,8 +104,19 @@ def test_fields_and_agreement_with_a_stand_in(prompt_file, monkeypatch):
 @pytest.mark.skipif(not HAVE_LLAMA_CPP, reason="llama-cpp-python is not installed (make peers)")
 def test_real_llama_cpp_on_smollm2_gguf(tmp_path, prompt_file):
     out = tmp_path / "bench.json"
+    with prompt_file.open("a") as f:  # past llama.cpp's 512-token batch: prefilled in two batches
+        f.write(json.dumps({"prompt": "Repeat: " + "the sea is blue. " * 120, "category": "long"}) + "\n")
     argv = ["bench", "--target", "smollm2-135m", "--draft", "lookup", "--k", "3", "--dtype", "q"]
-    argv += ["--prompts", str(prompt_file), "--categories", "qa", "--max-new-tokens", "8", "--threads", "1"]
+    argv += [
+        "--prompts",
+        str(prompt_file),
+        "--categories",
+        "qa,long",
+        "--max-new-tokens",
+        "8",
+        "--threads",
+        "1",
+    ]
     assert cli.main([*argv, "--baselines", "llamacpp", "--no-progress", "--json", str(out)]) == 0
     d = json.loads(out.read_text())
     for summary in (d["overall"], d["categories"]["qa"]):
