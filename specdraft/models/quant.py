@@ -246,6 +246,54 @@ class QuantLayer:
     down: QuantMatrix  # (C, F)
 
 
+def _check_llama(fields: dict, tensors: dict) -> str:
+    """The GGUF's architecture, if the quantized runtime takes it (llama, no biases, no RoPE scaling)."""
+    arch = fields.get("general.architecture")
+    if arch != "llama":
+        raise SpecdraftError(f"the quantized runtime takes llama-architecture GGUFs, not {arch!r}")
+    if any(name.endswith(".bias") for name in tensors):
+        raise SpecdraftError("the quantized runtime does not take biases (Qwen2-style q/k/v biases)")
+    scaling = fields.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", ""):
+        raise SpecdraftError(f"the quantized runtime does not take RoPE scaling {scaling!r}")
+    return arch
+
+
+@dataclass
+class _GGUFTensors:
+    """A GGUF's tensors, read in place through its memory map."""
+
+    path: Path
+    mm: np.ndarray
+    tensors: dict
+
+    def raw(self, name: str) -> tuple[dict, np.ndarray]:
+        info = self.tensors.get(name)
+        if info is None:
+            raise SpecdraftError(f"{self.path.name}: tensor {name} missing")
+        return info, self.mm[info["offset"] : info["offset"] + info["bytes"]]
+
+    def vector(self, name: str) -> torch.Tensor:
+        info, data = self.raw(name)
+        if info["type"] != F32:
+            raise SpecdraftError(f"{self.path.name}: {name} is type {info['type']}, expected F32")
+        return torch.from_numpy(np.array(data.view(np.float32)))  # small: copied
+
+    def matrix(self, name: str, omap: torch.Tensor | None = None) -> QuantMatrix:
+        info, data = self.raw(name)
+        t = info["type"]
+        if t not in QTYPES:
+            raise SpecdraftError(
+                f"{self.path.name}: {name} has ggml type {t}; the quantized runtime takes "
+                f"{', '.join(QTYPES.values())}"
+            )
+        K, N = info["shape"][0], info["shape"][-1]
+        row_bytes = K // 32 * BLOCK_BYTES[t]
+        if K % 32 or row_bytes * N != info["bytes"]:
+            raise SpecdraftError(f"{self.path.name}: {name} has an unexpected size")
+        return QuantMatrix(data.reshape(N, row_bytes), t, K, omap)
+
+
 @dataclass
 class QuantWeights:
     """A Llama-family GGUF's weights, in place in the file.
@@ -284,14 +332,7 @@ class QuantWeights:
             raise SpecdraftError(f"GGUF file not found: {path}")
         index = gguf_index(path)
         fields, tensors = index["fields"], index["tensors"]
-        arch = fields.get("general.architecture")
-        if arch != "llama":
-            raise SpecdraftError(f"the quantized runtime takes llama-architecture GGUFs, not {arch!r}")
-        if any(name.endswith(".bias") for name in tensors):
-            raise SpecdraftError("the quantized runtime does not take biases (Qwen2-style q/k/v biases)")
-        scaling = fields.get(f"{arch}.rope.scaling.type", "none")
-        if scaling not in ("none", ""):
-            raise SpecdraftError(f"the quantized runtime does not take RoPE scaling {scaling!r}")
+        arch = _check_llama(fields, tensors)
 
         def num(key: str, default=None):
             value = fields.get(f"{arch}.{key}", default)
@@ -306,32 +347,8 @@ class QuantWeights:
         C, L = int(num("embedding_length")), int(num("block_count"))
         D = int(num("attention.key_length", C // H))
         mm = np.memmap(path, dtype=np.uint8, mode="r")
-
-        def raw(name: str) -> tuple[dict, np.ndarray]:
-            info = tensors.get(name)
-            if info is None:
-                raise SpecdraftError(f"{path.name}: tensor {name} missing")
-            return info, mm[info["offset"] : info["offset"] + info["bytes"]]
-
-        def vector(name: str) -> torch.Tensor:
-            info, data = raw(name)
-            if info["type"] != F32:
-                raise SpecdraftError(f"{path.name}: {name} is type {info['type']}, expected F32")
-            return torch.from_numpy(np.array(data.view(np.float32)))  # small: copied
-
-        def matrix(name: str, omap: torch.Tensor | None = None) -> QuantMatrix:
-            info, data = raw(name)
-            t = info["type"]
-            if t not in QTYPES:
-                raise SpecdraftError(
-                    f"{path.name}: {name} has ggml type {t}; the quantized runtime takes "
-                    f"{', '.join(QTYPES.values())}"
-                )
-            K, N = info["shape"][0], info["shape"][-1]
-            row_bytes = K // 32 * BLOCK_BYTES[t]
-            if K % 32 or row_bytes * N != info["bytes"]:
-                raise SpecdraftError(f"{path.name}: {name} has an unexpected size")
-            return QuantMatrix(data.reshape(N, row_bytes), t, K, omap)
+        file = _GGUFTensors(path, mm, tensors)
+        vector, matrix = file.vector, file.matrix
 
         qmap, kmap = llama_rope_map(H, D), llama_rope_map(G, D)
         layers = [
