@@ -31,10 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specdraft import api
 from specdraft.bench import harness
 from specdraft.bench.prompts import fit_context, load_prompts, parse_categories
-from specdraft.policy import make_policy
+from specdraft.policy import CostAwareK, make_policy
 
-# name -> policy factory; a name not here goes to make_policy ("auto", "heuristic", "4")
-POLICIES: dict = {}
+# name -> policy factory; a name not here goes to make_policy ("auto", "heuristic", "4").
+# auto-batch: the cost-aware policy without its per-row watch (one acceptance record for the batch)
+POLICIES: dict = {"auto-batch": lambda: CostAwareK(watch=None)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
