@@ -81,8 +81,8 @@ def source_name(source: str) -> str:
     drafts' recipes name it), marked when it is a shipped slice; or what ``self`` is."""
     if source == "self":
         return SELF_SOURCE
-    path = data_file(SOURCE_FILES[source]).resolve()
-    if path.is_relative_to(REPO_ROOT) or path.is_relative_to(bench_prompts.SHARED_DATA.resolve()):
+    path = data_file(SOURCE_FILES[source]).absolute()  # not resolved: ../shared may be a link
+    if path.is_relative_to(REPO_ROOT) or path.is_relative_to(bench_prompts.SHARED_DATA.absolute()):
         name = os.path.relpath(path, REPO_ROOT)
     else:
         name = str(path)
