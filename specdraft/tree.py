@@ -56,11 +56,14 @@ class TokenTree:
         parents: ``(N,)`` int64 parent node of each node, ``-1`` for the root; ``parents[i] < i``.
         draft_probs: ``(N, V)`` q_c for each node (see the module docstring), processed like p; None
             when every node is a point mass (a draft without a distribution).
+        sources: where each node came from (``"lookup"``, ``"pool"``, ``"model"``...), shown per
+            accepted token by ``generate --color``; None: the drafter's name.
     """
 
     tokens: torch.Tensor
     parents: torch.Tensor
     draft_probs: torch.Tensor | None = None
+    sources: tuple[str, ...] | None = None
 
     def __post_init__(self):
         n = self.tokens.shape[0]
@@ -75,9 +78,16 @@ class TokenTree:
             )
         if self.draft_probs is not None and self.draft_probs.shape[0] != n:
             raise SpecdraftError(f"draft_probs has {self.draft_probs.shape[0]} rows for {n} nodes")
+        if self.sources is not None and len(self.sources) != n:
+            raise SpecdraftError(f"{len(self.sources)} sources for {n} nodes")
 
     @classmethod
-    def from_chains(cls, chains: list[list[int]], probs: list[torch.Tensor] | None = None) -> TokenTree:
+    def from_chains(
+        cls,
+        chains: list[list[int]],
+        probs: list[torch.Tensor] | None = None,
+        sources: list[str] | None = None,
+    ) -> TokenTree:
         """The prefix trie of several candidate continuations, shared prefixes stored once.
 
         Merging is exact for point masses (a repeated deterministic candidate is certainly
@@ -92,9 +102,10 @@ class TokenTree:
                 siblings are tried (put the most likely first).
             probs: optional ``(len(chain), V)`` q rows per chain; a node shared by several chains
                 keeps the row of the first chain that reached it.
+            sources: optional source tag per chain; a shared node keeps the first chain's.
         """
         index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
-        tokens, parents, rows = [], [], []
+        tokens, parents, rows, tags = [], [], [], []
         for c, chain in enumerate(chains):
             parent = -1
             for j, tok in enumerate(chain):
@@ -105,12 +116,19 @@ class TokenTree:
                     parents.append(parent)
                     if probs is not None:
                         rows.append(probs[c][j])
+                    if sources is not None:
+                        tags.append(sources[c])
                 parent = node
         q = None
         if probs is not None:
             V = next((p.shape[-1] for p in probs if p.numel()), 0)
             q = torch.stack(rows) if rows else torch.zeros(0, V)
-        return cls(torch.tensor(tokens, dtype=torch.int64), torch.tensor(parents, dtype=torch.int64), q)
+        return cls(
+            torch.tensor(tokens, dtype=torch.int64),
+            torch.tensor(parents, dtype=torch.int64),
+            q,
+            None if sources is None else tuple(tags),
+        )
 
     @classmethod
     def chain(cls, tokens: list[int], probs: torch.Tensor | None = None) -> TokenTree:

@@ -49,7 +49,7 @@ class Oracle:
             tokens[b, : len(nxt)] = torch.tensor(nxt, dtype=torch.int64)
         return Proposal(tokens)
 
-    def observe(self, state, num_accepted):
+    def observe(self, state, num_accepted, verified=None):
         pass
 
 

@@ -102,8 +102,8 @@ class Recorder:
             self.steps.append(prop.steps)
         return prop
 
-    def observe(self, state, num_accepted):
-        self.inner.observe(state, num_accepted)
+    def observe(self, state, num_accepted, verified=None):
+        self.inner.observe(state, num_accepted, verified)
 
 
 class SteadyClock:

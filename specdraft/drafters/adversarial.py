@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import torch
 
-from specdraft.drafters.base import DraftContext, Drafter, DraftState, Proposal
+from specdraft.drafters.base import DraftContext, Drafter, DraftState, Proposal, Verified
 
 
 class WrongRows:
@@ -53,5 +53,7 @@ class WrongRows:
             probs = torch.where(bad.view(-1, 1, 1), probs.roll(1, dims=-1), probs)
         return replace(prop, tokens=tokens, probs=probs)
 
-    def observe(self, state: DraftState, num_accepted: torch.Tensor) -> None:
-        self.inner.observe(state, num_accepted)
+    def observe(
+        self, state: DraftState, num_accepted: torch.Tensor, verified: Verified | None = None
+    ) -> None:
+        self.inner.observe(state, num_accepted, verified)

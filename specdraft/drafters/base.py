@@ -1,4 +1,5 @@
-"""The drafter protocol: propose k tokens (with q when the drafter has one); observe acceptance.
+"""The drafter protocol: propose k tokens (with q when the drafter has one), or a token tree per
+row; observe what the target did with them (:class:`Verified`).
 
 A drafter keeps per-batch state in a :class:`DraftState` (a cache, counters); the engine creates it,
 compacts it when rows leave and appends to it when rows join, exactly as it does the target's cache.
@@ -12,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from specdraft.tree import TokenTree
 from specdraft.verify import SamplingParams
 
 
@@ -32,6 +34,10 @@ class Proposal:
             are accepted far more often than others (prompt lookup: the length of the matched
             n-gram, 0 for none); the cost-aware policy learns acceptance per class and cuts each
             row's proposal to its class's best length. None: one class.
+        trees: one :class:`~specdraft.tree.TokenTree` per row (None for a row with nothing to
+            propose), at most k nodes each, hung below the last committed token: the engine then
+            verifies every node in one target forward and ``tokens`` may be an empty ``(B, 0)``
+            tensor. ``policy.trim`` does not cut trees. None: a chain proposal (``tokens``).
     """
 
     tokens: torch.Tensor
@@ -39,6 +45,26 @@ class Proposal:
     num_valid: torch.Tensor | None = None
     steps: torch.Tensor | None = None
     bucket: torch.Tensor | None = None
+    trees: list[TokenTree | None] | None = None
+
+
+@dataclass
+class Verified:
+    """What the target did in the last step, per row, for drafters that learn from it (a phrase
+    pool keeps the target's own continuations, including those past a rejected draft token).
+
+    Attributes:
+        inputs: tokens fed to the target: a chain ``[last, d_1 .. d_k]``, a tree
+            ``[root, node_0 .. node_{N-1}]``.
+        parents: index into ``inputs`` of each fed token's parent (-1 for index 0; a chain: i - 1).
+        target_next: the target's argmax after each fed token (row t of its logits).
+        committed: the tokens committed this step (accepted, then the recovered / bonus token).
+    """
+
+    inputs: list[list[int]]
+    parents: list[list[int]]
+    target_next: list[list[int]]
+    committed: list[list[int]]
 
 
 @dataclass
@@ -92,8 +118,11 @@ class Drafter(Protocol):
         """Propose up to k tokens per row following ``ctx.tokens[b, : ctx.lengths[b]]``."""
         ...
 
-    def observe(self, state: DraftState, num_accepted: torch.Tensor) -> None:
-        """Told after verification how many of the proposed tokens each row accepted."""
+    def observe(
+        self, state: DraftState, num_accepted: torch.Tensor, verified: Verified | None = None
+    ) -> None:
+        """Told after verification how many of the proposed tokens (tree: nodes along the accepted
+        path) each row accepted, and what the target computed (:class:`Verified`)."""
         ...
 
 

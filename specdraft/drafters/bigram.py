@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from specdraft.drafters.base import DraftContext, DraftState, Proposal
+from specdraft.drafters.base import DraftContext, DraftState, Proposal, Verified
 
 
 class BigramDrafter:
@@ -39,7 +39,9 @@ class BigramDrafter:
                 num_valid[b] = i + 1
         return Proposal(tokens=tokens, probs=None, num_valid=num_valid)
 
-    def observe(self, state: DraftState, num_accepted: torch.Tensor) -> None:
+    def observe(
+        self, state: DraftState, num_accepted: torch.Tensor, verified: Verified | None = None
+    ) -> None:
         pass
 
 

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from specdraft.drafters.base import DraftContext, Drafter, DraftState, Proposal
+from specdraft.drafters.base import DraftContext, Drafter, DraftState, Proposal, Verified
 
 
 class RowCappedDrafter:
@@ -34,5 +34,7 @@ class RowCappedDrafter:
         num_valid = prop.num_valid if prop.num_valid is not None else torch.full((prop.tokens.shape[0],), k)
         return replace(prop, num_valid=torch.minimum(num_valid, self.caps.clamp(max=k)))
 
-    def observe(self, state: DraftState, num_accepted: torch.Tensor) -> None:
-        self.inner.observe(state, num_accepted)
+    def observe(
+        self, state: DraftState, num_accepted: torch.Tensor, verified: Verified | None = None
+    ) -> None:
+        self.inner.observe(state, num_accepted, verified)

@@ -11,7 +11,7 @@ import dataclasses
 
 import torch
 
-from specdraft.drafters.base import DraftContext, DraftState, Proposal, take_token
+from specdraft.drafters.base import DraftContext, DraftState, Proposal, Verified, take_token
 from specdraft.models.subset_head import SubsetHeadRuntime
 
 
@@ -129,5 +129,7 @@ class FeatureDrafter:
         state.prev_L = L.clone()
         return Proposal(tokens=draft, probs=probs, num_valid=torch.where(have, k, 0))
 
-    def observe(self, state: FeatureDraftState, num_accepted: torch.Tensor) -> None:
+    def observe(
+        self, state: FeatureDraftState, num_accepted: torch.Tensor, verified: Verified | None = None
+    ) -> None:
         pass  # what was committed is read from ctx.lengths at the next proposal

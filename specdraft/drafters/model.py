@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from specdraft.drafters.base import DraftContext, DraftState, Proposal, take_token
+from specdraft.drafters.base import DraftContext, DraftState, Proposal, Verified, take_token
 from specdraft.errors import SpecdraftError
 from specdraft.kernels import cpu_has_fast_bf16
 from specdraft.models.llama import LLAMA_FAMILY, LlamaRuntime
@@ -95,7 +95,9 @@ class ModelDrafter:
         state.k = k
         return Proposal(tokens=draft, probs=probs)
 
-    def observe(self, state: ModelDraftState, num_accepted: torch.Tensor) -> None:
+    def observe(
+        self, state: ModelDraftState, num_accepted: torch.Tensor, verified: Verified | None = None
+    ) -> None:
         state.fed = state.base + torch.clamp(num_accepted, max=max(state.k - 1, 0))
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specdraft.drafters.base import DraftContext, DraftState, Proposal
+from specdraft.drafters.base import DraftContext, DraftState, Proposal, Verified
 
 
 class PromptLookupDrafter:
@@ -66,7 +66,9 @@ class PromptLookupDrafter:
         # the time after 3 matched tokens, ~0.2 after 1): the policy learns each class's curve
         return Proposal(tokens=tokens, probs=None, num_valid=num_valid, bucket=matched)
 
-    def observe(self, state: DraftState, num_accepted: torch.Tensor) -> None:
+    def observe(
+        self, state: DraftState, num_accepted: torch.Tensor, verified: Verified | None = None
+    ) -> None:
         pass
 
 

@@ -19,7 +19,7 @@ class _FixedDrafter:
     def propose(self, state, ctx, k):
         return Proposal(torch.full((ctx.lengths.shape[0], k), 7))
 
-    def observe(self, state, num_accepted):
+    def observe(self, state, num_accepted, verified=None):
         pass
 
 
