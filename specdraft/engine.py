@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdraft.drafters.base import DraftContext, Drafter
+from specdraft.drafters.base import DraftContext, Drafter, Proposal, Verified
 from specdraft.errors import SpecdraftError
 from specdraft.models.runtime import Runtime
 from specdraft.policy import FixedK, KPolicy
 from specdraft.stats import SpecStats
+from specdraft.tree import TokenTree, verify_tree
 from specdraft.verify import SamplingParams, verify
 
 _ids = itertools.count()
@@ -64,6 +65,9 @@ class StepEvent:
         finish_reason: ``"stop"`` (EOS), ``"length"`` (max_new_tokens) or ``"cancelled"``.
         collapsed: the policy flagged this request at this step (its drafts are accepted far less
             than the drafter's average: an acceleration-collapse input, issue 17); once per request.
+        source: per token, where it came from: the drafter's name (or a tree node's tag, such as
+            ``"lookup"`` or ``"pool"``) for accepted drafts, ``"target"`` for the recovered / bonus
+            token.
     """
 
     request_id: int
@@ -72,6 +76,7 @@ class StepEvent:
     finished: bool = False
     finish_reason: str | None = None
     collapsed: bool = False
+    source: list[str] = field(default_factory=list)
 
 
 class Engine:
@@ -211,19 +216,53 @@ class Engine:
         """One speculative step for every active row."""
         if not self.active:
             return []
-        B = self.active
         params = [r.params for r in self.requests]
-        L = self.lengths
         ids = [r.id for r in self.requests]
         k = self.policy.choose(ids) if self.drafter is not None else 0
 
         # 1. propose
         t0 = time.perf_counter()
+        prop = None
+        if k > 0:
+            ctx = DraftContext(self.tokens, self.lengths, params, self.generators, self.target_hidden)
+            prop = self.drafter.propose(self.draft_state, ctx, k)
+        t1 = time.perf_counter()
+
+        # 2. score and 3. verify: a chain [last, d_1..d_k], or a token tree per row
+        if prop is not None and prop.trees is not None:
+            out = self._tree_step(prop.trees, k, params)
+        else:
+            out = self._chain_step(prop, k, params, ids)
+
+        # 4. commit: truncate at EOS and max_new_tokens, write into the token buffer
+        events, finished, emitted = self._commit(out)
+        if out.proposed > 0:  # the drafter proposed, even if trim() left nothing to verify
+            self.drafter.observe(self.draft_state, out.num_accepted, out.verified)
+        t3 = time.perf_counter()
+
+        self.stats.draft_time += t1 - t0
+        self.stats.target_time += out.target_time
+        self.stats.observe(out.num_valid, out.num_accepted, emitted, depth=out.depth)
+        self.policy.update(
+            out.proposed, out.num_valid, out.num_accepted, t1 - t0, out.target_time, out.bucket, ids
+        )
+        flagged = self.policy.collapsed - self.collapsed
+        if flagged:
+            self.collapsed |= flagged
+            self.stats.collapsed += len(flagged)
+            for ev in events:
+                ev.collapsed = ev.request_id in flagged
+        if finished:
+            self._keep([b for b in range(self.active) if b not in finished])
+        self.stats.total_time += t3 - t0
+        return events
+
+    def _chain_step(self, prop: Proposal | None, k: int, params: list, ids: list[int]) -> _Outcome:
+        """Score ``[last committed, d_1..d_k]`` at positions ``L-1 .. L-1+k`` and verify the chain."""
+        B, L = self.active, self.lengths
         draft_tokens = torch.zeros(B, 0, dtype=torch.int64)
         draft_probs, num_valid, bucket, proposed = None, torch.zeros(B, dtype=torch.int64), None, 0
-        if k > 0:
-            ctx = DraftContext(self.tokens, L, params, self.generators, self.target_hidden)
-            prop = self.drafter.propose(self.draft_state, ctx, k)
+        if prop is not None:
             draft_tokens, draft_probs = prop.tokens, prop.probs
             num_valid = prop.num_valid if prop.num_valid is not None else torch.full((B,), k)
             proposed = int(num_valid.max())  # the draft time was spent on these
@@ -232,26 +271,76 @@ class Engine:
             k = int(num_valid.max())  # trim columns nobody proposed or verifies
             draft_tokens = draft_tokens[:, :k]
             draft_probs = draft_probs[:, :k] if draft_probs is not None else None
+        else:
+            k = 0
         t1 = time.perf_counter()
-
-        # 2. score [last committed, d_1..d_k] at positions L-1 .. L-1+k
         last = self.tokens.gather(1, (L - 1).unsqueeze(1))  # (B, 1)
         inp = torch.cat([last, draft_tokens], dim=1)  # (B, k + 1)
         positions = (L - 1).unsqueeze(1) + torch.arange(k + 1)  # (B, k + 1)
         out = self.target.forward(self.kv, inp, positions, hidden_layers=self.hidden_layers)
         self.target_hidden = out.hidden
-        t2 = time.perf_counter()
-
-        # 3. verify
+        target_time = time.perf_counter() - t1
         nv = num_valid if k else None
         verdict = verify(draft_tokens, draft_probs, out.logits, params, self.generators, nv)
         n = verdict.num_accepted  # (B,)
+        name = self.drafter.name if self.drafter is not None else "draft"
+        tokens = [verdict.tokens[b, : int(n[b]) + 1].tolist() for b in range(B)]
+        sources = [[name] * int(n[b]) + ["target"] for b in range(B)]
+        verified = None
+        if proposed > 0:
+            fed = [inp[b, : 1 + int(num_valid[b])].tolist() for b in range(B)]
+            verified = _verified(fed, [list(range(-1, len(f) - 1)) for f in fed], out.logits, tokens)
+        num_valid = num_valid if k else torch.zeros(B, dtype=torch.int64)
+        return _Outcome(tokens, n, sources, verified, num_valid, proposed, bucket, target_time)
 
-        # 4. commit: truncate at EOS and max_new_tokens, write into the token buffer
+    def _tree_step(self, trees: list[TokenTree | None], k: int, params: list) -> _Outcome:
+        """Score every row's tree ``[root, nodes]`` in one forward (rows padded to the largest tree
+        with nodes under the root that nothing sees), verify each, and move the accepted path's
+        cache entries to the slots of their positions (a chain step's layout)."""
+        B, L = self.active, self.lengths
+        empty = TokenTree(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
+        trees = [empty if t is None else t for t in trees]
+        if len(trees) != B or max(t.num_nodes for t in trees) > k:
+            raise SpecdraftError(f"a tree proposal needs {B} trees of at most k = {k} nodes")
+        N = max(t.num_nodes for t in trees)
+        padded = [_pad(t, N) for t in trees]
+        root_pos = (L - 1).tolist()
+        S = self.kv.capacity
+        last = self.tokens.gather(1, (L - 1).unsqueeze(1))  # (B, 1)
+        inp = torch.cat([last, torch.stack([t.tokens for t in padded])], dim=1)  # (B, N + 1)
+        positions = torch.stack([t.positions(r) for t, r in zip(padded, root_pos)])  # (B, N + 1)
+        slots = torch.stack([t.slots(r) for t, r in zip(padded, root_pos)])  # (B, N + 1)
+        mask = torch.stack([t.step_mask(r, S) for t, r in zip(padded, root_pos)])  # (B, N + 1, S)
+        t1 = time.perf_counter()
+        out = self.target.forward(
+            self.kv, inp, positions, hidden_layers=self.hidden_layers, attn_mask=mask, slots=slots
+        )
+        self.target_hidden = out.hidden
+        target_time = time.perf_counter() - t1
+        tokens, sources, n = [], [], torch.zeros(B, dtype=torch.int64)
+        for b, tree in enumerate(trees):
+            verdict = verify_tree(tree, out.logits[b, : tree.num_nodes + 1], params[b], self.generators[b])
+            n[b] = verdict.num_accepted
+            if n[b] and not bool((verdict.nodes == torch.arange(int(n[b]))).all()):
+                self.kv.move_slots(b, slots[b, 1 + verdict.nodes], root_pos[b] + 1)
+            tokens.append(verdict.tokens.tolist())
+            tags = tree.sources or (self.drafter.name,) * tree.num_nodes
+            sources.append([tags[i] for i in verdict.nodes.tolist()] + ["target"])
+        fed = [[int(last[b, 0]), *t.tokens.tolist()] for b, t in enumerate(trees)]
+        parents = [[-1, *(t.parents + 1).tolist()] for t in trees]
+        verified = _verified(fed, parents, out.logits, tokens)
+        num_valid = torch.tensor([t.num_nodes for t in trees])
+        depth = torch.tensor([int(t.depth.max()) if t.num_nodes else 0 for t in trees])
+        return _Outcome(tokens, n, sources, verified, num_valid, N, None, target_time, depth)
+
+    def _commit(self, out: _Outcome) -> tuple[list[StepEvent], list[int], torch.Tensor]:
+        """Append each row's verified tokens, cut at EOS and max_new_tokens; returns the events, the
+        rows that finished and ``(B,)`` tokens emitted per row."""
+        L = self.lengths
         events, finished = [], []
-        emitted = torch.zeros(B, dtype=torch.int64)
+        emitted = torch.zeros(self.active, dtype=torch.int64)
         for b, r in enumerate(self.requests):
-            toks = verdict.tokens[b, : int(n[b]) + 1].tolist()
+            toks = out.tokens[b]
             room = r.max_new_tokens - int(self.generated[b])
             toks = toks[:room]
             reason = "length" if len(toks) == room else None
@@ -261,32 +350,64 @@ class Engine:
                     break
             emitted[b] = len(toks)
             self.tokens[b, int(L[b]) : int(L[b]) + len(toks)] = torch.tensor(toks, dtype=torch.int64)
-            from_draft = [j < int(n[b]) for j in range(len(toks))]
-            events.append(StepEvent(r.id, toks, from_draft, reason is not None, reason))
+            n = int(out.num_accepted[b])
+            from_draft = [j < n for j in range(len(toks))]
+            source = out.sources[b][: len(toks)]
+            events.append(StepEvent(r.id, toks, from_draft, reason is not None, reason, source=source))
             if reason is not None:
                 finished.append(b)
+            if out.verified is not None:
+                out.verified.committed[b] = toks
         self.lengths = L + emitted
         self.generated = self.generated + emitted
-        if proposed > 0:  # the drafter proposed, even if trim() left nothing to verify
-            self.drafter.observe(self.draft_state, n)
-        t3 = time.perf_counter()
+        return events, finished, emitted
 
-        self.stats.draft_time += t1 - t0
-        self.stats.target_time += t2 - t1
-        self.stats.observe(num_valid if k else torch.zeros(B, dtype=torch.int64), n, emitted)
-        self.policy.update(
-            proposed, num_valid if k else torch.zeros(B, dtype=torch.int64), n, t1 - t0, t2 - t1, bucket, ids
-        )
-        flagged = self.policy.collapsed - self.collapsed
-        if flagged:
-            self.collapsed |= flagged
-            self.stats.collapsed += len(flagged)
-            for ev in events:
-                ev.collapsed = ev.request_id in flagged
-        if finished:
-            self._keep([b for b in range(B) if b not in finished])
-        self.stats.total_time += t3 - t0
-        return events
+
+@dataclass
+class _Outcome:
+    """One step's verification per row, before EOS / max_new_tokens cut it.
+
+    Attributes:
+        tokens: accepted tokens, then the recovered / bonus token.
+        num_accepted: ``(B,)`` accepted draft tokens (tree: nodes on the accepted path).
+        sources: where each of ``tokens`` came from (a drafter's or node's tag; ``"target"``).
+        verified: what the drafter is told (None when it proposed nothing).
+        num_valid: ``(B,)`` tokens verified per row (tree: nodes).
+        proposed: most tokens (nodes) any row proposed.
+        bucket: the proposal's classes, for the policy.
+        target_time: seconds of the target forward.
+        depth: ``(B,)`` tree depth per row, for per-depth statistics (None: a chain).
+    """
+
+    tokens: list[list[int]]
+    num_accepted: torch.Tensor
+    sources: list[list[str]]
+    verified: Verified | None
+    num_valid: torch.Tensor
+    proposed: int
+    bucket: torch.Tensor | None
+    target_time: float
+    depth: torch.Tensor | None = None
+
+
+def _pad(tree: TokenTree, n: int) -> TokenTree:
+    """``tree`` with nodes appended under the root up to n nodes (their logits are not read)."""
+    extra = n - tree.num_nodes
+    if not extra:
+        return tree
+    zeros = torch.zeros(extra, dtype=torch.int64)
+    return TokenTree(torch.cat([tree.tokens, zeros]), torch.cat([tree.parents, zeros - 1]))
+
+
+def _verified(fed: list[list[int]], parents: list[list[int]], logits: torch.Tensor, tokens: list) -> Verified:
+    """The :class:`Verified` of a step that fed ``fed`` (per row) and got ``logits (B, T, V)``."""
+    nxt = logits.argmax(-1)  # (B, T)
+    return Verified(
+        inputs=fed,
+        parents=parents,
+        target_next=[nxt[b, : len(f)].tolist() for b, f in enumerate(fed)],
+        committed=[list(t) for t in tokens],
+    )
 
 
 def generate(engine: Engine, requests: list[Request]) -> Iterator[StepEvent]:

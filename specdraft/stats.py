@@ -51,16 +51,23 @@ class SpecStats:
     collapsed: int = 0
 
     def observe(
-        self, num_drafted: torch.Tensor, num_accepted: torch.Tensor, num_emitted: torch.Tensor
+        self,
+        num_drafted: torch.Tensor,
+        num_accepted: torch.Tensor,
+        num_emitted: torch.Tensor,
+        depth: torch.Tensor | None = None,
     ) -> None:
         """Record one batched step.
 
         Args:
-            num_drafted: ``(B,)`` draft tokens proposed per active row.
+            num_drafted: ``(B,)`` draft tokens proposed per active row (a token tree: its nodes).
             num_accepted: ``(B,)`` accepted per row.
             num_emitted: ``(B,)`` tokens actually kept per row (after EOS / length truncation).
+            depth: ``(B,)`` a token tree's depth per row: the per-position counts are then per
+                depth (a row "drafted position i" when its tree reaches depth i + 1). None: a chain.
         """
-        k = int(num_drafted.max()) if num_drafted.numel() else 0
+        reach = num_drafted if depth is None else depth
+        k = int(reach.max()) if reach.numel() else 0
         self.target_forwards += 1
         self.k_history.append(k)
         self.steps += num_drafted.numel()
@@ -73,7 +80,7 @@ class SpecStats:
                 self.drafted_per_position += [0] * grow
                 self.accepted_per_position += [0] * grow
             pos = torch.arange(k)
-            drafted = (pos < num_drafted.unsqueeze(1)).sum(0)  # (k,)
+            drafted = (pos < reach.unsqueeze(1)).sum(0)  # (k,)
             accepted = (pos < num_accepted.unsqueeze(1)).sum(0)
             for i in range(k):
                 self.drafted_per_position[i] += int(drafted[i])
