@@ -9,8 +9,10 @@ only and a (k + 1)-token verification gives bit-identical logits to k + 1 one-to
 
 What it shares with the compact runtime: the position-indexed cache (:class:`LlamaKV`, fp32) and
 the fused RoPE + cache write + attention and RMSNorm kernels of ``fewrows.c`` (passed to the
-quantized layer loop as function pointers). Not supported (refused with a clear error): custom
-attention masks (tree verification), biases (Qwen2), other block types (K-quants, F16 matrices).
+quantized layer loop as function pointers). A token-tree step (``attn_mask`` and ``slots``) runs
+the same layer loop with :class:`TreeAttention` as its attention block, bit-identical to chain steps.
+Not supported (refused with a clear error): biases (Qwen2), other block types (K-quants, F16
+matrices).
 
 The GGUF's tensor table is read with the ``gguf`` library once and kept as a small JSON index in
 the cache (``<cache>/quant/<key>.json``, keyed by the file's path, size and mtime): parsing the
@@ -402,6 +404,160 @@ class QuantWeights:
         return out
 
 
+# the attention block quant_layers calls per layer (fewrows.c's rope_attend signature)
+ATTEND_FN = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 7, *[ctypes.c_int] * 7)
+
+
+def _floats(addr: int, n: int) -> torch.Tensor:
+    """The ``n`` floats at ``addr`` (a buffer of the C caller) as a tensor, without a copy."""
+    return torch.frombuffer((ctypes.c_float * n).from_address(addr), dtype=torch.float32)
+
+
+def _tree_plan(positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> tuple[list, list]:
+    """Each query's prefix in chain form: ``(ctx, visible)`` per query ``b T + t``.
+
+    A query at position p must see the cache's slots ``0 .. c - 1`` (its context, c = ``ctx``) and new
+    tokens at positions ``c .. p``, one each, itself at p: what a chain step over that prefix sees.
+    ``visible`` lists ``(position, flat index)`` of the other new tokens it sees.
+
+    Raises:
+        SpecdraftError: a mask that is not such a tree (a query would not equal a chain step).
+    """
+    B, T = positions.shape
+    S = mask.shape[-1]
+    ctx, visible = [], []
+    for b in range(B):
+        sees_new = mask[b][:, slots[b]]  # (T, T): query t sees new token j
+        old = mask[b].clone()
+        old[:, slots[b]] = False  # (T, S): the cache slots written before this step
+        for t in range(T):
+            p = int(positions[b, t])
+            seen = sees_new[t].nonzero().squeeze(1)
+            c = p + 1 - seen.numel()
+            order = positions[b, seen].sort()
+            if not (
+                bool(sees_new[t, t])
+                and torch.equal(order.values, torch.arange(c, p + 1))
+                and torch.equal(old[t], torch.arange(S) < c)
+            ):
+                raise SpecdraftError(
+                    "the quantized runtime takes tree masks only: each query sees the slots before "
+                    "its context length and one new token per position up to its own"
+                )
+            ctx.append(c)
+            visible.append(
+                [(int(q), b * T + int(j)) for q, j in zip(order.values, seen[order.indices]) if j != t]
+            )
+    return ctx, visible
+
+
+@dataclass
+class _Level:
+    """The queries of a tree step at one position p, attended in one ``rope_attend`` call.
+
+    Attributes:
+        queries: ``(n,)`` their flat indices ``b T + t``; rows, slots: ``(n,)`` their cache rows and slots.
+        pos: ``(n,)`` int64, p for each (the array ``rope_attend`` reads).
+        ctx: how many context slots to copy from the cache (the largest c of the level: <= p).
+        anc: ``(A, 4)`` each (query, visible new token) pair: the query's scratch row, the token's
+            position (its slot in the scratch row), cache row and slot (where an earlier level
+            wrote its key and value).
+    """
+
+    queries: torch.Tensor
+    rows: torch.Tensor
+    slots: torch.Tensor
+    pos: torch.Tensor
+    ctx: int
+    anc: torch.Tensor
+
+
+class TreeAttention:
+    """The attention block of a token-tree step (:mod:`specdraft.tree`), bit for bit a chain step's.
+
+    ``rope_attend`` (fewrows.c) attends a query at position p over cache slots 0..p in slot order;
+    a tree node's keys are elsewhere (its context, then its ancestors at their own slots). So each
+    query gets a row of a scratch cache laid out as a chain over its prefix would leave it: the
+    context copied from the cache, each ancestor's key and value at its position; ``rope_attend``
+    over these rows (one token each) writes the query's own key at its position and attends over
+    0..p with a chain step's exact operations, and the new keys and values go to the cache at their
+    slots. Keys are rotated by ``rope_attend`` only (its float operations are the compiler's), so
+    the queries go by position, one call per position (a tree's depth): an ancestor's key is in the
+    cache before a descendant needs it. The cost beyond a chain step is the copy of each query's
+    context and a few torch ops per position, per layer (a kernel reading slot lists would avoid
+    both).
+
+    quant_layers calls it through :attr:`pointer` once per layer (ctypes takes the GIL back for it).
+
+    Args:
+        rt: the runtime; state: its cache; positions, slots: ``(B, T)``; attn_mask: ``(B, T, S)``.
+    """
+
+    def __init__(self, rt: QuantRuntime, state: LlamaKV, positions, slots, attn_mask):
+        self.w = w = rt.w
+        B, T = positions.shape
+        ctx, visible = _tree_plan(positions, slots, attn_mask)
+        pos = positions.reshape(-1).to(torch.int64)
+        rows = torch.arange(B).repeat_interleave(T)  # (B T,) cache row of each query
+        slots = slots.reshape(-1).to(torch.int64)
+        self.levels = []
+        for p in pos.unique().tolist():  # ascending: ancestors first
+            queries = (pos == p).nonzero().squeeze(1)
+            anc = [
+                (i, q, int(rows[j]), int(slots[j]))
+                for i, r in enumerate(queries.tolist())
+                for q, j in visible[r]
+            ]
+            self.levels.append(
+                _Level(
+                    queries,
+                    rows[queries],
+                    slots[queries],
+                    pos[queries].contiguous(),
+                    max(ctx[r] for r in queries.tolist()),
+                    torch.tensor(anc, dtype=torch.int64).reshape(-1, 4),
+                )
+            )
+        n = max(len(lv.queries) for lv in self.levels)
+        shape = (n, w.n_kv_heads, int(pos.max()) + 1, w.head_dim)
+        self.k, self.v = torch.empty(shape), torch.empty(shape)  # scratch caches: (n, G, cap, D)
+        self.cos, self.sin = rt._rope_tables(shape[2])
+        self.caches = {k.data_ptr(): (k, v) for k, v in zip(state.k, state.v)}
+        self.M, self.B = B * T, B
+        self.fn = kernels._load().rope_attend
+        self.error: Exception | None = None
+        self.pointer = ATTEND_FN(self._attend)  # kept alive with self
+
+    def _attend(self, qkv, pos, cos, sin, kc, vc, out, B, T, H, G, D, cap, threads) -> None:
+        try:
+            w = self.w
+            width = (w.n_heads + 2 * w.n_kv_heads) * w.head_dim
+            qkv_t = _floats(qkv, self.M * width).view(self.M, width)
+            out_t = _floats(out, self.M * w.n_heads * w.head_dim).view(self.M, -1)
+            for level in self.levels:
+                self._level(level, qkv_t, *self.caches[kc], out_t, threads)
+        except Exception as e:  # noqa: BLE001 (cannot cross the C frames: raised again by forward)
+            self.error = self.error or e
+
+    def _level(self, lv: _Level, qkv, k_cache, v_cache, out, threads: int) -> None:
+        """One position's queries: scratch rows, ``rope_attend``, their keys and values to the cache."""
+        w, n, c = self.w, len(lv.queries), lv.ctx
+        for scratch, cache in ((self.k, k_cache), (self.v, v_cache)):
+            ctx = cache[:, :, :c]  # (B, G, c, D)
+            scratch[:n, :, :c] = ctx.expand(n, -1, -1, -1) if self.B == 1 else ctx[lv.rows]
+            i, q, b, s = lv.anc.unbind(1)
+            scratch[i, :, q] = cache[b, :, s]  # (A, G, D): the ancestors, written by earlier levels
+        x = qkv[lv.queries].contiguous()  # (n, (H + 2G) D)
+        att = torch.empty(n, w.n_heads * w.head_dim)
+        ptrs = (x, lv.pos, self.cos, self.sin, self.k, self.v, att)
+        G, D, cap = w.n_kv_heads, w.head_dim, self.k.shape[2]
+        self.fn(*(t.data_ptr() for t in ptrs), n, 1, w.n_heads, G, D, cap, threads)
+        out[lv.queries] = att
+        own = torch.arange(n)
+        k_cache[lv.rows, :, lv.slots] = self.k[own, :, lv.pos]  # (n, G, D) at their slots
+        v_cache[lv.rows, :, lv.slots] = self.v[own, :, lv.pos]
+
+
 class QuantRuntime:
     """A Llama-family GGUF run on its own quantized blocks (the :class:`Runtime` protocol).
 
@@ -469,7 +625,7 @@ class QuantRuntime:
             self._caches = (key, (ctypes.c_void_p * n)(*key[:n]), (ctypes.c_void_p * n)(*key[n:]))
         return self._caches[1], self._caches[2]
 
-    def _layers_call(self, x, pos, B, T, cap, first, last, kc, vc, cos, sin):
+    def _layers_call(self, x, pos, B, T, cap, first, last, kc, vc, cos, sin, attend):
         w = self.w
         L = last - first
         layers = ctypes.byref(self._layers, first * ctypes.sizeof(QLayer))
@@ -495,7 +651,7 @@ class QuantRuntime:
             vcs,
             cos.data_ptr(),
             sin.data_ptr(),
-            self._attend,
+            attend,
             self._rmsnorm,
             VARIANTS[self.variant],
             torch.get_num_threads(),
@@ -511,28 +667,42 @@ class QuantRuntime:
         hidden_layers: tuple[int, ...] = (),
         attn_mask: torch.Tensor | None = None,
         logits_index: torch.Tensor | None = None,
+        slots: torch.Tensor | None = None,
     ) -> ForwardOutput:
-        if attn_mask is not None:
-            raise SpecdraftError("the quantized runtime does not take attention masks (tree verification)")
+        """Run the layers over new tokens (see :class:`specdraft.models.runtime.Runtime`).
+
+        ``attn_mask`` ``(B, T, S)`` and ``slots`` ``(B, T)``: a token-tree step
+        (:mod:`specdraft.tree`, as :meth:`specdraft.models.llama.LlamaRuntime.forward`); each
+        node's row is bit for bit a chain step's over the same prefix (:class:`TreeAttention`).
+        """
         w = self.w
         B, T = tokens.shape
         last = int(positions.max())
-        if last >= state.capacity:
-            raise SpecdraftError(f"position {last} beyond cache capacity {state.capacity}")
+        if slots is not None and attn_mask is None:
+            raise SpecdraftError("slots apart from positions need an attention mask over the slots")
+        top = last if slots is None else max(last, int(slots.max()))
+        if top >= state.capacity:
+            raise SpecdraftError(f"position {top} beyond cache capacity {state.capacity}")
         if state.batch_size != B:
             raise SpecdraftError(f"cache has {state.batch_size} rows, tokens {B}")
         x = dequantize_rows(w.embed, tokens)  # (B, T, C)
         pos = positions.to(torch.int64).contiguous()
         cos, sin = self._rope_tables(last + 1)
         kc, vc = self._cache_arrays(state)
+        tree = None
+        if attn_mask is not None:
+            tree = TreeAttention(self, state, pos, positions if slots is None else slots, attn_mask)
+        attend = self._attend if tree is None else ctypes.cast(tree.pointer, ctypes.c_void_p).value
         hidden: dict[int, torch.Tensor] = {}
         first = 0
         for li in sorted({i for i in hidden_layers if i >= 0}) + [len(w.layers) - 1]:
             if li >= len(w.layers):
                 raise SpecdraftError(f"hidden layer {li} beyond the model's {len(w.layers)} layers")
             if li + 1 > first:
-                self._layers_call(x, pos, B, T, state.capacity, first, li + 1, kc, vc, cos, sin)
+                self._layers_call(x, pos, B, T, state.capacity, first, li + 1, kc, vc, cos, sin, attend)
                 first = li + 1
+                if tree is not None and tree.error is not None:
+                    raise tree.error
             if li in hidden_layers:
                 hidden[li] = x.clone()
         normed = torch.empty_like(x)

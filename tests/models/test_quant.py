@@ -225,7 +225,7 @@ def test_hidden_states_and_refusals(tiny_gguf):
     out = rt.forward(rt.new_state(1, 8), tokens, pos, hidden_layers=(0, -1), logits_index=torch.tensor([[2]]))
     assert torch.equal(out.logits[0, 0], plain[0, 2])  # split layer calls change nothing
     assert set(out.hidden) == {0, -1} and out.hidden[0].shape == (1, 3, CFG["hidden_size"])
-    with pytest.raises(SpecdraftError, match="attention masks"):
+    with pytest.raises(SpecdraftError, match="tree masks"):  # query 0 would see later tokens
         rt.forward(rt.new_state(1, 8), tokens, pos, attn_mask=torch.ones(1, 3, 3, dtype=torch.bool))
     with pytest.raises(SpecdraftError, match="capacity"):
         rt.forward(rt.new_state(1, 2), tokens, pos)
