@@ -16,6 +16,20 @@ import torch
 from specdraft.drafters.base import DraftContext, DraftState, Proposal, Verified
 
 
+def ngram_matches(s: np.ndarray, n: int) -> np.ndarray:
+    """Ascending starts ``i <= L - n - 1`` of the earlier occurrences of ``s``'s trailing n-gram (the
+    n-gram has a successor). Candidates whose first token matches are narrowed one position at a
+    time (numpy on the array's memory, without the copy of every window that an unfold makes)."""
+    L = s.shape[0]
+    tail = s[L - n :]
+    starts = np.flatnonzero(s[: L - n] == tail[0])
+    for j in range(1, n):
+        if not starts.size:
+            break
+        starts = starts[s[starts + j] == tail[j]]
+    return starts
+
+
 class PromptLookupDrafter:
     """n-gram drafter over the row's own context (prompt and output so far)."""
 
@@ -33,21 +47,10 @@ class PromptLookupDrafter:
 
     def _lookup(self, seq: torch.Tensor, k: int) -> tuple[int, torch.Tensor]:
         """The matched n (0: none) and the continuation (up to k tokens) of the latest earlier
-        match of seq's trailing n-gram.
-
-        Candidates are the starts i <= L - n - 1 (the n-gram has a successor) whose first token
-        matches, narrowed one position at a time (numpy on the tensor's memory, without the copy of
-        every window that an unfold makes).
-        """
+        match of seq's trailing n-gram (:func:`ngram_matches`)."""
         s = seq.numpy()
-        L = s.shape[0]
-        for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
-            tail = s[L - n :]
-            starts = np.flatnonzero(s[: L - n] == tail[0])
-            for j in range(1, n):
-                if not starts.size:
-                    break
-                starts = starts[s[starts + j] == tail[j]]
+        for n in range(min(self.max_ngram, s.shape[0] - 1), self.min_ngram - 1, -1):
+            starts = ngram_matches(s, n)
             if starts.size:
                 start = int(starts[-1]) + n
                 return n, seq[start : start + k]
