@@ -21,20 +21,28 @@
  *
  * ---- dot products and the order of operations ---------------------------------------------------
  *
- * Per block, the integer products of the 32 weight and activation bytes are summed exactly in
- * eight int32 lanes (lane j: bytes 4j..4j+3; AVX2 vpmaddubsw then vpmaddwd with ones; Q4_0 and Q8_0
- * take the sign trick of vpsignb so the unsigned operand is |w|); each lane is converted to float
- * and accumulated as acc_j = fma(d_w d_a, lane_j, acc_j), block by block in order. The result is
- * ((acc0 + acc4) + (acc1 + acc5)) + ((acc2 + acc6) + (acc3 + acc7)), plus, for Q4_1, the m term
- * summed separately in block order: mins = fma(m, s_a, mins). The scalar reference functions do
- * exactly these float operations, so they and the AVX2 code agree bit for bit (tests compare them).
+ * Per block, the integer products of the 32 weight and activation bytes are summed exactly in two
+ * halves (elements 0..15 and 16..31: a Q4 block's low and high nibbles; AVX2 vpmaddubsw, vpmaddwd
+ * with ones and integer adds; Q4_0 and Q8_0 take the sign trick of vpsignb so the unsigned operand
+ * is |w|). Each half sum is converted to float (exact: |sum| < 2^24) and accumulated in its own
+ * chain, lo = fma(d_w d_a, sum_lo, lo) and hi = fma(d_w d_a, sum_hi, hi), block by block in order.
+ * The result is (lo + hi) + mins, mins the Q4_1 m term summed separately in block order:
+ * mins = fma(m, s_a, mins). The scalar reference (dot_ref) does exactly these float operations, so
+ * it and the AVX2 code agree bit for bit (tests compare them). Integer sums are exact in any order,
+ * so the AVX2 tiles form them however is cheapest (see "the AVX2 tiles"); only the float chain is
+ * fixed, and it is 3 vector operations per 4 columns x 32 weights.
  *
  * Every y[m, n] is that one sequence whatever the number of rows, the tile or the thread, so each
  * output row depends on its own input row only: a (k + 1)-token verification gives bit-identical
  * logits to k + 1 one-token steps (tests check 1..64 rows).
  *
- * Tiles (AVX2): 4 weight rows x up to 3 activation rows, so a 1-row product has 4 independent
- * accumulation chains and each unpacked weight block serves every row; see "the AVX2 tiles".
+ * Tiles (AVX2): 4 weight rows x up to 3 activation rows; each unpacked weight block serves every
+ * row; see "the AVX2 tiles".
+ *
+ * Why hand-written: BLAS and oneDNN int8 GEMMs (and llama.cpp's own llamafile / repacked GEMMs)
+ * choose their blocking, and so their float summation order, by the number of rows, so a row's
+ * result changes with the batch it is in; no library offers a per-row-deterministic product of
+ * GGUF blocks with 8-bit activation blocks, which bit-identical speculative verification needs.
  *
  * Threads: OpenMP over output columns (the same libgomp as torch's); quant_layers opens one
  * parallel region per decoder layer (plus the attention's), not one per matmul.
@@ -141,32 +149,24 @@ static inline void unpack_ref(int type, const uint8_t *row, int b, int8_t *q, fl
     }
 }
 
-static inline float hsum_ref(const float *a) {
-    return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
-}
-
+/* The dot product of a weight row and an activation row: per block b, the exact integer sums of
+ * its two halves (elements 0..15 and 16..31, the low and high nibbles of a Q4 block), each
+ * converted to float and accumulated in its own chain, lo = fma(d_w d_a, sum_lo, lo) and
+ * hi = fma(d_w d_a, sum_hi, hi), block by block in order; then (lo + hi) + mins (Q4_1's m term). */
 static float dot_ref(int type, const uint8_t *row, const block_a8 *a, int nb) {
-    float acc[8] = {0}, mins = 0.0f;
+    float lo = 0.0f, hi = 0.0f, mins = 0.0f;
     for (int b = 0; b < nb; b++) {
         int8_t q[QK];
         float d, m;
         unpack_ref(type, row, b, q, &d, &m);
+        int s[2] = {0, 0};
+        for (int e = 0; e < QK; e++) s[e / 16] += q[e] * a[b].qs[e];
         const float scale = d * a[b].d;
-        for (int j = 0; j < 8; j++) {
-            int s = 0;
-            for (int e = 4 * j; e < 4 * j + 4; e++) s += q[e] * a[b].qs[e];
-            acc[j] = fmaf(scale, (float)s, acc[j]);
-        }
+        lo = fmaf(scale, (float)s[0], lo);
+        hi = fmaf(scale, (float)s[1], hi);
         if (type == T_Q4_1) mins = fmaf(m, a[b].s, mins);
     }
-    return hsum_ref(acc) + mins;
-}
-
-static inline float hsum(__m256 v) { /* ((a0 + a4) + (a1 + a5)) + ((a2 + a6) + (a3 + a7)) */
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_hadd_ps(s, s);
-    s = _mm_hadd_ps(s, s);
-    return _mm_cvtss_f32(s);
+    return (lo + hi) + mins;
 }
 
 /* The 32 integer weights of a block (Q4_0: nib - 8, Q4_1: nib, Q8_0: qs). The nibbles: the 16
@@ -183,84 +183,103 @@ static inline __m256i unpack_avx2(int type, const uint8_t *blk) {
 #define NC 4 /* weight rows (output columns) per tile */
 
 /* Block b's scales of NC = 4 consecutive weight rows (p: the first row's block, rs: row stride):
- * d in both halves, [d0 d1 d2 d3 d0 d1 d2 d3]; for Q4_1 also *dm = [d0 m0 d1 m1 d2 m2 d3 m3]. */
-static inline __m256 scales4(int type, const uint8_t *p, long rs, __m256 *dm) {
+ * d in both halves, [d0 d1 d2 d3 d0 d1 d2 d3]; for Q4_1 also *m4 = [m0 m1 m2 m3]. */
+static inline __m256 scales4(int type, const uint8_t *p, long rs, __m128 *m4) {
     if (type == T_Q4_1) {
         uint32_t h[4];
         for (int c = 0; c < 4; c++) memcpy(h + c, p + c * rs, 4);
-        *dm = _mm256_cvtph_ps(_mm_setr_epi32((int)h[0], (int)h[1], (int)h[2], (int)h[3]));
-        return _mm256_permutevar8x32_ps(*dm, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6));
+        const __m256 dm = _mm256_cvtph_ps(_mm_setr_epi32((int)h[0], (int)h[1], (int)h[2], (int)h[3]));
+        *m4 = _mm256_castps256_ps128(_mm256_permutevar8x32_ps(dm, _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7)));
+        return _mm256_permutevar8x32_ps(dm, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6));
     }
     uint16_t h[4];
     for (int c = 0; c < 4; c++) memcpy(h + c, p + c * rs, 2);
     const __m128i v = _mm_setr_epi16((short)h[0], (short)h[1], (short)h[2], (short)h[3], 0, 0, 0, 0);
+    *m4 = _mm_setzero_ps();
     return _mm256_cvtph_ps(_mm_unpacklo_epi64(v, v));
 }
 
 /* ---- the AVX2 tiles ----------------------------------------------------------------------------
  *
- * A tile is NC = 4 consecutive weight rows (output columns) against R <= 3 activation rows:
- * per block and (r, c), the operations of dot_ref, with the per-column scalars (d_w d_a and, for
- * Q4_1, m s_a) done for the 4 columns in one vector operation, so each output is the same
- * sequence of float operations (scalar == AVX2, whatever the tile) while NC x R accumulation chains
- * run side by side. With M <= 3 rows a tile reads the file's blocks directly (tile_direct); with
- * more, it unpacks its 4 rows once (tile_unpack: 4 K int8 weights, the scales as floats) and each
- * group of <= 3 rows runs over that copy in L1 (tile_rows), so the nibbles are split, the scales
- * gathered and converted once per tile, not once per row group. For rows up to KT wide the copy
- * has its 8-lane groups transposed (lanes k and k + 4 of the 4 columns in one vector) and the
- * activations are laid out alike once per matmul: a product vector's scale vector is then
- * [d_w(0..3) d_w(0..3)] d_a as is (no broadcast per column) and the lane sums are 4 columns at a
- * time; wider rows (ffn_down, K = 1536) keep the by-column copy (tile_rows_cols), as the 4x larger
- * transposed activations no longer stay in L1 there (1.0-1.07x slower in an A/B). */
-#define NC 4
+ * A tile is NC = 4 consecutive weight rows (output columns) against R <= 3 activation rows. Per
+ * block and activation row, the 4 columns' half sums are one int32 vector
+ * [lo(c0) lo(c1) lo(c2) lo(c3) | hi(c0) .. hi(c3)] (integer sums: exact in any order, so they are
+ * formed however is cheapest), and one conversion and one fma with [d_w(c0..3) d_w(c0..3)] d_a
+ * advance the 8 chains of dot_ref (lo and hi of 4 columns); at the end lo + hi + mins, 4 columns at
+ * once. So each output is dot_ref's sequence of float operations (scalar == AVX2, whatever the
+ * tile or the number of rows), and the float work is 3 vector operations per 4 x 32 weights.
+ *
+ * With M <= 3 rows a tile reads the file's blocks directly (tile_direct); with more, it unpacks its
+ * 4 rows once (tile_unpack: 4 K int8 weights, the scales as floats) and each group of <= 3 rows
+ * runs over that copy in L1 (tile_rows), so the nibbles are split, the scales gathered and
+ * converted once per tile, not once per row group. For rows up to KT wide the copy has its 8-lane
+ * groups transposed (lanes k and k + 4 of the 4 columns in one vector) and the activations are
+ * laid out alike once per matmul: the 4 products of a block then sum to the half-sum vector with
+ * plain adds (16-bit adds for Q4 weights, whose pair products stay below 2^15 / 4), no horizontal
+ * adds; wider rows (ffn_down, K = 1536) keep the by-column copy (tile_rows_cols), as the 4x larger
+ * transposed activations no longer stay in L1 there. */
+
+#define AI __attribute__((always_inline))
+
+/* The half sums of 4 columns from their int32 lane sums p[c] (lanes 0-3: elements 0..15, lanes
+ * 4-7: elements 16..31): [lo(c0) .. lo(c3) | hi(c0) .. hi(c3)]. */
+static inline AI __m256i halves4(const __m256i *p) {
+    return _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+}
+
+/* Block b of R activation rows against 4 columns' integer weights wq (aw: |wq|, or wq for Q4_1)
+ * with scales dw (as scales4) and Q4_1 mins m4: acc[r] and mins[r] advanced by one block. */
+static inline AI void block_cols(int type, const __m256i *wq, const __m256i *aw, __m256 dw, __m128 m4,
+                                 const block_a8 *a, long as, int b, int R, __m256 *acc, __m128 *mins) {
+    const __m256i ones = _mm256_set1_epi16(1);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        const block_a8 *ab = a + r * as + b;
+        const __m256i av = _mm256_loadu_si256((const __m256i *)ab->qs);
+        __m256i p[NC];
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; c++) /* a sign(w): |w| a sign(w) = w a (Q4_1: w >= 0 already) */
+            p[c] = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(aw[c], type == T_Q4_1 ? av : _mm256_sign_epi8(av, wq[c])), ones);
+        const __m256 sc = _mm256_mul_ps(dw, _mm256_broadcast_ss(&ab->d));
+        acc[r] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(halves4(p)), acc[r]);
+        if (type == T_Q4_1) mins[r] = _mm_fmadd_ps(m4, _mm_broadcast_ss(&ab->s), mins[r]);
+    }
+}
+
+/* out[r * NC + c] = (lo + hi) + mins of column c, row r. */
+static inline AI void finish4(const __m256 *acc, const __m128 *mins, int R, float *out) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        const __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+        _mm_storeu_ps(out + r * NC, _mm_add_ps(s, mins[r]));
+    }
+}
 
 /* R activation rows against weight rows w, w + rs, ..., w + 3 rs, from the file's blocks:
  * out[r * NC + c]. The weights PF bytes ahead are prefetched as the tile streams its own. */
-static inline __attribute__((always_inline)) void
-tile_direct(int type, const uint8_t *w, long rs, const block_a8 *a, long as, int nb, int R, float *out) {
-    __m256 acc[MR][NC], mins[MR]; /* mins: the m term of column c in lane 2 c + 1 (Q4_1) */
+static inline AI void tile_direct(int type, const uint8_t *w, long rs, const block_a8 *a, long as, int nb, int R,
+                                  float *out) {
+    __m256 acc[MR];
+    __m128 mins[MR];
 #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) {
-#pragma GCC unroll 4
-        for (int c = 0; c < NC; c++) acc[r][c] = _mm256_setzero_ps();
-        mins[r] = _mm256_setzero_ps();
-    }
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), mins[r] = _mm_setzero_ps();
     const int bb = block_bytes(type);
-    const __m256i ones = _mm256_set1_epi16(1);
     for (int b = 0; b < nb; b++) {
         const uint8_t *blk = w + (long)b * bb;
         for (int o = 0; o < NC * bb; o += 64)
             _mm_prefetch((const char *)(w + PF + (long)b * NC * bb + o), _MM_HINT_T0);
-        __m256 dm;
-        const __m256 dw = scales4(type, blk, rs, &dm);
-        __m256 sc[MR]; /* sc[r] lane c (and c + 4): d_w(c) d_a(r) */
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            const block_a8 *ab = a + r * as + b;
-            sc[r] = _mm256_mul_ps(dw, _mm256_broadcast_ss(&ab->d));
-            if (type == T_Q4_1) mins[r] = _mm256_fmadd_ps(dm, _mm256_broadcast_ss(&ab->s), mins[r]);
-        }
+        __m128 m4;
+        const __m256 dw = scales4(type, blk, rs, &m4);
+        __m256i wq[NC], aw[NC];
 #pragma GCC unroll 4
         for (int c = 0; c < NC; c++) {
-            const __m256i wq = unpack_avx2(type, blk + c * rs);
-            const __m256i aw = type == T_Q4_1 ? wq : _mm256_sign_epi8(wq, wq); /* |w| (Q4_1: already >= 0) */
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                __m256i av = _mm256_loadu_si256((const __m256i *)a[r * as + b].qs);
-                if (type != T_Q4_1) av = _mm256_sign_epi8(av, wq); /* a sign(w): |w| a sign(w) = w a */
-                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, av), ones);
-                const __m256 s = _mm256_shuffle_ps(sc[r], sc[r], c * 0x55); /* lane c everywhere */
-                acc[r][c] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(p), acc[r][c]);
-            }
+            wq[c] = unpack_avx2(type, blk + c * rs);
+            aw[c] = type == T_Q4_1 ? wq[c] : _mm256_sign_epi8(wq[c], wq[c]);
         }
+        block_cols(type, wq, aw, dw, m4, a, as, b, R, acc, mins);
     }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) {
-        float mv[8];
-        _mm256_storeu_ps(mv, mins[r]);
-#pragma GCC unroll 4
-        for (int c = 0; c < NC; c++) out[r * NC + c] = hsum(acc[r][c]) + mv[2 * c + 1];
-    }
+    finish4(acc, mins, R, out);
 }
 
 /* A tile's 4 weight rows unpacked with their lanes transposed: for block b and k < 4, q[b, k] is
@@ -268,32 +287,34 @@ tile_direct(int type, const uint8_t *w, long rs, const block_a8 *a, long as, int
  * weights of lane j of column c (|w| for Q4_0 and Q8_0, whose signs are in s[b, k], the same
  * layout of w); d (nb, 8) the scales as scales4 returns them, m (nb, 4) the Q4_1 mins. With the
  * activation bytes laid out alike (a4: lane k of a block four times, then lane k + 4 four times),
- * one product vector holds lanes k and k + 4 of the 4 columns, so [d_w(0..3) d_w(0..3)] d_a is its
- * scale vector as it is: no per-column broadcast. */
+ * the products of q[b, 0..3] sum to the half-sum vector of the 4 columns. */
 typedef struct {
     int8_t *q, *s;
     float *d, *m;
 } unpacked;
 
-static inline __attribute__((always_inline)) void transpose4(__m256i *v) { /* 4 x 8 dwords */
+static inline AI void transpose4(__m256i *v) { /* 4 x 8 dwords */
     const __m256i t0 = _mm256_unpacklo_epi32(v[0], v[1]), t1 = _mm256_unpacklo_epi32(v[2], v[3]);
     const __m256i t2 = _mm256_unpackhi_epi32(v[0], v[1]), t3 = _mm256_unpackhi_epi32(v[2], v[3]);
     v[0] = _mm256_unpacklo_epi64(t0, t1), v[1] = _mm256_unpackhi_epi64(t0, t1);
     v[2] = _mm256_unpacklo_epi64(t2, t3), v[3] = _mm256_unpackhi_epi64(t2, t3);
 }
 
-static inline __attribute__((always_inline)) void tile_unpack(int type, const uint8_t *w, long rs, int nb,
-                                                              const unpacked *u) {
+/* Block b's scales of the tile into u (d, and m for Q4_1); returns the block's address. */
+static inline AI const uint8_t *unpack_scales(int type, const uint8_t *w, long rs, int b, const unpacked *u) {
     const int bb = block_bytes(type);
+    const uint8_t *blk = w + (long)b * bb;
+    for (int o = 0; o < NC * bb; o += 64)
+        _mm_prefetch((const char *)(w + PF + (long)b * NC * bb + o), _MM_HINT_T0);
+    __m128 m4;
+    _mm256_store_ps(u->d + 8 * b, scales4(type, blk, rs, &m4));
+    _mm_store_ps(u->m + 4 * b, m4);
+    return blk;
+}
+
+static inline AI void tile_unpack(int type, const uint8_t *w, long rs, int nb, const unpacked *u) {
     for (int b = 0; b < nb; b++) {
-        const uint8_t *blk = w + (long)b * bb;
-        for (int o = 0; o < NC * bb; o += 64)
-            _mm_prefetch((const char *)(w + PF + (long)b * NC * bb + o), _MM_HINT_T0);
-        __m256 dm;
-        _mm256_store_ps(u->d + 8 * b, scales4(type, blk, rs, &dm));
-        if (type == T_Q4_1)
-            _mm_store_ps(u->m + 4 * b, _mm256_castps256_ps128(_mm256_permutevar8x32_ps(
-                                           dm, _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7))));
+        const uint8_t *blk = unpack_scales(type, w, rs, b, u);
         __m256i v[NC], aw[NC];
 #pragma GCC unroll 4
         for (int c = 0; c < NC; c++) {
@@ -323,122 +344,83 @@ static void acts_transposed(const block_a8 *a, int M, int nb, int8_t *a4) {
     }
 }
 
-/* R activation rows against an unpacked tile: out[r * NC + c], the operations of tile_direct
- * (per output, lane j: fma(d_w d_a, lane, acc) in block order, then hsum_ref's sums, then + mins). */
-static inline __attribute__((always_inline)) void tile_rows(int type, const unpacked *u, const block_a8 *a,
-                                                            const int8_t *a4, long as, int nb, int R,
-                                                            float *out) {
-    __m256 acc[MR][4]; /* acc[r][k]: lanes k (low half) and k + 4 (high half) of the 4 columns */
-    __m128 mins[MR];   /* lane c: column c's m term (Q4_1) */
+/* R activation rows against a transposed unpacked tile: out[r * NC + c], dot_ref's operations.
+ * The 4 pair-product vectors of a block add up in 16 bits for Q4 weights (|w a + w' a'| <= 3810,
+ * four of them < 2^15), in 32 bits for Q8_0. */
+static inline AI void tile_rows(int type, const unpacked *u, const block_a8 *a, const int8_t *a4, long as,
+                                int nb, int R, float *out) {
+    __m256 acc[MR];
+    __m128 mins[MR];
 #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) {
-#pragma GCC unroll 4
-        for (int k = 0; k < 4; k++) acc[r][k] = _mm256_setzero_ps();
-        mins[r] = _mm_setzero_ps();
-    }
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), mins[r] = _mm_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1);
     for (int b = 0; b < nb; b++) {
+        const __m256 dw = _mm256_load_ps(u->d + 8 * b);
+        const __m128 m4 = _mm_load_ps(u->m + 4 * b);
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             const block_a8 *ab = a + r * as + b;
-            const __m256 sc = _mm256_mul_ps(_mm256_load_ps(u->d + 8 * b), _mm256_broadcast_ss(&ab->d));
-            if (type == T_Q4_1)
-                mins[r] = _mm_fmadd_ps(_mm_load_ps(u->m + 4 * b), _mm_broadcast_ss(&ab->s), mins[r]);
+            __m256i p[4];
 #pragma GCC unroll 4
             for (int k = 0; k < 4; k++) {
                 const __m256i aw = _mm256_load_si256((const __m256i *)(u->q + (b * 4 + k) * QK));
                 __m256i av = _mm256_load_si256((const __m256i *)(a4 + ((r * as + b) * 4 + k) * QK));
                 if (type != T_Q4_1)
                     av = _mm256_sign_epi8(av, _mm256_load_si256((const __m256i *)(u->s + (b * 4 + k) * QK)));
-                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, av), ones);
-                acc[r][k] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(p), acc[r][k]);
+                p[k] = _mm256_maddubs_epi16(aw, av);
+                if (type == T_Q8_0) p[k] = _mm256_madd_epi16(p[k], ones);
             }
+            __m256i v;
+            if (type == T_Q8_0)
+                v = _mm256_add_epi32(_mm256_add_epi32(p[0], p[1]), _mm256_add_epi32(p[2], p[3]));
+            else
+                v = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])),
+                                      ones);
+            const __m256 sc = _mm256_mul_ps(dw, _mm256_broadcast_ss(&ab->d));
+            acc[r] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(v), acc[r]);
+            if (type == T_Q4_1) mins[r] = _mm_fmadd_ps(m4, _mm_broadcast_ss(&ab->s), mins[r]);
         }
     }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) { /* ((a0 + a4) + (a1 + a5)) + ((a2 + a6) + (a3 + a7)), 4 columns at once */
-        __m128 s[4];
-#pragma GCC unroll 4
-        for (int k = 0; k < 4; k++)
-            s[k] = _mm_add_ps(_mm256_castps256_ps128(acc[r][k]), _mm256_extractf128_ps(acc[r][k], 1));
-        const __m128 y = _mm_add_ps(_mm_add_ps(s[0], s[1]), _mm_add_ps(s[2], s[3]));
-        _mm_storeu_ps(out + r * NC, _mm_add_ps(y, mins[r]));
-    }
+    finish4(acc, mins, R, out);
 }
 
 /* The same by columns, for wide rows (K > KT): q (nb, NC, 32) the integer weights of the 4 columns,
  * d and m as above; the activations as they are. */
-static inline __attribute__((always_inline)) void tile_unpack_cols(int type, const uint8_t *w, long rs,
-                                                                   int nb, const unpacked *u) {
-    const int bb = block_bytes(type);
+static inline AI void tile_unpack_cols(int type, const uint8_t *w, long rs, int nb, const unpacked *u) {
     for (int b = 0; b < nb; b++) {
-        const uint8_t *blk = w + (long)b * bb;
-        for (int o = 0; o < NC * bb; o += 64)
-            _mm_prefetch((const char *)(w + PF + (long)b * NC * bb + o), _MM_HINT_T0);
-        __m256 dm;
-        _mm256_store_ps(u->d + 8 * b, scales4(type, blk, rs, &dm));
-        if (type == T_Q4_1)
-            _mm_store_ps(u->m + 4 * b, _mm256_castps256_ps128(_mm256_permutevar8x32_ps(
-                                           dm, _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7))));
+        const uint8_t *blk = unpack_scales(type, w, rs, b, u);
 #pragma GCC unroll 4
         for (int c = 0; c < NC; c++)
             _mm256_store_si256((__m256i *)(u->q + (b * NC + c) * QK), unpack_avx2(type, blk + c * rs));
     }
 }
 
-/* R activation rows against an unpacked tile: out[r * NC + c], the operations of tile_direct. */
-static inline __attribute__((always_inline)) void tile_rows_cols(int type, const unpacked *u,
-                                                                 const block_a8 *a, long as, int nb, int R,
-                                                                 float *out) {
-    __m256 acc[MR][NC];
-    __m128 mins[MR]; /* lane c: column c's m term (Q4_1) */
+/* R activation rows against a by-column unpacked tile: out[r * NC + c], dot_ref's operations. */
+static inline AI void tile_rows_cols(int type, const unpacked *u, const block_a8 *a, long as, int nb, int R,
+                                     float *out) {
+    __m256 acc[MR];
+    __m128 mins[MR];
 #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) {
-#pragma GCC unroll 4
-        for (int c = 0; c < NC; c++) acc[r][c] = _mm256_setzero_ps();
-        mins[r] = _mm_setzero_ps();
-    }
-    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), mins[r] = _mm_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        __m256 sc[MR];
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            const block_a8 *ab = a + r * as + b;
-            sc[r] = _mm256_mul_ps(_mm256_load_ps(u->d + 8 * b), _mm256_broadcast_ss(&ab->d));
-            if (type == T_Q4_1)
-                mins[r] = _mm_fmadd_ps(_mm_load_ps(u->m + 4 * b), _mm_broadcast_ss(&ab->s), mins[r]);
-        }
+        __m256i wq[NC], aw[NC];
 #pragma GCC unroll 4
         for (int c = 0; c < NC; c++) {
-            const __m256i wq = _mm256_load_si256((const __m256i *)(u->q + (b * NC + c) * QK));
-            const __m256i aw = type == T_Q4_1 ? wq : _mm256_sign_epi8(wq, wq);
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                __m256i av = _mm256_loadu_si256((const __m256i *)a[r * as + b].qs);
-                if (type != T_Q4_1) av = _mm256_sign_epi8(av, wq);
-                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, av), ones);
-                const __m256 s = _mm256_shuffle_ps(sc[r], sc[r], c * 0x55);
-                acc[r][c] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(p), acc[r][c]);
-            }
+            wq[c] = _mm256_load_si256((const __m256i *)(u->q + (b * NC + c) * QK));
+            aw[c] = type == T_Q4_1 ? wq[c] : _mm256_sign_epi8(wq[c], wq[c]);
         }
+        block_cols(type, wq, aw, _mm256_load_ps(u->d + 8 * b), _mm_load_ps(u->m + 4 * b), a, as, b, R, acc, mins);
     }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) {
-        float mv[4];
-        _mm_storeu_ps(mv, mins[r]);
-#pragma GCC unroll 4
-        for (int c = 0; c < NC; c++) out[r * NC + c] = hsum(acc[r][c]) + mv[c];
-    }
+    finish4(acc, mins, R, out);
 }
 
-/* One weight row at a time (the rows left over from the 4-row tiles): the same operations with
- * scalar scales. */
-static inline __attribute__((always_inline)) void dot_avx2(int type, const uint8_t *row, const block_a8 *a,
-                                                           long as, int nb, int R, float *out) {
-    __m256 acc[MR];
-    float mins[MR];
+/* One weight row at a time (the rows left over from the 4-row tiles): dot_ref's operations, the
+ * half sums reduced from the vector lanes. */
+static inline AI void dot_avx2(int type, const uint8_t *row, const block_a8 *a, long as, int nb, int R,
+                               float *out) {
+    float lo[MR], hi[MR], mins[MR];
 #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), mins[r] = 0.0f;
+    for (int r = 0; r < R; r++) lo[r] = hi[r] = mins[r] = 0.0f;
     const int bb = block_bytes(type);
     const __m256i ones = _mm256_set1_epi16(1);
     for (int b = 0; b < nb; b++) {
@@ -451,13 +433,17 @@ static inline __attribute__((always_inline)) void dot_avx2(int type, const uint8
             const block_a8 *ab = a + r * as + b;
             __m256i av = _mm256_loadu_si256((const __m256i *)ab->qs);
             if (type != T_Q4_1) av = _mm256_sign_epi8(av, wq);
-            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, av), ones);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * ab->d), _mm256_cvtepi32_ps(p), acc[r]);
+            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, av), ones);
+            p = _mm256_hadd_epi32(p, p);
+            p = _mm256_hadd_epi32(p, p); /* lane 0: elements 0..15, lane 4: 16..31 */
+            const float scale = d * ab->d;
+            lo[r] = fmaf(scale, (float)_mm256_extract_epi32(p, 0), lo[r]);
+            hi[r] = fmaf(scale, (float)_mm256_extract_epi32(p, 4), hi[r]);
             if (type == T_Q4_1) mins[r] = fmaf(m, ab->s, mins[r]);
         }
     }
 #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) out[r] = hsum(acc[r]) + mins[r];
+    for (int r = 0; r < R; r++) out[r] = (lo[r] + hi[r]) + mins[r];
 }
 
 /* y[r, col(n + c)] = out[r, c], or y + out (add: the residual x += ...). */
