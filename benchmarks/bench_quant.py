@@ -31,8 +31,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from specdraft import lossless
+from specdraft.bench import harness, profile
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
-from specdraft.engine import Engine, Request, generate
+from specdraft.engine import Engine
 from specdraft.models import loading
 from specdraft.models.llama import LlamaRuntime, LlamaWeights
 from specdraft.models.quant import QuantRuntime
@@ -84,37 +86,15 @@ def startup(name: str, threads: int) -> tuple[float, int]:
     return dt, int(r.stdout.split()[-1])
 
 
-def run_plain(rt, prompt: list[int], n: int, speculative: bool = False) -> tuple[list[int], float, float]:
-    """Greedy tokens, seconds for all of them, seconds after the first; plain decoding, or the
-    default drafter (prompt lookup) with ``--k auto``."""
-    eng = Engine(rt, PromptLookupDrafter(), make_policy("auto")) if speculative else Engine(rt)
-    toks: list[int] = []
-    t0 = time.perf_counter()
-    t1 = None
-    for ev in generate(eng, [Request(list(prompt), n, eos_ids=())]):
-        if t1 is None:
-            t1 = time.perf_counter()
-        toks.extend(ev.tokens)
-    t2 = time.perf_counter()
-    return toks, t2 - t0, t2 - t1
-
-
-def step_time(rt, n: int, context: int, reps: int) -> float:
-    state = rt.new_state(1, context + 16)
-    ids = torch.randint(0, 49000, (1, context + n), generator=torch.Generator().manual_seed(0))
-    rt.forward(
-        state,
-        ids[:, :context],
-        torch.arange(context).unsqueeze(0),
-        logits_index=torch.tensor([[context - 1]]),
-    )
-    pos = torch.arange(context, context + n).unsqueeze(0)
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        rt.forward(state, ids[:, context:], pos)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+def decode_methods(runtimes: dict, speculative: bool) -> list[harness.Method]:
+    """One engine method per runtime: plain decoding, or the default drafter (prompt lookup) with
+    ``--k auto``, a fresh policy per prompt (each prompt decoded as on its own)."""
+    if not speculative:
+        return [harness.engine_method(name, rt) for name, rt in runtimes.items()]
+    return [
+        harness.Method(name, lambda rt=rt: Engine(rt, PromptLookupDrafter(), make_policy("auto")))
+        for name, rt in runtimes.items()
+    ]
 
 
 def decode_rates(
@@ -122,27 +102,36 @@ def decode_rates(
 ) -> dict[str, list[list[int]]]:
     """Greedy decoding of every prompt by each runtime, alternating (A B, then B A); prints and
     records tokens/s after the first token and end to end; returns the tokens."""
-    names = list(runtimes)
-    outs: dict[str, list[list[int]]] = {n: [] for n in names}
-    total = {n: 0.0 for n in names}
-    after_first = {n: 0.0 for n in names}
+    methods = decode_methods(runtimes, speculative)
+    outs: dict[str, list[list[int]]] = {m.name: [] for m in methods}
+    totals = {m.name: harness.Totals() for m in methods}
     for i, prompt in enumerate(prompts):
-        for name in names if i % 2 == 0 else names[::-1]:
-            toks, dt, dt1 = run_plain(runtimes[name], prompt, new_tokens, speculative)
-            outs[name].append(toks)
-            total[name] += dt
-            after_first[name] += dt1
+        for name, run in harness.run_prompt(methods, prompt, i, new_tokens).items():
+            outs[name].append(run.tokens)
+            totals[name].add(run)
     kind = "with the default drafter (prompt lookup, --k auto)" if speculative else "plain"
     print(f"\ngreedy decoding, {kind}, {len(prompts)} prompts x {new_tokens} new tokens")
-    for n in names:
-        n_tok = sum(len(t) for t in outs[n])
-        dec, e2e = (n_tok - len(prompts)) / after_first[n], n_tok / total[n]
+    for n, t in totals.items():
+        dec, e2e = t.after_first_tokens_per_s, t.tokens_per_s
         report.setdefault("decode_tokens_per_s", {})[n] = dec
         report.setdefault("end_to_end_tokens_per_s", {})[n] = e2e
         print(f"  {n:14s} decode {dec:6.1f} tok/s   end to end {e2e:6.1f} tok/s")
     q, b = report["decode_tokens_per_s"]["quantized"], report["decode_tokens_per_s"]["bf16 compact"]
     print(f"  quantized / bf16 decode: {q / b:.2f}x", flush=True)
     return outs
+
+
+def agreement(outs: list[list[int]], refs: list[list[int]]) -> dict:
+    """Greedy agreement of ``outs`` with ``refs``, prompt by prompt."""
+    prefix = [lossless.first_difference(a, c) for a, c in zip(outs, refs)]
+    prefix = [len(a) if k is None else k for k, a in zip(prefix, outs)]
+    agree = sum(x == y for a, c in zip(outs, refs) for x, y in zip(a, c))
+    return {
+        "identical_outputs": sum(a == c for a, c in zip(outs, refs)),
+        "prompts": len(outs),
+        "mean_common_prefix": statistics.mean(prefix),
+        "positionwise": agree / sum(min(len(a), len(c)) for a, c in zip(outs, refs)),
+    }
 
 
 def main(argv=None) -> int:
@@ -171,8 +160,7 @@ def main(argv=None) -> int:
     print(f"threads {args.threads}; quantized runtime: {runtimes['quantized']!r}", flush=True)
     prompts = [chat_ids(tok, q) for q in PROMPTS]
     names = list(runtimes)
-    for rt in runtimes.values():  # warm-up
-        run_plain(rt, prompts[0], 8)
+    harness.warm_up(decode_methods(runtimes, speculative=False), prompts[0], 8)
 
     report = {"threads": args.threads}
     outs = {}
@@ -183,40 +171,24 @@ def main(argv=None) -> int:
         )
     outs = outs["plain"]
 
-    same = sum(a == c for a, c in zip(outs["quantized"], outs["bf16 compact"]))
-    prefix, agree, count = [], 0, 0
-    for a, c in zip(outs["quantized"], outs["bf16 compact"]):
-        k = next((i for i, (x, y) in enumerate(zip(a, c)) if x != y), min(len(a), len(c)))
-        prefix.append(k)
-        agree += sum(x == y for x, y in zip(a, c))
-        count += min(len(a), len(c))
-    report["agreement"] = {
-        "identical_outputs": same,
-        "prompts": len(prompts),
-        "mean_common_prefix": statistics.mean(prefix),
-        "positionwise": agree / count,
-    }
+    agree = report["agreement"] = agreement(outs["quantized"], outs["bf16 compact"])
     print(
-        f"\ngreedy agreement quantized vs bf16: {same}/{len(prompts)} outputs identical, mean common prefix "
-        f"{statistics.mean(prefix):.1f} of {args.new_tokens} tokens, position-wise {agree / count:.3f}"
+        f"\ngreedy agreement quantized vs bf16: {agree['identical_outputs']}/{len(prompts)} outputs "
+        f"identical, mean common prefix {agree['mean_common_prefix']:.1f} of {args.new_tokens} tokens, "
+        f"position-wise {agree['positionwise']:.3f}"
     )
 
     print(
         f"\nT(n) / T(1) at a {args.context}-token context "
         f"(medians of {args.rounds} rounds, runtimes alternating)"
     )
-    times = {n: {k: [] for k in range(1, 10)} for n in names}
-    for _ in range(args.rounds):
-        for k in range(1, 10):
-            for n in names:
-                times[n][k].append(step_time(runtimes[n], k, args.context, 1))
+    times = profile.compare_forwards(runtimes, range(1, 10), args.context, args.rounds)
     report["step_ms"] = {}
     print("  n  " + "".join(f"{n:>26s}" for n in names))
     for k in range(1, 10):
         cells = []
         for n in names:
-            t = statistics.median(times[n][k])
-            t1 = statistics.median(times[n][1])
+            t, t1 = times[n][k], times[n][1]
             report["step_ms"].setdefault(n, {})[k] = t * 1e3
             cells.append(f"{t * 1e3:9.2f} ms  {t / t1:5.2f}x T1")
         print(f"  {k}  " + "".join(f"{c:>26s}" for c in cells))

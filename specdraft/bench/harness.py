@@ -7,7 +7,9 @@ decodes build their measurements from these pieces:
   (a fresh one per call over a target, a drafter and a policy kept for the whole run) or a
   baseline such as transformers ``generate``. :meth:`Method.run` times the call and returns a
   :class:`Run`: output tokens, wall seconds (prefill included: what a user waits for) and the
-  engine's statistics, which split out the prefill.
+  engine's statistics, which split out the prefill. :meth:`Method.run_batch` decodes several
+  prompts together as one batch and returns a :class:`BatchRun` with per-step counts (forwards per
+  row, tokens fed to the target, rows flagged as collapsed) from :func:`decode_counted`.
 - :func:`interleave`: the order of the methods on prompt i, rotated by i (A B, then B A; A B C,
   B C A, C A B, ...); :func:`run_prompt` runs them in it. Running the methods back to back on each
   prompt, after one warm-up of each (:func:`warm_up`), means a slow phase of a shared machine hits
@@ -33,7 +35,8 @@ import torch
 
 from specdraft import lossless
 from specdraft.drafters.base import Drafter
-from specdraft.engine import Engine, Request, decode_requests
+from specdraft.engine import Engine, Request
+from specdraft.errors import SpecdraftError
 from specdraft.models.runtime import Runtime
 from specdraft.policy import KPolicy
 from specdraft.stats import SpecStats
@@ -51,16 +54,73 @@ class Run:
         tokens: the output tokens.
         seconds: wall seconds of the call, prefill included.
         stats: the engine's statistics of the call (None for a baseline).
+        first_token_seconds: wall seconds until the first step's tokens: the prefill and one step
+            (0 for a baseline, which returns its tokens at once).
     """
 
     tokens: list[int]
     seconds: float
     stats: SpecStats | None = None
+    first_token_seconds: float = 0.0
 
     @property
     def prefill_seconds(self) -> float:
         """Seconds the engine spent prefilling (0 for a baseline, which does not split them)."""
         return self.stats.prefill_time if self.stats is not None else 0.0
+
+
+@dataclass
+class BatchRun:
+    """An engine method's decode of several prompts together, one batch row each, with per-step
+    counts.
+
+    Attributes:
+        outputs: each prompt's output tokens, in the prompts' order.
+        seconds: wall seconds of the call, prefill included.
+        first_token_seconds: wall seconds until the first step's tokens (prefill and one step).
+        stats: the engine's statistics of the call.
+        steps: per prompt, the target forwards its row took part in.
+        tokens_fed: tokens fed to the target in those forwards: active rows x (k + 1) per step.
+        collapsed: the prompts (indices) whose rows the policy flagged as collapsed.
+    """
+
+    outputs: list[list[int]]
+    seconds: float
+    first_token_seconds: float
+    stats: SpecStats
+    steps: list[int]
+    tokens_fed: int
+    collapsed: list[int]
+
+
+def decode_counted(engine: Engine, requests: list[Request]) -> BatchRun:
+    """Decode ``requests`` together to the end on a fresh ``engine``, timed, counting per step.
+
+    The clock starts before the prefill; build the engine before calling.
+    """
+    t0 = time.perf_counter()
+    ids = engine.add(requests)
+    out: dict[int, list[int]] = {i: [] for i in ids}
+    steps = dict.fromkeys(ids, 0)
+    fed, first = 0, None
+    while engine.active:
+        events = engine.step()
+        if first is None:
+            first = time.perf_counter() - t0
+        fed += len(events) * (engine.stats.k_history[-1] + 1)
+        for ev in events:
+            out[ev.request_id] += ev.tokens
+            steps[ev.request_id] += 1
+    seconds = time.perf_counter() - t0
+    return BatchRun(
+        outputs=[out[i] for i in ids],
+        seconds=seconds,
+        first_token_seconds=seconds if first is None else first,
+        stats=engine.stats,
+        steps=[steps[i] for i in ids],
+        tokens_fed=fed,
+        collapsed=sorted(ids.index(i) for i in engine.collapsed if i in steps),
+    )
 
 
 @dataclass
@@ -85,11 +145,18 @@ class Method:
             t0 = time.perf_counter()
             tokens = self.baseline(list(ids), max_new_tokens, params)
             return Run(tokens, time.perf_counter() - t0)
+        batch = self.run_batch([ids], max_new_tokens, params)
+        return Run(batch.outputs[0], batch.seconds, batch.stats, batch.first_token_seconds)
+
+    def run_batch(
+        self, prompts: list[list[int]], max_new_tokens: int, params: SamplingParams = GREEDY
+    ) -> BatchRun:
+        """Decode ``prompts`` together, one row each, timed and counted (an engine method only)."""
+        if self.new_engine is None:
+            raise SpecdraftError(f"method {self.name!r} is not an engine: it decodes one prompt at a time")
         engine = self.new_engine()
-        request = Request(list(ids), max_new_tokens, params, self.eos_ids)
-        t0 = time.perf_counter()
-        [tokens] = decode_requests(engine, [request])
-        return Run(tokens, time.perf_counter() - t0, engine.stats)
+        requests = [Request(list(ids), max_new_tokens, params, self.eos_ids) for ids in prompts]
+        return decode_counted(engine, requests)
 
     @property
     def reserve(self) -> int:
@@ -160,6 +227,8 @@ class Totals:
         tokens: output tokens.
         seconds: wall seconds of the calls, prefill included.
         prefill_seconds: the engine's prefill seconds among them.
+        runs: the runs added.
+        first_token_seconds: their seconds until the first step's tokens.
         stats: the engine's statistics, merged.
         classes: equality classes counted (:func:`equality`).
     """
@@ -167,6 +236,8 @@ class Totals:
     tokens: int = 0
     seconds: float = 0.0
     prefill_seconds: float = 0.0
+    runs: int = 0
+    first_token_seconds: float = 0.0
     stats: SpecStats = field(default_factory=SpecStats)
     classes: dict[str, int] = field(default_factory=dict)
 
@@ -174,6 +245,8 @@ class Totals:
         self.tokens += len(run.tokens)
         self.seconds += run.seconds
         self.prefill_seconds += run.prefill_seconds
+        self.runs += 1
+        self.first_token_seconds += run.first_token_seconds
         if run.stats is not None:
             self.stats.merge(run.stats)
         if equality_class is not None:
@@ -189,6 +262,13 @@ class Totals:
         """Output tokens per wall second with the engine's prefill left out."""
         seconds = self.seconds - self.prefill_seconds
         return self.tokens / seconds if seconds > 0 else 0.0
+
+    @property
+    def after_first_tokens_per_s(self) -> float:
+        """Output tokens after each run's first over the wall seconds after each run's first step
+        (an engine method; the prefill and the first step left out)."""
+        seconds = self.seconds - self.first_token_seconds
+        return (self.tokens - self.runs) / seconds if seconds > 0 else 0.0
 
     @property
     def mismatches(self) -> int:

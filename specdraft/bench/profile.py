@@ -414,6 +414,23 @@ def measure_latency(
     return lat
 
 
+@torch.inference_mode()
+def compare_forwards(
+    runtimes: dict[str, Runtime], new_tokens: Iterable[int], context: int, reps: int
+) -> dict[str, dict[int, float]]:
+    """Median seconds of one batch-1 forward of n new tokens at a ``context``-token cache, for
+    several runtimes of one model: ``{name: {n: seconds}}``. Each round times every n in turn and,
+    for each n, every runtime (A B, A B, ...), so a slow phase of the machine hits all of them.
+    """
+    ns = sorted(set(new_tokens))
+    for runtime in runtimes.values():
+        _check(runtime, [1], ns, context, reps, 0)
+    jobs = {name: dict(_target_jobs(rt, 1, context, ns)) for name, rt in runtimes.items()}
+    order = [((name, n), jobs[name]["target", 1, n]) for n in ns for name in runtimes]
+    medians = _round_robin(order, reps, warmup=0)
+    return {name: {n: medians[name, n] for n in ns} for name in runtimes}
+
+
 # ------------------------------------------------------------------------------------ breakdown
 def draft_breakdown(
     drafter, context: int = 200, vocab: int | None = None, rounds: int = 7

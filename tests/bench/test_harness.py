@@ -4,6 +4,7 @@ from specdraft import api, lossless
 from specdraft.bench import harness
 from specdraft.bench.harness import Run
 from specdraft.engine import Engine
+from specdraft.errors import SpecdraftError
 from specdraft.policy import CostAwareK, FixedK, HeuristicK, make_policy
 from specdraft.stats import SpecStats
 from tests.helpers import plain_greedy
@@ -81,6 +82,44 @@ def test_engine_method_decodes_like_plain_greedy_and_keeps_its_policy(pipe):
         run = spec.run(ids, 8)
         assert run.tokens == ref and run.stats.target_forwards > 0
     assert policy.t_draft is not None  # the one policy saw both calls
+
+
+class FlagsSecondRow(FixedK):
+    """Fixed k, flagging the second row it sees as collapsed (as a watching policy would)."""
+
+    def choose(self, rows=None) -> int:
+        if len(rows) > 1 and not self.collapsed:
+            self.collapsed = frozenset(rows[1:2])
+        return self.k
+
+
+def test_run_batch_decodes_the_prompts_together_and_counts_each_step(pipe):
+    prompts = [pipe.encode("Who wrote Hamlet?"), pipe.encode("Hi"), pipe.encode("Write a poem.")]
+    refs = [plain_greedy(pipe.runtime, p, 6, ()) for p in prompts]
+    plain = harness.engine_method("plain", pipe.runtime).run_batch(prompts, 6)
+    assert plain.outputs == refs and plain.steps == [6, 6, 6] and plain.collapsed == []
+    assert plain.tokens_fed == 18 and plain.stats.target_forwards == 6  # one token per row per forward
+    assert 0 < plain.stats.prefill_time < plain.first_token_seconds < plain.seconds
+
+    spec = harness.engine_method("spec", pipe.runtime, pipe.drafter, FlagsSecondRow(3)).run_batch(prompts, 6)
+    assert spec.outputs == refs and spec.collapsed == [1]
+    assert max(spec.steps) == spec.stats.target_forwards and sum(spec.steps) == spec.stats.steps
+    assert set(spec.stats.k_history) == {3} and spec.tokens_fed == 4 * sum(spec.steps)
+    alone = harness.engine_method("spec", pipe.runtime, pipe.drafter, FixedK(3)).run_batch(prompts[:1], 6)
+    assert alone.tokens_fed == sum(k + 1 for k in alone.stats.k_history)
+    with pytest.raises(SpecdraftError, match="not an engine"):
+        harness.baseline_method("hf", lambda ids, n, p: []).run_batch(prompts, 6)
+
+
+def test_engine_runs_time_their_first_token_and_totals_rate_the_rest(pipe):
+    run = harness.engine_method("plain", pipe.runtime).run(pipe.encode("Hi"), 6)
+    assert run.prefill_seconds < run.first_token_seconds < run.seconds
+    t = harness.Totals()
+    t.add(Run([1, 2, 3, 4], 2.0, first_token_seconds=0.5))
+    t.add(Run([5, 6], 1.0, first_token_seconds=0.5))
+    assert t.runs == 2 and t.first_token_seconds == 1.0
+    assert t.after_first_tokens_per_s == pytest.approx((6 - 2) / (3.0 - 1.0))
+    assert harness.Totals().after_first_tokens_per_s == 0.0
 
 
 def test_totals_are_sums_of_tokens_over_sums_of_seconds():

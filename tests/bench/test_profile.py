@@ -174,3 +174,28 @@ def test_profile_json_loads_into_the_same_latency_curve(tmp_path):
     back = LatencyProfile.load(tmp_path / "p.json")
     assert back.curve == prof.curve and back.target_time(2, batch=4) == pytest.approx(0.03 + 0.02 / 3)
     assert back.curve.time(1, batch=2) == pytest.approx(0.01 + 0.02 / 3)  # between measured batch sizes
+
+
+class _Logged(_Counting):
+    """A runtime wrapper that logs ``(name, new tokens)`` per forward."""
+
+    def __init__(self, runtime, name, log):
+        super().__init__(runtime)
+        self.name, self.log = name, log
+
+    def forward(self, state, tokens, *args, **kwargs):
+        self.log.append((self.name, tokens.shape[1]))
+        return super().forward(state, tokens, *args, **kwargs)
+
+
+def test_compare_forwards_times_each_size_on_every_runtime_in_turn(pipe):
+    from specdraft.bench.profile import compare_forwards
+
+    log: list[tuple[str, int]] = []
+    runtimes = {"a": _Logged(pipe.runtime, "a", log), "b": _Logged(pipe.drafter.runtime, "b", log)}
+    times = compare_forwards(runtimes, (2, 1), context=24, reps=2)
+    assert {n: sorted(t) for n, t in times.items()} == {"a": [1, 2], "b": [1, 2]}
+    assert all(t > 0 for per in times.values() for t in per.values())
+    assert log == [("a", 24), ("b", 24)] + [("a", 1), ("b", 1), ("a", 2), ("b", 2)] * 2
+    with pytest.raises(SpecdraftError):
+        compare_forwards(runtimes, (1,), context=pipe.runtime.max_context, reps=1)
