@@ -16,6 +16,7 @@ recovered/bonus token is the new unfed last token): rollback costs nothing.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import time
 from collections.abc import Iterator
@@ -101,6 +102,14 @@ class Engine:
             raise SpecdraftError(
                 f"draft vocabulary ({drafter.vocab_size}) differs from the target's ({target.vocab_size}): "
                 "a draft must share the target's tokenizer"
+            )
+        if (
+            getattr(drafter, "proposes_trees", False)
+            and "slots" not in inspect.signature(target.forward).parameters
+        ):
+            raise SpecdraftError(
+                f"{drafter.name} proposes token trees, which {type(target).__name__} cannot verify "
+                "(no tree attention mask): use the compact runtime (--runtime compact)"
             )
         self.target = target
         self.drafter = drafter

@@ -4,10 +4,14 @@ inside a tree step, the drafter's :class:`~specdraft.drafters.base.Verified` and
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specdraft.drafters.base import DraftState, Proposal
+from specdraft.drafters.lookup_tree import LookupTreeDrafter
 from specdraft.engine import Engine, Request, generate
+from specdraft.errors import SpecdraftError
+from specdraft.models.hf import HFRuntime
 from specdraft.policy import FixedK
 from specdraft.tree import TokenTree
 from tests.helpers import decode, plain_greedy, random_prompts
@@ -124,10 +128,6 @@ def test_verified_and_sources(tiny):
 
 
 def test_a_tree_larger_than_k_is_refused(tiny):
-    import pytest
-
-    from specdraft.errors import SpecdraftError
-
     class Big(OracleTrees):
         def propose(self, state, ctx, k):
             tree = TokenTree.from_chains([list(range(1, k + 2))])
@@ -136,3 +136,9 @@ def test_a_tree_larger_than_k_is_refused(tiny):
     engine = Engine(tiny.target, Big([]), FixedK(3))
     with pytest.raises(SpecdraftError):
         decode(engine, [[1, 2, 3]], 4)
+
+
+def test_a_runtime_without_tree_masks_is_refused_when_the_engine_is_built(tiny):
+    with pytest.raises(SpecdraftError, match="token trees"):
+        Engine(HFRuntime(tiny.model), LookupTreeDrafter(), FixedK(4))
+    Engine(tiny.target, LookupTreeDrafter(), FixedK(4))  # the compact runtime takes them

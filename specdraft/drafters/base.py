@@ -105,7 +105,11 @@ class DraftState:
 
 
 class Drafter(Protocol):
-    """Proposes draft tokens. ``name`` is shown in statistics and reports."""
+    """Proposes draft tokens. ``name`` is shown in statistics and reports.
+
+    A drafter that proposes token trees (``Proposal.trees``) sets ``proposes_trees = True``, so
+    that the engine refuses a target runtime that cannot verify them when it is built.
+    """
 
     name: str
     vocab_size: int | None

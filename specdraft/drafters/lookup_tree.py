@@ -32,6 +32,7 @@ class LookupTreeDrafter:
 
     name = "lookup-tree"
     vocab_size = None
+    proposes_trees = True
     source = "lookup"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, per_ngram: int = 3):
