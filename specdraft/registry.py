@@ -49,6 +49,25 @@ def _any(kind: str, arg: str) -> str:
     return arg
 
 
+def _suffix_options(kind: str, arg: str) -> str:
+    opts = [o for o in arg.split(",") if o]
+    if any(not (o in ("shared", "chain") or (o.isdigit() and int(o) >= 1)) for o in opts):
+        raise SpecdraftError(f"bad draft spec {kind}:{arg}: use {kind}[:N][,shared][,chain] with N >= 1")
+    return arg
+
+
+def _ouroboros_options(kind: str, arg: str) -> str:
+    opts = arg.split(",")
+    if opts[0] != "lookup":
+        raise SpecdraftError(
+            f"bad draft spec {kind}:{arg}: use {kind}:lookup[,shared][,warm=PATH][,chain] "
+            "(a model-drafted ouroboros is not built yet)"
+        )
+    if any(not (o in ("shared", "chain") or (o.startswith("warm=") and len(o) > 5)) for o in opts[1:]):
+        raise SpecdraftError(f"bad draft spec {kind}:{arg}: options are shared, chain and warm=PATH")
+    return arg
+
+
 @dataclass(frozen=True)
 class DrafterKind:
     """One registered kind of drafter.
@@ -143,6 +162,7 @@ def _lazy(module: str, name: str = "from_spec") -> Callable:
 DRAFTERS: dict[str, DrafterKind] = {
     "none": DrafterKind(lambda spec, target: None, _no_arg, "none"),
     "lookup": DrafterKind(_lazy("specdraft.drafters.prompt_lookup"), _positive_int, "lookup[:N]"),
+    "lookup-tree": DrafterKind(_lazy("specdraft.drafters.lookup_tree"), _positive_int, "lookup-tree[:N]"),
     "self": DrafterKind(_lazy("specdraft.drafters.model", "self_from_spec"), _no_arg, "self"),
     "prune": DrafterKind(
         _lazy("specdraft.drafters.model", "pruned_from_spec"), _layer_list, "prune:0,1,2,29"
@@ -151,5 +171,11 @@ DRAFTERS: dict[str, DrafterKind] = {
         _lazy("specdraft.design.artifact", "drafter_from_spec"), _any, "designed[:NAME|PATH|auto]"
     ),
     "bigram": DrafterKind(_lazy("specdraft.drafters.bigram"), _no_arg, "bigram"),
+    "suffix": DrafterKind(_lazy("specdraft.drafters.suffix"), _suffix_options, "suffix[:N][,shared][,chain]"),
+    "ouroboros": DrafterKind(
+        _lazy("specdraft.drafters.ouroboros"),
+        _ouroboros_options,
+        "ouroboros:lookup[,shared][,warm=PATH][,chain]",
+    ),
     "model": DrafterKind(_lazy("specdraft.drafters.model", "model_from_spec"), _any, "MODEL_ALIAS|PATH"),
 }
