@@ -62,6 +62,10 @@ def _setup_fewrows(lib: ctypes.CDLL) -> None:
     lib.packed_bf16.restype = None
     lib.rope_attend.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 7
     lib.rope_attend.restype = None
+    lib.rope_attend_window.argtypes = (
+        [ctypes.c_void_p] * 7 + [ctypes.c_int] * 6 + [ctypes.c_int, ctypes.c_float, ctypes.c_int]
+    )
+    lib.rope_attend_window.restype = None
     lib.rmsnorm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_float]
     lib.rmsnorm_f32.restype = None
     lib.decode_layers.argtypes = (
@@ -224,12 +228,22 @@ class RopeAttention:
             position p attends to slots 0..p.
         cos, sin: ``(n, D)`` fp32 half-split RoPE tables covering the positions.
         n_heads, n_kv_heads: H query heads sharing G key/value heads.
+        window: W > 0: a query at position p attends to slots p - W + 1..p only (sliding-window
+            layers, as transformers' Gemma 3); 0: slots 0..p.
+        scale: the scores' scale; None: 1 / sqrt(D).
 
     Call :func:`attention_supports` first.
     """
 
     def __init__(
-        self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv_heads: int
+        self,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        n_heads: int,
+        n_kv_heads: int,
+        window: int = 0,
+        scale: float | None = None,
     ):
         self.B, self.T = positions.shape
         self.D = cos.shape[-1]
@@ -248,7 +262,11 @@ class RopeAttention:
         self.cos, self.sin = cos, sin
         self.H, self.G = n_heads, n_kv_heads
         self.width = (n_heads + 2 * n_kv_heads) * self.D
-        self.fn = _load().rope_attend
+        self.window = int(window)
+        if scale is None:  # 1 / sqrt(D) rounded as fp32 ops round it (rope_attend's 1.0f / sqrtf(D))
+            scale = float(1.0 / torch.tensor(float(self.D)).sqrt())
+        self.scale = float(scale)
+        self.fn = _load().rope_attend_window
         self.threads = torch.get_num_threads()
 
     def __call__(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -293,6 +311,8 @@ class RopeAttention:
             self.G,
             self.D,
             k_cache.shape[2],
+            self.window,
+            self.scale,
             self.threads,
         )
         return out

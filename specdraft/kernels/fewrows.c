@@ -3,6 +3,7 @@
  *   fewrows_f32 / fewrows_bf16  y = x W^T for a few rows of x, W in torch's (N, K) layout
  *   packed_bf16                 the same for bf16 W in a packed (N/16, K, 16) layout (faster)
  *   rope_attend                 RoPE + KV-cache write + causal attention for a few new tokens
+ *   rope_attend_window          the same with a sliding window and a given score scale (Gemma 3)
  *   rmsnorm_f32                 RMSNorm of a few rows
  *   decode_layers               every decoder layer of such a step in one call, built from the above
  *
@@ -298,7 +299,8 @@ void rmsnorm_f32(const float *x, const float *w, float *y, int M, int K, float e
  *   out  (B, T, H D): attention output, already in the layout the output projection reads
  *
  * A query at position p attends to slots 0..p (the causal rule of the runtime), with scale
- * 1/sqrt(D) and a max-subtracted softmax. Every (row, token, head) is computed by one fixed
+ * 1/sqrt(D) and a max-subtracted softmax. rope_attend_window takes the scale and a window W > 0:
+ * the query then attends to slots p - W + 1..p only (transformers' sliding-window rule). Every (row, token, head) is computed by one fixed
  * sequence of operations over slots 0..p whatever T, B or the thread, so a (k+1)-token
  * verification gives bit-identical outputs to k+1 one-token steps. */
 
@@ -339,8 +341,9 @@ static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4
     return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
-void rope_attend(const float *qkv, const int64_t *pos, const float *cosT, const float *sinT, float *kc, float *vc,
-                 float *out, int B, int T, int H, int G, int D, int cap, int threads) {
+void rope_attend_window(const float *qkv, const int64_t *pos, const float *cosT, const float *sinT, float *kc,
+                        float *vc, float *out, int B, int T, int H, int G, int D, int cap, int window, float scale,
+                        int threads) {
     const long row = (long)(H + 2 * G) * D;
     /* keys and values of every new token first: a query may see the other new tokens */
     for (int b = 0; b < B; b++)
@@ -362,7 +365,7 @@ void rope_attend(const float *qkv, const int64_t *pos, const float *cosT, const 
     enum { TB = 4, SB = 32 };
     const int rep = H / G, tblocks = (T + TB - 1) / TB;
     const int hs = B * G * tblocks < 2 * threads ? rep : 1, hper = rep / hs, items = B * G * tblocks * hs;
-    const __m256 vscale = _mm256_set1_ps(1.0f / sqrtf((float)D));
+    const __m256 vscale = _mm256_set1_ps(scale);
     int maxp = 0;
     for (int i = 0; i < B * T; i++) maxp = pos[i] > maxp ? (int)pos[i] : maxp;
     const long ld = ((long)maxp + 16) / 8 * 8; /* score row stride: >= n rounded up to 8 */
@@ -372,7 +375,7 @@ void rope_attend(const float *qkv, const int64_t *pos, const float *cosT, const 
         float *sc = (float *)aligned_alloc(32, (size_t)qmax * ld * sizeof(float));
         float *q = (float *)aligned_alloc(32, (size_t)qmax * D * sizeof(float));
         float inv[qmax];
-        long nq_slots[qmax];
+        long nq_slots[qmax], lo_slot[qmax];
         float *oq[qmax];
 #pragma omp for schedule(static)
         for (int it = 0; it < items; it++) {
@@ -384,7 +387,8 @@ void rope_attend(const float *qkv, const int64_t *pos, const float *cosT, const 
             for (int j = 0; j < nq; j++) { /* query j: token t0 + j / hper, head g rep + hi hper + j % hper */
                 const int t = t0 + j / hper, h = g * rep + hi * hper + j % hper;
                 const long bt = (long)b * T + t, p = pos[bt];
-                nq_slots[j] = p + 1; /* a query at position p sees slots 0..p */
+                nq_slots[j] = p + 1; /* a query at position p sees slots 0..p, or p - W + 1..p */
+                lo_slot[j] = window > 0 && p + 1 > window ? p + 1 - window : 0;
                 nmax = p + 1 > nmax ? p + 1 : nmax;
                 rope(qkv + bt * row + (long)h * D, cosT + p * D, sinT + p * D, q + (long)j * D, D);
                 oq[j] = out + bt * (long)H * D + (long)h * D;
@@ -395,7 +399,7 @@ void rope_attend(const float *qkv, const int64_t *pos, const float *cosT, const 
                     const long s1 = s0 + SB < nq_slots[j] ? s0 + SB : nq_slots[j];
                     const float *qj = q + (long)j * D;
                     float *scj = sc + j * ld;
-                    long s = s0;
+                    long s = s0 > lo_slot[j] ? s0 : lo_slot[j];
                     for (; s + 8 <= s1; s += 8) { /* 8 slots: 8 chains, sums in one vector */
                         const float *k0 = kb + s * D;
                         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
@@ -421,12 +425,13 @@ void rope_attend(const float *qkv, const int64_t *pos, const float *cosT, const 
             /* softmax numerators in place; lanes past n are zero */
             for (int j = 0; j < nq; j++) {
                 float *scj = sc + j * ld;
-                const long n = nq_slots[j], n8 = (n + 7) / 8 * 8;
+                const long n = nq_slots[j], n8 = (n + 7) / 8 * 8, lo = lo_slot[j], lo8 = lo / 8 * 8;
                 float m = -INFINITY;
-                for (long s = 0; s < n; s++) m = scj[s] > m ? scj[s] : m;
+                for (long s = lo; s < n; s++) m = scj[s] > m ? scj[s] : m;
                 for (long s = n; s < n8; s++) scj[s] = -INFINITY;
+                for (long s = lo8; s < lo; s++) scj[s] = -INFINITY;
                 __m256 vm = _mm256_set1_ps(m), vsum = _mm256_setzero_ps();
-                for (long s = 0; s < n8; s += 8) {
+                for (long s = lo8; s < n8; s += 8) {
                     __m256 x = _mm256_loadu_ps(scj + s);
                     __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(x, vm)),
                                              _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
@@ -442,6 +447,7 @@ void rope_attend(const float *qkv, const int64_t *pos, const float *cosT, const 
                 for (int j = 0; j < nq; j++) {
                     const long s1 = s0 + SB < nq_slots[j] ? s0 + SB : nq_slots[j];
                     const float *scj = sc + j * ld;
+                    const long s2 = s0 > lo_slot[j] ? s0 : lo_slot[j];
                     float *o = oq[j];
                     int i = 0;
                     for (; i + 64 <= D; i += 64) {
@@ -449,7 +455,7 @@ void rope_attend(const float *qkv, const int64_t *pos, const float *cosT, const 
                         __m256 c2 = _mm256_loadu_ps(o + i + 16), c3 = _mm256_loadu_ps(o + i + 24);
                         __m256 c4 = _mm256_loadu_ps(o + i + 32), c5 = _mm256_loadu_ps(o + i + 40);
                         __m256 c6 = _mm256_loadu_ps(o + i + 48), c7 = _mm256_loadu_ps(o + i + 56);
-                        for (long s = s0; s < s1; s++) {
+                        for (long s = s2; s < s1; s++) {
                             const __m256 e = _mm256_broadcast_ss(scj + s);
                             const float *vr = vb + s * D + i;
                             c0 = _mm256_fmadd_ps(e, _mm256_loadu_ps(vr), c0);
@@ -468,7 +474,7 @@ void rope_attend(const float *qkv, const int64_t *pos, const float *cosT, const 
                     }
                     for (; i < D; i += 16) {
                         __m256 c0 = _mm256_loadu_ps(o + i), c1 = _mm256_loadu_ps(o + i + 8);
-                        for (long s = s0; s < s1; s++) {
+                        for (long s = s2; s < s1; s++) {
                             const __m256 e = _mm256_broadcast_ss(scj + s);
                             c0 = _mm256_fmadd_ps(e, _mm256_loadu_ps(vb + s * D + i), c0);
                             c1 = _mm256_fmadd_ps(e, _mm256_loadu_ps(vb + s * D + i + 8), c1);
@@ -483,6 +489,11 @@ void rope_attend(const float *qkv, const int64_t *pos, const float *cosT, const 
         free(sc);
         free(q);
     }
+}
+
+void rope_attend(const float *qkv, const int64_t *pos, const float *cosT, const float *sinT, float *kc, float *vc,
+                 float *out, int B, int T, int H, int G, int D, int cap, int threads) {
+    rope_attend_window(qkv, pos, cosT, sinT, kc, vc, out, B, T, H, G, D, cap, 0, 1.0f / sqrtf((float)D), threads);
 }
 
 /* ---- the decoder layers of a decode / verification step in one call ----------------------------

@@ -396,6 +396,16 @@ def linear(
     return y if b is None else y + b
 
 
+def rope_tables(
+    inv_freq: torch.Tensor, scale: float, n: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(n, D)`` half-split cos and sin tables for positions ``0..n-1`` (as transformers' Llama
+    builds them), times the RoPE type's attention scaling ``scale``."""
+    freqs = torch.outer(torch.arange(n, dtype=torch.float32), inv_freq)  # (n, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (n, D)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -436,11 +446,7 @@ class LlamaRuntime:
         """``(n, D)`` cos and sin tables (RoPE scaling applied) covering positions below ``need``."""
         if need > self._rope_len:
             n = max(need, 2 * self._rope_len, 1024)
-            t = torch.arange(n, dtype=torch.float32)
-            freqs = torch.outer(t, self.w.inv_freq)  # (n, D/2)
-            emb = torch.cat((freqs, freqs), dim=-1)  # (n, D)
-            self._cos = (emb.cos() * self.w.rope_scale).to(self.dtype)
-            self._sin = (emb.sin() * self.w.rope_scale).to(self.dtype)
+            self._cos, self._sin = rope_tables(self.w.inv_freq, self.w.rope_scale, n, self.dtype)
             self._rope_len = n
         return self._cos, self._sin
 
@@ -501,7 +507,7 @@ class LlamaRuntime:
             raise SpecdraftError(f"position {top} beyond cache capacity {state.capacity}")
         exact = attn_mask is None and logits_index is None and self.dtype == torch.float32
         path = self._path(tokens.shape, hidden_layers, attn_mask, exact)
-        x = self.w.embed[tokens].to(self.dtype)  # (B, T, C)
+        x = self._embed(tokens)  # (B, T, C)
         hidden: dict[int, torch.Tensor] = {}
         if path == "native":  # no per-op overhead between the layers
             x = self._decode_layers(x, positions, state.k, state.v, *self._rope_tables(last + 1))
@@ -509,6 +515,10 @@ class LlamaRuntime:
             attend = self._attention(path, positions, attn_mask, slots)
             x = self._run_layers(x, state, attend, exact, set(hidden_layers), hidden)
         return self._head(x, exact, hidden_layers, hidden, logits_index)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``(B, T)`` token ids -> ``(B, T, C)`` input embeddings in the compute dtype."""
+        return self.w.embed[tokens].to(self.dtype)
 
     def _path(
         self, shape: torch.Size, hidden_layers: tuple[int, ...], attn_mask: torch.Tensor | None, exact: bool
@@ -590,6 +600,10 @@ class TorchAttention:
         attn_mask: ``(B, T, S)`` boolean mask over cache slots; None: causal (a query at
             position p sees slots 0..p).
         slots: ``(B, T)`` cache slots of the new tokens (with ``attn_mask``); None: the positions.
+        window: W > 0: a query at position p sees only slots above p - W (sliding-window layers,
+            as transformers' Gemma 3); with ``attn_mask`` the rule applies to slot numbers, which
+            is the same as long as a token tree is shallower than W.
+        scale: the scores' scale; None: 1 / sqrt(D).
     """
 
     def __init__(
@@ -601,11 +615,13 @@ class TorchAttention:
         n_kv_heads: int,
         attn_mask: torch.Tensor | None = None,
         slots: torch.Tensor | None = None,
+        window: int = 0,
+        scale: float | None = None,
     ):
         B, T = positions.shape
         slots = positions if slots is None else slots
         self.B, self.T, self.H, self.G = B, T, n_heads, n_kv_heads
-        self.cos, self.sin = cos, sin
+        self.cos, self.sin, self.scale = cos, sin, scale
         # Where do the new keys go? One contiguous run shared by all rows (batch 1, or equal
         # lengths) is a slice write; ragged rows scatter by position.
         self.start = int(slots[0, 0])
@@ -613,10 +629,12 @@ class TorchAttention:
         self.S = int(positions.max()) + 1 if attn_mask is None else attn_mask.shape[-1]
         if attn_mask is not None:
             self.mask = attn_mask.unsqueeze(1)  # (B, 1, T, S)
-        elif self.contiguous and T == 1:
+        elif self.contiguous and T == 1 and not 0 < window < self.S:
             self.mask = None  # the single query sees every slot 0..S-1
         else:
             self.mask = (torch.arange(self.S) <= positions.unsqueeze(-1)).unsqueeze(1)  # (B, 1, T, S)
+        if 0 < window < self.S:
+            self.mask = self.mask & (torch.arange(self.S) > positions.unsqueeze(-1) - window).unsqueeze(1)
         if not self.contiguous:  # (rows, heads, slots) indices of the new keys
             # index shapes (B, 1, 1), (1, G, 1), (B, 1, T)
             self.index = (
@@ -641,6 +659,6 @@ class TorchAttention:
             v_cache.index_put_(self.index, v)
         # att: (B, H, T, D)
         att = F.scaled_dot_product_attention(
-            q, k_cache[:, :, :S], v_cache[:, :, :S], attn_mask=self.mask, enable_gqa=G != H
+            q, k_cache[:, :, :S], v_cache[:, :, :S], attn_mask=self.mask, enable_gqa=G != H, scale=self.scale
         )
         return att.transpose(1, 2).reshape(B, T, H * D)

@@ -94,24 +94,37 @@ class Runtime(Protocol):
         ...
 
 
+def runs_compact(model_type: str) -> bool:
+    """Whether the compact runtime serves this transformers ``model_type`` (the Llama family, in
+    :mod:`specdraft.models.llama`, and Gemma 3 text, in :mod:`specdraft.models.gemma3`)."""
+    from specdraft.models.gemma3 import GEMMA3_FAMILY
+    from specdraft.models.llama import LLAMA_FAMILY
+
+    return model_type in LLAMA_FAMILY or model_type in GEMMA3_FAMILY
+
+
 def make_runtime(loaded, kind: str = "auto", dtype: torch.dtype | None = None) -> Runtime:
-    """The compact runtime for Llama-family models, the transformers adapter otherwise.
+    """The compact runtime for the models it serves (:func:`runs_compact`), the transformers
+    adapter otherwise.
 
     Args:
         loaded: a :class:`~specdraft.models.loading.LoadedModel`.
-        kind: ``auto`` (compact for the Llama family, else transformers), ``compact`` or ``hf``.
+        kind: ``auto`` (compact where :func:`runs_compact`, else transformers), ``compact`` or ``hf``.
         dtype: overrides the loaded model's dtype for the compact runtime (``torch.qint8``: int8).
     """
     # imported here: both runtimes import this module (ForwardOutput)
+    from specdraft.models.gemma3 import GEMMA3_FAMILY, Gemma3Runtime, Gemma3Weights
     from specdraft.models.hf import HFRuntime
-    from specdraft.models.llama import LLAMA_FAMILY, LlamaRuntime, LlamaWeights
+    from specdraft.models.llama import LlamaRuntime, LlamaWeights
 
     model_type = loaded.model.config.model_type
-    if kind == "compact" or (kind == "auto" and model_type in LLAMA_FAMILY):
+    if kind == "compact" or (kind == "auto" and runs_compact(model_type)):
         dtype = dtype or next(loaded.model.parameters()).dtype
+        if model_type in GEMMA3_FAMILY:
+            return Gemma3Runtime(Gemma3Weights.from_hf(loaded.model, dtype))
         return LlamaRuntime(LlamaWeights.from_hf(loaded.model, dtype))
     if dtype == torch.qint8:
-        raise SpecdraftError(f"int8 needs the compact runtime (Llama family), not {model_type!r}")
+        raise SpecdraftError(f"int8 needs the compact runtime (Llama family, Gemma 3), not {model_type!r}")
     if kind in ("auto", "hf"):
         return HFRuntime(loaded.model)
     raise SpecdraftError(f"unknown runtime {kind!r}: use auto, compact or hf")

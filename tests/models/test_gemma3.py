@@ -1,0 +1,180 @@
+"""Gemma 3 on the compact runtime against transformers' Gemma3ForCausalLM, on tiny random models."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from specdraft import kernels
+from specdraft.drafters.prompt_lookup import PromptLookupDrafter
+from specdraft.engine import Engine
+from specdraft.errors import SpecdraftError
+from specdraft.models.gemma3 import Gemma3Runtime, Gemma3Weights
+from specdraft.models.hf import HFRuntime
+from specdraft.models.llama import LlamaRuntime
+from specdraft.models.runtime import make_runtime
+from specdraft.policy import FixedK
+from tests.helpers import decode, plain_greedy, random_prompts
+
+ATOL = 2e-5  # as the Llama tests (tests/models/test_llama.py)
+native = pytest.mark.skipif(not kernels.available(), reason=f"native kernels: {kernels.status()}")
+
+
+def tiny_gemma3(window: int = 6, softcap: float | None = 3.0, seed: int = 0):
+    """A tiny random Gemma 3: 4 layers (local, local, global, local), GQA, head_dim 16, a scale
+    other than 1/sqrt(head_dim), linear RoPE scaling on the global layers, random norm weights."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        max_position_embeddings=256,
+        sliding_window=window,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1_000_000.0, "factor": 8.0},
+        },
+        final_logit_softcapping=softcap,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # Gemma's norms start at weight 0 (scale 1): make them matter
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.randn_like(p) * 0.5)
+    return model
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    model = tiny_gemma3()
+    return model, Gemma3Runtime(Gemma3Weights.from_hf(model, torch.float32))
+
+
+def prefill(rt, ids: torch.Tensor, capacity: int, **kw):
+    B, T = ids.shape
+    state = rt.new_state(B, capacity)
+    return state, rt.forward(state, ids, torch.arange(T).expand(B, T), **kw)
+
+
+def test_the_window_matters_in_transformers():
+    """The tests below would not see a wrong window: with 20 tokens and W = 6 it changes the logits."""
+    ids = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(1))
+    narrow, wide = hf_logits(tiny_gemma3(window=6), ids), hf_logits(tiny_gemma3(window=64), ids)
+    assert torch.allclose(narrow[:, :6], wide[:, :6], atol=ATOL)
+    assert (narrow[:, 6:] - wide[:, 6:]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("path", ["scoring", "prefill"])
+@pytest.mark.parametrize("window", [6, 64])
+def test_logits_equal_transformers(window, path):
+    """A whole 20-token sequence, through the scoring path (native attention with the window) and
+    the prefill path (``logits_index``: torch's attention with a window mask)."""
+    model = tiny_gemma3(window=window)
+    rt = Gemma3Runtime(Gemma3Weights.from_hf(model, torch.float32))
+    ids = torch.randint(3, 96, (2, 20), generator=torch.Generator().manual_seed(2))
+    kw = {"logits_index": torch.arange(20).expand(2, 20)} if path == "prefill" else {}
+    _, out = prefill(rt, ids, 24, **kw)
+    torch.testing.assert_close(out.logits, hf_logits(model, ids), atol=ATOL, rtol=0)
+
+
+def test_one_token_steps_past_the_window_equal_transformers(gemma):
+    model, rt = gemma
+    ids = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(3))
+    state, out = prefill(rt, ids[:, :3], 24)
+    steps = [out.logits] + [
+        rt.forward(state, ids[:, t : t + 1], torch.tensor([[t]])).logits for t in range(3, 20)
+    ]
+    torch.testing.assert_close(torch.cat(steps, 1), hf_logits(model, ids), atol=ATOL, rtol=0)
+
+
+@native
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
+def test_verification_equals_one_token_steps_bit_for_bit(weights):
+    """A (k+1)-token step for 2 rows at different lengths, past the window, gives each row's logits
+    and cache entries bit for bit what that row gets from k+1 one-token steps alone."""
+    rt = Gemma3Runtime(Gemma3Weights.from_hf(tiny_gemma3(), weights, compute=torch.float32))
+    g = torch.Generator().manual_seed(4)
+    lengths, T = [9, 13], 5
+    prompts = [torch.randint(3, 96, (1, n), generator=g) for n in lengths]
+    new = torch.randint(3, 96, (2, T), generator=g)
+    positions = torch.stack([torch.arange(n, n + T) for n in lengths])  # (2, T)
+    state = rt.new_state(2, 24)
+    for b, p in enumerate(prompts):  # ragged prefill: one row at a time into the batch state
+        one, _ = prefill(rt, p, 24)
+        for big, small in zip(state.k + state.v, one.k + one.v):
+            big[b] = small[0]
+    step = rt.forward(state, new, positions).logits  # (2, T, V)
+    for b, p in enumerate(prompts):
+        one, _ = prefill(rt, p, 24)
+        singles = torch.cat(
+            [
+                rt.forward(one, new[b : b + 1, t : t + 1], positions[b : b + 1, t : t + 1]).logits
+                for t in range(T)
+            ],
+            1,
+        )
+        assert torch.equal(step[b], singles[0]), f"row {b}: {float((step[b] - singles[0]).abs().max())}"
+        for big, small in zip(state.k + state.v, one.k + one.v):
+            assert torch.equal(big[b], small[0])
+
+
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
+def test_greedy_with_prompt_lookup_equals_plain_decoding(weights):
+    """Batch 1 and 2, k = 1 and 4, generating past the window; prompts with repeats so that the
+    lookup drafter proposes (and some proposals are accepted)."""
+    rt = Gemma3Runtime(Gemma3Weights.from_hf(tiny_gemma3(), weights))
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], random_prompts([7], vocab=96, seed=5)[0]]
+    reference = [plain_greedy(rt, p, 24) for p in prompts]
+    for k in (1, 4):
+        engine = Engine(rt, PromptLookupDrafter(), FixedK(k))
+        assert decode(engine, prompts[:1], 24) == reference[:1]
+        assert decode(engine, prompts, 24) == reference
+        assert engine.stats.accepted > 0
+
+
+def test_make_runtime_picks_the_compact_gemma_runtime(gemma):
+    model, _ = gemma
+    loaded = SimpleNamespace(model=model)
+    assert isinstance(make_runtime(loaded, "auto", torch.float32), Gemma3Runtime)
+    assert isinstance(make_runtime(loaded, "compact", torch.float32), Gemma3Runtime)
+    assert isinstance(make_runtime(loaded, "hf"), HFRuntime)
+    assert not isinstance(make_runtime(SimpleNamespace(model=_tiny_llama()), "auto"), Gemma3Runtime)
+
+
+def _tiny_llama():
+    from specdraft.models.tiny import tiny_llama
+
+    rt_model = tiny_llama(seed=0)
+    assert isinstance(make_runtime(SimpleNamespace(model=rt_model), "auto"), LlamaRuntime)
+    return rt_model
+
+
+def test_layer_subset_and_refusals(gemma):
+    _, rt = gemma
+    sub = Gemma3Runtime(rt.w.subset([0, 2], torch.float32))
+    assert [layer.sliding for layer in sub.layers] == [True, False]
+    assert sub.layers[1] is rt.w.layers[2]  # shares the target's tensors
+    with pytest.raises(SpecdraftError, match="invalid"):
+        rt.w.subset([4], torch.float32)
+    with pytest.raises(SpecdraftError, match="not supported"):
+        rt.w.subset([0], torch.bfloat16)
+    capped = tiny_gemma3()
+    capped.config.attn_logit_softcapping = 50.0
+    with pytest.raises(SpecdraftError, match="soft-capping"):
+        Gemma3Weights.from_hf(capped, torch.float32)
