@@ -10,9 +10,10 @@ The statistical test is the one of ``tests/test_sampling.py`` (target: a tiny Ll
 8, its head scaled up; every output of NEW tokens enumerated exactly), run for every drafter class
 and every path that cuts a proposal: a model draft, prompt lookup (no q), the README's example
 bigram drafter (no q), the target drafting for itself, a layer-pruned draft, the gated designed
-draft (best prefix and early stop), the feature draft, the cost-aware policy's per-class trim, its
-per-row cut of rows whose drafts fail (issue 17) and the server's per-row caps. Each case also
-checks that its cut really happened, and the old gating rule is shown to fail the same test.
+draft (best prefix and early stop), the feature draft, the DREAM-style draft, the cost-aware
+policy's per-class trim, its per-row cut of rows whose drafts fail (issue 17) and the server's
+per-row caps. Each case also checks that its cut really happened, and the old gating rule is shown
+to fail the same test.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specdraft.drafters.base import DraftContext, Proposal
+from specdraft.drafters.base import DraftContext, DraftState, Proposal
 from specdraft.drafters.bigram import BigramDrafter
 from specdraft.drafters.capped import RowCappedDrafter
+from specdraft.drafters.dream import DreamDrafter, cross_weights
 from specdraft.drafters.feature import FeatureDrafter
 from specdraft.drafters.gated import GatedDrafter
+from specdraft.drafters.lookup_tree import LookupTreeDrafter
 from specdraft.drafters.model import ModelDrafter
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.engine import Engine, Request
@@ -37,6 +40,7 @@ from specdraft.models.llama import LlamaRuntime, LlamaWeights
 from specdraft.models.tiny import tiny_llama
 from specdraft.policy import CappedPolicy, CostAwareK, FixedK, RowWatch, VerifyCost, best_prefix
 from specdraft.stats import SpecStats
+from specdraft.tree import TokenTree
 from specdraft.verify import SamplingParams, logits_to_probs, verify_sampling
 
 V = 8
@@ -90,6 +94,7 @@ class Recorder:
         self.hidden_layers = getattr(inner, "hidden_layers", ())
         self.num_valid: list[torch.Tensor] = []
         self.steps: list[torch.Tensor] = []
+        self.trees: list[TokenTree] = []  # the token trees proposed (Proposal.trees)
 
     def new_state(self, batch_size, capacity):
         return self.inner.new_state(batch_size, capacity)
@@ -100,6 +105,7 @@ class Recorder:
         self.num_valid.append(prop.num_valid if prop.num_valid is not None else torch.full((B,), k))
         if prop.steps is not None:
             self.steps.append(prop.steps)
+        self.trees += [t for t in prop.trees or [] if t is not None]
         return prop
 
     def observe(self, state, num_accepted, verified=None):
@@ -190,12 +196,38 @@ def _trimmed(rec, policy):
     assert policy.cut > 0 and policy.kept > 0, (policy.cut, policy.kept)  # trim cut some rows, not all
 
 
+def _branching(rec, policy):
+    """Token trees were verified, some of them with several children under one node."""
+    assert rec.trees and any(len(kids) > 1 for t in rec.trees for kids in t.children.values())
+
+
+class FixedTrees:
+    """Proposes the same point-mass tree for every row: 0 -> {1, 6}, 2 -> 3 -> 4, 5 (7 nodes)."""
+
+    name, vocab_size = "fixed-trees", None
+
+    def new_state(self, batch_size, capacity):
+        return DraftState(batch_size)
+
+    def propose(self, state, ctx, k):
+        B = ctx.lengths.shape[0]
+        tree = TokenTree.from_chains([[0, 1], [2, 3, 4], [5], [0, 6]][: max(1, k - 3)])
+        return Proposal(torch.zeros(B, 0, dtype=torch.int64), trees=[tree] * B)
+
+    def observe(self, state, num_accepted, verified=None):
+        pass
+
+
 def make_case(name: str, target: LlamaRuntime) -> Case:
     """The case ``name``."""
     if name == "model":
         return Case(ModelDrafter(peaked(seed=11, scale=12.0), "other"), FixedK(2))
     if name == "lookup":
         return Case(PromptLookupDrafter(), FixedK(3))
+    if name == "lookup-tree":  # several matches merged into a token tree
+        return Case(LookupTreeDrafter(max_ngram=2), FixedK(4), check=lambda rec, policy: rec.trees)
+    if name == "tree-branches":  # point-mass siblings: the sample picks the child, if any carries it
+        return Case(FixedTrees(), FixedK(7), check=_branching)
     if name == "bigram":  # the README's example drafter
         return Case(BigramDrafter(), FixedK(3))
     if name == "self":
@@ -220,6 +252,15 @@ def make_case(name: str, target: LlamaRuntime) -> Case:
         return Case(
             FeatureDrafter(LlamaRuntime(w), fc, target.w.embed, "feature"), FixedK(2), check=_lengths(0, 2)
         )
+    if name == "dream":  # cross-attends to the target's layer 0 (a live block: random output projection)
+        w = LlamaWeights.from_hf(tiny_llama(vocab_size=V, seed=13), torch.float32)
+        w.lm_head = w.lm_head * 12.0
+        g = torch.Generator().manual_seed(1)
+        C = w.embed.shape[1]
+        cross = {**cross_weights(C, 1), "o": torch.randn(C, C, generator=g) * 0.2}
+        fc = torch.randn(C, 2 * C, generator=g) * 0.1
+        drafter = DreamDrafter(LlamaRuntime(w), fc, cross, target.w.embed, "dream", (0,), 4)
+        return Case(drafter, FixedK(2), check=_lengths(0, 2))
     if name == "cost-aware-trim":
         policy = SteadyClock(CostAwareK(k_max=3, k_start=3, probe_every=2))
         return Case(PromptLookupDrafter(), policy, batch=100, check=_trimmed)
@@ -274,12 +315,15 @@ def sample_outputs(target: LlamaRuntime, case: Case, n: int) -> tuple[torch.Tens
 CASES = [
     "model",
     "lookup",
+    "lookup-tree",
+    "tree-branches",
     "bigram",
     "self",
     "pruned",
     "gated-best-prefix",
     "gated-early-stop",
     "feature",
+    "dream",
     "cost-aware-trim",
     "cost-aware-rows",
     "server-row-caps",

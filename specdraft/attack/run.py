@@ -134,7 +134,7 @@ def diff_models(pipe) -> Models:
         from specdraft.design.artifact import find_draft, load_draft
 
         draft, meta, _ = load_draft(find_draft(spec.arg, pipe.target.model), target, torch.float32)
-        if meta.kind == "feature":
+        if meta.kind != "layers":
             raise SpecdraftError(
                 "feature-conditioned drafts are not attackable yet (they read target states)"
             )

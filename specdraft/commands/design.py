@@ -89,9 +89,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     b.add_argument(
         "--kind",
-        choices=["layers", "feature"],
+        choices=["layers", "feature", "dream"],
         default="layers",
-        help="layers: a token-level draft; feature: EAGLE-style, also reads the target's final hidden state",
+        help="layers: a token-level draft; feature: EAGLE-style, also reads the target's final hidden state; "
+        "dream: DREAM-style, also cross-attends to intermediate target layers",
+    )
+    b.add_argument(
+        "--feature-layers",
+        type=_layers,
+        default=None,
+        help="--kind dream: target layers to cross-attend to, e.g. 6,14,22 (default: low/mid/high)",
     )
     b.add_argument("--kv-heads", type=int, default=None, help="width pruning: key/value head groups kept")
     b.add_argument("--q-per-kv", type=int, default=None, help="width pruning: query heads kept per group")
@@ -244,6 +251,7 @@ def _build(args) -> int:
         ),
         dtype=args.save_dtype,
         kind=args.kind,
+        feature_layers=args.feature_layers,
     )
     if args.steps == 0:
         cfg.train.steps = 0

@@ -18,6 +18,10 @@ use the full head; the head subset in ``specdraft.json`` is a specdraft inferenc
 
 Feature-conditioned drafts (``kind = "feature"``) add ``fc.weight`` (C x 2C) and read the
 target's final hidden state; they need specdraft's drafter (:mod:`specdraft.drafters.feature`).
+DREAM-style drafts (``kind = "dream"``) add ``fc.weight`` and the cross-attention's ``cross.*``
+tensors, record the target layers they read and the heads in ``arch`` of ``specdraft.json``, and
+carry ``speculators_config.json`` (:func:`speculators_config`); they need
+:mod:`specdraft.drafters.dream`.
 
 Finding and building a designed draft (``--draft designed[:NAME|PATH|auto]``):
 
@@ -44,6 +48,7 @@ from pathlib import Path
 import torch
 
 from specdraft import durable
+from specdraft.drafters.dream import CROSS_KEYS, DreamDrafter
 from specdraft.drafters.feature import FeatureDrafter
 from specdraft.drafters.gated import GatedDrafter
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
@@ -57,7 +62,7 @@ WEIGHTS_FILE = "model.safetensors"
 EMBED_KEY = "model.embed_tokens.weight"
 HEAD_KEY = "lm_head.weight"
 SHARED_KEYS = (EMBED_KEY, HEAD_KEY)
-KINDS = ("layers", "feature")
+KINDS = ("layers", "feature", "dream")
 DRAFTS_DIR = Path(__file__).resolve().parents[2] / "drafts"  # the designed drafts this repository commits
 
 
@@ -76,6 +81,8 @@ class DraftMeta:
         head_coverage: share of the target's counted output tokens inside ``head_tokens``.
         init_layers: target layers the draft's layers were initialised from.
         width: ``{"kv_heads", "q_per_kv", "ffn"}`` when width-pruned, else None.
+        arch: what a kind adds to the Llama config (``dream``: ``{"layers": [...], "heads": H}``,
+            the target layers it cross-attends to and the cross-attention's heads).
         recipe: how it was made: command, seed, data, steps, time taken, validation acceptance.
         format: directory format version.
     """
@@ -89,6 +96,7 @@ class DraftMeta:
     head_coverage: float | None = None
     init_layers: list[int] = field(default_factory=list)
     width: dict | None = None
+    arch: dict = field(default_factory=dict)
     recipe: dict = field(default_factory=dict)
     format: int = FORMAT
 
@@ -267,7 +275,7 @@ def load_draft(path: str | Path, target_model, dtype: torch.dtype = torch.float3
     else:
         draft.lm_head.weight = target_model.get_output_embeddings().weight
     draft.eval().requires_grad_(False)
-    return draft, meta, {k: v.to(dtype) for k, v in extra.items()}
+    return draft, meta, {k: v.to(dtype) if v.is_floating_point() else v for k, v in extra.items()}
 
 
 def build_llama(cfg, target_model):
@@ -347,8 +355,70 @@ def drafter_from_spec(spec, target):
     rt = LlamaRuntime(w)
     if head is not None:
         rt = SubsetHeadRuntime(rt, head, meta.vocab_size)
-    if meta.kind == "feature":
-        if "fc.weight" not in extra:
-            raise SpecdraftError(f"feature draft {path} lacks fc.weight: corrupted")
-        return FeatureDrafter(rt, extra["fc.weight"].to(w.compute_dtype), w.embed, f"designed:{path.name}")
+    if meta.kind in ("feature", "dream"):
+        return _feature_drafter(meta, extra, rt, w, path)
     return GatedDrafter(rt, f"designed:{path.name}", target_runtime=target.runtime)
+
+
+def _feature_drafter(meta: DraftMeta, extra: dict, rt, w, path: Path):
+    """The engine-side drafter of a ``feature`` or ``dream`` draft."""
+    need = ["fc.weight"] + ([f"cross.{k}" for k in CROSS_KEYS] if meta.kind == "dream" else [])
+    lacking = [k for k in need if k not in extra]
+    if lacking:
+        raise SpecdraftError(f"{meta.kind} draft {path} lacks {lacking[0]}: corrupted")
+    fc, name = extra["fc.weight"].to(w.compute_dtype), f"designed:{path.name}"
+    if meta.kind == "feature":
+        return FeatureDrafter(rt, fc, w.embed, name)
+    cross = {k: extra[f"cross.{k}"] for k in CROSS_KEYS}
+    return DreamDrafter(rt, fc, cross, w.embed, name, meta.arch["layers"], meta.arch["heads"])
+
+
+def speculators_config(draft, meta: DraftMeta, target_model) -> dict:
+    """An EAGLE-3 / ``speculators``-style description of a DREAM draft (``speculators_config.json``).
+
+    The layout follows the speculators library's ``config.json`` (``speculators_model_type``,
+    ``transformer_layer_config``, ``draft_vocab_size``, ``speculators_config`` with the proposal
+    methods and the verifier) so that a GPU engine's loader finds the decoder layer, the auxiliary
+    target layers it reads (``aux_hidden_state_layer_ids``: transformers ``hidden_states`` indices)
+    and the vocabulary mapping (``d2t``/``t2d`` tensors, written when the head is a subset). No
+    engine implements DREAM's cross-attention block today: ``speculators_model_type`` says
+    ``dream``, and an engine needs that block (``cross.*``, :func:`specdraft.drafters.dream.cross_attend`)
+    before it can load the draft.
+    """
+    layer_cfg = draft.config.to_dict()
+    for k in ("architectures", "transformers_version", "dtype", "torch_dtype"):
+        layer_cfg.pop(k, None)
+    tcfg = target_model.config
+    return {
+        "architectures": ["DreamSpeculator"],
+        "speculators_model_type": "dream",
+        "speculators_version": "specdraft-1",
+        "draft_vocab_size": len(meta.head_tokens) if meta.head_tokens else meta.vocab_size,
+        "norm_before_residual": True,
+        "target_hidden_size": meta.hidden_size,
+        "aux_hidden_state_layer_ids": [i + 1 for i in meta.arch["layers"]],
+        "cross_attention_heads": meta.arch["heads"],
+        "transformer_layer_config": layer_cfg,
+        "speculators_config": {
+            "algorithm": "dream",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": 4,
+                    "accept_tolerance": 0.0,
+                    "verifier_accept_k": 1,
+                }
+            ],
+            "verifier": {"name_or_path": meta.target, "architectures": list(tcfg.architectures or [])},
+        },
+    }
+
+
+def vocab_maps(head_tokens: list[int], vocab_size: int) -> dict[str, torch.Tensor]:
+    """EAGLE-3's vocabulary maps for a head subset: ``d2t`` (draft row -> target id offset, so that
+    ``target_id = row + d2t[row]``) and ``t2d`` (which target ids the draft has)."""
+    ids = torch.tensor(head_tokens, dtype=torch.int64)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    return {"d2t": ids - torch.arange(ids.numel()), "t2d": t2d}

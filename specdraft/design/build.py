@@ -6,6 +6,7 @@ command line, seed, data (sources, prompts, tokens), steps, and the time each ph
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import sys
@@ -19,7 +20,7 @@ import torch
 from specdraft import dtypes
 from specdraft.bench import prompts as bench_prompts
 from specdraft.bench.prompts import REPO_ROOT, data_file, is_shipped_slice
-from specdraft.design.artifact import DraftMeta, save_draft
+from specdraft.design.artifact import DraftMeta, save_draft, speculators_config, vocab_maps
 from specdraft.design.data import SOURCE_FILES, SOURCES, TargetData, target_data, training_prompts
 from specdraft.design.prune import depth_prune, importance, param_count, width_prune
 from specdraft.design.train import (
@@ -52,7 +53,11 @@ class BuildConfig:
         train: offline distillation settings (``steps = 0``: no training, an untrained pruned draft).
         on_policy: on-policy settings (``rounds = 0``: none).
         dtype: storage dtype of the saved draft (``fp32`` or ``bf16``).
-        kind: ``layers`` (token-level) or ``feature`` (EAGLE-style, reads the target's hidden state).
+        kind: ``layers`` (token-level), ``feature`` (EAGLE-style, reads the target's hidden state) or
+            ``dream`` (DREAM-style: also cross-attends to intermediate target layers,
+            :mod:`specdraft.design.dream`).
+        feature_layers: the target layers a ``dream`` draft reads (None: low / mid / high,
+            :func:`specdraft.design.dream.default_layers`).
     """
 
     layers: list[int]
@@ -70,6 +75,7 @@ class BuildConfig:
     on_policy: OnPolicyConfig = field(default_factory=lambda: OnPolicyConfig(rounds=0))
     dtype: str = "fp32"
     kind: str = "layers"
+    feature_layers: list[int] | None = None
 
 
 SELF_SOURCE = "requests the target wrote itself (Magpie-style, sampled from its chat template's user turn)"
@@ -162,7 +168,7 @@ def build_draft(
     V = pipe.runtime.vocab_size
     head = head_subset(data, cfg.head, V, pipe.eos_ids, prompt_token_counts(pipe))
     draft = make_draft(pipe, cfg, val)
-    model = _draft_model(draft, cfg, head)
+    model = _draft_model(draft, cfg, head, pipe.target.model)
     if head:
         log(f"head: {len(head)} tokens cover {head.coverage:.1%} of the target's answer tokens")
     before = validate(model, val, cfg.train.max_len)
@@ -190,7 +196,7 @@ def build_draft(
         "time_s": {**times, "total_s": round(sum(times.values()), 1)},
         "threads": torch.get_num_threads(),
         "validation": {"untrained": before, "trained": after},
-        "params": param_count(draft) + (model.fc.weight.numel() if cfg.kind == "feature" else 0),
+        "params": param_count(draft) + sum(t.numel() for t in _extra_tensors(model, cfg.kind).values()),
         "versions": {
             "torch": torch.__version__,
             "transformers": transformers.__version__,
@@ -207,17 +213,20 @@ def build_draft(
         init_layers=list(cfg.layers),
         width=_width(cfg, draft),
         recipe=recipe,
+        arch={"layers": model.layers, "heads": model.heads} if cfg.kind == "dream" else {},
     )
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.dtype]
-    extra = {"fc.weight": model.fc.weight} if cfg.kind == "feature" else None
-    save_draft(
-        out,
-        draft,
-        meta,
-        dtype=dtype,
-        extra=extra,
-        add_files=lambda d: (d / "RECIPE.md").write_text(recipe_markdown(out.name, meta)),
-    )
+    extra = _extra_tensors(model, cfg.kind)
+    if cfg.kind == "dream" and head:
+        extra.update(vocab_maps(meta.head_tokens, meta.vocab_size))
+
+    def add_files(d: Path) -> None:
+        (d / "RECIPE.md").write_text(recipe_markdown(out.name, meta))
+        if cfg.kind == "dream":
+            spec = speculators_config(draft, meta, pipe.target.model)
+            (d / "speculators_config.json").write_text(json.dumps(spec, indent=1))
+
+    save_draft(out, draft, meta, dtype=dtype, extra=extra or None, add_files=add_files)
     log(f"saved {out} ({recipe['params'] / 1e6:.2f} M own parameters)")
     return recipe
 
@@ -237,8 +246,12 @@ def _target_data(pipe, cfg: BuildConfig, progress: bool) -> tuple[TargetData, Ta
     return data, val
 
 
-def _draft_model(draft, cfg: BuildConfig, head):
+def _draft_model(draft, cfg: BuildConfig, head, target):
     """The trainable module around the draft: token-level, or conditioned on target features."""
+    if cfg.kind == "dream":
+        from specdraft.design.dream import DreamDraftLM
+
+        return DreamDraftLM(draft, head.token_ids if head else None, target, cfg.feature_layers)
     if cfg.kind == "feature":
         from specdraft.design.feature import FeatureDraftLM
 
@@ -256,7 +269,7 @@ def _train(model, pipe, cfg: BuildConfig, data, val, work: Path, progress: bool,
         result["offline"] = {"steps": res.steps, "val": res.val, "history": res.history}
     times["train_s"] = round(time.perf_counter() - t, 1)
     t = time.perf_counter()
-    if cfg.on_policy.rounds > 0 and cfg.kind == "feature":
+    if cfg.on_policy.rounds > 0 and cfg.kind != "layers":
         raise SpecdraftError("on-policy training is implemented for token-level drafts (kind layers) only")
     if cfg.on_policy.rounds > 0:
         texts = training_prompts(
@@ -269,6 +282,13 @@ def _train(model, pipe, cfg: BuildConfig, data, val, work: Path, progress: bool,
         result["on_policy"] = {"rounds": res.steps, "history": res.history}
     times["on_policy_s"] = round(time.perf_counter() - t, 1)
     return result
+
+
+def _extra_tensors(model, kind: str) -> dict:
+    """The trained tensors outside the Llama: ``fc.weight`` (feature, dream) and ``cross.*`` (dream)."""
+    if kind == "layers":
+        return {}
+    return {k: v for k, v in model.own_state().items() if k == "fc.weight" or k.startswith("cross.")}
 
 
 def _width(cfg: BuildConfig, draft) -> dict | None:

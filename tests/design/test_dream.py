@@ -1,0 +1,132 @@
+"""Training a DREAM-style draft: the entropy-adaptive choice of the intermediate target, the loss
+terms, and ``specdraft design build --kind dream`` end to end on the tiny target."""
+
+import json
+
+import pytest
+import torch
+
+from specdraft.cli import main
+from specdraft.design.data import generate_target_data
+from specdraft.design.dream import (
+    DreamDraftLM,
+    attention_entropy,
+    candidate_layers,
+    default_layers,
+    entropy_select,
+    target_features,
+)
+from specdraft.design.prune import depth_prune
+from specdraft.design.train import TrainConfig
+from specdraft.errors import SpecdraftError
+from tests.helpers import random_prompts
+
+
+def _uniform(S):  # causal attention spread evenly over the visible keys: the highest entropy
+    a = torch.tril(torch.ones(S, S))
+    return (a / a.sum(-1, keepdim=True)).expand(1, 2, S, S)
+
+
+def _one_hot(S, key=0):  # every query on one key: entropy 0
+    a = torch.zeros(1, 2, S, S)
+    a[..., key] = 1.0
+    return a
+
+
+def test_entropy_selection_picks_the_most_concentrated_layer():
+    S = 6
+    assert torch.allclose(attention_entropy(_one_hot(S)), torch.zeros(1, S))
+    assert torch.allclose(attention_entropy(_uniform(S))[0], torch.log(torch.arange(1.0, S + 1)))
+    # layer 3 is concentrated on the first half of the positions, layer 5 on the second half
+    half = torch.cat([_one_hot(S)[..., :3, :], _uniform(S)[..., 3:, :]], dim=2)
+    other = torch.cat([_uniform(S)[..., :3, :], _one_hot(S)[..., 3:, :]], dim=2)
+    ent = {2: attention_entropy(_uniform(S)), 3: attention_entropy(half), 5: attention_entropy(other)}
+    pick = entropy_select(ent)[0].tolist()
+    assert pick[1:3] == [3, 3] and pick[3:] == [5, 5, 5]  # (position 0 sees one key everywhere: a tie)
+
+
+def test_candidate_and_default_layers():
+    assert candidate_layers(32, 0.4) == list(range(1, 11))  # DREAM's range for a 32-layer target
+    assert candidate_layers(2, 0.4) == [1]
+    assert default_layers(30) == [7, 14, 21]
+    assert max(default_layers(2)) <= 0
+
+
+def test_target_features_are_the_layers_and_the_selected_inputs(tiny_pipe):
+    target = tiny_pipe.target.model
+    ids = torch.tensor([random_prompts([9], seed=3)[0]])
+    memory, mid = target_features(target, ids, [0], 0.4)
+    hs = target.model(input_ids=ids, output_hidden_states=True).hidden_states
+    assert torch.allclose(memory[:, :, 0], hs[1], atol=1e-5)  # layer 0's output
+    assert torch.allclose(mid, hs[1], atol=1e-5)  # a 2-layer target has one candidate: layer 1's input
+    assert target.config._attn_implementation == "sdpa"  # restored
+
+
+def test_loss_terms_decrease_on_a_tiny_model(tiny_pipe):
+    data = generate_target_data(
+        tiny_pipe.runtime,
+        random_prompts([5, 8, 6], seed=4),
+        eos_ids=(),
+        max_new_tokens=12,
+        topk=8,
+        hidden_layer=-1,
+        progress=False,
+    )
+    torch.manual_seed(0)
+    model = DreamDraftLM(depth_prune(tiny_pipe.target.model, [1]), None, tiny_pipe.target.model, noise=0.0)
+    batch = model.make_batch(data, [0, 1, 2], 32)
+    opt = torch.optim.AdamW(model.trainable(), lr=3e-3)
+    cfg = TrainConfig(steps=1)
+    first, _ = model.loss(batch, cfg)
+    parts0 = model.loss(batch, cfg)[1]
+    for _ in range(20):
+        loss, parts = model.loss(batch, cfg)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert float(loss.detach()) < 0.95 * float(first.detach())
+    assert parts["soft_ce"] < parts0["soft_ce"] and parts["reg"] < parts0["reg"]
+    assert {"soft_ce", "reg", "mid"} <= set(parts)
+
+
+def test_bad_layers_are_refused(tiny_pipe):
+    with pytest.raises(SpecdraftError, match="layers must lie"):
+        DreamDraftLM(depth_prune(tiny_pipe.target.model, [1]), None, tiny_pipe.target.model, layers=[1])
+
+
+def test_build_kind_dream_end_to_end(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "d"
+    data = ["--prompts", "6", "--val-prompts", "4", "--max-new-tokens", "8", "--gen-batch", "4", "--quiet"]
+    argv = [
+        "design",
+        "build",
+        "--target",
+        "tiny",
+        "--threads",
+        "1",
+        *data,
+        "--kind",
+        "dream",
+        "--layers",
+        "1",
+    ]
+    rc = main([*argv, "--head", "64", "--steps", "3", "--batch-size", "2", "--out", str(out)])
+    assert rc == 0
+    meta = json.loads((out / "specdraft.json").read_text())
+    assert meta["kind"] == "dream" and meta["arch"] == {"layers": [0], "heads": 4}
+    assert meta["recipe"]["offline"]["steps"] == 3
+    spec = json.loads((out / "speculators_config.json").read_text())
+    assert spec["speculators_model_type"] == "dream" and spec["aux_hidden_state_layer_ids"] == [1]
+    assert spec["draft_vocab_size"] == len(meta["head_tokens"])
+    assert spec["transformer_layer_config"]["num_hidden_layers"] == 1
+    from safetensors.torch import load_file
+
+    w = load_file(str(out / "model.safetensors"))
+    assert {"fc.weight", "cross.q", "cross.o", "d2t", "t2d"} <= set(w)
+    ids = torch.tensor(meta["head_tokens"])
+    assert torch.equal(torch.arange(len(ids)) + w["d2t"], ids) and int(w["t2d"].sum()) == len(ids)
+    gen = ["generate", "hello", "--target", "tiny", "--threads", "1", "--draft", f"designed:{out}"]
+    assert main([*gen, "--max-new-tokens", "6", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(res["tokens"]) == 6 and res["stats"]["drafted"] > 0
