@@ -10,7 +10,8 @@ The statistical test is the one of ``tests/test_sampling.py`` (target: a tiny Ll
 8, its head scaled up; every output of NEW tokens enumerated exactly), run for every drafter class
 and every path that cuts a proposal: a model draft, prompt lookup (no q), the README's example
 bigram drafter (no q), the target drafting for itself, a layer-pruned draft, the gated designed
-draft (best prefix and early stop), the feature draft, the DREAM-style draft, the cost-aware
+draft (best prefix and early stop), the feature draft, the DREAM-style draft, the Ouroboros and
+suffix drafters' token trees (point masses from a phrase pool / a history), the cost-aware
 policy's per-class trim, its per-row cut of rows whose drafts fail (issue 17) and the server's
 per-row caps. Each case also checks that its cut really happened, and the old gating rule is shown
 to fail the same test.
@@ -34,7 +35,9 @@ from specdraft.drafters.feature import FeatureDrafter
 from specdraft.drafters.gated import GatedDrafter
 from specdraft.drafters.lookup_tree import LookupTreeDrafter
 from specdraft.drafters.model import ModelDrafter
+from specdraft.drafters.ouroboros import OuroborosDrafter
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
+from specdraft.drafters.suffix import SEP, NgramIndex, SuffixDrafter
 from specdraft.engine import Engine, Request
 from specdraft.models.llama import LlamaRuntime, LlamaWeights
 from specdraft.models.tiny import tiny_llama
@@ -228,6 +231,17 @@ def make_case(name: str, target: LlamaRuntime) -> Case:
         return Case(LookupTreeDrafter(max_ngram=2), FixedK(4), check=lambda rec, policy: rec.trees)
     if name == "tree-branches":  # point-mass siblings: the sample picks the child, if any carries it
         return Case(FixedTrees(), FixedK(7), check=_branching)
+    if name == "ouroboros":  # lookup lengthened with pool phrases, pool phrases as branches
+        drafter = OuroborosDrafter(branches=3)
+        for t in range(V):  # a warm pool: two phrases after every token, so trees branch
+            drafter.start.add(t, [(t + 1) % V, (t + 2) % V])
+            drafter.start.add(t, [(t + 3) % V])
+        return Case(drafter, FixedK(4), check=_branching)
+    if name == "suffix":  # frequency trees over the context and a history of earlier outputs
+        drafter = SuffixDrafter(max_n=3, shared=True)
+        drafter.history = NgramIndex(3, 1000)
+        drafter.history.extend([SEP, 1, 2, 5, SEP, 1, 2, 6, 7, SEP, 3, 1, 2, 4])
+        return Case(drafter, FixedK(4), check=_branching)
     if name == "bigram":  # the README's example drafter
         return Case(BigramDrafter(), FixedK(3))
     if name == "self":
@@ -317,6 +331,8 @@ CASES = [
     "lookup",
     "lookup-tree",
     "tree-branches",
+    "ouroboros",
+    "suffix",
     "bigram",
     "self",
     "pruned",

@@ -108,6 +108,7 @@ class OuroborosDrafter:
         tree: bool = True,
     ):
         self.tree = tree
+        self.proposes_trees = tree  # the engine checks that the target can verify trees
         self.lookup = PromptLookupDrafter(max_ngram=max_ngram)
         self.branches = branches
         bounds = {"phrase_len": phrase_len, "max_phrases": max_phrases, "max_keys": max_keys}

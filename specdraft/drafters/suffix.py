@@ -201,6 +201,7 @@ class SuffixDrafter:
         tree: bool = True,
     ):
         self.max_n, self.max_occurrences, self.min_prob, self.tree = max_n, max_occurrences, min_prob, tree
+        self.proposes_trees = tree  # the engine checks that the target can verify trees
         self.history = _HISTORY.setdefault(max_n, NgramIndex(max_n, 200_000)) if shared else None
 
     def new_state(self, batch_size: int, capacity: int) -> SuffixState:
