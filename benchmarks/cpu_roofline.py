@@ -119,7 +119,7 @@ def main(argv=None) -> int:
         peak = probe("fma", args.threads, exe)
         _PEAK[0] = peak
         bw = probe("stream", args.threads, exe)
-    pipe = api.load(args.target, "none", dtype="auto", threads=args.threads)
+    pipe = api.load(args.target, "none", dtype="bf16", threads=args.threads)  # the bf16 runtime's roofline
     w = pipe.runtime.w
     params = sum(
         t.numel() for layer in w.layers for t in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)

@@ -30,6 +30,7 @@ by the factories of :data:`specdraft.registry.DRAFTERS`:
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -37,7 +38,7 @@ import torch
 
 from specdraft import kernels, registry
 from specdraft.drafters.base import Drafter
-from specdraft.dtypes import DTYPES, choices
+from specdraft.dtypes import AUTO_KEEPS_BF16, DTYPES, choices
 from specdraft.engine import Engine, Request, StepEvent, decode_requests, generate
 from specdraft.errors import SpecdraftError
 from specdraft.kernels import cpu_has_fast_bf16
@@ -258,31 +259,39 @@ def load(
     runtime: str = "auto",
     threads: int | None = None,
     draft_dtype: str | torch.dtype = "auto",
+    needs: tuple[str, ...] = (),
 ) -> Pipeline:
     """Load a target and build a drafter for it.
 
     Args:
         target: model alias (``smollm2-135m``, ``gemma3-270m``), transformers directory or GGUF path.
         draft: draft spec (module docstring).
-        dtype: the target's precision: ``bf16``, ``fp32`` or ``auto`` (see :func:`resolve_dtype`), or ``q``:
-            a GGUF target's own Q4_0 / Q4_1 / Q8_0 blocks (:class:`specdraft.models.quant.QuantRuntime`).
+        dtype: the target's precision: ``bf16``, ``fp32`` or ``auto`` (see :func:`resolve_dtype`; for
+            a quantized GGUF, :func:`auto_quant_runtime`), or ``q``: a GGUF target's own Q4_0 / Q4_1 /
+            Q8_0 blocks whatever the run (:class:`specdraft.models.quant.QuantRuntime`).
         runtime: ``auto`` (compact for Llama-family, else transformers), ``compact`` or ``hf``.
         threads: torch intra-op threads.
         draft_dtype: the draft's precision: ``auto``, ``bf16``, ``fp32`` or ``int8``.
+        needs: what else the caller runs with the target's transformers model (keys of
+            :data:`specdraft.dtypes.AUTO_KEEPS_BF16`, such as ``"hf"`` for the transformers
+            baselines): ``auto`` then keeps bf16.
     """
     set_threads(threads)
-    registry.DraftSpec.parse(draft)  # a bad spec fails before the target loads
+    spec = registry.DraftSpec.parse(draft)  # a bad spec fails before the target loads
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if dtype == "q":  # the GGUF's own quantized blocks (specdraft.models.quant); opt-in
+    rt = None
+    if dtype == "q":  # the GGUF's own quantized blocks (specdraft.models.quant), whatever the run
         from specdraft.models.quant import QuantRuntime, gguf_path
 
         if runtime not in ("auto", "quant"):
             raise SpecdraftError(f"--dtype q runs the quantized runtime, not {runtime!r}")
         rt = QuantRuntime(gguf_path(target))
+    elif dtype == "auto" and runtime in ("auto", "quant"):
+        rt = auto_quant_runtime(target, (spec.kind, *needs))
+    if rt is not None:
         # the tokenizer only, unless the drafter is built from the target's transformers model
         # (a designed draft shares its embedding)
-        need_model = registry.DraftSpec.parse(draft).kind == "designed"
-        loaded = load_model(target, torch.float32) if need_model else load_tokenizer(target)
+        loaded = load_model(target, torch.float32) if spec.kind == "designed" else load_tokenizer(target)
         drafter = make_drafter(draft, loaded, rt, resolve_dtype(draft_dtype, draft=True))
         return Pipeline(loaded, rt, drafter, draft)
     if dtype == "auto" and not cpu_has_fast_bf16():
@@ -299,6 +308,37 @@ def load(
     rt = make_runtime(loaded, runtime, dt)
     drafter = make_drafter(draft, loaded, rt, resolve_dtype(draft_dtype, draft=True))
     return Pipeline(loaded, rt, drafter, draft)
+
+
+def auto_quant_runtime(target: str, needs: tuple[str, ...] = ()):
+    """The quantized runtime ``--dtype auto`` picks for ``target``, or None for bf16.
+
+    A GGUF target whose matrices the quantized kernels take (Q4_0 / Q4_1 / Q8_0, Llama family) on
+    a CPU that runs them (AVX2) gets :class:`specdraft.models.quant.QuantRuntime`, unless one of
+    ``needs`` (the draft kind, bench baselines, the command) needs the target's transformers model
+    (:data:`specdraft.dtypes.AUTO_KEEPS_BF16`). Keeping bf16 for a GGUF is said in one line on
+    stderr, with why; a target that is not a GGUF file gets bf16 silently.
+
+    Raises:
+        SpecdraftError: the GGUF is truncated or corrupt.
+    """
+    from specdraft.models import quant
+
+    try:
+        path = quant.gguf_path(target)
+    except SpecdraftError:
+        return None  # a transformers directory, tiny, or a GGUF shipped in chunks
+    quant.gguf_index(path)  # a truncated or corrupt file: one error line, whatever the runtime
+    why = next((AUTO_KEEPS_BF16[n] for n in needs if n in AUTO_KEEPS_BF16), None)
+    if why is None and "avx2" not in quant.variants():
+        why = "this CPU has no AVX2 for the quantized kernels"
+    if why is None:
+        try:
+            return quant.QuantRuntime(path)
+        except SpecdraftError as e:  # K-quants, F16 matrices, another architecture, no gcc
+            why = str(e)
+    print(f"--dtype auto: bf16, not the GGUF's quantized blocks: {why}", file=sys.stderr)
+    return None
 
 
 def run_batch(

@@ -50,9 +50,10 @@ DTYPES: dict[str, DType] = {
     "auto": DType(
         None,
         {
-            "target": "bf16 (without native bf16: bf16 weights with fp32 arithmetic through the native "
-            "kernels; "
-            "fp32 without them or with --runtime hf)",
+            "target": "a quantized GGUF (Q4_0/Q4_1/Q8_0, such as smollm2-135m's) runs on its own blocks "
+            "(the quantized runtime) unless the run needs the transformers model (prune: drafts, "
+            "--baselines hf, attack); else bf16 (without native bf16: bf16 weights with fp32 "
+            "arithmetic through the native kernels; fp32 without them or with --runtime hf)",
             "draft": "bf16 where native or run by the native kernels, else int8",
             "study-target": "bf16 where native or run by the few-row kernel, else fp32",
         },
@@ -72,12 +73,23 @@ DTYPES: dict[str, DType] = {
     "q": DType(
         None,
         {
-            "target": "a GGUF target's own quantized blocks (Q4_0/Q4_1/Q8_0, the quantized runtime; opt-in)",
+            "target": "a GGUF target's own quantized blocks (Q4_0/Q4_1/Q8_0, the quantized runtime) "
+            "whatever the run",
         },
     ),
     "bfloat16": DType(torch.bfloat16),
     "float32": DType(torch.float32),
 }
+
+
+AUTO_KEEPS_BF16: dict[str, str] = {
+    "prune": "layer-pruned drafts run the target's own layers in the compact runtime",
+    "hf": "the transformers baselines run the target's transformers model",
+    "attack": "the attack differentiates the target's transformers model",
+}
+"""What makes ``--dtype auto`` keep bf16 for a quantized GGUF (a draft kind, a bench baseline, a
+command) -> the reason, logged in one line. Designed drafts load the transformers model on demand
+(they share its embedding) and keep the quantized target."""
 
 
 def choices(role: str) -> list[str]:

@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         runtime=args.runtime,
         threads=args.threads,
         draft_dtype=args.draft_dtype,
+        needs=("attack",),
     )
     result = run_attack(pipe, prompts, options)
     argv = ["specdraft", "attack", "--target", args.target, "--draft", args.draft, "--k", str(args.k)]

@@ -119,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
         runtime=args.runtime,
         threads=args.threads,
         draft_dtype=args.draft_dtype,
+        needs=baselines,  # --baselines hf keeps --dtype auto on bf16 (the transformers model)
     )
     result = run_bench(pipe, prompts, options)
     result.config["command"] = reproducing_command(args)

@@ -78,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
         runtime=args.runtime,
         threads=args.threads,
         draft_dtype=args.draft_dtype,
+        needs=("hf",) if args.baselines else (),
     )
     print(
         f"target {pipe.target.name} ({pipe.target.source}); draft {pipe.draft_spec}; k {args.k}; "

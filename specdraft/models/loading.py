@@ -350,6 +350,11 @@ def check_gguf(path: Path) -> None:
     Raises:
         SpecdraftError: the file is not a complete, readable GGUF.
     """
+    read_gguf(path)
+
+
+def read_gguf(path: Path):
+    """:func:`check_gguf`, returning the ``gguf.GGUFReader`` that read the file."""
     import numpy as np
     from gguf import GGUFReader
 
@@ -368,6 +373,7 @@ def check_gguf(path: Path) -> None:
         for t in reader.tensors:
             if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
                 raise EOFError(f"tensor {t.name} ends at byte {t.data_offset + t.n_bytes}")
+        return reader
     except (EOFError, ValueError, KeyError, IndexError, OverflowError, MemoryError, OSError) as e:
         # ValueError covers bad magic / version / type codes, UnicodeDecodeError and reshapes
         raise SpecdraftError(

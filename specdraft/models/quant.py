@@ -193,13 +193,14 @@ def _index_path(gguf: Path) -> Path:
 
 
 def _read_index(gguf: Path) -> dict:
-    """Config and tensor table of a GGUF file (``gguf.GGUFReader``; slow for large vocabularies)."""
-    import gguf as gguf_lib
+    """Config and tensor table of a GGUF file (``gguf.GGUFReader``; slow for large vocabularies).
 
-    try:
-        reader = gguf_lib.GGUFReader(gguf)
-    except (ValueError, OSError, IndexError) as e:
-        raise SpecdraftError(f"cannot read {gguf.name} as a GGUF file: {e}") from e
+    Raises:
+        SpecdraftError: a truncated or corrupt file (:func:`specdraft.models.loading.check_gguf`).
+    """
+    from specdraft.models.loading import read_gguf
+
+    reader = read_gguf(gguf)
     fields = {}
     for name, field in reader.fields.items():
         if name.startswith(("tokenizer.", "GGUF.")):

@@ -302,9 +302,10 @@ def test_load_tokenizer_reads_the_conversion_cache(tmp_path, monkeypatch):
     assert loading.load_tokenizer(str(path)) == "converted" and called == [str(path)]
 
 
-def test_api_load_q_builds_no_transformers_model(tmp_path, monkeypatch):
-    """``--dtype q`` with a drafter that needs no target model: the tokenizer only, and the same
-    greedy tokens as plain decoding of the quantized runtime."""
+@pytest.mark.parametrize("dtype", ["q", "auto"])
+def test_api_load_q_builds_no_transformers_model(tmp_path, monkeypatch, dtype):
+    """``--dtype q`` (and ``auto``, for a quantized GGUF) with a drafter that needs no target model:
+    the tokenizer only, and the same greedy tokens as plain decoding of the quantized runtime."""
     from specdraft import api
     from specdraft.models import loading
 
@@ -313,7 +314,7 @@ def test_api_load_q_builds_no_transformers_model(tmp_path, monkeypatch):
     write_tiny_gguf(path, TYPES["Q4_1"])
     fake_conversion_cache(path, eos=(95,))
     monkeypatch.setattr(loading, "load_model", lambda *a: pytest.fail("load_model called"))
-    pipe = api.load(str(path), "lookup", dtype="q", threads=1)
+    pipe = api.load(str(path), "lookup", dtype=dtype, threads=1)
     assert pipe.target.model is None and isinstance(pipe.runtime, QuantRuntime)
     assert 95 in pipe.eos_ids
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], random_prompts([9], vocab=90, seed=2)[0]]
