@@ -10,11 +10,11 @@ The statistical test is the one of ``tests/test_sampling.py`` (target: a tiny Ll
 8, its head scaled up; every output of NEW tokens enumerated exactly), run for every drafter class
 and every path that cuts a proposal: a model draft, prompt lookup (no q), the README's example
 bigram drafter (no q), the target drafting for itself, a layer-pruned draft, the gated designed
-draft (best prefix and early stop), the feature draft, the DREAM-style draft, the Ouroboros and
-suffix drafters' token trees (point masses from a phrase pool / a history), the cost-aware
-policy's per-class trim, its per-row cut of rows whose drafts fail (issue 17) and the server's
-per-row caps. Each case also checks that its cut really happened, and the old gating rule is shown
-to fail the same test.
+draft (best prefix and early stop), the feature draft, the DREAM-style draft, the feature draft
+with a local head fused in, the Ouroboros and suffix drafters' token trees (point masses from a
+phrase pool / a history), the cost-aware policy's per-class trim, its per-row cut of rows whose
+drafts fail (issue 17) and the server's per-row caps. Each case also checks that its cut really
+happened, and the old gating rule is shown to fail the same test.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from specdraft.drafters.capped import RowCappedDrafter
 from specdraft.drafters.dream import DreamDrafter, cross_weights
 from specdraft.drafters.feature import FeatureDrafter
 from specdraft.drafters.gated import GatedDrafter
+from specdraft.drafters.local import LocalHead
 from specdraft.drafters.lookup_tree import LookupTreeDrafter
 from specdraft.drafters.model import ModelDrafter
 from specdraft.drafters.ouroboros import OuroborosDrafter
@@ -275,6 +276,18 @@ def make_case(name: str, target: LlamaRuntime) -> Case:
         fc = torch.randn(C, 2 * C, generator=g) * 0.1
         drafter = DreamDrafter(LlamaRuntime(w), fc, cross, target.w.embed, "dream", (0,), 4)
         return Case(drafter, FixedK(2), check=_lengths(0, 2))
+    if name == "local-fused":  # the feature draft with a bigram local head fused in (product of experts)
+        w = LlamaWeights.from_hf(tiny_llama(vocab_size=V, seed=12), torch.float32)
+        w.lm_head = w.lm_head * 12.0
+        fc = (
+            torch.randn(w.embed.shape[1], 2 * w.embed.shape[1], generator=torch.Generator().manual_seed(2))
+            * 0.1
+        )
+        seqs = [torch.randint(0, V, (40,), generator=torch.Generator().manual_seed(3))]
+        local = LocalHead.count(seqs, V, M=3)
+        local.a, local.b = 1.5, 0.5
+        drafter = FeatureDrafter(LlamaRuntime(w), fc, target.w.embed, "local:feature", local=local)
+        return Case(drafter, FixedK(2), check=_lengths(0, 2))
     if name == "cost-aware-trim":
         policy = SteadyClock(CostAwareK(k_max=3, k_start=3, probe_every=2))
         return Case(PromptLookupDrafter(), policy, batch=100, check=_trimmed)
@@ -340,6 +353,7 @@ CASES = [
     "gated-early-stop",
     "feature",
     "dream",
+    "local-fused",
     "cost-aware-trim",
     "cost-aware-rows",
     "server-row-caps",

@@ -119,6 +119,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--work", type=Path, default=None, help="checkpoint directory (default <out>.work); a rerun resumes"
     )
 
+    lo = sub.add_parser(
+        "local", help="count a DeLS-Spec local head (bigram) for a feature/dream draft and tune its fusion"
+    )
+    add_model_arguments(lo, draft=False)
+    _data_args(lo, 512)
+    lo.add_argument(
+        "draft", help="the designed draft (name under drafts/ or a directory); the head lands there"
+    )
+    lo.add_argument(
+        "--successors", type=int, default=16, help="successors kept per token in the bigram table"
+    )
+
     e = sub.add_parser("export", help="write a self-contained transformers directory (embedding included)")
     e.add_argument("draft", help="draft directory or drafts/ name")
     add_model_arguments(e, draft=False)
@@ -170,9 +182,15 @@ def _data_kw(args) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    return {"data": _data, "search": _search, "build": _build, "export": _export, "compare": _compare}[
-        args.action
-    ](args)
+    actions = {
+        "data": _data,
+        "search": _search,
+        "build": _build,
+        "local": _local,
+        "export": _export,
+        "compare": _compare,
+    }
+    return actions[args.action](args)
 
 
 def _data(args) -> int:
@@ -256,6 +274,21 @@ def _build(args) -> int:
     if args.steps == 0:
         cfg.train.steps = 0
     build_draft(_pipe(args), cfg, args.out, work=args.work, progress=not args.quiet)
+    return 0
+
+
+def _local(args) -> int:
+    from specdraft.design.artifact import resolve_draft_dir
+    from specdraft.design.data import target_data
+    from specdraft.design.local import build_local, long_model
+
+    src = resolve_draft_dir(args.draft)
+    pipe = _pipe(args)
+    model = long_model(src, pipe.target.model)
+    data = target_data(pipe, n_prompts=args.prompts, split="train", **_data_kw(args))
+    val = target_data(pipe, n_prompts=args.val_prompts, split="val", **_data_kw(args))
+    local, info = build_local(model, data, val, pipe.runtime.vocab_size, args.successors)
+    print(f"wrote {local.save(src, info)}: use --draft local:designed:{args.draft}")
     return 0
 
 

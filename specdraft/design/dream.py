@@ -210,9 +210,9 @@ class DreamDraftLM(FeatureDraftLM):
             batch,
         )
 
-    def predict(self, batch: DreamBatch) -> torch.Tensor:
+    def head_logits(self, batch: DreamBatch) -> torch.Tensor:
         f, _ = self.features(batch.feats, batch.ids, batch.positions, batch.memory)
-        return self.tokens.head(f[batch.rows, batch.cols]).argmax(-1)
+        return self.tokens.head(f[batch.rows, batch.cols])
 
 
 def dream_loss(logits, feat, mid, batch: DreamBatch) -> tuple[torch.Tensor, dict]:

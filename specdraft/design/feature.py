@@ -177,7 +177,11 @@ class FeatureDraftLM(torch.nn.Module):
         parts["reg"] = float(reg.detach())
         return loss + self.reg_weight * reg, parts
 
+    def head_logits(self, batch: FeatureBatch) -> torch.Tensor:
+        """``(N, H)`` head logits at the labelled pairs (from the target's real features)."""
+        h = self.features(batch.feats, batch.ids, batch.positions)[batch.rows, batch.cols]
+        return self.tokens.head(h)
+
     def predict(self, batch: FeatureBatch) -> torch.Tensor:
         """Greedy first-draft-token predictions (from the target's real features)."""
-        h = self.features(batch.feats, batch.ids, batch.positions)[batch.rows, batch.cols]
-        return self.tokens.head(h).argmax(-1)
+        return self.head_logits(batch).argmax(-1)

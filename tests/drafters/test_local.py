@@ -1,0 +1,101 @@
+"""The DeLS-Spec local head: counting, the product of experts inside a feature drafter (lossless),
+tuning (a, b), and ``specdraft design local`` + ``--draft local:designed:...`` end to end."""
+
+import json
+
+import pytest
+import torch
+
+from specdraft import api
+from specdraft.cli import main
+from specdraft.design.local import agreement, tune
+from specdraft.drafters.feature import FeatureDrafter
+from specdraft.drafters.local import LocalHead
+from specdraft.engine import Engine
+from specdraft.models.llama import LlamaRuntime, LlamaWeights
+from specdraft.models.tiny import tiny_llama
+from specdraft.verify import SamplingParams
+from tests.helpers import decode, random_prompts
+
+
+def test_counts_and_smoothing():
+    head = LocalHead.count(
+        [torch.tensor([1, 2, 3, 1, 2, 3, 1, 2, 4]), torch.tensor([5, 1, 2])], 8, M=4, beta=1.0
+    )
+    assert head.succ_ids[1, 0] == 2 and head.succ_counts[1, 0] == 4  # 1 -> 2 four times
+    assert head.succ_ids[2, :2].tolist() == [3, 4] and head.succ_counts[2, :2].tolist() == [2.0, 1.0]
+    p = head.log_local(torch.tensor([1, 2, 7])).exp()
+    assert torch.allclose(p.sum(-1), torch.ones(3))  # every successor kept: rows are distributions
+    assert p[0].argmax() == 2 and p[1].argmax() == 3
+    assert torch.allclose(p[2], head.prior)  # a token never seen first: the prior
+    kept = LocalHead.count([torch.tensor([2, 3, 2, 3, 2, 4, 2, 5])], 8, M=1)
+    assert kept.succ_ids[2].tolist() == [3] and kept.row_counts[2] == 4  # the top successor only
+
+
+def test_tune_picks_the_local_head_only_when_it_helps():
+    g = torch.Generator().manual_seed(0)
+    N, H = 400, 16
+    target = torch.randint(0, H, (N,), generator=g)
+    long = torch.randn(N, H, generator=g)  # a long drafter that knows nothing
+    right = torch.full((N, H), -5.0).scatter(1, target.unsqueeze(1), 0.0)  # a local head that does
+    prior = torch.zeros(H)
+    a, b, grid = tune(long, right, prior, target)
+    assert a > 0 and agreement(long, right, prior, target, a, b) > 0.9 > agreement(
+        long, right, prior, target, 0, 0
+    )
+    noise = torch.randn(N, H, generator=g) * 5  # a local head that knows nothing
+    assert tune(long + 3 * right, noise, prior, target)[0] == 0.0
+    assert len(grid) == 35
+
+
+def _feature_drafter(target_rt, local, V=256, seed=5):
+    w = LlamaWeights.from_hf(tiny_llama(vocab_size=V, seed=seed), torch.float32)
+    fc = torch.randn(64, 128, generator=torch.Generator().manual_seed(1)) * 0.1
+    return FeatureDrafter(LlamaRuntime(w), fc, target_rt.w.embed, "feature", local=local)
+
+
+def test_fused_drafting_is_lossless_and_follows_the_local_head(tiny_pipe):
+    prompts = random_prompts([6, 9, 5], seed=2)
+    plain = decode(Engine(tiny_pipe.runtime), prompts, 16)
+    # a local head that saw the target's own continuations: with a large a it drafts them
+    seqs = [torch.tensor(p + o) for p, o in zip(prompts, plain)]
+    local = LocalHead.count(seqs, 256, M=4)
+    local.a = 20.0
+    rates = {}
+    for a in (0.0, 20.0):
+        local.a = a
+        drafter = _feature_drafter(tiny_pipe.runtime, local)
+        engine = Engine(tiny_pipe.runtime, drafter, api.make_policy(3), hidden_layers=drafter.hidden_layers)
+        assert decode(engine, prompts, 16) == plain
+        rates[a] = engine.stats.accepted / engine.stats.drafted
+        sampled = decode(engine, prompts, 8, SamplingParams(temperature=0.9, seed=3))
+        assert [len(s) for s in sampled] == [8, 8, 8]
+    assert rates[20.0] > rates[0.0] + 0.3
+
+
+def test_design_local_and_the_local_spec_end_to_end(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "d"
+    tiny = ["--target", "tiny", "--threads", "1"]
+    data = ["--prompts", "8", "--val-prompts", "4", "--max-new-tokens", "8", "--gen-batch", "4", "--quiet"]
+    build = ["design", "build", *tiny, *data, "--kind", "feature", "--layers", "1", "--head", "64"]
+    assert main([*build, "--steps", "2", "--batch-size", "2", "--out", str(out)]) == 0
+    gen = ["generate", "hello", *tiny, "--max-new-tokens", "6", "--json"]
+    assert main([*gen, "--draft", f"local:designed:{out}"]) != 0  # no local head yet: one line
+    assert "no local head" in capsys.readouterr().err
+    assert main(["design", "local", *tiny, *data, str(out)]) == 0
+    assert "local:designed:" in capsys.readouterr().out
+    head = LocalHead.load(out)
+    assert head.succ_ids.shape == (256, 16) and head.a >= 0 and head.b >= 0
+    assert main([*gen, "--draft", f"local:designed:{out}"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(res["tokens"]) == 6 and res["stats"]["drafted"] > 0
+    assert main([*gen, "--draft", "local:lookup"]) != 0
+    assert "local:designed:NAME" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spec", ["local:designed:auto", "local:"])
+def test_bad_local_specs_are_one_line(spec, capsys):
+    assert main(["generate", "hi", "--target", "tiny", "--threads", "1", "--draft", spec]) != 0
+    err = capsys.readouterr().err
+    assert "local:designed:NAME" in err and "Traceback" not in err
