@@ -14,7 +14,6 @@ part in, and the rows flagged as collapsed. Every output is checked against plai
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 from pathlib import Path
 
@@ -23,21 +22,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specdraft import api
+from specdraft.bench import harness, profile
 from specdraft.bench.prompts import load_prompts
 from specdraft.drafters.adversarial import WrongRows
-from specdraft.engine import Engine, Request
 from specdraft.policy import CostAwareK
-
-
-def cpu_name() -> str:
-    """The CPU model (``/proc/cpuinfo``), or the machine type where that is not readable."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -66,36 +54,30 @@ class Counted(CostAwareK):
         return out
 
 
-def decode(engine: Engine, prompts: list[list[int]], max_new: int, attacked: set[int]) -> dict:
-    """Decode the batch to the end, counting target work; the figures and the outputs."""
-    ids = engine.add([Request(p, max_new) for p in prompts])
-    bad = {ids[i] for i in attacked}
-    out: dict[int, list[int]] = {i: [] for i in ids}
-    steps = dict.fromkeys(ids, 0)  # forwards each row took part in
-    fed = 0
-    while engine.active:
-        events = engine.step()
-        fed += len(events) * (engine.stats.k_history[-1] + 1)
-        for ev in events:
-            out[ev.request_id] += ev.tokens
-            steps[ev.request_id] += 1
-    drafted = engine.policy.drafted if isinstance(engine.policy, Counted) else {}
-    clean = [i for i in ids if i not in bad]
+def decode(
+    method: harness.Method, policy: Counted | None, prompts: list[list[int]], max_new: int, attacked: set[int]
+) -> dict:
+    """Decode the batch to the end, counting target work (``policy``: the method's, or None for plain
+    decoding); the figures and the outputs."""
+    run = method.run_batch(prompts, max_new)
+    drafted = [policy.drafted.get(i, 0) if policy is not None else 0 for i in run.request_ids]
+    clean = [i for i in range(len(prompts)) if i not in attacked]
     return {
-        "outputs": [out[i] for i in ids],
-        "forwards": engine.stats.target_forwards,
-        "tokens_fed": fed,
-        "attacked_steps_with_drafts": sum(drafted.get(i, 0) for i in bad),
-        "attacked_steps": sum(steps[i] for i in bad),
-        "clean_tokens_per_forward": sum(len(out[i]) for i in clean) / max(1, sum(steps[i] for i in clean)),
-        "collapsed": sorted(ids.index(i) for i in engine.collapsed),
+        "outputs": run.outputs,
+        "forwards": run.stats.target_forwards,
+        "tokens_fed": run.tokens_fed,
+        "attacked_steps_with_drafts": sum(drafted[i] for i in attacked),
+        "attacked_steps": sum(run.steps[i] for i in attacked),
+        "clean_tokens_per_forward": sum(len(run.outputs[i]) for i in clean)
+        / max(1, sum(run.steps[i] for i in clean)),
+        "collapsed": run.collapsed,
     }
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     print("command: python benchmarks/bench_collapse.py " + " ".join(sys.argv[1:] if argv is None else argv))
-    print(f"cpu: {cpu_name()}, threads {args.threads}", flush=True)
+    print(f"cpu: {profile.cpu_name()}, threads {args.threads}", flush=True)
     pipe = api.load(args.target, args.draft, threads=args.threads)
     every = load_prompts(None, None, args.batch)  # up to batch per category: spread over categories
     texts = [p.turns[0] for p in every[:: max(1, len(every) // args.batch)]][: args.batch]
@@ -105,12 +87,15 @@ def main(argv=None) -> int:
     spoiled = WrongRows(pipe.drafter, [prompts[i] for i in attacked], V)
     clean_drafter = pipe.drafter
 
-    results = {"plain": decode(Engine(pipe.runtime), prompts, args.max_new_tokens, attacked)}
+    rt, n = pipe.runtime, args.max_new_tokens
+    results = {"plain": decode(harness.engine_method("plain", rt), None, prompts, n, attacked)}
     for name, watch in (("per-row", True), ("batch", False)):
         policy = Counted() if watch else Counted(watch=None)
-        results[name] = decode(Engine(pipe.runtime, spoiled, policy), prompts, args.max_new_tokens, attacked)
+        method = harness.engine_method(name, rt, spoiled, policy)
+        results[name] = decode(method, policy, prompts, n, attacked)
         policy = Counted() if watch else Counted(watch=None)
-        clean = decode(Engine(pipe.runtime, clean_drafter, policy), prompts, args.max_new_tokens, set())
+        method = harness.engine_method(f"{name} unattacked", rt, clean_drafter, policy)
+        clean = decode(method, policy, prompts, n, set())
         results[name]["unattacked_clean_tokens_per_forward"] = clean["clean_tokens_per_forward"]
     plain = results["plain"]
     print(

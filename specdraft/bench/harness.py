@@ -82,6 +82,8 @@ class BatchRun:
         steps: per prompt, the target forwards its row took part in.
         tokens_fed: tokens fed to the target in those forwards: active rows x (k + 1) per step.
         collapsed: the prompts (indices) whose rows the policy flagged as collapsed.
+        request_ids: the engine's request id of each prompt's row (to read per-request counts a
+            policy or drafter kept).
     """
 
     outputs: list[list[int]]
@@ -91,6 +93,7 @@ class BatchRun:
     steps: list[int]
     tokens_fed: int
     collapsed: list[int]
+    request_ids: list[int]
 
 
 def decode_counted(engine: Engine, requests: list[Request]) -> BatchRun:
@@ -120,6 +123,7 @@ def decode_counted(engine: Engine, requests: list[Request]) -> BatchRun:
         steps=[steps[i] for i in ids],
         tokens_fed=fed,
         collapsed=sorted(ids.index(i) for i in engine.collapsed if i in steps),
+        request_ids=ids,
     )
 
 

@@ -101,8 +101,10 @@ def test_run_batch_decodes_the_prompts_together_and_counts_each_step(pipe):
     assert plain.tokens_fed == 18 and plain.stats.target_forwards == 6  # one token per row per forward
     assert 0 < plain.stats.prefill_time < plain.first_token_seconds < plain.seconds
 
-    spec = harness.engine_method("spec", pipe.runtime, pipe.drafter, FlagsSecondRow(3)).run_batch(prompts, 6)
+    spec_policy = FlagsSecondRow(3)
+    spec = harness.engine_method("spec", pipe.runtime, pipe.drafter, spec_policy).run_batch(prompts, 6)
     assert spec.outputs == refs and spec.collapsed == [1]
+    assert len(set(spec.request_ids)) == 3 and spec.request_ids[1] in spec_policy.collapsed
     assert max(spec.steps) == spec.stats.target_forwards and sum(spec.steps) == spec.stats.steps
     assert set(spec.stats.k_history) == {3} and spec.tokens_fed == 4 * sum(spec.steps)
     alone = harness.engine_method("spec", pipe.runtime, pipe.drafter, FixedK(3)).run_batch(prompts[:1], 6)
