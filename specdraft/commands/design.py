@@ -293,21 +293,33 @@ def _local(args) -> int:
 
 
 def _export(args) -> int:
-    from specdraft.design.artifact import load_draft, read_meta, resolve_draft_dir, save_draft
+    from specdraft.design.artifact import (
+        load_draft,
+        read_meta,
+        resolve_draft_dir,
+        save_draft,
+        speculators_config,
+    )
 
     src = resolve_draft_dir(args.draft)
     pipe = _pipe(args)
-    draft, meta, _ = load_draft(src, pipe.target.model)
-    if meta.kind != "layers":
+    draft, meta, extra = load_draft(src, pipe.target.model)
+    if meta.kind == "feature":
         raise SpecdraftError(
             f"{src} is a {meta.kind} draft: it exports only in its own format (copy the directory)"
         )
-    # the tokenizer lands with the draft
-    save_draft(
-        args.out, draft, read_meta(src), full=True, add_files=lambda d: pipe.tokenizer.save_pretrained(str(d))
-    )
+
+    def add_files(d):  # the tokenizer lands with the draft (and a DREAM draft's speculators config)
+        pipe.tokenizer.save_pretrained(str(d))
+        if meta.kind == "dream":
+            spec = speculators_config(draft, meta, pipe.target.model)
+            (d / "speculators_config.json").write_text(json.dumps(spec, indent=1))
+
+    save_draft(args.out, draft, read_meta(src), full=True, extra=extra or None, add_files=add_files)
+    what = "its decoder layer" if meta.kind == "dream" else "it"
     print(
-        f"wrote {args.out}: transformers AutoModelForCausalLM.from_pretrained loads it (embedding included)"
+        f"wrote {args.out}: transformers AutoModelForCausalLM.from_pretrained loads {what} "
+        "(embedding included)"
     )
     return 0
 

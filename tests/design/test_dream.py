@@ -130,3 +130,14 @@ def test_build_kind_dream_end_to_end(tmp_path, monkeypatch, capsys):
     assert main([*gen, "--max-new-tokens", "6", "--json"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(res["tokens"]) == 6 and res["stats"]["drafted"] > 0
+    # export: the full form (embedding, tokenizer, speculators config) loads back by its kind, the same
+    hf = tmp_path / "hf"
+    assert main(["design", "export", str(out), "--target", "tiny", "--threads", "1", "--out", str(hf)]) == 0
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(hf).config.num_hidden_layers == 1
+    assert json.loads((hf / "speculators_config.json").read_text()) == spec
+    capsys.readouterr()
+    assert main([*gen[:-1], f"designed:{hf}", "--max-new-tokens", "6", "--json"]) == 0
+    again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert again["tokens"] == res["tokens"] and again["stats"]["accepted"] == res["stats"]["accepted"]
