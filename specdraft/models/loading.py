@@ -17,8 +17,8 @@ and tokenizer files, under ``<cache>/models/<slug>-<key>/``, where ``<cache>`` i
 loads read that directory in a second or two. Float32 is stored so that a float32 load is exactly
 what the GGUF de-quantises to; other dtypes are cast from it. The cache is written to a temporary
 directory and renamed into place, so a conversion killed halfway leaves no half cache behind. Its
-marker file records each file's size and sha256, checked on every load: an entry whose files were
-damaged since is converted again.
+marker file records each file's size, mtime and sha256: a file whose size or mtime changed since is
+hashed again on load, and an entry whose files were damaged is converted again.
 
 A GGUF is checked before transformers reads it (:func:`check_gguf`): a truncated or corrupt file
 is one :class:`SpecdraftError` line, as is a transformers directory whose weights cannot be read.
@@ -284,22 +284,62 @@ def _cache_dir(slug: str, fingerprint_files: list[Path]) -> Path:
 
 
 def _file_records(directory: Path) -> dict[str, dict]:
-    """Size and sha256 of each file in ``directory`` but the marker (written into the marker)."""
+    """Size, mtime and sha256 of each file in ``directory`` but the marker (written into the marker)."""
     records = {}
     for f in sorted(directory.iterdir()):
         if f.is_file() and f.name != _CACHE_MARKER:
             with f.open("rb") as fh:
                 digest = hashlib.file_digest(fh, "sha256").hexdigest()
-            records[f.name] = {"size": f.stat().st_size, "sha256": digest}
+            st = f.stat()
+            records[f.name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
     return records
 
 
-def _cache_damage(cache: Path) -> str | None:
-    """None when ``cache`` is a complete entry whose files have the sizes and sha256 hashes its
-    marker recorded; otherwise what is wrong (no marker: a conversion that did not finish).
+def _files_damage(directory: Path, files: dict[str, dict]) -> str | None:
+    """None when each recorded file has its recorded size and content, else what differs.
 
-    Hashing costs about a second per 500 MB of weights, a fraction of what loading them costs.
+    A file with its recorded size and mtime is taken as unchanged: a write changes the mtime, so
+    only files written since (or records without an mtime) are hashed, which costs about a second
+    per 500 MB. When those hashes match, the marker's mtimes are brought up to date (best effort),
+    so the next load hashes nothing.
     """
+    stale = []
+    for name, want in files.items():
+        f = directory / name
+        if not f.is_file():
+            return f"{name} is missing"
+        st = f.stat()
+        if st.st_size != want["size"]:
+            return f"{name} has {st.st_size} bytes, not {want['size']}"
+        if st.st_mtime_ns != want.get("mtime_ns"):
+            stale.append(name)
+    for name in stale:
+        with (directory / name).open("rb") as fh:
+            if hashlib.file_digest(fh, "sha256").hexdigest() != files[name]["sha256"]:
+                return f"{name} does not match its recorded sha256"
+    if stale:
+        _restamp(directory, stale)
+    return None
+
+
+def _restamp(directory: Path, names: list[str]) -> None:
+    """Record the current mtimes of ``names`` (whose hashes were just checked) in the marker."""
+    marker = directory / _CACHE_MARKER
+    try:
+        record = json.loads(marker.read_text())
+        for name in names:
+            record["files"][name]["mtime_ns"] = (directory / name).stat().st_mtime_ns
+        fd, tmp = tempfile.mkstemp(prefix=".marker-", dir=directory)
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f, indent=2)
+        os.replace(tmp, marker)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # a read-only cache: the next load hashes again
+
+
+def _cache_damage(cache: Path) -> str | None:
+    """None when ``cache`` is a complete entry whose files are as its marker recorded them
+    (:func:`_files_damage`); otherwise what is wrong (no marker: a conversion that did not finish)."""
     marker = cache / _CACHE_MARKER
     if not marker.is_file():
         return "no marker"
@@ -307,17 +347,10 @@ def _cache_damage(cache: Path) -> str | None:
         files = json.loads(marker.read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError):
         return "the marker has no file record"
-    for name, want in files.items():
-        f = cache / name
-        if not f.is_file():
-            return f"{name} is missing"
-        if f.stat().st_size != want["size"]:
-            return f"{name} has {f.stat().st_size} bytes, not {want['size']}"
-    got = _file_records(cache)
-    for name, want in files.items():
-        if got[name]["sha256"] != want["sha256"]:
-            return f"{name} does not match its recorded sha256"
-    return None
+    try:
+        return _files_damage(cache, files)
+    except (KeyError, TypeError):
+        return "the marker's file record is malformed"
 
 
 def _is_complete(cache: Path) -> bool:
@@ -514,22 +547,13 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 
 def _tokenizer_intact(cache: Path) -> bool:
     """Whether a conversion cache entry has its tokenizer and config files as its marker recorded
-    them (size and sha256; the weights, checked by :func:`_cache_damage`, are not read)."""
+    them (:func:`_files_damage`; the weights, checked by :func:`_cache_damage`, are not read)."""
     try:
         files = json.loads((cache / _CACHE_MARKER).read_text())["files"]
         small = {name: want for name, want in files.items() if not name.endswith(_WEIGHT_SUFFIXES)}
-        if "tokenizer.json" not in small:
-            return False
-        for name, want in small.items():
-            f = cache / name
-            if f.stat().st_size != want["size"]:
-                return False
-            with f.open("rb") as fh:
-                if hashlib.file_digest(fh, "sha256").hexdigest() != want["sha256"]:
-                    return False
+        return "tokenizer.json" in small and _files_damage(cache, small) is None
     except (OSError, ValueError, KeyError, TypeError):
         return False
-    return True
 
 
 def load_tokenizer(name_or_path: str) -> LoadedModel:

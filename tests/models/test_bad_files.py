@@ -5,6 +5,7 @@ or, for the cache, a rebuild; never a traceback."""
 import json
 import logging
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -214,3 +215,28 @@ def test_a_damaged_cache_entry_is_converted_again(tiny_gguf, cache, monkeypatch,
     for name, tensor in again.model.state_dict().items():
         assert torch.equal(tensor, first.model.state_dict()[name]), name
     assert "cached at" in load_model(str(tiny_gguf), dtype=torch.float32).source
+
+
+def test_an_unchanged_entry_is_not_hashed_again(tiny_gguf, cache, monkeypatch):
+    """A file whose size and mtime are as recorded is not read; one written since is hashed, and
+    the marker takes its new mtime when the hash still matches (a record without mtimes too)."""
+    load_model(str(tiny_gguf), dtype=torch.float32)
+    entry = _entry(cache)
+    hashed = []
+    real = loading.hashlib.file_digest
+    monkeypatch.setattr(
+        loading.hashlib, "file_digest", lambda fh, algo: hashed.append(fh.name) or real(fh, algo)
+    )
+    assert "cached at" in load_model(str(tiny_gguf), dtype=torch.float32).source
+    assert hashed == []
+    weights = entry / "model.safetensors"
+    weights.write_bytes(weights.read_bytes())  # same bytes, new mtime
+    marker = entry / loading._CACHE_MARKER
+    record = json.loads(marker.read_text())
+    del record["files"]["config.json"]["mtime_ns"]  # a marker written before mtimes were recorded
+    marker.write_text(json.dumps(record))
+    assert "cached at" in load_model(str(tiny_gguf), dtype=torch.float32).source
+    assert sorted(Path(n).name for n in hashed) == ["config.json", "model.safetensors"]
+    hashed.clear()
+    assert "cached at" in load_model(str(tiny_gguf), dtype=torch.float32).source
+    assert hashed == []
