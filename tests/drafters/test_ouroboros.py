@@ -101,3 +101,19 @@ def test_spec_and_greedy_output_equals_plain_decoding(tmp_path):
         plain_tokens, _ = api.run_batch(pipe, prompts, max_new_tokens=24, k=0)
         assert spec_tokens == plain_tokens
         assert stats.accepted > 0
+
+
+def test_the_engine_feeds_each_pool_the_targets_phrases_past_a_rejection(monkeypatch):
+    refined = []
+    add_verified = PhrasePool.add_verified
+
+    def spy(self, *row):
+        refined.append(add_verified(self, *row))
+        return refined[-1]
+
+    monkeypatch.setattr(PhrasePool, "add_verified", spy)
+    pipe = api.load("tiny", draft="ouroboros:lookup", dtype="fp32")
+    prompts = [p * 3 for p in random_prompts([4, 7], seed=3)]
+    api.run_batch(pipe, prompts, max_new_tokens=16, k=4)
+    assert refined  # observe got a Verified for each row of each step
+    assert any(len(r) >= 2 for r in refined)  # a rejection with the target's predictions past it
