@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -31,7 +30,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specdraft import lossless
 from specdraft.bench import harness, profile
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.engine import Engine
@@ -102,13 +100,7 @@ def decode_rates(
 ) -> dict[str, list[list[int]]]:
     """Greedy decoding of every prompt by each runtime, alternating (A B, then B A); prints and
     records tokens/s after the first token and end to end; returns the tokens."""
-    methods = decode_methods(runtimes, speculative)
-    outs: dict[str, list[list[int]]] = {m.name: [] for m in methods}
-    totals = {m.name: harness.Totals() for m in methods}
-    for i, prompt in enumerate(prompts):
-        for name, run in harness.run_prompt(methods, prompt, i, new_tokens).items():
-            outs[name].append(run.tokens)
-            totals[name].add(run)
+    totals = harness.run_prompts(decode_methods(runtimes, speculative), prompts, new_tokens)
     kind = "with the default drafter (prompt lookup, --k auto)" if speculative else "plain"
     print(f"\ngreedy decoding, {kind}, {len(prompts)} prompts x {new_tokens} new tokens")
     for n, t in totals.items():
@@ -118,20 +110,7 @@ def decode_rates(
         print(f"  {n:14s} decode {dec:6.1f} tok/s   end to end {e2e:6.1f} tok/s")
     q, b = report["decode_tokens_per_s"]["quantized"], report["decode_tokens_per_s"]["bf16 compact"]
     print(f"  quantized / bf16 decode: {q / b:.2f}x", flush=True)
-    return outs
-
-
-def agreement(outs: list[list[int]], refs: list[list[int]]) -> dict:
-    """Greedy agreement of ``outs`` with ``refs``, prompt by prompt."""
-    prefix = [lossless.first_difference(a, c) for a, c in zip(outs, refs)]
-    prefix = [len(a) if k is None else k for k, a in zip(prefix, outs)]
-    agree = sum(x == y for a, c in zip(outs, refs) for x, y in zip(a, c))
-    return {
-        "identical_outputs": sum(a == c for a, c in zip(outs, refs)),
-        "prompts": len(outs),
-        "mean_common_prefix": statistics.mean(prefix),
-        "positionwise": agree / sum(min(len(a), len(c)) for a, c in zip(outs, refs)),
-    }
+    return {n: t.outputs for n, t in totals.items()}
 
 
 def main(argv=None) -> int:
@@ -171,7 +150,7 @@ def main(argv=None) -> int:
         )
     outs = outs["plain"]
 
-    agree = report["agreement"] = agreement(outs["quantized"], outs["bf16 compact"])
+    agree = report["agreement"] = harness.agreement(outs["quantized"], outs["bf16 compact"])
     print(
         f"\ngreedy agreement quantized vs bf16: {agree['identical_outputs']}/{len(prompts)} outputs "
         f"identical, mean common prefix {agree['mean_common_prefix']:.1f} of {args.new_tokens} tokens, "

@@ -14,9 +14,10 @@ decodes build their measurements from these pieces:
   B C A, C A B, ...); :func:`run_prompt` runs them in it. Running the methods back to back on each
   prompt, after one warm-up of each (:func:`warm_up`), means a slow phase of a shared machine hits
   all of them, and rotating the order keeps a drift within a prompt from always favouring the same
-  method.
+  method. :func:`run_prompts` does it for every prompt and sums each method's runs.
 - :class:`Totals`: one method's sums over prompts. Rates are sums of tokens over sums of seconds,
   never a mean of per-prompt rates.
+- :func:`agreement`: how far two sets of greedy outputs agree (two runtimes of one model).
 - :func:`equality`: a greedy output against plain decoding's, classified by
   :func:`specdraft.lossless.classify` (identical / tie-divergent / divergent) with
   :func:`tolerance` (0 in fp32: any difference is a bug).
@@ -26,6 +27,7 @@ decodes build their measurements from these pieces:
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -206,6 +208,36 @@ def run_prompt(
     return {m.name: runs[m.name] for m in methods}
 
 
+def run_prompts(
+    methods: Sequence[Method],
+    prompts: Sequence[list[int]],
+    max_new_tokens: int,
+    params: SamplingParams = GREEDY,
+) -> dict[str, Totals]:
+    """Every method on every prompt (:func:`run_prompt`: interleaved); each method's totals, its
+    outputs among them, by method name in the order of ``methods``."""
+    totals = {m.name: Totals() for m in methods}
+    for i, ids in enumerate(prompts):
+        for name, run in run_prompt(methods, ids, i, max_new_tokens, params).items():
+            totals[name].add(run)
+    return totals
+
+
+def agreement(outputs: Sequence[list[int]], refs: Sequence[list[int]]) -> dict:
+    """Greedy agreement of ``outputs`` with ``refs`` (two runtimes of one model, say), prompt by
+    prompt: identical outputs, the prompts, the mean common prefix and the fraction of positions
+    (over the shorter of each pair) where the tokens agree."""
+    prefix = [lossless.first_difference(a, c) for a, c in zip(outputs, refs)]
+    prefix = [len(a) if k is None else k for k, a in zip(prefix, outputs)]
+    agree = sum(x == y for a, c in zip(outputs, refs) for x, y in zip(a, c))
+    return {
+        "identical_outputs": sum(a == c for a, c in zip(outputs, refs)),
+        "prompts": len(outputs),
+        "mean_common_prefix": statistics.mean(prefix) if prefix else 0.0,
+        "positionwise": agree / max(sum(min(len(a), len(c)) for a, c in zip(outputs, refs)), 1),
+    }
+
+
 def warm_up(
     methods: Sequence[Method], ids: list[int], max_new_tokens: int, params: SamplingParams = GREEDY
 ) -> None:
@@ -235,6 +267,7 @@ class Totals:
         first_token_seconds: their seconds until the first step's tokens.
         stats: the engine's statistics, merged.
         classes: equality classes counted (:func:`equality`).
+        outputs: the runs' output tokens, in the order added.
     """
 
     tokens: int = 0
@@ -244,12 +277,14 @@ class Totals:
     first_token_seconds: float = 0.0
     stats: SpecStats = field(default_factory=SpecStats)
     classes: dict[str, int] = field(default_factory=dict)
+    outputs: list[list[int]] = field(default_factory=list)
 
     def add(self, run: Run, equality_class: str | None = None) -> None:
         self.tokens += len(run.tokens)
         self.seconds += run.seconds
         self.prefill_seconds += run.prefill_seconds
         self.runs += 1
+        self.outputs.append(run.tokens)
         self.first_token_seconds += run.first_token_seconds
         if run.stats is not None:
             self.stats.merge(run.stats)

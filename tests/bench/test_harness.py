@@ -124,6 +124,24 @@ def test_engine_runs_time_their_first_token_and_totals_rate_the_rest(pipe):
     assert harness.Totals().after_first_tokens_per_s == 0.0
 
 
+def test_run_prompts_interleaves_and_sums_each_method():
+    calls: list[str] = []
+    methods = [recorder("a", calls, [1, 2, 3]), recorder("b", calls, [4])]
+    totals = harness.run_prompts(methods, [[7], [8], [9]], 2)
+    assert calls == ["a", "b", "b", "a", "a", "b"] and list(totals) == ["a", "b"]
+    assert totals["a"].outputs == [[1, 2]] * 3 and totals["a"].tokens == 6 and totals["b"].runs == 3
+
+
+def test_agreement_counts_identical_outputs_common_prefixes_and_positions():
+    outs = [[1, 2, 3], [1, 2, 3], [1, 2], [5]]
+    refs = [[1, 2, 3], [1, 9, 3], [1, 2, 4], [6]]
+    agree = harness.agreement(outs, refs)
+    assert agree["identical_outputs"] == 1 and agree["prompts"] == 4
+    assert agree["mean_common_prefix"] == pytest.approx((3 + 1 + 2 + 0) / 4)  # a prefix stops at its end
+    assert agree["positionwise"] == pytest.approx((3 + 2 + 2 + 0) / (3 + 3 + 2 + 1))
+    assert harness.agreement([], [])["positionwise"] == 0.0
+
+
 def test_totals_are_sums_of_tokens_over_sums_of_seconds():
     stats = SpecStats(steps=2, accepted=2, generated=4, prefill_time=0.5)
     t = harness.Totals()
