@@ -22,6 +22,7 @@ import logging
 import os
 import subprocess
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -66,6 +67,10 @@ def _setup_fewrows(lib: ctypes.CDLL) -> None:
         [ctypes.c_void_p] * 7 + [ctypes.c_int] * 6 + [ctypes.c_int, ctypes.c_float, ctypes.c_int]
     )
     lib.rope_attend_window.restype = None
+    lib.rope_attend_tree.argtypes = (
+        [ctypes.c_void_p] * 10 + [ctypes.c_int] * 6 + [ctypes.c_int, ctypes.c_float, ctypes.c_int]
+    )
+    lib.rope_attend_tree.restype = None
     lib.rmsnorm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_float]
     lib.rmsnorm_f32.restype = None
     lib.decode_layers.argtypes = (
@@ -76,6 +81,14 @@ def _setup_fewrows(lib: ctypes.CDLL) -> None:
         + [ctypes.c_int]
     )
     lib.decode_layers.restype = None
+    lib.decode_layers_tree.argtypes = (
+        [ctypes.c_void_p] * 5
+        + [ctypes.c_int] * 8
+        + [ctypes.c_float, ctypes.c_int]
+        + [ctypes.c_void_p] * 10
+        + [ctypes.c_int]
+    )
+    lib.decode_layers_tree.restype = None
 
 
 def _load() -> ctypes.CDLL | None:
@@ -218,6 +231,52 @@ def attention_supports(T: int, n_heads: int, n_kv_heads: int, head_dim: int) -> 
     )
 
 
+@dataclass
+class TreeLayout:
+    """Where a token-tree step's queries look, in the form the native attention takes
+    (``rope_attend_tree`` in fewrows.c): query (b, t) at position p sees p + 1 slots, the slots
+    below ``lo[b]`` and then ``vmap[b, t, : p + 1 - lo[b]]`` (ascending), exactly the keys a chain
+    step over its path sees in the same order, so its output is bit-identical to that chain's.
+
+    Attributes:
+        slot: ``(B, T)`` int64 cache slot of each new token's key and value.
+        lo: ``(B,)`` int64 first slot of each row that is read through the map.
+        vmap: ``(B, T, T)`` int64 the slots each query sees from ``lo`` on.
+    """
+
+    slot: torch.Tensor
+    lo: torch.Tensor
+    vmap: torch.Tensor
+
+    def pointers(self) -> tuple[int, int, int]:
+        return self.slot.data_ptr(), self.lo.data_ptr(), self.vmap.data_ptr()
+
+
+def tree_layout(attn_mask: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> TreeLayout | None:
+    """The :class:`TreeLayout` of a step with ``attn_mask (B, T, S)`` over cache slots, or None when
+    the mask is not of that form (the runtime then takes torch's attention). Row b's first token
+    (the tree's root) is at its own position ``r``; every query sees slots ``0 .. r`` and, past
+    them, as many slots as its position is past r, at most T (:meth:`specdraft.tree.TokenTree.step_mask`)."""
+    B, T = attn_mask.shape[:2]
+    lo = positions[:, 0] + 1  # (B,)
+    vmap = torch.zeros(B, T, T, dtype=torch.int64)
+    for b in range(B):
+        r1 = int(lo[b])
+        seen = attn_mask[b, :, r1:]  # (T, S - r1)
+        want = positions[b] + 1 - r1  # (T,) slots each query sees past the root
+        if (
+            int(slots[b, 0]) != r1 - 1
+            or not bool(attn_mask[b, :, :r1].all())
+            or not bool((seen.sum(1) == want).all())
+            or bool((want < 0).any() or (want > T).any())
+        ):
+            return None
+        # the True slots first, in ascending order (a stable sort of "not seen")
+        order = torch.sort((~seen).to(torch.int8), dim=1, stable=True).indices[:, :T]  # (T, <= T)
+        vmap[b, :, : order.shape[1]] = order + r1
+    return TreeLayout(slots.to(torch.int64).contiguous(), lo.to(torch.int64).contiguous(), vmap)
+
+
 class RopeAttention:
     """RoPE, the KV-cache write and causal attention of a decode / verification step in one
     native call per layer (``rope_attend`` in fewrows.c). Made once per forward (what all layers
@@ -231,6 +290,8 @@ class RopeAttention:
         window: W > 0: a query at position p attends to slots p - W + 1..p only (sliding-window
             layers, as transformers' Gemma 3); 0: slots 0..p.
         scale: the scores' scale; None: 1 / sqrt(D).
+        tree: a token-tree step's :class:`TreeLayout` (keys and values at its slots, each query
+            over its own slots); None: causal, every token at its position.
 
     Call :func:`attention_supports` first.
     """
@@ -244,8 +305,10 @@ class RopeAttention:
         n_kv_heads: int,
         window: int = 0,
         scale: float | None = None,
+        tree: TreeLayout | None = None,
     ):
         self.B, self.T = positions.shape
+        self.tree = tree
         self.D = cos.shape[-1]
         if (
             cos.dtype != torch.float32
@@ -254,6 +317,8 @@ class RopeAttention:
         ):
             raise ValueError("RopeAttention: RoPE tables must be contiguous float32")
         self.last = int(positions.max())  # the native code indexes tables and caches by position
+        if tree is not None:
+            self.last = max(self.last, int(tree.slot.max()))
         if cos.shape[0] <= self.last:
             raise ValueError(
                 f"RopeAttention: RoPE tables cover {cos.shape[0]} positions, not {self.last + 1}"
@@ -266,7 +331,7 @@ class RopeAttention:
         if scale is None:  # 1 / sqrt(D) rounded as fp32 ops round it (rope_attend's 1.0f / sqrtf(D))
             scale = float(1.0 / torch.tensor(float(self.D)).sqrt())
         self.scale = float(scale)
-        self.fn = _load().rope_attend_window
+        self.fn = _load().rope_attend_window if tree is None else _load().rope_attend_tree
         self.threads = torch.get_num_threads()
 
     def __call__(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -300,6 +365,7 @@ class RopeAttention:
             self.fn,
             qkv.data_ptr(),
             self.pos.data_ptr(),
+            *(() if self.tree is None else self.tree.pointers()),
             self.cos.data_ptr(),
             self.sin.data_ptr(),
             k_cache.data_ptr(),
@@ -376,14 +442,15 @@ class DecodeLayers:
         v_caches: list,
         cos: torch.Tensor,
         sin: torch.Tensor,
+        tree: TreeLayout | None = None,
     ) -> torch.Tensor:
         """``x (B, T, C)`` fp32 (the embeddings) -> the residual stream after the last layer,
         computed in place in ``x`` (made contiguous first); writes each layer's new keys and values
-        into its ``(B, G, cap, D)`` caches."""
+        into its ``(B, G, cap, D)`` caches (at ``tree.slot`` for a token-tree step)."""
         B, T, C = x.shape
         F = self.layers[0].w_down.shape[1]
         cap = k_caches[0].shape[2]
-        last = int(positions.max())
+        last = int(positions.max()) if tree is None else max(int(positions.max()), int(tree.slot.max()))
         if last >= cap or cos.shape[0] <= last:
             raise ValueError(
                 f"DecodeLayers: position {last} beyond the cache ({cap}) or the RoPE tables ({cos.shape[0]})"
@@ -406,9 +473,10 @@ class DecodeLayers:
         pos = positions.to(torch.int64).contiguous()
         _call(
             "specdraft::decode_layers",
-            _lib.decode_layers,
+            _lib.decode_layers if tree is None else _lib.decode_layers_tree,
             x.data_ptr(),
             pos.data_ptr(),
+            *(() if tree is None else tree.pointers()),
             B,
             T,
             C,

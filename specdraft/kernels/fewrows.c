@@ -5,7 +5,9 @@
  *   rope_attend                 RoPE + KV-cache write + causal attention for a few new tokens
  *   rope_attend_window          the same with a sliding window and a given score scale (Gemma 3)
  *   rmsnorm_f32                 RMSNorm of a few rows
+ *   rope_attend_tree            the same for a token-tree step (each node sees its ancestors)
  *   decode_layers               every decoder layer of such a step in one call, built from the above
+ *   decode_layers_tree          the same for a token-tree step
  *
  * All keep each row's result independent of the other rows (see each kernel). The ctypes wrappers
  * are in __init__.py; build.py compiles this file with the source hash it exports.
@@ -35,6 +37,7 @@
 #include <immintrin.h>
 #include <omp.h>
 #include <math.h>
+#include <limits.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -341,17 +344,25 @@ static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4
     return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
-void rope_attend_window(const float *qkv, const int64_t *pos, const float *cosT, const float *sinT, float *kc,
-                        float *vc, float *out, int B, int T, int H, int G, int D, int cap, int window, float scale,
-                        int threads) {
+/* Token trees (tree.py): the new tokens of row b are a root at slot lo[b] - 1 and nodes at their own
+ * slots (slot[b T + t]), each at position p = root + depth. A node sees the committed slots, the
+ * root and its ancestors: the same p + 1 keys a chain step over its path sees, with the "virtual"
+ * slots lo[b] + i (i < depth) read from slot vmap[(b T + t) T + i] (its ancestor at depth i + 1).
+ * Keys past lo[b] are gathered into a scratch block in virtual order and values are read through
+ * the map, so a node's operations are exactly a chain step's over its path (bit-identical). */
+static inline long vslot(long s, long lo, const int64_t *m) { return s < lo ? s : m[s - lo]; }
+
+static void attend(const float *qkv, const int64_t *pos, const int64_t *slot, const int64_t *lo_row,
+                   const int64_t *vmap, const float *cosT, const float *sinT, float *kc, float *vc, float *out, int B,
+                   int T, int H, int G, int D, int cap, int window, float scale, int threads) {
     const long row = (long)(H + 2 * G) * D;
     /* keys and values of every new token first: a query may see the other new tokens */
     for (int b = 0; b < B; b++)
         for (int t = 0; t < T; t++) {
-            const long p = pos[b * T + t];
+            const long p = pos[b * T + t], w = slot ? slot[b * T + t] : p;
             const float *src = qkv + (b * (long)T + t) * row;
             for (int g = 0; g < G; g++) {
-                float *kd = kc + (((long)b * G + g) * cap + p) * D, *vd = vc + (((long)b * G + g) * cap + p) * D;
+                float *kd = kc + (((long)b * G + g) * cap + w) * D, *vd = vc + (((long)b * G + g) * cap + w) * D;
                 rope(src + (long)(H + g) * D, cosT + p * D, sinT + p * D, kd, D);
                 for (int i = 0; i < D; i += 8) _mm256_storeu_ps(vd + i, _mm256_loadu_ps(src + (long)(H + G + g) * D + i));
             }
@@ -374,15 +385,18 @@ void rope_attend_window(const float *qkv, const int64_t *pos, const float *cosT,
         const int qmax = rep * TB;
         float *sc = (float *)aligned_alloc(32, (size_t)qmax * ld * sizeof(float));
         float *q = (float *)aligned_alloc(32, (size_t)qmax * D * sizeof(float));
+        float *kg = (float *)aligned_alloc(32, (size_t)8 * D * sizeof(float)); /* gathered tree keys */
         float inv[qmax];
         long nq_slots[qmax], lo_slot[qmax];
         float *oq[qmax];
+        const int64_t *mq[qmax]; /* each query's vmap row */
 #pragma omp for schedule(static)
         for (int it = 0; it < items; it++) {
             const int hi = it % hs, rest = it / hs; /* item: query heads g rep + hi hper .. + hper - 1 */
             const int tb = rest % tblocks, g = (rest / tblocks) % G, b = rest / (tblocks * G);
             const int t0 = tb * TB, t1 = t0 + TB < T ? t0 + TB : T, nq = (t1 - t0) * hper;
             const float *kb = kc + ((long)b * G + g) * cap * D, *vb = vc + ((long)b * G + g) * cap * D;
+            const long lo = vmap ? lo_row[b] : LONG_MAX; /* virtual slots from lo on are mapped */
             long nmax = 0;
             for (int j = 0; j < nq; j++) { /* query j: token t0 + j / hper, head g rep + hi hper + j % hper */
                 const int t = t0 + j / hper, h = g * rep + hi * hper + j % hper;
@@ -392,6 +406,7 @@ void rope_attend_window(const float *qkv, const int64_t *pos, const float *cosT,
                 nmax = p + 1 > nmax ? p + 1 : nmax;
                 rope(qkv + bt * row + (long)h * D, cosT + p * D, sinT + p * D, q + (long)j * D, D);
                 oq[j] = out + bt * (long)H * D + (long)h * D;
+                mq[j] = vmap ? vmap + bt * T : NULL;
             }
             /* scores: each is one FMA chain over D and a fixed horizontal sum */
             for (long s0 = 0; s0 < nmax; s0 += SB)
@@ -402,6 +417,12 @@ void rope_attend_window(const float *qkv, const int64_t *pos, const float *cosT,
                     long s = s0 > lo_slot[j] ? s0 : lo_slot[j];
                     for (; s + 8 <= s1; s += 8) { /* 8 slots: 8 chains, sums in one vector */
                         const float *k0 = kb + s * D;
+                        if (s + 8 > lo) { /* tree slots: their keys in virtual order */
+                            for (int u = 0; u < 8; u++)
+                                for (int i = 0; i < D; i += 8)
+                                    _mm256_store_ps(kg + u * D + i, _mm256_loadu_ps(kb + vslot(s + u, lo, mq[j]) * D + i));
+                            k0 = kg;
+                        }
                         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
                         for (int i = 0; i < D; i += 8) {
                             const __m256 qv = _mm256_load_ps(qj + i);
@@ -418,7 +439,8 @@ void rope_attend_window(const float *qkv, const int64_t *pos, const float *cosT,
                     }
                     for (; s < s1; s++) { /* the same chain and sum order, one slot */
                         __m256 a = _mm256_setzero_ps();
-                        for (int i = 0; i < D; i += 8) a = _mm256_fmadd_ps(_mm256_load_ps(qj + i), _mm256_loadu_ps(kb + s * D + i), a);
+                        const float *ks = kb + vslot(s, lo, mq[j]) * D;
+                        for (int i = 0; i < D; i += 8) a = _mm256_fmadd_ps(_mm256_load_ps(qj + i), _mm256_loadu_ps(ks + i), a);
                         scj[s] = _mm256_cvtss_f32(_mm256_mul_ps(hsum8(a, a, a, a, a, a, a, a), vscale));
                     }
                 }
@@ -457,7 +479,7 @@ void rope_attend_window(const float *qkv, const int64_t *pos, const float *cosT,
                         __m256 c6 = _mm256_loadu_ps(o + i + 48), c7 = _mm256_loadu_ps(o + i + 56);
                         for (long s = s2; s < s1; s++) {
                             const __m256 e = _mm256_broadcast_ss(scj + s);
-                            const float *vr = vb + s * D + i;
+                            const float *vr = vb + vslot(s, lo, mq[j]) * D + i;
                             c0 = _mm256_fmadd_ps(e, _mm256_loadu_ps(vr), c0);
                             c1 = _mm256_fmadd_ps(e, _mm256_loadu_ps(vr + 8), c1);
                             c2 = _mm256_fmadd_ps(e, _mm256_loadu_ps(vr + 16), c2);
@@ -476,8 +498,9 @@ void rope_attend_window(const float *qkv, const int64_t *pos, const float *cosT,
                         __m256 c0 = _mm256_loadu_ps(o + i), c1 = _mm256_loadu_ps(o + i + 8);
                         for (long s = s2; s < s1; s++) {
                             const __m256 e = _mm256_broadcast_ss(scj + s);
-                            c0 = _mm256_fmadd_ps(e, _mm256_loadu_ps(vb + s * D + i), c0);
-                            c1 = _mm256_fmadd_ps(e, _mm256_loadu_ps(vb + s * D + i + 8), c1);
+                            const float *vr = vb + vslot(s, lo, mq[j]) * D + i;
+                            c0 = _mm256_fmadd_ps(e, _mm256_loadu_ps(vr), c0);
+                            c1 = _mm256_fmadd_ps(e, _mm256_loadu_ps(vr + 8), c1);
                         }
                         _mm256_storeu_ps(o + i, c0), _mm256_storeu_ps(o + i + 8, c1);
                     }
@@ -488,7 +511,22 @@ void rope_attend_window(const float *qkv, const int64_t *pos, const float *cosT,
         }
         free(sc);
         free(q);
+        free(kg);
     }
+}
+
+void rope_attend_window(const float *qkv, const int64_t *pos, const float *cosT, const float *sinT, float *kc,
+                        float *vc, float *out, int B, int T, int H, int G, int D, int cap, int window, float scale,
+                        int threads) {
+    attend(qkv, pos, NULL, NULL, NULL, cosT, sinT, kc, vc, out, B, T, H, G, D, cap, window, scale, threads);
+}
+
+/* rope_attend_window over a token tree step (see attend): slot (B, T) where each new token's key and
+ * value go, lo (B,) and vmap (B, T, T) the virtual slots of each query past the committed ones. */
+void rope_attend_tree(const float *qkv, const int64_t *pos, const int64_t *slot, const int64_t *lo,
+                      const int64_t *vmap, const float *cosT, const float *sinT, float *kc, float *vc, float *out,
+                      int B, int T, int H, int G, int D, int cap, int window, float scale, int threads) {
+    attend(qkv, pos, slot, lo, vmap, cosT, sinT, kc, vc, out, B, T, H, G, D, cap, window, scale, threads);
 }
 
 void rope_attend(const float *qkv, const int64_t *pos, const float *cosT, const float *sinT, float *kc, float *vc,
@@ -510,10 +548,11 @@ void rope_attend(const float *qkv, const int64_t *pos, const float *cosT, const 
  * x (M = B T rows of C floats) is updated in place. Every operation is row by row in a fixed order,
  * so rows stay independent of each other as in the kernels it calls. silu(g) = g / (1 + e^-g) with
  * exp256 above. */
-void decode_layers(float *x, const int64_t *pos, int B, int T, int C, int H, int G, int D, int F, int cap, float eps,
-                   int L, const float *const *attn_norm, const uint16_t *const *wqkv, const uint16_t *const *wo,
-                   const float *const *mlp_norm, const uint16_t *const *wgu, const uint16_t *const *wdown,
-                   float *const *kc, float *const *vc, const float *cosT, const float *sinT, int threads) {
+void decode_layers_tree(float *x, const int64_t *pos, const int64_t *slot, const int64_t *lo, const int64_t *vmap,
+                        int B, int T, int C, int H, int G, int D, int F, int cap, float eps, int L,
+                        const float *const *attn_norm, const uint16_t *const *wqkv, const uint16_t *const *wo,
+                        const float *const *mlp_norm, const uint16_t *const *wgu, const uint16_t *const *wdown,
+                        float *const *kc, float *const *vc, const float *cosT, const float *sinT, int threads) {
     const int M = B * T, Q = (H + 2 * G) * D;
     float *h = (float *)aligned_alloc(32, sizeof(float) * (size_t)M * (C > F ? C : F) + 32);
     float *qkv = (float *)aligned_alloc(32, sizeof(float) * (size_t)M * Q + 32);
@@ -523,7 +562,8 @@ void decode_layers(float *x, const int64_t *pos, int B, int T, int C, int H, int
     for (int l = 0; l < L; l++) {
         rmsnorm_f32(x, attn_norm[l], h, M, C, eps);
         packed_bf16(h, wqkv[l], qkv, M, C, Q, threads);
-        rope_attend(qkv, pos, cosT, sinT, kc[l], vc[l], att, B, T, H, G, D, cap, threads);
+        attend(qkv, pos, slot, lo, vmap, cosT, sinT, kc[l], vc[l], att, B, T, H, G, D, cap, 0, 1.0f / sqrtf((float)D),
+               threads);
         packed_bf16(att, wo[l], y, M, H * D, C, threads);
         for (long i = 0; i < (long)M * C; i += 8)
             _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
@@ -543,4 +583,13 @@ void decode_layers(float *x, const int64_t *pos, int B, int T, int C, int H, int
             _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
     }
     free(h), free(qkv), free(att), free(gu), free(y);
+}
+
+/* decode_layers_tree for a causal step (slot, lo and vmap NULL: every token at its position). */
+void decode_layers(float *x, const int64_t *pos, int B, int T, int C, int H, int G, int D, int F, int cap, float eps,
+                   int L, const float *const *attn_norm, const uint16_t *const *wqkv, const uint16_t *const *wo,
+                   const float *const *mlp_norm, const uint16_t *const *wgu, const uint16_t *const *wdown,
+                   float *const *kc, float *const *vc, const float *cosT, const float *sinT, int threads) {
+    decode_layers_tree(x, pos, NULL, NULL, NULL, B, T, C, H, G, D, F, cap, eps, L, attn_norm, wqkv, wo, mlp_norm, wgu,
+                       wdown, kc, vc, cosT, sinT, threads);
 }

@@ -491,8 +491,11 @@ class LlamaRuntime:
         tokens) in fp32 gives each row and token bit for bit what that row alone gets one token at
         a time, whatever B and T: it runs on the native kernels, which compute every row and query
         the same way at any size, beyond the size limits that otherwise send many rows or tokens to
-        torch's ops (where torch is faster but its results depend on the row count). A forward with
-        ``logits_index`` (a prefill) or ``attn_mask`` keeps the size-based choice.
+        torch's ops (where torch is faster but its results depend on the row count). A token-tree
+        step (``attn_mask`` and ``slots`` of :meth:`specdraft.tree.TokenTree.step_mask` form,
+        :func:`specdraft.kernels.tree_layout`) is a scoring step too: each node's row is bit for bit
+        the one a chain step over its path gives. A forward with ``logits_index`` (a prefill) or
+        another ``attn_mask`` keeps the size-based choice.
 
         Three paths (:meth:`_path`): ``"native"`` runs every layer in one native call
         (:class:`specdraft.kernels.DecodeLayers`); ``"fused"`` runs the layers here with each
@@ -505,16 +508,34 @@ class LlamaRuntime:
         top = last if slots is None else max(last, int(slots.max()))
         if top >= state.capacity:
             raise SpecdraftError(f"position {top} beyond cache capacity {state.capacity}")
-        exact = attn_mask is None and logits_index is None and self.dtype == torch.float32
-        path = self._path(tokens.shape, hidden_layers, attn_mask, exact)
+        tree = self._tree_layout(attn_mask, positions, slots, logits_index)
+        mask = None if tree is not None else attn_mask  # a tree the kernels take is a scoring step
+        exact = mask is None and logits_index is None and self.dtype == torch.float32
+        path = self._path(tokens.shape, hidden_layers, mask, exact)
         x = self._embed(tokens)  # (B, T, C)
         hidden: dict[int, torch.Tensor] = {}
         if path == "native":  # no per-op overhead between the layers
-            x = self._decode_layers(x, positions, state.k, state.v, *self._rope_tables(last + 1))
+            x = self._decode_layers(x, positions, state.k, state.v, *self._rope_tables(last + 1), tree)
         else:
-            attend = self._attention(path, positions, attn_mask, slots)
+            native_tree = {"tree": tree} if tree is not None and path == "fused" else {}
+            attend = self._attention(path, positions, attn_mask, slots, **native_tree)
             x = self._run_layers(x, state, attend, exact, set(hidden_layers), hidden)
         return self._head(x, exact, hidden_layers, hidden, logits_index)
+
+    def _tree_layout(
+        self,
+        attn_mask: torch.Tensor | None,
+        positions: torch.Tensor,
+        slots: torch.Tensor | None,
+        logits_index: torch.Tensor | None,
+    ) -> kernels.TreeLayout | None:
+        """The native kernels' layout of a token-tree step (fp32, kernels built, a mask of the
+        tree form), else None."""
+        if attn_mask is None or slots is None or logits_index is not None or self.dtype != torch.float32:
+            return None
+        if not kernels.available():
+            return None
+        return kernels.tree_layout(attn_mask, positions, slots)
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """``(B, T)`` token ids -> ``(B, T, C)`` input embeddings in the compute dtype."""
@@ -542,13 +563,19 @@ class LlamaRuntime:
         return "native" if native else "fused"
 
     def _attention(
-        self, path: str, positions: torch.Tensor, attn_mask: torch.Tensor | None, slots: torch.Tensor | None
+        self,
+        path: str,
+        positions: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        slots: torch.Tensor | None,
+        tree: kernels.TreeLayout | None = None,
     ):
-        """This step's attention block, called per layer as ``attend(qkv, k_cache, v_cache)``."""
+        """This step's attention block, called per layer as ``attend(qkv, k_cache, v_cache)``
+        (``tree``: the fused path's token-tree layout)."""
         w = self.w
         if path == "fused":
             cos, sin = self._rope_tables(int(positions.max()) + 1)
-            return kernels.RopeAttention(positions, cos, sin, w.n_heads, w.n_kv_heads)
+            return kernels.RopeAttention(positions, cos, sin, w.n_heads, w.n_kv_heads, tree=tree)
         return TorchAttention(positions, *self._rope(positions), w.n_heads, w.n_kv_heads, attn_mask, slots)
 
     def _run_layers(

@@ -1,9 +1,11 @@
 """A token-tree step on the compact runtime: every node's logits are those of a chain step over the
-same prefix, and moving the accepted nodes' cache entries leaves the cache a chain step leaves."""
+same prefix (bit for bit on the native kernels, fp32 and bf16 weights; close on torch's attention),
+and moving the accepted nodes' cache entries leaves the cache a chain step leaves."""
 
 import pytest
 import torch
 
+from specdraft import kernels
 from specdraft.errors import SpecdraftError
 from specdraft.models.llama import LlamaRuntime, LlamaWeights
 from specdraft.models.tiny import tiny_llama
@@ -16,6 +18,55 @@ CHAINS = [[11, 12, 13], [11, 14], [15, 16, 17, 18], [15, 19], [20]]
 @pytest.fixture(scope="module")
 def rt():
     return LlamaRuntime(LlamaWeights.from_hf(tiny_llama(seed=3), torch.float32))
+
+
+native = pytest.mark.skipif(not kernels.available(), reason="native kernels not built here")
+
+
+@native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_native_tree_rows_are_bit_identical_to_chain_steps(dtype, batch, monkeypatch):
+    """fp32 weights take the fused attention path, bf16 weights the all-layers native call; either
+    way the tree goes through the native attention (spied) and every row equals the chain's."""
+    rt = LlamaRuntime(LlamaWeights.from_hf(tiny_llama(seed=4), dtype))
+    calls = []
+    layout = kernels.tree_layout
+    monkeypatch.setattr(kernels, "tree_layout", lambda *a: calls.append(layout(*a)) or calls[-1])
+    contexts = [[1, 2, 3, 4, 5, 6], [9, 8, 7], [4, 4, 4, 4, 4, 4, 4, 4]][:batch]
+    trees = [
+        TokenTree.from_chains(CHAINS),
+        TokenTree.from_chains([[30, 31], [32]]),
+        TokenTree.from_chains([[5]]),
+    ]
+    N = max(t.num_nodes for t in trees[:batch])
+    state = rt.new_state(batch, 40)
+    P = max(len(c) for c in contexts)
+    ctx = torch.tensor([c + [0] * (P - len(c)) for c in contexts])
+    rt.forward(state, ctx, torch.arange(P).expand(batch, P))
+    pads = [
+        TokenTree(
+            torch.cat([t.tokens, torch.zeros(N - t.num_nodes, dtype=torch.int64)]),
+            torch.cat([t.parents, -torch.ones(N - t.num_nodes, dtype=torch.int64)]),
+        )
+        for t in trees[:batch]
+    ]
+    roots = [len(c) for c in contexts]  # the root sits at the context's length
+    tokens = torch.stack([torch.cat([torch.tensor([7]), t.tokens]) for t in pads])
+    out = rt.forward(
+        state,
+        tokens,
+        torch.stack([t.positions(r) for t, r in zip(pads, roots)]),
+        attn_mask=torch.stack([t.step_mask(r, 40) for t, r in zip(pads, roots)]),
+        slots=torch.stack([t.slots(r) for t, r in zip(pads, roots)]),
+    ).logits  # (B, N + 1, V)
+    assert calls and all(c is not None for c in calls)  # the native path took the tree
+    for b in range(batch):
+        tree = trees[b]
+        for i in range(-1, tree.num_nodes):
+            path = [] if i < 0 else tree.tokens[tree.ancestors[i]].tolist()
+            chain = _chain_logits(rt, contexts[b], [7, *path])[-1]
+            assert torch.equal(out[b, 1 + i], chain), (b, i)
 
 
 def _prefilled(rt, context: list[int], capacity: int = 40):
