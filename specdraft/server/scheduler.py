@@ -171,7 +171,8 @@ class Scheduler:
         self._thread: threading.Thread | None = None
 
     def _new_engine(self) -> Engine:
-        return Engine(self.pipe.runtime, self.drafter, self.policy)
+        hidden = getattr(self.pipe.drafter, "hidden_layers", ())  # feature drafters read target states
+        return Engine(self.pipe.runtime, self.drafter, self.policy, hidden_layers=hidden)
 
     # ------------------------------------------------------------------ event loop side
     def start(self) -> None:

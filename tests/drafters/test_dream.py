@@ -134,3 +134,9 @@ def test_saved_draft_loads_by_kind_and_stays_lossless(tiny_pipe, tmp_path):
     )
     assert decode(mine, prompts, 20) == got and mine.stats.accepted == engine.stats.accepted
     assert mine.stats.drafted == engine.stats.drafted
+    # the server's engine hands the drafter the target layers it reads too
+    from specdraft.server.metrics import Metrics
+    from specdraft.server.scheduler import Scheduler
+
+    sched = Scheduler(pipe, pipe.engine(3).policy, max_batch=2, max_queue=2, metrics=Metrics())
+    assert sched._new_engine().hidden_layers == (-1, *model.layers)
