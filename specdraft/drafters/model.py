@@ -107,7 +107,7 @@ def self_from_spec(spec, target) -> ModelDrafter:
     dtype (a copy of its weights when that differs from the target's)."""
     rt = target.runtime
     if isinstance(rt, LlamaRuntime) and target.dtype != rt.w.dtype:
-        return ModelDrafter(LlamaRuntime(rt.w.subset(rt.layer_ids, target.dtype)), "self")
+        return ModelDrafter(type(rt)(rt.w.subset(rt.layer_ids, target.dtype)), "self")
     return ModelDrafter(rt, "self")
 
 
@@ -115,10 +115,10 @@ def pruned_from_spec(spec, target) -> ModelDrafter:
     """``prune:0,1,2,29``: the target's own layers at full width, with its embedding and LM head."""
     rt = target.runtime
     if not isinstance(rt, LlamaRuntime):
-        raise SpecdraftError("layer-pruned drafts need a Llama-family target (compact runtime)")
+        raise SpecdraftError("layer-pruned drafts need a Llama-family or Gemma 3 target (compact runtime)")
     if target.dtype == rt.w.dtype:  # shares the target's tensors; owns only its cache
-        return ModelDrafter(LlamaRuntime(rt.w, spec.layers), str(spec))
-    return ModelDrafter(LlamaRuntime(rt.w.subset(spec.layers, target.dtype)), str(spec))
+        return ModelDrafter(type(rt)(rt.w, spec.layers), str(spec))  # the target's runtime class
+    return ModelDrafter(type(rt)(rt.w.subset(spec.layers, target.dtype)), str(spec))
 
 
 def _same_tokenizer(a, b) -> bool:

@@ -28,7 +28,7 @@ Shapes: B batch rows, T new tokens, C hidden size, H query heads, G key/value he
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -133,14 +133,37 @@ class Gemma3Weights(LlamaWeights):
         )
 
     def subset(self, layer_ids: list[int], dtype: torch.dtype) -> Gemma3Weights:
-        """The layers ``layer_ids`` (in order) with this model's embedding, norm and head, sharing
-        every tensor. Only the weights' own dtype: casting Gemma's layers is not implemented."""
+        """A model made of ``layer_ids`` (in that order) with this model's embedding, norm and head,
+        in ``dtype`` (``torch.qint8``: int8 matmuls). Shares tensors when the dtype is unchanged."""
         n = len(self.layers)
         if not layer_ids or any(not 0 <= i < n for i in layer_ids):
             raise SpecdraftError(f"layer ids {list(layer_ids)} invalid for a {n}-layer model")
-        if dtype != self.dtype:
-            raise SpecdraftError(f"a Gemma 3 draft in {dtype} from {self.dtype} weights is not supported")
-        return replace(self, layers=[self.layers[i] for i in layer_ids])
+        dense = torch.float32 if dtype == torch.qint8 else dtype
+        compute = bf16_compute_dtype() if dense == torch.bfloat16 else dense
+
+        def cast(t: torch.Tensor, norm: bool) -> torch.Tensor:
+            to = compute if norm else dense
+            return t if t.dtype == to else t.to(to)
+
+        def cast_layer(layer: GemmaLayerWeights) -> GemmaLayerWeights:
+            tensors = {
+                f.name: cast(getattr(layer, f.name), f.name.endswith("norm"))
+                for f in fields(layer)
+                if isinstance(getattr(layer, f.name), torch.Tensor)
+            }
+            return replace(layer, **tensors, q_qkv=None, q_o=None, q_gate_up=None, q_down=None)
+
+        embed = cast(self.embed, False)
+        sub = replace(
+            self,
+            embed=embed,
+            layers=[cast_layer(self.layers[i]) for i in layer_ids],
+            norm=cast(self.norm, True),
+            lm_head=embed if self.lm_head is self.embed else cast(self.lm_head, False),
+            q_head=None,
+            compute=compute if compute != dense else None,
+        )
+        return sub.quantize_int8() if dtype == torch.qint8 else sub
 
 
 def _layer(layer, kind: str, w, norm) -> GemmaLayerWeights:
@@ -191,7 +214,12 @@ class Gemma3Runtime(LlamaRuntime):
         return self._local
 
     def _attention(
-        self, path: str, positions: torch.Tensor, attn_mask: torch.Tensor | None, slots: torch.Tensor | None
+        self,
+        path: str,
+        positions: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        slots: torch.Tensor | None,
+        tree: kernels.TreeLayout | None = None,
     ) -> tuple:
         """This step's attention blocks ``(global, local)``, indexed by ``layer.sliding``."""
         w = self.w
@@ -200,7 +228,9 @@ class Gemma3Runtime(LlamaRuntime):
         for (cos, sin), window in ((self._rope_tables(need), 0), (self._local_tables(need), w.window)):
             if path == "fused":
                 blocks.append(
-                    kernels.RopeAttention(positions, cos, sin, w.n_heads, w.n_kv_heads, window, w.attn_scale)
+                    kernels.RopeAttention(
+                        positions, cos, sin, w.n_heads, w.n_kv_heads, window, w.attn_scale, tree=tree
+                    )
                 )
             else:  # (B, 1, T, D) tables: broadcast over heads
                 cos_p, sin_p = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)

@@ -169,12 +169,38 @@ def test_layer_subset_and_refusals(gemma):
     _, rt = gemma
     sub = Gemma3Runtime(rt.w.subset([0, 2], torch.float32))
     assert [layer.sliding for layer in sub.layers] == [True, False]
-    assert sub.layers[1] is rt.w.layers[2]  # shares the target's tensors
+    assert sub.layers[1].wqkv is rt.w.layers[2].wqkv  # the same dtype shares the target's tensors
+    ids = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(6))
+    pruned = tiny_gemma3()
+    pruned.model.layers = torch.nn.ModuleList([pruned.model.layers[i] for i in (0, 2)])
+    pruned.config.layer_types = [pruned.config.layer_types[i] for i in (0, 2)]
+    pruned.config.num_hidden_layers = 2
+    _, out = prefill(sub, ids, 16)
+    with torch.no_grad():
+        ref = pruned(ids, use_cache=False).logits
+    torch.testing.assert_close(out.logits, ref, atol=ATOL, rtol=0)
+    for dtype in (torch.bfloat16, torch.qint8):  # drafts in another precision: a cast copy
+        cast = Gemma3Runtime(rt.w.subset([0, 2], dtype))
+        assert cast.w.layers[0].wqkv.dtype == (torch.float32 if dtype == torch.qint8 else dtype)
+        _, other = prefill(cast, ids, 16)
+        assert (other.logits - out.logits).abs().max() < 0.5  # close, not equal
     with pytest.raises(SpecdraftError, match="invalid"):
         rt.w.subset([4], torch.float32)
-    with pytest.raises(SpecdraftError, match="not supported"):
-        rt.w.subset([0], torch.bfloat16)
     capped = tiny_gemma3()
     capped.config.attn_logit_softcapping = 50.0
     with pytest.raises(SpecdraftError, match="soft-capping"):
         Gemma3Weights.from_hf(capped, torch.float32)
+
+
+@pytest.mark.parametrize("draft_dtype", [torch.float32, torch.bfloat16])
+def test_pruned_draft_runs_gemma_layers_and_stays_lossless(gemma, draft_dtype):
+    from specdraft import registry
+
+    model, rt = gemma
+    target = registry.Target(SimpleNamespace(model=model), rt, draft_dtype)
+    drafter = registry.build_drafter("prune:0,2", target)
+    assert isinstance(drafter.runtime, Gemma3Runtime)
+    assert [layer.sliding for layer in drafter.runtime.layers] == [True, False]
+    prompts = random_prompts([5, 9], vocab=96, seed=7)
+    reference = [plain_greedy(rt, p, 12) for p in prompts]
+    assert decode(Engine(rt, drafter, FixedK(3)), prompts, 12) == reference
