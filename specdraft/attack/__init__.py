@@ -12,5 +12,6 @@ same. One file per piece:
   can send);
 - :mod:`~specdraft.attack.lookup`: decoy phrases against prompt lookup's n-gram matches;
 - :mod:`~specdraft.attack.run`: per prompt, clean vs attacked through the engine, and the output
-  files (``specdraft attack``, :mod:`specdraft.commands.attack`).
+  files (``specdraft attack``, :mod:`specdraft.commands.attack`);
+- :mod:`~specdraft.attack.report`: the attack section of ``specdraft report``.
 """

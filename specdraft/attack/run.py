@@ -378,6 +378,10 @@ def _result(records: list[dict], clean_tot, att_tot, o: AttackOptions) -> dict:
         "defended_speedup": None if continuous else _speedup(att_tot, "defended"),
         "detected_rate": None,
         "false_positive_rate": _flagged(records, "clean"),
+        "defended_mean_accepted": None
+        if continuous
+        else _mean([r["attacked"]["defended_mean_accepted"] for r in records]),
+        "clean_defended_mean_accepted": _mean([r["clean"]["defended_mean_accepted"] for r in records]),
         "halved_rate": _mean([float(h) for h in halved]),
         "clean_defended_speedup": _speedup(clean_tot, "defended"),
         "attack_seconds_mean": _mean([r["attack_seconds"] for r in records]),

@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-HELP = "write REPORT.md with plots from study results (JSONL), bench JSON and profile JSON files"
+HELP = "write REPORT.md with plots from study results (JSONL), bench, profile and attack JSON files"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "results", nargs="+", help="study results.jsonl, `specdraft bench --json` files, profile JSON files"
+        "results",
+        nargs="+",
+        help="study results.jsonl, `specdraft bench --json` files, profile JSON files, attack.json files",
     )
     p.add_argument("--out", default=None, help="output directory (default: the first input's directory)")
 

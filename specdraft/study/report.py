@@ -5,7 +5,8 @@ Inputs (any mix, recognised by content):
 - study results (``results.jsonl`` from ``specdraft study``): ``config``, ``quality``,
   ``latency`` and ``online`` rows (:mod:`specdraft.study.sweep`);
 - bench JSON (``specdraft bench --json``): ``overall``, ``categories``, ``prompts``;
-- latency profiles (``specdraft profile`` JSON, :class:`specdraft.bench.profile.LatencyProfile`).
+- latency profiles (``specdraft profile`` JSON, :class:`specdraft.bench.profile.LatencyProfile`);
+- attack results (``attack.json`` from ``specdraft attack``, :mod:`specdraft.attack.report`).
 
 The report has one section per kind of evidence present, and a *Findings* section whose every
 sentence is computed from the data: which claims of the original study (Yan et al., "Decoding
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specdraft.attack import report as attack_report
 from specdraft.durable import read_rows
 from specdraft.errors import SpecdraftError
 from specdraft.registry import DraftSpec
@@ -50,6 +52,7 @@ class Inputs:
     runs: list[dict] = field(default_factory=list)
     bench: list[tuple[Path, dict]] = field(default_factory=list)
     profiles: list[tuple[Path, dict]] = field(default_factory=list)
+    attacks: list[tuple[Path, dict]] = field(default_factory=list)
     files: list[Path] = field(default_factory=list)
 
 
@@ -83,20 +86,24 @@ def load_inputs(paths: list[Path]) -> Inputs:
             except json.JSONDecodeError:
                 doc = None  # maybe JSON lines under another name
         if isinstance(doc, dict):
-            if {"overall", "categories"} <= doc.keys():
+            if attack_report.is_attack(doc):
+                inp.attacks.append((path, doc))
+            elif {"overall", "categories"} <= doc.keys():
                 inp.bench.append((path, doc))
             elif "t_target" in doc:
                 inp.profiles.append((path, doc))
             elif "kind" in doc:
                 _add_rows(inp, [doc])
             else:
-                raise SpecdraftError(f"{path}: not a study results file, bench JSON or latency profile")
+                raise SpecdraftError(
+                    f"{path}: not a study results file, bench JSON, latency profile or attack.json"
+                )
             continue
         _add_rows(inp, read_rows(path))
     inp.config = _last_per_config(inp.config, ("target", "draft", "dataset", "k", "batch"))
     inp.quality = _last_per_config(inp.quality, ("target", "draft", "dataset"))
     inp.online = _last_per_config(inp.online, ("target", "draft", "dataset", "k", "batch"))
-    if not (inp.config or inp.bench or inp.profiles or inp.online):
+    if not (inp.config or inp.bench or inp.profiles or inp.online or inp.attacks):
         raise SpecdraftError("no results in " + ", ".join(map(str, paths)))
     return inp
 
@@ -1103,6 +1110,10 @@ def write_report(inputs: list[Path], out_dir: Path) -> Path:
             raise SpecdraftError(f"{path}: malformed latency profile ({e})") from None
     if inp.bench:
         f, b = _bench_sections(inp, out_dir)
+        found += f
+        body += b
+    if inp.attacks:
+        f, b = attack_report.sections(inp.attacks, out_dir)
         found += f
         body += b
     text = (

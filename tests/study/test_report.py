@@ -174,7 +174,7 @@ def test_bad_inputs(tmp_path, capsys):
         write_report([bad], tmp_path / "rep")
     other = tmp_path / "other.json"
     other.write_text('{"hello": 1}')
-    with pytest.raises(SpecdraftError, match="not a study results file, bench JSON or latency profile"):
+    with pytest.raises(SpecdraftError, match="not a study results file, bench JSON, latency profile"):
         write_report([other], tmp_path / "rep")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
