@@ -57,14 +57,12 @@ def _suffix_options(kind: str, arg: str) -> str:
 
 
 def _ouroboros_options(kind: str, arg: str) -> str:
-    opts = arg.split(",")
-    if opts[0] != "lookup":
+    opts = [o for o in arg.split(",") if o]
+    if any(not (o in ("lookup", "shared", "chain") or (o.startswith("warm=") and len(o) > 5)) for o in opts):
         raise SpecdraftError(
-            f"bad draft spec {kind}:{arg}: use {kind}:lookup[,shared][,warm=PATH][,chain] "
-            "(a model-drafted ouroboros is not built yet)"
+            f"bad draft spec {kind}:{arg}: use {kind}[:lookup][,shared][,warm=PATH][,chain] "
+            "(without lookup the base draft is designed:auto)"
         )
-    if any(not (o in ("shared", "chain") or (o.startswith("warm=") and len(o) > 5)) for o in opts[1:]):
-        raise SpecdraftError(f"bad draft spec {kind}:{arg}: options are shared, chain and warm=PATH")
     return arg
 
 
@@ -176,7 +174,7 @@ DRAFTERS: dict[str, DrafterKind] = {
     "ouroboros": DrafterKind(
         _lazy("specdraft.drafters.ouroboros"),
         _ouroboros_options,
-        "ouroboros:lookup[,shared][,warm=PATH][,chain]",
+        "ouroboros[:lookup][,shared][,warm=PATH][,chain]",
     ),
     "model": DrafterKind(_lazy("specdraft.drafters.model", "model_from_spec"), _any, "MODEL_ALIAS|PATH"),
 }

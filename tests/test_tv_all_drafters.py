@@ -232,8 +232,10 @@ def make_case(name: str, target: LlamaRuntime) -> Case:
         return Case(LookupTreeDrafter(max_ngram=2), FixedK(4), check=lambda rec, policy: rec.trees)
     if name == "tree-branches":  # point-mass siblings: the sample picks the child, if any carries it
         return Case(FixedTrees(), FixedK(7), check=_branching)
-    if name == "ouroboros":  # lookup lengthened with pool phrases, pool phrases as branches
-        drafter = OuroborosDrafter(branches=3)
+    if name in ("ouroboros", "ouroboros-model"):  # a base draft lengthened with pool phrases, pool
+        # phrases as branches; the model's nodes carry its q, the pool's are point masses
+        base = ModelDrafter(peaked(seed=11, scale=12.0), "other") if name == "ouroboros-model" else None
+        drafter = OuroborosDrafter(base, branches=3)
         for t in range(V):  # a warm pool: two phrases after every token, so trees branch
             drafter.start.add(t, [(t + 1) % V, (t + 2) % V])
             drafter.start.add(t, [(t + 3) % V])
@@ -345,6 +347,7 @@ CASES = [
     "lookup-tree",
     "tree-branches",
     "ouroboros",
+    "ouroboros-model",
     "suffix",
     "bigram",
     "self",

@@ -28,43 +28,62 @@ lengthened base draft, as a chain, to compare tree and chain; a model-drafted ba
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from specdraft.drafters.base import DraftContext, DraftState, Proposal
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
-from specdraft.drafters.suffix import tree_proposal
+from specdraft.drafters.suffix import first_path, tree_proposal
 from specdraft.pool import PhrasePool, shared_pool
 from specdraft.tree import TokenTree
 
 
 class OuroborosState(DraftState):
-    """Each row's phrase pool (one object for every row when shared) and how much of its context
-    the pool has seen."""
+    """Each row's phrase pool (one object for every row when shared), how much of its context the
+    pool has seen, the base drafter's state and the base tokens each row's last proposal kept."""
 
-    def __init__(self, pools: list[PhrasePool]):
+    def __init__(self, pools: list[PhrasePool], base_state: DraftState):
         super().__init__(len(pools))
-        self.pools = pools
+        self.pools, self.base_state = pools, base_state
         self.synced = [0] * len(pools)
+        self.drafted: list[list[int]] = [[] for _ in pools]
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        self.pools = [self.pools[int(r)] for r in rows]
-        self.synced = [self.synced[int(r)] for r in rows]
+        keep = [int(r) for r in rows]
+        self.pools = [self.pools[r] for r in keep]
+        self.synced = [self.synced[r] for r in keep]
+        self.drafted = [self.drafted[r] for r in keep]
+        self.base_state.select_rows(rows)
         super().select_rows(rows)
 
     def append(self, other: OuroborosState) -> None:
         self.pools += other.pools
         self.synced += other.synced
+        self.drafted += other.drafted
+        self.base_state.append(other.base_state)
         super().append(other)
 
 
-def budget_tree(chains: list[tuple[list[int], list[str]]], k: int) -> TokenTree:
-    """The trie of ``chains`` (tokens with a source per token), in order, cut to at most k nodes:
-    a chain that would pass the budget is cut where it does."""
+@dataclass
+class Chain:
+    """One candidate continuation: tokens, a source per token, and q rows ``(m, V)`` for its first
+    m tokens (a model draft's; the rest, and a chain without q, are point masses)."""
+
+    tokens: list[int]
+    sources: list[str]
+    q: torch.Tensor | None = None
+
+
+def budget_tree(chains: list[Chain], k: int, vocab_size: int | None = None) -> TokenTree:
+    """The trie of ``chains``, in order, cut to at most k nodes (a chain that would pass the budget
+    is cut where it does). A node shared by several chains keeps the first one's source and q. With
+    ``vocab_size``, every node gets a q row (a point mass where its chain has none)."""
     index: dict[tuple[int, int], int] = {}  # (parent, token) -> node
-    tokens, parents, sources = [], [], []
-    for chain, srcs in chains:
+    tokens, parents, sources, rows = [], [], [], []
+    for chain in chains:
         parent = -1
-        for tok, src in zip(chain, srcs):
+        for j, (tok, src) in enumerate(zip(chain.tokens, chain.sources)):
             node = index.get((parent, tok))
             if node is None:
                 if len(tokens) == k:
@@ -73,19 +92,32 @@ def budget_tree(chains: list[tuple[list[int], list[str]]], k: int) -> TokenTree:
                 tokens.append(tok)
                 parents.append(parent)
                 sources.append(src)
+                rows.append(chain.q[j] if chain.q is not None and j < len(chain.q) else None)
             parent = node
-    return TokenTree(
-        torch.tensor(tokens, dtype=torch.int64),
-        torch.tensor(parents, dtype=torch.int64),
-        sources=tuple(sources),
-    )
+    q = None
+    if vocab_size is not None:
+        q = torch.zeros(len(tokens), vocab_size)
+        for i, row in enumerate(rows):
+            q[i] = (
+                row if row is not None else torch.nn.functional.one_hot(torch.tensor(tokens[i]), vocab_size)
+            )
+    t = torch.tensor(tokens, dtype=torch.int64)
+    return TokenTree(t, torch.tensor(parents, dtype=torch.int64), q, tuple(sources))
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 class OuroborosDrafter:
-    """Prompt lookup lengthened with pool phrases, pool phrases as extra branches.
+    """A base draft (prompt lookup or a model) lengthened with pool phrases, pool phrases as extra
+    branches.
 
     Args:
-        max_ngram: prompt lookup's longest n-gram.
+        base: the base drafter (default: prompt lookup); a model draft's q rows go with its tokens.
         shared: one process-wide pool for every request (see the module docstring).
         warm: a pool file to start from (:meth:`PhrasePool.save`).
         branches: pool phrases of the last token tried beside the base draft.
@@ -94,11 +126,10 @@ class OuroborosDrafter:
     """
 
     name = "ouroboros"
-    vocab_size = None
 
     def __init__(
         self,
-        max_ngram: int = 3,
+        base=None,
         shared: bool = False,
         warm: str | None = None,
         branches: int = 3,
@@ -107,9 +138,12 @@ class OuroborosDrafter:
         max_keys: int = 8192,
         tree: bool = True,
     ):
+        self.base = base if base is not None else PromptLookupDrafter()
+        self.source = "lookup" if isinstance(self.base, PromptLookupDrafter) else "model"
+        self.vocab_size = self.base.vocab_size
+        self.hidden_layers = getattr(self.base, "hidden_layers", ())
         self.tree = tree
         self.proposes_trees = tree  # the engine checks that the target can verify trees
-        self.lookup = PromptLookupDrafter(max_ngram=max_ngram)
         self.branches = branches
         bounds = {"phrase_len": phrase_len, "max_phrases": max_phrases, "max_keys": max_keys}
         self.shared = shared_pool("ouroboros", warm, **bounds) if shared else None
@@ -121,15 +155,14 @@ class OuroborosDrafter:
         return self.shared if self.shared is not None else self.start.copy()
 
     def new_state(self, batch_size: int, capacity: int) -> OuroborosState:
-        return OuroborosState([self.new_pool() for _ in range(batch_size)])
+        pools = [self.new_pool() for _ in range(batch_size)]
+        return OuroborosState(pools, self.base.new_state(batch_size, capacity))
 
-    def chains(
-        self, pool: PhrasePool, last: int, base: list[int], k: int
-    ) -> list[tuple[list[int], list[str]]]:
+    def chains(self, pool: PhrasePool, last: int, base: Chain, k: int) -> list[Chain]:
         """The base draft lengthened with pool phrases, then the other phrases after ``last``; in a
-        tree the lengthening leaves one node for the head of each other phrase."""
+        tree the main chain leaves one node for the head of each other phrase."""
         phrases = pool.get(last)
-        main, srcs = list(base), ["lookup"] * len(base)
+        main, srcs = list(base.tokens), list(base.sources)
         while len(main) < k:
             more = pool.get(main[-1])[:1] if main else phrases[:1]
             if not more:
@@ -137,36 +170,56 @@ class OuroborosDrafter:
             main += more[0]
             srcs += ["pool"] * len(more[0])
         others = [list(p[:k]) for p in phrases[: self.branches] if not main or p[0] != main[0]]
-        keep = max(len(base), k - len(others)) if self.tree else k
-        out = [(main[:keep], srcs[:keep])] if main else []
-        return out + [(p, ["pool"] * len(p)) for p in others]
+        keep = max(1, k - len(others)) if self.tree else k
+        out = [Chain(main[:keep], srcs[:keep], base.q)] if main else []
+        return out + [Chain(p, ["pool"] * len(p)) for p in others]
 
     def propose(self, state: OuroborosState, ctx: DraftContext, k: int) -> Proposal:
-        trees, matched = [], []
+        prop = self.base.propose(state.base_state, ctx, k)
+        B = ctx.lengths.shape[0]
+        nv = prop.num_valid if prop.num_valid is not None else torch.full((B,), k)
+        V = prop.probs.shape[-1] if prop.probs is not None else None
+        trees = []
         for b, pool in enumerate(state.pools):
             L = int(ctx.lengths[b])
             seq = ctx.tokens[b, :L]  # (L,) the row's committed tokens
             pool.add_text(seq, start=state.synced[b])
             state.synced[b] = L
-            n, base = self.lookup._lookup(seq, k)
-            trees.append(budget_tree(self.chains(pool, int(seq[-1]), base.tolist(), k), k))
-            matched.append(n)
-        # the policy learns acceptance per matched n, as for prompt lookup (0: pool phrases only)
-        return tree_proposal(trees, k, matched, as_trees=self.tree)
+            n = int(nv[b])
+            q = prop.probs[b, :n] if prop.probs is not None else None
+            base = Chain(prop.tokens[b, :n].tolist(), [self.source] * n, q)
+            tree = budget_tree(self.chains(pool, int(seq[-1]), base, k), k, V)
+            state.drafted[b] = base.tokens[
+                : _common_prefix(base.tokens, tree.tokens[first_path(tree)].tolist())
+            ]
+            trees.append(tree)
+        # prompt lookup's classes (the matched n) stay: the policy learns acceptance per class
+        bucket = prop.bucket.tolist() if prop.bucket is not None else None
+        return tree_proposal(trees, k, bucket, as_trees=self.tree)
 
     def observe(self, state: OuroborosState, num_accepted: torch.Tensor, verified=None) -> None:
-        """Add the target's corrected phrase past each row's rejection to the row's pool."""
+        """Add the target's corrected phrase past each row's rejection to the row's pool; tell the
+        base drafter how many of its own tokens were accepted (the path may leave them for a pool
+        branch)."""
         if verified is None:
+            own = torch.tensor([len(d) for d in state.drafted])
+            self.base.observe(state.base_state, torch.minimum(num_accepted, own))
             return
         for b, pool in enumerate(state.pools):
             pool.add_verified(
                 verified.inputs[b], verified.parents[b], verified.target_next[b], verified.committed[b]
             )
+        own = [_common_prefix(d, c[:-1]) for d, c in zip(state.drafted, verified.committed)]
+        self.base.observe(state.base_state, torch.tensor(own, dtype=torch.int64), verified)
 
 
 def from_spec(spec, target) -> OuroborosDrafter:
-    """The ``ouroboros:lookup[,shared][,warm=PATH][,chain]`` factory of
-    :data:`specdraft.registry.DRAFTERS`."""
+    """The ``ouroboros[:lookup][,shared][,warm=PATH][,chain]`` factory of
+    :data:`specdraft.registry.DRAFTERS`: the base is prompt lookup with ``lookup``, else the draft
+    designed for the target (``designed:auto``, itself prompt lookup when there is none)."""
+    from specdraft.registry import build_drafter
+
     opts = spec.arg.split(",")
     warm = next((o.partition("=")[2] for o in opts if o.startswith("warm=")), None)
-    return OuroborosDrafter(shared="shared" in opts, warm=warm, tree="chain" not in opts)
+    base = PromptLookupDrafter() if "lookup" in opts else build_drafter("designed:auto", target)
+    return OuroborosDrafter(base, shared="shared" in opts, warm=warm, tree="chain" not in opts)

@@ -25,6 +25,7 @@ import heapq
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from specdraft.drafters.base import DraftContext, DraftState, Proposal
 from specdraft.tree import TokenTree
@@ -122,12 +123,11 @@ def frequency_tree(conts: list[list[int]], k: int, min_prob: float, branch: bool
 
 
 def first_path(tree: TokenTree) -> list[int]:
-    """The tokens of the path that follows each node's first child from the root."""
+    """The nodes of the path that follows each node's first child from the root."""
     path, node = [], -1
-    parents = tree.parents.tolist()
-    for i, tok in enumerate(tree.tokens.tolist()):
-        if parents[i] == node:
-            path.append(tok)
+    for i, parent in enumerate(tree.parents.tolist()):
+        if parent == node:
+            path.append(i)
             node = i
     return path
 
@@ -136,17 +136,23 @@ def tree_proposal(
     trees: list[TokenTree], k: int, bucket: list[int] | None = None, as_trees: bool = True
 ) -> Proposal:
     """A proposal carrying each row's tree (``as_trees``; else a chain proposal); ``tokens`` holds
-    each tree's first path, which is what a chain step verifies."""
+    each tree's first path, which is what a chain step verifies, and ``probs`` its nodes' q rows
+    when the trees carry them (point masses for a row whose tree does not)."""
     B = len(trees)
     tokens = torch.zeros(B, k, dtype=torch.int64)
     num_valid = torch.zeros(B, dtype=torch.int64)
+    V = next((t.draft_probs.shape[-1] for t in trees if t.draft_probs is not None), None)
+    probs = torch.zeros(B, k, V) if V is not None else None  # (B, k, V)
     for b, tree in enumerate(trees):
         path = first_path(tree)[:k]
-        tokens[b, : len(path)] = torch.tensor(path, dtype=torch.int64)
+        tokens[b, : len(path)] = tree.tokens[path]
         num_valid[b] = len(path)
+        if probs is not None and path:
+            q = tree.draft_probs
+            probs[b, : len(path)] = q[path] if q is not None else F.one_hot(tree.tokens[path], V).float()
     bucket_t = torch.tensor(bucket, dtype=torch.int64) if bucket is not None else None
     kept = [t if t.num_nodes else None for t in trees] if as_trees else None
-    return Proposal(tokens=tokens, probs=None, num_valid=num_valid, bucket=bucket_t, trees=kept)
+    return Proposal(tokens=tokens, probs=probs, num_valid=num_valid, bucket=bucket_t, trees=kept)
 
 
 class SuffixState(DraftState):

@@ -8,12 +8,12 @@ import torch
 
 from specdraft import api, pool
 from specdraft.drafters.base import DraftContext, Verified
-from specdraft.drafters.ouroboros import OuroborosDrafter, budget_tree
+from specdraft.drafters.ouroboros import Chain, OuroborosDrafter, budget_tree
 from specdraft.errors import SpecdraftError
 from specdraft.pool import PhrasePool
 from specdraft.registry import DraftSpec
 from specdraft.verify import SamplingParams
-from tests.helpers import random_prompts
+from tests.helpers import plain_greedy, random_prompts
 
 
 def _ctx(rows: list[list[int]]) -> DraftContext:
@@ -24,12 +24,20 @@ def _ctx(rows: list[list[int]]) -> DraftContext:
 
 
 def test_budget_tree_merges_chains_in_order_and_keeps_at_most_k_nodes():
-    chains = [([1, 2, 3], ["lookup", "lookup", "pool"]), ([1, 4], ["pool"] * 2), ([5, 6], ["pool"] * 2)]
+    q = torch.tensor([[0.5, 0.5, 0, 0, 0, 0, 0], [0.1, 0.2, 0.7, 0, 0, 0, 0]])  # the model's two tokens
+    chains = [
+        Chain([1, 2, 3], ["model", "model", "pool"], q),
+        Chain([1, 4], ["pool"] * 2),
+        Chain([5, 6], ["pool"] * 2),
+    ]
     tree = budget_tree(chains, k=5)
     assert tree.tokens.tolist() == [1, 2, 3, 4, 5] and tree.parents.tolist() == [-1, 0, 1, 0, -1]
-    assert tree.sources == ("lookup", "lookup", "pool", "pool", "pool")
+    assert tree.sources == ("model", "model", "pool", "pool", "pool") and tree.draft_probs is None
     assert budget_tree(chains, k=2).tokens.tolist() == [1, 2]
     assert budget_tree([], k=3).num_nodes == 0
+    with_q = budget_tree(chains, k=5, vocab_size=7).draft_probs  # the model's rows, else point masses
+    assert torch.equal(with_q[:2], q) and with_q[2:].argmax(-1).tolist() == [3, 4, 5]
+    assert with_q[2:].sum(-1).tolist() == [1.0, 1.0, 1.0]
 
 
 def test_lookup_is_lengthened_with_pool_phrases_and_other_phrases_branch():
@@ -41,11 +49,12 @@ def test_lookup_is_lengthened_with_pool_phrases_and_other_phrases_branch():
     text = [2, 3, 4, 5, 9, 1, 2, 6, 9, 1]
     prop = drafter.propose(state, _ctx([text]), k=6)
     tree = prop.trees[0]
-    # lookup's 4 tokens lengthened by 1 -> 2 6 .., leaving one node of the 6 for the branch 7
+    # lookup's 4 tokens lengthened by 1 -> 2 6 .., leaving one node of the 6 for the branch 7 (with
+    # k = 4 the lookup draft is cut to 3 for it)
     assert tree.tokens.tolist() == [2, 6, 9, 1, 2, 7] and tree.parents.tolist() == [-1, 0, 1, 2, 3, -1]
     assert tree.sources == ("lookup",) * 4 + ("pool",) * 2
     assert prop.tokens[0, : int(prop.num_valid[0])].tolist() == [2, 6, 9, 1, 2]  # the first path
-    assert drafter.propose(state, _ctx([text]), k=4).trees[0].tokens.tolist() == [2, 6, 9, 1]
+    assert drafter.propose(state, _ctx([text]), k=4).trees[0].tokens.tolist() == [2, 6, 9, 7]
     chain = OuroborosDrafter(tree=False)
     prop = chain.propose(chain.new_state(1, 64), _ctx([text]), k=6)
     assert prop.trees is None and prop.tokens[0].tolist() == [2, 6, 9, 1, 2, 6]  # all k on the chain
@@ -88,7 +97,8 @@ def test_pools_are_per_request_unless_shared_and_start_warm(tmp_path):
 
 
 def test_spec_and_greedy_output_equals_plain_decoding(tmp_path):
-    for bad in ("ouroboros", "ouroboros:model", "ouroboros:lookup,global", "ouroboros:lookup,warm="):
+    assert DraftSpec.parse("ouroboros").kind == "ouroboros"
+    for bad in ("ouroboros:model", "ouroboros:lookup,global", "ouroboros:lookup,warm="):
         with pytest.raises(SpecdraftError, match="bad draft spec"):
             DraftSpec.parse(bad)
     with pytest.raises(SpecdraftError, match="cannot read phrase pool"):
@@ -117,3 +127,23 @@ def test_the_engine_feeds_each_pool_the_targets_phrases_past_a_rejection(monkeyp
     api.run_batch(pipe, prompts, max_new_tokens=16, k=4)
     assert refined  # observe got a Verified for each row of each step
     assert any(len(r) >= 2 for r in refined)  # a rejection with the target's predictions past it
+
+
+def test_a_model_base_keeps_greedy_output_and_accepts_tokens_from_model_and_pool(tiny):
+    """A layer-pruned draft of the target as the base (its cache follows only its own accepted
+    tokens, also when the accepted path is a pool branch); prompts that repeat give the pool text."""
+    from specdraft.drafters.model import ModelDrafter
+    from specdraft.engine import Engine, Request, generate
+    from specdraft.models.llama import LlamaRuntime
+    from specdraft.policy import FixedK
+
+    drafter = OuroborosDrafter(ModelDrafter(LlamaRuntime(tiny.weights, [0]), "prune:0"))
+    assert drafter.vocab_size == tiny.target.vocab_size and drafter.source == "model"
+    prompts = [p * 3 for p in random_prompts([5, 6, 9], seed=4)]
+    requests = [Request(p, 24) for p in prompts]
+    out, sources = {}, []
+    for ev in generate(Engine(tiny.target, drafter, FixedK(4)), requests):
+        out.setdefault(ev.request_id, []).extend(ev.tokens)
+        sources += [s for s, d in zip(ev.source, ev.from_draft) if d]
+    assert [out[r.id] for r in requests] == [plain_greedy(tiny.target, p, 24) for p in prompts]
+    assert {"model", "pool"} <= set(sources), set(sources)

@@ -41,7 +41,7 @@ def test_frequency_tree_takes_the_likeliest_nodes_best_first():
     tree = frequency_tree(conts, k=10, min_prob=0.1)
     assert tree.tokens.tolist() == [1, 2, 6, 5, 3, 4]  # ties: shallower, then earlier in conts
     assert tree.parents.tolist() == [-1, 0, -1, 0, 1, 1]
-    assert first_path(tree) == [1, 2, 3]
+    assert tree.tokens[first_path(tree)].tolist() == [1, 2, 3]
     assert frequency_tree(conts, k=3, min_prob=0.1).tokens.tolist() == [1, 2, 6]
     assert frequency_tree(conts, k=10, min_prob=0.3).tokens.tolist() == [1, 2]
     assert frequency_tree([], k=4, min_prob=0.1).num_nodes == 0
