@@ -1,29 +1,35 @@
-"""Ouroboros phrase drafting without a model: prompt lookup lengthened with pool phrases, and pool
-phrases for the last token verified beside it as branches of one token tree.
+"""Ouroboros phrase drafting: a base draft (prompt lookup or a draft model) lengthened with pool
+phrases, and pool phrases for the last token verified beside it as branches of one token tree.
 
 Ouroboros (Zhao et al. 2024, arXiv 2402.13720; thunlp/Ouroboros) drafts phrase by phrase from a
 pool of candidate phrases keyed by the token before them (:class:`specdraft.pool.PhrasePool`),
 filled from the committed text and from the target's own predictions past the first rejected
 draft token, which verification computes anyway. Each step, for each row:
 
-1. the base draft is prompt lookup's continuation of the context's trailing n-gram;
+1. the base draft: prompt lookup's continuation of the context's trailing n-gram
+   (``ouroboros:lookup``), or k tokens of a draft model (``ouroboros``: the draft designed for the
+   target, ``designed:auto``);
 2. it is lengthened, while shorter than k, with the most recent pool phrase of its last token
-   (of the context's last token when lookup found nothing);
+   (of the context's last token when the base proposes nothing);
 3. the other pool phrases of the context's last token become further branches (up to
-   ``branches`` of them), tried after the base draft;
+   ``branches`` of them), tried after the base draft, which leaves them a node each;
 4. the branches are merged into a trie of at most k nodes (the policy's k reads "at most k
    nodes"), in that order: the base draft is the tree's first path, which is also what a chain
    step verifies (``Proposal.tokens``).
 
-Every node is a point mass (no q), so verification keeps the output exactly the target's, greedy or
-sampled. Node sources are ``"lookup"`` (the base draft) and ``"pool"``.
+Lookup and pool nodes are point masses; a model's tokens keep the q they were sampled from (a node
+a pool phrase shares with the model's chain keeps the model's q: the pool's tokens are a function
+of the tokens above them, so the tree stays exact for recursive rejection sampling, see
+:mod:`specdraft.tree`). The model's cache is told how many of *its* tokens were accepted (the
+accepted path may leave its chain for a pool branch). Node sources: ``"lookup"`` or ``"model"``
+(the base draft) and ``"pool"``.
 
 The pool is per request by default. ``shared`` makes every request of the process read and fill
 one pool (warm start from earlier requests; it lets one request's text shape another's timing, so
 it is opt-in); ``warm=PATH`` first loads phrases saved by :meth:`PhrasePool.save`.
 
-Draft spec: ``ouroboros:lookup[,shared][,warm=PATH][,chain]`` (``chain``: propose only the
-lengthened base draft, as a chain, to compare tree and chain; a model-drafted base is not built yet).
+Draft spec: ``ouroboros[:lookup][,shared][,warm=PATH][,chain]`` (``chain``: propose only the
+lengthened base draft, as a chain, to compare tree and chain).
 """
 
 from __future__ import annotations
