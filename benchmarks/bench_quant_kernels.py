@@ -45,13 +45,16 @@ def cpu_model() -> str:
     return "unknown"
 
 
+CLOCK = time.perf_counter  # --clock cpu: time.process_time (1 thread on a loaded machine)
+
+
 def timed(fn, reps: int) -> float:
     """Seconds per call of ``fn`` (after one warm-up call), over ``reps`` calls."""
     fn()
-    t = time.perf_counter()
+    t = CLOCK()
     for _ in range(reps):
         fn()
-    return (time.perf_counter() - t) / reps
+    return (CLOCK() - t) / reps
 
 
 def bf16_of(m: QuantMatrix) -> torch.Tensor:
@@ -119,10 +122,22 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--context", type=int, default=100)
+    p.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="cpu: process CPU time, for --threads 1 on a loaded machine (other threads' waits not counted)",
+    )
     args = p.parse_args(argv)
+    if args.clock == "cpu":
+        if args.threads != 1:
+            p.error("--clock cpu needs --threads 1")
+        global CLOCK
+        CLOCK = time.process_time
     print("command: python benchmarks/bench_quant_kernels.py " + " ".join(sys.argv[1:]))
     torch.set_num_threads(args.threads)
-    print(f"CPU: {cpu_model()}; threads {args.threads}; kernel variant {quant.variants()[-1]}")
+    variant = quant.variants()[-1]
+    print(f"CPU: {cpu_model()}; threads {args.threads}; {args.clock} clock; kernel variant {variant}")
     w = QuantWeights.from_gguf(quant.gguf_path(args.target))
     quant_s = kernel_table(w, args.rounds)
     step_profile(w, quant_s, args.context, args.rounds)

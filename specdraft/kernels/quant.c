@@ -209,10 +209,10 @@ static inline __m256 scales4(int type, const uint8_t *p, long rs, __m128 *m4) {
  * once. So each output is dot_ref's sequence of float operations (scalar == AVX2, whatever the
  * tile or the number of rows), and the float work is 3 vector operations per 4 x 32 weights.
  *
- * With M <= 3 rows a tile reads the file's blocks directly (tile_direct); with more, it unpacks its
- * 4 rows once (tile_unpack: 4 K int8 weights, the scales as floats) and each group of <= 3 rows
- * runs over that copy in L1 (tile_rows), so the nibbles are split, the scales gathered and
- * converted once per tile, not once per row group. For rows up to KT wide the copy has its 8-lane
+ * With few rows (use_direct) a tile reads the file's blocks directly (tile_direct); with more, it
+ * unpacks its 4 rows once (tile_unpack: 4 K int8 weights, the scales as floats) and each group of
+ * <= 3 rows runs over that copy in L1 (tile_rows), so the nibbles are split, the scales gathered
+ * and converted once per tile, not once per row group. For rows up to KT wide the copy has its 8-lane
  * groups transposed (lanes k and k + 4 of the 4 columns in one vector) and the activations are
  * laid out alike once per matmul: the 4 products of a block then sum to the half-sum vector with
  * plain adds (16-bit adds for Q4 weights, whose pair products stay below 2^15 / 4), no horizontal
@@ -221,17 +221,25 @@ static inline __m256 scales4(int type, const uint8_t *p, long rs, __m128 *m4) {
 
 #define AI __attribute__((always_inline))
 
-/* The half sums of 4 columns from their int32 lane sums p[c] (lanes 0-3: elements 0..15, lanes
- * 4-7: elements 16..31): [lo(c0) .. lo(c3) | hi(c0) .. hi(c3)]. */
-static inline AI __m256i halves4(const __m256i *p) {
-    return _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+/* The half sums [lo(c0) .. lo(c3) | hi(c0) .. hi(c3)] of 4 columns from their pair products p[c]
+ * (vpmaddubsw: 16-bit lanes 0-7 elements 0..15, lanes 8-15 elements 16..31). Q4 weights: horizontal
+ * adds in 16 bits (|w a + w' a'| <= 2 15 127, eight of them < 2^15), then pairs widened to 32 bits;
+ * Q8_0: widened first, then 32-bit horizontal adds. */
+static inline AI __m256i halves4(int type, const __m256i *p) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (type != T_Q8_0)
+        return _mm256_madd_epi16(
+            _mm256_hadd_epi16(_mm256_hadd_epi16(p[0], p[1]), _mm256_hadd_epi16(p[2], p[3])), ones);
+    __m256i q[NC];
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; c++) q[c] = _mm256_madd_epi16(p[c], ones);
+    return _mm256_hadd_epi32(_mm256_hadd_epi32(q[0], q[1]), _mm256_hadd_epi32(q[2], q[3]));
 }
 
 /* Block b of R activation rows against 4 columns' integer weights wq (aw: |wq|, or wq for Q4_1)
  * with scales dw (as scales4) and Q4_1 mins m4: acc[r] and mins[r] advanced by one block. */
 static inline AI void block_cols(int type, const __m256i *wq, const __m256i *aw, __m256 dw, __m128 m4,
                                  const block_a8 *a, long as, int b, int R, __m256 *acc, __m128 *mins) {
-    const __m256i ones = _mm256_set1_epi16(1);
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
         const block_a8 *ab = a + r * as + b;
@@ -239,10 +247,9 @@ static inline AI void block_cols(int type, const __m256i *wq, const __m256i *aw,
         __m256i p[NC];
 #pragma GCC unroll 4
         for (int c = 0; c < NC; c++) /* a sign(w): |w| a sign(w) = w a (Q4_1: w >= 0 already) */
-            p[c] = _mm256_madd_epi16(
-                _mm256_maddubs_epi16(aw[c], type == T_Q4_1 ? av : _mm256_sign_epi8(av, wq[c])), ones);
+            p[c] = _mm256_maddubs_epi16(aw[c], type == T_Q4_1 ? av : _mm256_sign_epi8(av, wq[c]));
         const __m256 sc = _mm256_mul_ps(dw, _mm256_broadcast_ss(&ab->d));
-        acc[r] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(halves4(p)), acc[r]);
+        acc[r] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(halves4(type, p)), acc[r]);
         if (type == T_Q4_1) mins[r] = _mm_fmadd_ps(m4, _mm_broadcast_ss(&ab->s), mins[r]);
     }
 }
@@ -258,8 +265,8 @@ static inline AI void finish4(const __m256 *acc, const __m128 *mins, int R, floa
 
 /* R activation rows against weight rows w, w + rs, ..., w + 3 rs, from the file's blocks:
  * out[r * NC + c]. The weights PF bytes ahead are prefetched as the tile streams its own. */
-static inline AI void tile_direct(int type, const uint8_t *w, long rs, const block_a8 *a, long as, int nb, int R,
-                                  float *out) {
+static inline AI void tile_direct(int type, const uint8_t *w, long rs, const block_a8 *a, long as, int nb,
+                                  int R, float *out) {
     __m256 acc[MR];
     __m128 mins[MR];
 #pragma GCC unroll 4
@@ -374,8 +381,8 @@ static inline AI void tile_rows(int type, const unpacked *u, const block_a8 *a, 
             if (type == T_Q8_0)
                 v = _mm256_add_epi32(_mm256_add_epi32(p[0], p[1]), _mm256_add_epi32(p[2], p[3]));
             else
-                v = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])),
-                                      ones);
+                v = _mm256_madd_epi16(
+                    _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])), ones);
             const __m256 sc = _mm256_mul_ps(dw, _mm256_broadcast_ss(&ab->d));
             acc[r] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(v), acc[r]);
             if (type == T_Q4_1) mins[r] = _mm_fmadd_ps(m4, _mm_broadcast_ss(&ab->s), mins[r]);
@@ -409,7 +416,8 @@ static inline AI void tile_rows_cols(int type, const unpacked *u, const block_a8
             wq[c] = _mm256_load_si256((const __m256i *)(u->q + (b * NC + c) * QK));
             aw[c] = type == T_Q4_1 ? wq[c] : _mm256_sign_epi8(wq[c], wq[c]);
         }
-        block_cols(type, wq, aw, _mm256_load_ps(u->d + 8 * b), _mm_load_ps(u->m + 4 * b), a, as, b, R, acc, mins);
+        const __m256 dw = _mm256_load_ps(u->d + 8 * b);
+        block_cols(type, wq, aw, dw, _mm_load_ps(u->m + 4 * b), a, as, b, R, acc, mins);
     }
     finish4(acc, mins, R, out);
 }
@@ -456,47 +464,55 @@ static inline void store_out(const qmat *W, const float *out, int R, int n, int 
         }
 }
 
-/* All M rows against weight rows [n0, n1): 4-row tiles (direct for M <= 3, else unpacked once and
- * run in balanced groups of <= 3 rows: 8 rows as 3 + 3 + 2), then the rows left over one at a time. */
-static inline __attribute__((always_inline)) void range_avx2(int type, const qmat *W, const block_a8 *a,
-                                                             int M, float *y, long ldy, int n0, int n1,
-                                                             int add, const unpacked *u, const int8_t *a4) {
-    const int nb = W->cols / QK, groups = (M + 2) / 3; /* M > 3: balanced groups of <= 3 rows */
+/* Whether M rows of a type-`type` matrix take tile_direct (the file's blocks, groups of <= 3 rows)
+ * rather than an unpacked tile: 1-2 rows (too few to pay for the unpacked copy), and Q8_0 at any
+ * M (its blocks need no nibble split, and its transposed copy carries the signs apart). In-model
+ * A/B, 1 thread, CPU time, min of 7, against direct for M <= 3 only: T2 0.93-1.0x, T5 0.93x, T9 0.93x
+ * (the Q8_0 head), T3 1.0x. */
+static inline int use_direct(int type, int M) { return M <= 2 || type == T_Q8_0; }
+
+/* R rows (R <= 3) of a tile: tile_direct from w, or tile_rows / tile_rows_cols from the unpacked
+ * copy u (a4: the transposed activations, NULL for the by-column copy). */
+static inline AI void tile_group(int type, int direct, const uint8_t *w, long rs, const unpacked *u,
+                                 const block_a8 *a, const int8_t *a4, int nb, int R, float *out) {
+    if (direct && R == 3)
+        tile_direct(type, w, rs, a, nb, nb, 3, out);
+    else if (direct && R == 2)
+        tile_direct(type, w, rs, a, nb, nb, 2, out);
+    else if (direct)
+        tile_direct(type, w, rs, a, nb, nb, 1, out);
+    else if (!a4 && R == 3)
+        tile_rows_cols(type, u, a, nb, nb, 3, out);
+    else if (!a4 && R == 2)
+        tile_rows_cols(type, u, a, nb, nb, 2, out);
+    else if (!a4)
+        tile_rows_cols(type, u, a, nb, nb, 1, out);
+    else if (R == 3)
+        tile_rows(type, u, a, a4, nb, nb, 3, out);
+    else if (R == 2)
+        tile_rows(type, u, a, a4, nb, nb, 2, out);
+    else
+        tile_rows(type, u, a, a4, nb, nb, 1, out);
+}
+
+/* All M rows against weight rows [n0, n1): 4-row tiles, direct or unpacked once (use_direct), each
+ * run in balanced groups of <= 3 rows (8 rows as 3 + 3 + 2), then the rows left over one at a time. */
+static inline AI void range_avx2(int type, const qmat *W, const block_a8 *a, int M, float *y, long ldy,
+                                 int n0, int n1, int add, const unpacked *u, const int8_t *a4) {
+    const int nb = W->cols / QK, groups = (M + MR - 1) / MR, direct = use_direct(type, M);
     const long rs = W->row_bytes;
     float out[MR * NC];
     int n = n0;
     for (; n + NC <= n1; n += NC) {
         const uint8_t *w = W->w + n * rs;
-        if (M <= 3) {
-            if (M == 1)
-                tile_direct(type, w, rs, a, nb, nb, 1, out);
-            else if (M == 2)
-                tile_direct(type, w, rs, a, nb, nb, 2, out);
-            else
-                tile_direct(type, w, rs, a, nb, nb, 3, out);
-            store_out(W, out, M, n, NC, y, ldy, add);
-            continue;
-        }
-        if (a4)
+        if (!direct && a4)
             tile_unpack(type, w, rs, nb, u);
-        else
+        else if (!direct)
             tile_unpack_cols(type, w, rs, nb, u);
         for (int g = 0, m0 = 0; g < groups; g++) {
             const int R = (M - m0 + groups - g - 1) / (groups - g);
-            const block_a8 *am = a + (long)m0 * nb;
             const int8_t *a4m = a4 ? a4 + (long)m0 * nb * 4 * QK : NULL;
-            if (!a4 && R == 3)
-                tile_rows_cols(type, u, am, nb, nb, 3, out);
-            else if (!a4 && R == 2)
-                tile_rows_cols(type, u, am, nb, nb, 2, out);
-            else if (!a4)
-                tile_rows_cols(type, u, am, nb, nb, 1, out);
-            else if (R == 3)
-                tile_rows(type, u, am, a4m, nb, nb, 3, out);
-            else if (R == 2)
-                tile_rows(type, u, am, a4m, nb, nb, 2, out);
-            else
-                tile_rows(type, u, am, a4m, nb, nb, 1, out);
+            tile_group(type, direct, w, rs, u, a + (long)m0 * nb, a4m, nb, R, out);
             store_out(W, out, R, n, NC, y + (long)m0 * ldy, ldy, add);
             m0 += R;
         }
@@ -526,7 +542,7 @@ static void matmul_range(const qmat *W, const block_a8 *a, int M, float *y, long
     }
     unpacked u = {NULL, NULL, NULL, NULL};
     int8_t *a4 = NULL;
-    if (M > MR && n0 + NC <= n1) { /* q, s, d, m of a tile, then the activations' a4 */
+    if (!use_direct(W->type, M) && n0 + NC <= n1) { /* q, s, d, m of a tile, then the activations' a4 */
         const size_t tile = ((size_t)nb * (2 * 4 * QK + 48) + 31) / 32 * 32, acts = (size_t)M * nb * 4 * QK;
         u.q = (int8_t *)aligned_alloc(32, tile + acts);
         u.s = u.q + (size_t)nb * 4 * QK, u.d = (float *)(u.s + (size_t)nb * 4 * QK), u.m = u.d + 8 * nb;
