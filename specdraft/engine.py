@@ -239,7 +239,7 @@ class Engine:
 
         # 2. score and 3. verify: a chain [last, d_1..d_k], or a token tree per row
         if prop is not None and prop.trees is not None:
-            out = self._tree_step(prop.trees, k, params)
+            out = self._tree_step(prop.trees, k, params, ids)
         else:
             out = self._chain_step(prop, k, params, ids)
 
@@ -252,8 +252,10 @@ class Engine:
         self.stats.draft_time += t1 - t0
         self.stats.target_time += out.target_time
         self.stats.observe(out.num_valid, out.num_accepted, emitted, depth=out.depth)
+        # a tree step teaches the policy per depth, its time at the tree's width (KPolicy.update)
+        drafted, tree = (out.num_valid, {}) if out.depth is None else (out.depth, {"width": out.width})
         self.policy.update(
-            out.proposed, out.num_valid, out.num_accepted, t1 - t0, out.target_time, out.bucket, ids
+            out.proposed, drafted, out.num_accepted, t1 - t0, out.target_time, out.bucket, ids, **tree
         )
         flagged = self.policy.collapsed - self.collapsed
         if flagged:
@@ -302,15 +304,21 @@ class Engine:
         num_valid = num_valid if k else torch.zeros(B, dtype=torch.int64)
         return _Outcome(tokens, n, sources, verified, num_valid, proposed, bucket, target_time)
 
-    def _tree_step(self, trees: list[TokenTree | None], k: int, params: list) -> _Outcome:
+    def _tree_step(self, trees: list[TokenTree | None], k: int, params: list, ids: list[int]) -> _Outcome:
         """Score every row's tree ``[root, nodes]`` in one forward (rows padded to the largest tree
         with nodes under the root that nothing sees), verify each, and move the accepted path's
-        cache entries to the slots of their positions (a chain step's layout)."""
+        cache entries to the slots of their positions (a chain step's layout).
+
+        ``policy.trim`` does not cut trees: a row it cuts to 0 (a row the policy switched off)
+        verifies no tree; any other row verifies its whole tree (at most k nodes)."""
         B, L = self.active, self.lengths
         empty = TokenTree(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
         trees = [empty if t is None else t for t in trees]
         if len(trees) != B or max(t.num_nodes for t in trees) > k:
             raise SpecdraftError(f"a tree proposal needs {B} trees of at most k = {k} nodes")
+        proposed = max(t.num_nodes for t in trees)
+        keep = self.policy.trim(torch.tensor([t.num_nodes for t in trees]), None, ids)  # (B,)
+        trees = [t if int(keep[b]) > 0 else empty for b, t in enumerate(trees)]
         N = max(t.num_nodes for t in trees)
         padded = [_pad(t, N) for t in trees]
         root_pos = (L - 1).tolist()
@@ -340,7 +348,7 @@ class Engine:
         verified = _verified(fed, parents, out.logits, tokens)
         num_valid = torch.tensor([t.num_nodes for t in trees])
         depth = torch.tensor([int(t.depth.max()) if t.num_nodes else 0 for t in trees])
-        return _Outcome(tokens, n, sources, verified, num_valid, N, None, target_time, depth)
+        return _Outcome(tokens, n, sources, verified, num_valid, proposed, None, target_time, depth, N + 1)
 
     def _commit(self, out: _Outcome) -> tuple[list[StepEvent], list[int], torch.Tensor]:
         """Append each row's verified tokens, cut at EOS and max_new_tokens; returns the events, the
@@ -386,6 +394,7 @@ class _Outcome:
         bucket: the proposal's classes, for the policy.
         target_time: seconds of the target forward.
         depth: ``(B,)`` tree depth per row, for per-depth statistics (None: a chain).
+        width: tokens each row fed the target (a tree step: the most nodes + 1).
     """
 
     tokens: list[list[int]]
@@ -397,6 +406,7 @@ class _Outcome:
     bucket: torch.Tensor | None
     target_time: float
     depth: torch.Tensor | None = None
+    width: int = 0
 
 
 def _pad(tree: TokenTree, n: int) -> TokenTree:

@@ -71,10 +71,16 @@ class KPolicy(Protocol):
         target_time: float,
         bucket: torch.Tensor | None = None,
         rows: list[int] | None = None,
+        width: int | None = None,
     ) -> None:
         """What the step did: ``k`` tokens in the longest proposal (what the draft time was spent
         on), ``(B,)`` drafts verified (after :meth:`trim`) and accepted, seconds spent drafting and
-        verifying, the proposal's classes and the rows' request ids."""
+        verifying, the proposal's classes and the rows' request ids.
+
+        A token-tree step (``Proposal.trees``) gives ``k`` = the most nodes proposed, the trees'
+        depths as drafts verified, the accepted path's length as accepted, and ``width`` = the
+        tokens each row fed (the most nodes + 1), the size its target time belongs to. None: a
+        chain, ``num_drafted.max() + 1``."""
         ...
 
 
@@ -102,7 +108,9 @@ class FixedK(_Fixed):
     def choose(self, rows=None) -> int:
         return self.k
 
-    def update(self, k, num_drafted, num_accepted, draft_time, target_time, bucket=None, rows=None) -> None:
+    def update(
+        self, k, num_drafted, num_accepted, draft_time, target_time, bucket=None, rows=None, width=None
+    ) -> None:
         pass
 
     def __repr__(self) -> str:
@@ -119,7 +127,9 @@ class HeuristicK(_Fixed):
     def choose(self, rows=None) -> int:
         return self.k
 
-    def update(self, k, num_drafted, num_accepted, draft_time, target_time, bucket=None, rows=None) -> None:
+    def update(
+        self, k, num_drafted, num_accepted, draft_time, target_time, bucket=None, rows=None, width=None
+    ) -> None:
         if k == 0:
             return
         if bool((num_accepted >= num_drafted).all()):
@@ -236,6 +246,14 @@ class CostAwareK:
     them only once one of its drafts has been accepted (until then they wait in ``_Row.pending``).
     A row's cut reads only its earlier steps, never the tokens proposed now, so sampling stays
     lossless.
+
+    Token trees (``Proposal.trees``): k is the node budget ("at most k nodes"). ``T_target(k + 1)``
+    is the same latency curve (a forward over a root and k nodes costs what k + 1 chain tokens
+    do), and the acceptance curve is learned per depth (``c_j``: the accepted path reaches depth
+    j + 1 given depth j), so the budget chosen, 0 included, is the one whose predicted accepted
+    length per step time is highest, reading a budget of k nodes as depth k (optimistic for
+    bushy trees: a tree's accepted length is at most its depth). :meth:`trim` does not cut trees;
+    a row it cuts to 0 (switched off) verifies none.
 
     Args:
         k_max: largest k considered.
@@ -396,11 +414,15 @@ class CostAwareK:
                 row_caps.append(self.probe_k if row.probing else 0)
         return torch.minimum(num_valid, torch.tensor(row_caps, dtype=num_valid.dtype))
 
-    def update(self, k, num_drafted, num_accepted, draft_time, target_time, bucket=None, rows=None) -> None:
+    def update(
+        self, k, num_drafted, num_accepted, draft_time, target_time, bucket=None, rows=None, width=None
+    ) -> None:
         drafted = int(num_drafted.max()) if num_drafted.numel() else 0
         # the target scored drafted + 1 tokens per row (fewer than k + 1 when a drafter such as
-        # prompt lookup found less to propose or trim() cut it): that is the size this time belongs to
-        self.t_target[drafted + 1] = self._ema(self.t_target.get(drafted + 1), target_time)
+        # prompt lookup found less to propose or trim() cut it), or a tree's nodes + 1 (width):
+        # that is the size this time belongs to
+        fed = drafted + 1 if width is None else width
+        self.t_target[fed] = self._ema(self.t_target.get(fed), target_time)
         self._times = None
         if k == 0 or drafted == 0:
             return
@@ -530,8 +552,10 @@ class CappedPolicy:
     ) -> torch.Tensor:
         return self.inner.trim(num_valid, bucket, rows)
 
-    def update(self, k, num_drafted, num_accepted, draft_time, target_time, bucket=None, rows=None) -> None:
-        self.inner.update(k, num_drafted, num_accepted, draft_time, target_time, bucket, rows)
+    def update(
+        self, k, num_drafted, num_accepted, draft_time, target_time, bucket=None, rows=None, width=None
+    ) -> None:
+        self.inner.update(k, num_drafted, num_accepted, draft_time, target_time, bucket, rows, width)
 
     def __repr__(self) -> str:
         return f"CappedPolicy({self.inner!r})"

@@ -12,7 +12,7 @@ from specdraft.drafters.lookup_tree import LookupTreeDrafter
 from specdraft.engine import Engine, Request, generate
 from specdraft.errors import SpecdraftError
 from specdraft.models.hf import HFRuntime
-from specdraft.policy import FixedK
+from specdraft.policy import CostAwareK, FixedK
 from specdraft.tree import TokenTree
 from tests.helpers import decode, plain_greedy, random_prompts
 
@@ -142,3 +142,60 @@ def test_a_runtime_without_tree_masks_is_refused_when_the_engine_is_built(tiny):
     with pytest.raises(SpecdraftError, match="token trees"):
         Engine(HFRuntime(tiny.model), LookupTreeDrafter(), FixedK(4))
     Engine(tiny.target, LookupTreeDrafter(), FixedK(4))  # the compact runtime takes them
+
+
+class Trees:
+    """Per row, the plain continuation (``good``) or random tokens as a k-node tree: a chain of
+    k - 1 tokens and one sibling at the root."""
+
+    name, vocab_size = "trees", None
+
+    def __init__(self, references: list[list[int]], good: bool):
+        self.references, self.good = references, good
+        self.g = torch.Generator().manual_seed(5)
+
+    def new_state(self, batch_size, capacity):
+        return DraftState(batch_size)
+
+    def propose(self, state, ctx, k):
+        trees = []
+        for b in range(ctx.lengths.shape[0]):
+            seq = ctx.tokens[b, : int(ctx.lengths[b])].tolist()
+            ref = next(r for r in self.references if r[: len(seq)] == seq)
+            chain = ref[len(seq) : len(seq) + k - 1] if self.good else []
+            chain += torch.randint(0, 254, (k - 1 - len(chain),), generator=self.g).tolist()
+            trees.append(TokenTree.from_chains([c for c in (chain, [254]) if c]))
+        return Proposal(torch.zeros(len(trees), 0, dtype=torch.int64), trees=trees)
+
+    def observe(self, state, num_accepted, verified=None):
+        pass
+
+
+class SteadyCostAware(CostAwareK):
+    """The cost-aware policy fed fixed latencies (a node 0.01, a forward over n tokens
+    1 + 0.1 (n - 1)) instead of this loaded machine's, so that its choices depend on acceptance."""
+
+    def update(
+        self, k, num_drafted, num_accepted, draft_time, target_time, bucket=None, rows=None, width=None
+    ):
+        n = width if width is not None else int(num_drafted.max()) + 1
+        super().update(k, num_drafted, num_accepted, 0.01 * k, 1.0 + 0.1 * (n - 1), bucket, rows, width)
+
+
+def test_the_cost_aware_policy_chooses_the_node_budget(tiny):
+    """T(n) is measured per tree size n + 1 and acceptance per budget (the accepted length): trees
+    that are never accepted go to budget 0 (plain steps, probing now and then), trees that hold the
+    target's continuation keep a large budget; the output stays plain greedy."""
+    prompts = random_prompts([5, 8], seed=15)
+    refs = _references(tiny, prompts, 60)
+    late, stats = {}, {}
+    for good in (False, True):
+        engine = Engine(tiny.target, Trees(refs, good), SteadyCostAware(k_max=6, k_start=4))
+        assert decode(engine, prompts, 60) == [plain_greedy(tiny.target, p, 60) for p in prompts]
+        # k_history holds each step's deepest tree (0: a plain step)
+        late[good] = engine.stats.k_history[len(engine.stats.k_history) // 2 :]
+        stats[good] = engine.stats
+    assert sum(k == 0 for k in late[False]) > 0.6 * len(late[False]), late[False]
+    assert sum(k >= 4 for k in late[True]) > 0.7 * len(late[True]), late[True]  # budget >= 5
+    assert stats[True].mean_accepted_length > 2.5
+    assert stats[False].mean_accepted_length < 1.2
