@@ -42,9 +42,9 @@ from specdraft.dtypes import AUTO_KEEPS_BF16, DTYPES, choices
 from specdraft.engine import Engine, Request, StepEvent, decode_requests, generate
 from specdraft.errors import SpecdraftError
 from specdraft.kernels import cpu_has_fast_bf16
-from specdraft.models.llama import LLAMA_FAMILY, LlamaWeights
+from specdraft.models.llama import LlamaWeights
 from specdraft.models.loading import DEFAULT_TARGET, LoadedModel, load_model, load_tokenizer
-from specdraft.models.runtime import Runtime, make_runtime
+from specdraft.models.runtime import Runtime, make_runtime, runs_compact
 from specdraft.policy import KPolicy, make_policy
 from specdraft.stats import SpecStats
 from specdraft.verify import SamplingParams
@@ -269,7 +269,7 @@ def load(
         dtype: the target's precision: ``bf16``, ``fp32`` or ``auto`` (see :func:`resolve_dtype`; for
             a quantized GGUF, :func:`auto_quant_runtime`), or ``q``: a GGUF target's own Q4_0 / Q4_1 /
             Q8_0 blocks whatever the run (:class:`specdraft.models.quant.QuantRuntime`).
-        runtime: ``auto`` (compact for Llama-family, else transformers), ``compact`` or ``hf``.
+        runtime: ``auto`` (compact for Llama-family and Gemma 3, else transformers), ``compact`` or ``hf``.
         threads: torch intra-op threads.
         draft_dtype: the draft's precision: ``auto``, ``bf16``, ``fp32`` or ``int8``.
         needs: what else the caller runs with the target's transformers model (keys of
@@ -298,9 +298,7 @@ def load(
         # the runtime decides (bf16 weights for the compact one, fp32 for transformers'), so load
         # in fp32 and let the compact runtime cast its copy
         loaded = load_model(target, torch.float32)
-        compact = runtime == "compact" or (
-            runtime == "auto" and loaded.model.config.model_type in LLAMA_FAMILY
-        )
+        compact = runtime == "compact" or (runtime == "auto" and runs_compact(loaded.model.config.model_type))
         dt = resolve_dtype("auto", runtime="compact" if compact else "hf")
     else:
         dt = resolve_dtype(dtype)

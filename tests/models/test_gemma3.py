@@ -20,13 +20,13 @@ ATOL = 2e-5  # as the Llama tests (tests/models/test_llama.py)
 native = pytest.mark.skipif(not kernels.available(), reason=f"native kernels: {kernels.status()}")
 
 
-def tiny_gemma3(window: int = 6, softcap: float | None = 3.0, seed: int = 0):
+def tiny_gemma3(window: int = 6, softcap: float | None = 3.0, seed: int = 0, vocab: int = 96):
     """A tiny random Gemma 3: 4 layers (local, local, global, local), GQA, head_dim 16, a scale
     other than 1/sqrt(head_dim), linear RoPE scaling on the global layers, random norm weights."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     cfg = Gemma3TextConfig(
-        vocab_size=96,
+        vocab_size=vocab,
         hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=4,
@@ -204,3 +204,19 @@ def test_pruned_draft_runs_gemma_layers_and_stays_lossless(gemma, draft_dtype):
     prompts = random_prompts([5, 9], vocab=96, seed=7)
     reference = [plain_greedy(rt, p, 12) for p in prompts]
     assert decode(Engine(rt, drafter, FixedK(3)), prompts, 12) == reference
+
+
+@pytest.mark.skipif(not kernels.available(), reason=f"native kernels: {kernels.status()}")
+def test_api_auto_and_compact_load_gemma_on_the_compact_runtime(tmp_path):
+    """``--runtime auto`` and ``compact`` give the Gemma runtime with the compact runtime's weights
+    (bf16 without native bf16, as for Llama), ``hf`` the transformers adapter."""
+    from specdraft import api
+    from specdraft.models.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    tiny_gemma3(vocab=len(tok)).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    for runtime in ("auto", "compact"):
+        rt = api.load(str(tmp_path), "none", runtime=runtime, threads=1).runtime
+        assert isinstance(rt, Gemma3Runtime) and rt.w.dtype == api.resolve_dtype("auto"), runtime
+    assert isinstance(api.load(str(tmp_path), "none", runtime="hf", threads=1).runtime, HFRuntime)
