@@ -182,6 +182,7 @@ class SuffixState(DraftState):
 
 
 _HISTORY: dict[int, NgramIndex] = {}  # max_n -> outputs of earlier requests in this process
+HISTORY_TOKENS = 20_000  # the shared history's bound: ~33 MB at max_n 8 (every n-gram distinct)
 
 
 class SuffixDrafter:
@@ -208,7 +209,7 @@ class SuffixDrafter:
     ):
         self.max_n, self.max_occurrences, self.min_prob, self.tree = max_n, max_occurrences, min_prob, tree
         self.proposes_trees = tree  # the engine checks that the target can verify trees
-        self.history = _HISTORY.setdefault(max_n, NgramIndex(max_n, 200_000)) if shared else None
+        self.history = _HISTORY.setdefault(max_n, NgramIndex(max_n, HISTORY_TOKENS)) if shared else None
 
     def new_state(self, batch_size: int, capacity: int) -> SuffixState:
         return SuffixState(batch_size, self.max_n, self.history)
