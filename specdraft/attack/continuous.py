@@ -9,6 +9,16 @@ radius`` (and no token moves more; the length decays linearly to 0 over the step
 each token's perturbation to the L2 ball of ``radius = eps * mean |embedding row|``. The result is
 the perturbation with the lowest degradation among those that keep the target's argmax on ``y`` at
 every position (so its greedy output is unchanged); the zero perturbation when none does.
+
+Cost (issue 17: <= 2 minutes a prompt on 2 cores): one forward of each model per step, whose
+graph gives both the iterate's record and the next step's gradients (the two gradients come from
+disjoint graphs: the degradation from the draft's, the preservation from the target's); the
+continuation is teacher-forced without its last token and the LM heads run on the n continuation
+positions only (``logits_to_keep``); the clean target distributions are computed once. The search
+stops early once a kept iterate leaves at most ``stop_matches`` of the continuation positions
+where the draft's argmax is the target's token: greedy verification accepts exactly those, so with
+the default 0 no draft token of ``y`` would be accepted and further steps cannot lower the greedy
+accepted length (they only lower ``q(y_i)``).
 """
 
 from __future__ import annotations
@@ -19,11 +29,11 @@ import torch
 
 from specdraft.attack.losses import (
     Models,
-    continuation_slice,
     degradation,
     keeps_argmax,
     preservation,
     project_out,
+    teacher_forced,
 )
 from specdraft.errors import SpecdraftError
 
@@ -33,11 +43,13 @@ class ContinuousConfig:
     """Settings of :func:`attack_continuous`.
 
     Attributes:
-        steps: projected-gradient steps.
+        steps: projected-gradient steps (at most: see ``stop_matches``).
         eps: the per-token L2 bound, as a fraction of the mean norm of an embedding row.
         step_size: each step's per-token length, as a fraction of the bound.
         lam: weight of the preservation term.
         greedy: greedy degradation (q of the target token); False: sampling (sum min(p, q)).
+        stop_matches: stop once a kept iterate's share of positions where the draft's argmax is
+            the target's token is at most this (0: none left to accept); None: run every step.
     """
 
     steps: int = 30
@@ -45,9 +57,11 @@ class ContinuousConfig:
     step_size: float = 0.2
     lam: float = 1.0
     greedy: bool = True
+    stop_matches: float | None = 0.0
 
     def __post_init__(self):
-        if self.steps < 1 or self.eps < 0 or self.step_size <= 0 or self.lam < 0:
+        bad_stop = self.stop_matches is not None and not 0 <= self.stop_matches <= 1
+        if self.steps < 1 or self.eps < 0 or self.step_size <= 0 or self.lam < 0 or bad_stop:
             raise SpecdraftError(f"bad continuous attack settings: {self}")
 
 
@@ -59,7 +73,8 @@ class ContinuousResult:
         delta: ``(Tp, C)`` the kept perturbation (zero outside the perturbed positions).
         degradation: its degradation (1.0 would be every draft token certain to be accepted).
         preservation: its KL to the clean target distributions.
-        history: per step, ``{"degradation", "preservation", "keeps_argmax"}`` of the iterate.
+        history: per step, ``{"degradation", "preservation", "keeps_argmax", "matches"}`` of the
+            iterate (``matches``: share of positions where the draft's argmax is ``y_i``).
     """
 
     delta: torch.Tensor
@@ -93,43 +108,66 @@ def attack_continuous(
     if not y:
         raise SpecdraftError("the target's continuation is empty: nothing to attack")
     ids, ys = torch.tensor(prompt), torch.tensor(y)
-    Tp, n = len(prompt), len(y)
-    cont = continuation_slice(Tp, n)
-    mask = torch.ones(Tp, dtype=torch.bool) if positions is None else positions.bool()
+    n = len(y)
+    mask = torch.ones(len(prompt), dtype=torch.bool) if positions is None else positions.bool()
     mask = mask.unsqueeze(1).float()  # (Tp, 1)
     radius = config.eps * float(Et.detach().norm(dim=1).mean())
-    xt, xd = Et[ids].detach(), Ed[ids].detach()  # (Tp, C)
-    yt, yd = Et[ys].detach(), Ed[ys].detach()  # (n, C)
+    xt, xd = Et[ids].detach().unsqueeze(0), Ed[ids].detach().unsqueeze(0)  # (1, Tp, C)
+    yt, yd = Et[ys].detach().unsqueeze(0), Ed[ys].detach().unsqueeze(0)  # (1, n, C)
     with torch.no_grad():
-        logp_clean = models.target_logprobs(torch.cat([xt, yt]).unsqueeze(0))[:, cont]  # (1, n, V)
+        logp_clean = models.target_logprobs(teacher_forced(xt, yt), keep=n)  # (1, n, V)
 
-    def evaluate(delta: torch.Tensor):
-        logp = models.target_logprobs(torch.cat([xt + delta, yt]).unsqueeze(0))[:, cont]
-        logq = models.draft_logprobs(torch.cat([xd + delta, yd]).unsqueeze(0))[:, cont]
+    def evaluate(delta: torch.Tensor) -> _Iterate:
+        logp = models.target_logprobs(teacher_forced(xt + delta, yt), keep=n)
+        logq = models.draft_logprobs(teacher_forced(xd + delta, yd), keep=n)
         deg = degradation(logq, ys, None if config.greedy else logp.detach())[0]
-        return deg, preservation(logp_clean, logp)[0], bool(keeps_argmax(logp, ys)[0])
+        matches = float((logq.detach().argmax(-1) == ys).float().mean())
+        return _Iterate(deg, preservation(logp_clean, logp)[0], bool(keeps_argmax(logp, ys)[0]), matches)
 
-    delta = torch.zeros_like(xt)
-    with torch.no_grad():
-        deg0, _, _ = evaluate(delta)
-    best = ContinuousResult(delta.clone(), float(deg0), 0.0)
+    delta = torch.zeros_like(xt[0]).requires_grad_(True)  # (Tp, C)
+    it = evaluate(delta)
+    best = ContinuousResult(delta.detach().clone(), float(it.deg.detach()), 0.0)
     for t in range(config.steps):
-        delta.requires_grad_(True)
-        deg, pres, kept = evaluate(delta)
-        (g_deg,) = torch.autograd.grad(deg, delta, retain_graph=True)
-        (g_pres,) = torch.autograd.grad(pres, delta)
-        g_free = project_out(g_deg, g_pres) * mask  # (Tp, C)
-        direction = g_free + config.lam * g_pres * mask
-        unit = g_free.norm(dim=1).max().clamp_min(1e-12)  # loss units -> the largest token moves 1
-        step = direction / unit
-        step = step * (1.0 / step.norm(dim=1, keepdim=True).clamp_min(1.0))  # no token moves > 1
-        with torch.no_grad():
-            decay = 1.0 - t / config.steps  # a shrinking step settles instead of oscillating
-            delta = delta.detach() - decay * config.step_size * radius * step
-            scale = (radius / delta.norm(dim=1, keepdim=True).clamp_min(1e-12)).clamp(max=1.0)
-            delta = delta * scale
-            deg, pres, kept = evaluate(delta)
-        best.history.append({"degradation": float(deg), "preservation": float(pres), "keeps_argmax": kept})
-        if kept and float(deg) < best.degradation:
-            best.delta, best.degradation, best.preservation = delta.clone(), float(deg), float(pres)
+        delta = _step(delta, it, mask, radius, config, 1.0 - t / config.steps)
+        it = evaluate(delta)
+        best.history.append(it.record())
+        if it.kept and it.record()["degradation"] < best.degradation:
+            best.delta = delta.detach().clone()
+            best.degradation, best.preservation = float(it.deg.detach()), float(it.pres.detach())
+        if it.kept and config.stop_matches is not None and it.matches <= config.stop_matches:
+            break
     return best
+
+
+@dataclass
+class _Iterate:
+    """One perturbation's losses (with their graphs) and checks."""
+
+    deg: torch.Tensor
+    pres: torch.Tensor
+    kept: bool
+    matches: float
+
+    def record(self) -> dict:
+        return {
+            "degradation": float(self.deg.detach()),
+            "preservation": float(self.pres.detach()),
+            "keeps_argmax": self.kept,
+            "matches": round(self.matches, 4),
+        }
+
+
+def _step(delta, it: _Iterate, mask, radius: float, config: ContinuousConfig, decay: float):
+    """One projected-gradient step from ``delta`` (module docstring); the new iterate, which
+    requires grad. ``decay`` shrinks the step so that it settles instead of oscillating."""
+    (g_deg,) = torch.autograd.grad(it.deg, delta)  # the draft's graph
+    (g_pres,) = torch.autograd.grad(it.pres, delta)  # the target's graph
+    g_free = project_out(g_deg, g_pres) * mask  # (Tp, C)
+    direction = g_free + config.lam * g_pres * mask
+    unit = g_free.norm(dim=1).max().clamp_min(1e-12)  # loss units -> the largest token moves 1
+    step = direction / unit
+    step = step * (1.0 / step.norm(dim=1, keepdim=True).clamp_min(1.0))  # no token moves > 1
+    with torch.no_grad():
+        new = delta - decay * config.step_size * radius * step
+        new = new * (radius / new.norm(dim=1, keepdim=True).clamp_min(1e-12)).clamp(max=1.0)
+    return new.requires_grad_(True)

@@ -8,8 +8,13 @@ the most negative gradient at each suffix position, samples ``candidates`` singl
 them, drops those a client could not send (``valid``: the decoded text must encode back to the same
 ids) and evaluates the rest exactly, in batches; the best swap is kept when it lowers the loss
 (Zou et al. 2023, "Universal and Transferable Adversarial Attacks on Aligned Language Models").
-The suffix returned is the best one seen that keeps the target's argmax on ``y`` at every position
-(its greedy output unchanged), else the best one seen.
+
+Preserving the answer: the search starts from the best of several initial suffixes (``starts``:
+the caller passes neutral phrases, such as "Please answer briefly.", which leave the target's
+argmax on ``y`` in place where a string of "!" often does not), ranked by (keeps the argmax,
+-loss); once the current suffix keeps the argmax, a swap is taken only if it keeps it too, so the
+search stays where the target's greedy output is ``y``. The suffix returned is the best one seen
+that keeps the target's argmax at every position, else the best one seen.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdraft.attack.losses import Models, continuation_slice, degradation, keeps_argmax, preservation
+from specdraft.attack.losses import Models, degradation, keeps_argmax, preservation
 from specdraft.errors import SpecdraftError
 
 
@@ -79,6 +84,7 @@ def attack_discrete(
     allowed: torch.Tensor | None = None,
     valid: Callable[[list[int]], bool] | None = None,
     clean: list[int] | None = None,
+    starts: list[list[int]] = (),
 ) -> DiscreteResult:
     """Search a suffix that makes the draft reject ``y`` while the target keeps it.
 
@@ -92,32 +98,34 @@ def attack_discrete(
         allowed: ``(V,)`` bool, tokens the suffix may use (default: all).
         valid: ``valid(suffix) -> bool``: whether a candidate can be sent as text.
         clean: the clean prompt's ids (default ``head + tail``), for the preservation term.
+        starts: other initial suffixes of length m; the search starts from the best of these and
+            ``suffix`` by (keeps the argmax, -loss).
     """
     if not y or not suffix:
         raise SpecdraftError("the discrete attack needs a continuation and a suffix of >= 1 token")
+    if any(len(s) != len(suffix) for s in starts):
+        raise SpecdraftError("every initial suffix of the discrete attack must have the same length")
     Et, Ed = models.target_embedding, models.draft_embedding
     V, m = Et.shape[0], len(suffix)
     allowed = torch.ones(V, dtype=torch.bool) if allowed is None else allowed
     gen = torch.Generator().manual_seed(config.seed)
     ys = torch.tensor(y)
     clean_ids = torch.tensor(head + tail if clean is None else clean)
-    with torch.no_grad():
-        seq = torch.cat([clean_ids, ys]).unsqueeze(0)
-        logp_clean = models.target_logprobs(Et[seq])[:, continuation_slice(len(clean_ids), len(y))]
-    cont = continuation_slice(len(head) + m + len(tail), len(y))
+    n = len(y)
+    with torch.no_grad():  # the continuation teacher-forced, heads on its n positions only
+        logp_clean = models.target_logprobs(Et[torch.cat([clean_ids, ys[:-1]])].unsqueeze(0), keep=n)
     h, t = torch.tensor(head, dtype=torch.int64), torch.tensor(tail, dtype=torch.int64)
 
     def losses(suffixes: torch.Tensor, onehot: torch.Tensor | None = None):
         """``(B, m)`` suffixes (or a ``(m, V)`` one-hot for the gradient) -> loss, deg, pres, kept."""
         B = suffixes.shape[0]
-        ids = torch.cat([h.expand(B, -1), suffixes, t.expand(B, -1), ys.expand(B, -1)], 1)
+        ids = torch.cat([h.expand(B, -1), suffixes, t.expand(B, -1), ys[:-1].expand(B, -1)], 1)
         xt, xd = Et[ids], Ed[ids]  # (B, T, C)
         if onehot is not None:
             s = slice(len(head), len(head) + m)
             xt = torch.cat([xt[:, : s.start], (onehot @ Et).unsqueeze(0), xt[:, s.stop :]], 1)
             xd = torch.cat([xd[:, : s.start], (onehot @ Ed).unsqueeze(0), xd[:, s.stop :]], 1)
-        logp = models.target_logprobs(xt)[:, cont]
-        logq = models.draft_logprobs(xd)[:, cont]
+        logp, logq = models.target_logprobs(xt, keep=n), models.draft_logprobs(xd, keep=n)
         deg = degradation(logq, ys, None if config.greedy else logp.detach())
         pres = preservation(logp_clean, logp)
         return deg + config.lam * pres, deg, pres, keeps_argmax(logp, ys)
@@ -127,10 +135,12 @@ def attack_discrete(
             parts = [losses(c) for c in cands.split(config.batch)]
         return [torch.cat([p[i] for p in parts]) for i in range(4)]
 
-    current = torch.tensor([suffix])
-    loss, deg, pres, kept = evaluate(current)
-    cur_loss, cur_deg, cur_pres = float(loss[0]), float(deg[0]), float(pres[0])
-    best = DiscreteResult(list(suffix), cur_loss, float(deg[0]), bool(kept[0]))
+    firsts = torch.tensor([list(suffix), *map(list, starts)])
+    loss, deg, pres, kept = evaluate(firsts)
+    i = max(range(len(firsts)), key=lambda j: (bool(kept[j]), -float(loss[j])))
+    current = firsts[i : i + 1]
+    cur_loss, cur_deg, cur_pres, cur_kept = float(loss[i]), float(deg[i]), float(pres[i]), bool(kept[i])
+    best = DiscreteResult(current[0].tolist(), cur_loss, cur_deg, cur_kept)
     for _ in range(config.steps):
         onehot = torch.zeros(m, V)
         onehot[torch.arange(m), current[0]] = 1.0
@@ -151,10 +161,12 @@ def attack_discrete(
             best.history.append({"loss": cur_loss, "degradation": cur_deg, "preservation": cur_pres})
             continue
         loss, deg, pres, kept = evaluate(cands)
+        if cur_kept:  # stay where the target's greedy output is y
+            loss = loss.masked_fill(~kept, float("inf"))
         i = int(loss.argmin())
         if float(loss[i]) < cur_loss:
             current, cur_loss = cands[i : i + 1], float(loss[i])
-            cur_deg, cur_pres = float(deg[i]), float(pres[i])
+            cur_deg, cur_pres, cur_kept = float(deg[i]), float(pres[i]), bool(kept[i])
             better = (bool(kept[i]), -cur_loss) > (best.keeps_argmax, -best.loss)
             if better:
                 best = DiscreteResult(

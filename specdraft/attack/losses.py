@@ -25,6 +25,7 @@ ids, its other tokens having probability 0.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -55,14 +56,15 @@ class Models:
         """``(V, Cd)`` the draft's input embedding matrix."""
         return self.draft.get_input_embeddings().weight
 
-    def target_logprobs(self, embeds: torch.Tensor) -> torch.Tensor:
-        """``(B, T, C)`` input embeddings -> ``(B, T, V)`` the target's next-token log-probabilities."""
-        return torch.log_softmax(self.target(inputs_embeds=embeds, use_cache=False).logits.float(), -1)
+    def target_logprobs(self, embeds: torch.Tensor, keep: int | None = None) -> torch.Tensor:
+        """``(B, T, C)`` input embeddings -> ``(B, T, V)`` the target's next-token log-probabilities
+        (``(B, keep, V)``: only the last ``keep`` positions, the LM head run on those alone)."""
+        return torch.log_softmax(_logits(self.target, embeds, keep), -1)
 
-    def draft_logprobs(self, embeds: torch.Tensor) -> torch.Tensor:
+    def draft_logprobs(self, embeds: torch.Tensor, keep: int | None = None) -> torch.Tensor:
         """``(B, T, Cd)`` input embeddings -> ``(B, T, V)`` the draft's log-probabilities over the
-        target's vocabulary (``-inf`` outside a truncated head)."""
-        logits = self.draft(inputs_embeds=embeds, use_cache=False).logits.float()
+        target's vocabulary (``-inf`` outside a truncated head; ``keep`` as in :meth:`target_logprobs`)."""
+        logits = _logits(self.draft, embeds, keep)
         if self.head is None:
             return torch.log_softmax(logits, -1)
         if logits.shape[-1] != self.head.shape[0]:  # a full-width head of which only ``head`` is used
@@ -71,6 +73,18 @@ class Models:
         V = self.target_embedding.shape[0]
         full = logq.new_full((*logq.shape[:-1], V), float("-inf"))
         return full.index_copy(-1, self.head, logq)
+
+
+def _logits(model: torch.nn.Module, embeds: torch.Tensor, keep: int | None) -> torch.Tensor:
+    extra = {} if keep is None else {"logits_to_keep": keep}
+    return model(inputs_embeds=embeds, use_cache=False, **extra).logits.float()
+
+
+def teacher_forced(prompt: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The input that scores a continuation: ``(B, Tp, C)`` prompt and ``(B, n, C)`` continuation
+    embeddings -> ``(B, Tp + n - 1, C)``, whose last n positions predict ``y`` (pass ``keep=n`` to
+    :meth:`Models.target_logprobs`; ``y``'s last token predicts nothing and is left out)."""
+    return torch.cat([prompt, y[:, :-1]], 1)
 
 
 def continuation_slice(prompt_len: int, n: int) -> slice:
@@ -141,13 +155,21 @@ def simulated_accepted_length(match: list[bool] | torch.Tensor, k: int) -> float
 
 @torch.no_grad()
 def greedy_from_embeds(model: torch.nn.Module, embeds: torch.Tensor, n: int) -> list[int]:
-    """The greedy continuation of ``n`` tokens of a causal LM from ``(1, T, C)`` input embeddings."""
-    emb = model.get_input_embeddings()
-    tokens = []
-    for _ in range(n):  # no KV cache: a few dozen short forwards, and no cache API to depend on
-        logits = model(inputs_embeds=embeds, use_cache=False).logits[0, -1]
-        tokens.append(int(logits.argmax()))
-        embeds = torch.cat([embeds, emb(torch.tensor([[tokens[-1]]]))], 1)
+    """The greedy continuation of ``n`` tokens of a causal LM from ``(1, T, C)`` input embeddings
+    (one prefill, then one-token steps on a transformers ``DynamicCache``)."""
+    from transformers import DynamicCache
+
+    # transformers 5.2x renamed past_key_values to cache (as in specdraft.models.hf)
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    if n < 1:
+        return []
+    cache = DynamicCache(config=model.config)
+    logits = model(inputs_embeds=embeds, use_cache=True, logits_to_keep=1, **{kw: cache}).logits
+    tokens = [int(logits[0, -1].argmax())]
+    while len(tokens) < n:
+        x = torch.tensor([[tokens[-1]]])
+        logits = model(input_ids=x, use_cache=True, **{kw: cache}).logits
+        tokens.append(int(logits[0, -1].argmax()))
     return tokens
 
 

@@ -38,7 +38,13 @@ from specdraft import registry
 from specdraft.attack.continuous import ContinuousConfig, attack_continuous
 from specdraft.attack.discrete import DiscreteConfig, attack_discrete
 from specdraft.attack.lookup import FILLER, attack_lookup
-from specdraft.attack.losses import Models, greedy_from_embeds, perplexity, simulated_accepted_length
+from specdraft.attack.losses import (
+    Models,
+    greedy_from_embeds,
+    perplexity,
+    simulated_accepted_length,
+    teacher_forced,
+)
 from specdraft.bench.harness import Totals, engine_method, run_prompt, warm_up
 from specdraft.bench.prompts import BenchPrompt
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
@@ -334,9 +340,24 @@ def _simulated(models: Models, ids: list[int], delta, y: list[int], k: int) -> f
     xd = models.draft_embedding[ids_t]
     if delta is not None:
         xd = xd + delta
-    seq = torch.cat([xd, models.draft_embedding[ys]]).unsqueeze(0)
-    logq = models.draft_logprobs(seq)[0, len(ids) - 1 : len(ids) - 1 + len(y)]
+    x = teacher_forced(xd.unsqueeze(0), models.draft_embedding[ys].unsqueeze(0))
+    logq = models.draft_logprobs(x, keep=len(y))[0]  # (n, V)
     return simulated_accepted_length((logq.argmax(-1) == ys).tolist(), k)
+
+
+NEUTRAL = (
+    " Please answer briefly and clearly.",
+    " Thank you for your help with this.",
+    " Answer in a few sentences, please.",
+    " I would appreciate a clear answer.",
+)
+"""Initial suffixes of the discrete attack: polite closings that rarely change the target's answer
+(the search starts from the best of these and the " ! ! !" suffix that keeps the argmax)."""
+
+
+def _cycle(ids: list[int], m: int) -> list[int]:
+    """``ids`` repeated and cut to ``m`` tokens."""
+    return (ids * (m // max(len(ids), 1) + 1))[:m]
 
 
 def _discrete(pipe, models: Models, ids, text, y, o: AttackOptions, allowed):
@@ -344,13 +365,25 @@ def _discrete(pipe, models: Models, ids, text, y, o: AttackOptions, allowed):
     tok = pipe.tokenizer
     _, tail_n = message_span(pipe.encode, text)
     head, tail = ids[: len(ids) - tail_n], ids[len(ids) - tail_n :]
-    suffix = tok(" !" * o.suffix_len, add_special_tokens=False)["input_ids"][: o.suffix_len]
-    suffix += suffix[-1:] * (o.suffix_len - len(suffix))
+    bang = tok(" !" * o.suffix_len, add_special_tokens=False)["input_ids"][: o.suffix_len]
 
     def valid(s: list[int]) -> bool:
         return pipe.encode(text + tok.decode(s)) == head + s + tail
 
-    found = attack_discrete(models, head, tail, y, suffix, o.discrete, allowed, valid, clean=ids)
+    starts = [_cycle(tok(p, add_special_tokens=False)["input_ids"], o.suffix_len) for p in NEUTRAL]
+    starts = [s for s in starts if valid(s)]
+    found = attack_discrete(
+        models,
+        head,
+        tail,
+        y,
+        _cycle(bang, o.suffix_len),
+        o.discrete,
+        allowed,
+        valid,
+        clean=ids,
+        starts=starts,
+    )
     detail = {
         "suffix": tok.decode(found.suffix),
         "suffix_ids": found.suffix,

@@ -10,14 +10,17 @@ from specdraft.attack.discrete import DiscreteConfig, attack_discrete
 from specdraft.attack.lookup import attack_lookup, simulated_lookup_length
 from specdraft.attack.losses import (
     Models,
+    continuation_slice,
     degradation,
     greedy_from_embeds,
     preservation,
     project_out,
     simulated_accepted_length,
+    teacher_forced,
 )
 from specdraft.attack.run import layer_subset, rouge_l
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
+from specdraft.errors import SpecdraftError
 from specdraft.models.tiny import tiny_llama
 
 PROMPT = list(b"the cat sat on the mat")
@@ -63,25 +66,59 @@ def test_simulated_accepted_length():
 def test_continuous_with_large_lambda_keeps_the_target_greedy_output(models):
     y = greedy(models)
     found = attack_continuous(
-        models, PROMPT, y, ContinuousConfig(steps=6, eps=0.5, step_size=0.05, lam=1000.0)
+        models, PROMPT, y, ContinuousConfig(steps=6, eps=0.5, step_size=0.05, lam=1000.0, stop_matches=None)
     )
     assert all(h["keeps_argmax"] for h in found.history)
     # the target's own greedy decoding from the perturbed embeddings, not the teacher-forced check
     last = found.history[-1]
     assert greedy(models, found.delta) == y and last["preservation"] < 1e-3
-    without = attack_continuous(models, PROMPT, y, ContinuousConfig(steps=6, eps=0.5, step_size=0.2, lam=0.0))
+    without = attack_continuous(
+        models, PROMPT, y, ContinuousConfig(steps=6, eps=0.5, step_size=0.2, lam=0.0, stop_matches=None)
+    )
     assert without.history[-1]["preservation"] > 10 * last["preservation"]  # the term is what keeps it
 
 
 def test_continuous_degradation_decreases_and_stays_bounded(models):
     y = greedy(models)
-    cfg = ContinuousConfig(steps=8, eps=0.5, step_size=0.2, lam=0.0)
+    cfg = ContinuousConfig(steps=8, eps=0.5, step_size=0.2, lam=0.0, stop_matches=None)
     found = attack_continuous(models, PROMPT, y, cfg)
     degs = [h["degradation"] for h in found.history]
     assert all(b < a for a, b in itertools.pairwise(degs)) and degs[-1] < 0.9 * degs[0]
     radius = cfg.eps * float(models.target_embedding.norm(dim=1).mean())
     delta = attack_continuous(models, PROMPT, y, ContinuousConfig(steps=3, eps=0.5, step_size=1.0, lam=0.0))
     assert float(delta.delta.norm(dim=1).max()) <= radius * (1 + 1e-4)
+
+
+def test_continuous_stops_early_once_the_bound_on_matches_is_met(models):
+    y = greedy(models)
+    kw = {"steps": 5, "eps": 0.5, "step_size": 0.05, "lam": 1000.0}  # every iterate keeps the argmax
+    every = attack_continuous(models, PROMPT, y, ContinuousConfig(**kw, stop_matches=None)).history
+    assert len(every) == 5 and all(h["keeps_argmax"] for h in every)
+    lowest = min(h["matches"] for h in every)
+    first = next(i for i, h in enumerate(every) if h["matches"] <= lowest)
+    early = attack_continuous(models, PROMPT, y, ContinuousConfig(**kw, stop_matches=lowest)).history
+    assert early == every[: first + 1]  # stops at the first kept iterate within the bound
+    assert len(attack_continuous(models, PROMPT, y, ContinuousConfig(**kw, stop_matches=1.0)).history) == 1
+
+
+def test_scoring_only_the_continuation_matches_the_full_forward(models):
+    y = greedy(models)
+    x = models.target_embedding[torch.tensor(PROMPT + y)].detach().unsqueeze(0)
+    full = models.draft_logprobs(x)[:, continuation_slice(len(PROMPT), len(y))]
+    xp, xy = x[:, : len(PROMPT)], x[:, len(PROMPT) :]
+    kept = models.draft_logprobs(teacher_forced(xp, xy), keep=len(y))
+    assert kept.shape == full.shape and torch.allclose(kept, full, atol=1e-5)
+
+
+def test_cached_greedy_matches_full_forwards(models):
+    emb = models.target.get_input_embeddings()
+    x = emb(torch.tensor([PROMPT])).detach()
+    ids = []
+    with torch.no_grad():
+        for _ in range(10):  # the reference: every token from a whole-sequence forward
+            seq = torch.cat([x, emb(torch.tensor([ids], dtype=torch.int64))], 1)
+            ids.append(int(models.target(inputs_embeds=seq, use_cache=False).logits[0, -1].argmax()))
+    assert greedy_from_embeds(models.target, x, 10) == ids and greedy_from_embeds(models.target, x, 0) == []
 
 
 def test_discrete_lowers_the_loss(models):
@@ -95,6 +132,21 @@ def test_discrete_lowers_the_loss(models):
     losses = [h["loss"] for h in found.history]
     assert losses[-1] < losses[0] and all(b <= a for a, b in itertools.pairwise(losses))
     assert len(found.suffix) == len(suffix) and all(32 <= t < 127 for t in found.suffix)
+
+
+def test_discrete_starts_from_a_suffix_that_keeps_the_answer_and_stays_there(models):
+    y = greedy(models)
+    head, own = PROMPT[:-4], PROMPT[-4:]  # the prompt's own last tokens: the clean prompt itself
+    allowed = torch.zeros(256, dtype=torch.bool)
+    allowed[32:127] = True
+    cfg = DiscreteConfig(steps=6, candidates=16, lam=0.0)  # pure degradation: nothing else keeps y
+    bang = list(b"!!!!")
+    alone = attack_discrete(models, head, [], y, bang, cfg, allowed, clean=PROMPT)
+    found = attack_discrete(models, head, [], y, bang, cfg, allowed, clean=PROMPT, starts=[own])
+    assert not alone.keeps_argmax  # the test can fail: from "!!!!" the search loses the answer
+    assert found.keeps_argmax and found.history[-1]["degradation"] <= found.history[0]["degradation"]
+    with pytest.raises(SpecdraftError, match="same length"):
+        attack_discrete(models, head, [], y, bang, cfg, allowed, starts=[own[:2]])
 
 
 def test_lookup_decoys_lower_the_simulated_acceptance():
