@@ -40,6 +40,7 @@ WARMED = ("shared",)  # drafts whose spec holds this are warmed on the first hal
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--dtype", default="auto", help="the target's precision (api.load): auto, bf16, fp32, q")
     p.add_argument("--drafts", default=DRAFTS, help="comma-separated draft specs ('#' stands for ',')")
     p.add_argument("--k", default="auto", help="the policy of every draft: auto, heuristic or an integer")
     p.add_argument("--limit", type=int, default=50, help="questions measured (as many warm the pool first)")
@@ -85,13 +86,13 @@ def measure(pipe, methods, ids: list[list[int]], max_new_tokens: int) -> dict[st
     return totals
 
 
-def report(args, totals: dict[str, harness.Totals], n: int) -> dict:
+def report(args, totals: dict[str, harness.Totals], n: int, precision: str) -> dict:
     """Print the table; the numbers as a dict (for --json)."""
     plain = totals["plain"]
     print(
-        f"\n{args.target}, {torch.get_num_threads()} threads, k {args.k}, {n} GSM8K questions measured "
-        f"after {n} warming the shared drafters, {args.max_new_tokens} new tokens, batch 1, greedy; "
-        "speedup = tokens/s over plain decoding in the same run"
+        f"\n{args.target} ({precision}), {torch.get_num_threads()} threads, k {args.k}, {n} GSM8K "
+        f"questions measured after {n} warming the shared drafters, {args.max_new_tokens} new tokens, "
+        "batch 1, greedy; speedup = tokens/s over plain decoding in the same run"
     )
     print("| method | tok/s | speedup | decode speedup | tokens per target forward | outputs differing |")
     print("|---|---|---|---|---|---|")
@@ -117,7 +118,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     command = "python benchmarks/bench_pool.py " + " ".join(sys.argv[1:] if argv is None else argv)
     print("command:", command, flush=True)
-    pipe = api.load(args.target, "none", threads=args.threads)
+    pipe = api.load(args.target, "none", dtype=args.dtype, threads=args.threads)
     specs = [s.strip().replace("#", ",") for s in args.drafts.split(",") if s.strip()]
     methods = build_methods(pipe, specs, args.k)
     budget = harness.prompt_budget(pipe.runtime, methods, args.max_new_tokens, args.max_prompt_tokens)
@@ -133,7 +134,7 @@ def main(argv=None) -> int:
         print(f"\r{i + 1}/{len(warm)} warming", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
     totals = measure(pipe, methods, measured, args.max_new_tokens)
-    doc = report(args, totals, len(measured))
+    doc = report(args, totals, len(measured), harness.runtime_precision(pipe.runtime))
     if args.save_pool:
         pool.shared_pool("ouroboros").save(args.save_pool)
     if args.json:
