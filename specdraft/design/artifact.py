@@ -373,6 +373,30 @@ def _feature_drafter(meta: DraftMeta, extra: dict, rt, w, path: Path):
     return DreamDrafter(rt, fc, cross, w.embed, name, meta.arch["layers"], meta.arch["heads"])
 
 
+LAYER_CONFIG_KEYS = (  # the decoder layer's fields in a speculators transformer_layer_config
+    "attention_bias",
+    "attention_dropout",
+    "head_dim",
+    "hidden_act",
+    "hidden_size",
+    "initializer_range",
+    "intermediate_size",
+    "max_position_embeddings",
+    "mlp_bias",
+    "model_type",
+    "num_attention_heads",
+    "num_hidden_layers",
+    "num_key_value_heads",
+    "pretraining_tp",
+    "rms_norm_eps",
+    "rope_parameters",
+    "rope_scaling",
+    "rope_theta",
+    "tie_word_embeddings",
+    "vocab_size",
+)
+
+
 def speculators_config(draft, meta: DraftMeta, target_model) -> dict:
     """An EAGLE-3 / ``speculators``-style description of a DREAM draft (``speculators_config.json``).
 
@@ -385,9 +409,8 @@ def speculators_config(draft, meta: DraftMeta, target_model) -> dict:
     ``dream``, and an engine needs that block (``cross.*``, :func:`specdraft.drafters.dream.cross_attend`)
     before it can load the draft.
     """
-    layer_cfg = draft.config.to_dict()
-    for k in ("architectures", "transformers_version", "dtype", "torch_dtype"):
-        layer_cfg.pop(k, None)
+    full = draft.config.to_dict()
+    layer_cfg = {k: full[k] for k in LAYER_CONFIG_KEYS if k in full}
     tcfg = target_model.config
     return {
         "architectures": ["DreamSpeculator"],
