@@ -20,6 +20,16 @@ own ``Llama`` (both map the same file): a ``draft_model`` makes llama-cpp-python
 position's logits (``logits_all``), which its plain decoding does not need. The context is sized to
 the run's prompt budget plus the generation budget (:meth:`LlamaCppBaselines.load`).
 
+Agreement (greedy, :func:`agreement`: the leading tokens llama.cpp's output shares with specdraft's
+plain output) is low on open-ended prompts (0.16 in ``results/llamacpp-2026-12-01``) although both
+compute the same model from the same ids: llama.cpp tokenizes the chat-templated text to exactly the
+ids fed here (no BOS added; ``tests/bench/test_llamacpp.py``), and fed the same prefixes (teacher
+forcing) its argmax agrees with the quantized runtime's at 0.95-0.98 of the positions of four
+prompts (each against the exactly de-quantized fp32 model: llama.cpp 0.98-1.00, the quantized runtime
+0.95-0.97). Both round the Q4_1 model's activations to 8 bits, differently, so a near-tie flips
+somewhere and the free-running outputs part from there. ``--baselines bf16`` reports the same
+agreement of the bf16 runtime's output.
+
 llama-cpp-python is an optional extra (``make peers``, ~10 minutes of building on 2 cores); without
 it ``--baselines llamacpp`` stops with one line saying so (:func:`require`).
 """

@@ -51,8 +51,10 @@ from specdraft.verify import SamplingParams
 
 CLASSES = (lossless.IDENTICAL, lossless.TIE_DIVERGENT, lossless.DIVERGENT)
 HF_METHODS = ("hf_plain", "hf_assisted", "hf_prompt_lookup")
-BASELINE_METHODS = HF_METHODS + LLAMACPP_METHODS
-BASELINES = ("hf", "llamacpp")
+BF16_METHODS = ("bf16_plain",)  # the target's bf16 compact runtime beside a quantized one
+BASELINE_METHODS = HF_METHODS + LLAMACPP_METHODS + BF16_METHODS
+AGREEMENT_METHODS = LLAMACPP_METHODS + BF16_METHODS  # other runtimes: greedy agreement, not equality
+BASELINES = ("hf", "llamacpp", "bf16")
 WARMUP_TOKENS = 8
 
 
@@ -66,7 +68,9 @@ class BenchOptions:
         params: sampling parameters (temperature 0 = greedy); a sampling run seeds prompt i with
             ``seed + i`` (seed 0 when unset), the same for every method.
         baselines: ``"hf"`` adds the transformers baselines, ``"llamacpp"`` llama.cpp's
-            (:mod:`specdraft.bench.llamacpp_baselines`; needs llama-cpp-python, ``make peers``).
+            (:mod:`specdraft.bench.llamacpp_baselines`; needs llama-cpp-python, ``make peers``),
+            ``"bf16"`` the target's bf16 compact runtime, plain (``bf16_plain``: how far a
+            quantized runtime's greedy output is from it).
         long_prompts: ``truncate`` (cut the middle) or ``skip`` prompts longer than the budget.
         max_prompt_tokens: cap on prompt tokens (None: the context window allows).
         tolerance: near-tie margin for the equality check; None: 0 in fp32, else
@@ -97,7 +101,7 @@ class BenchOptions:
         unknown = [b for b in self.baselines if b not in BASELINES]
         if unknown:
             raise SpecdraftError(
-                f"unknown baseline {', '.join(unknown)}: use --baselines hf, llamacpp or hf,llamacpp"
+                f"unknown baseline {', '.join(unknown)}: use --baselines hf, llamacpp, bf16 or a list"
             )
         if "llamacpp" in self.baselines:
             from specdraft.bench.llamacpp_baselines import require
@@ -296,6 +300,8 @@ def run_bench(
     hf = _hf_baselines(pipe, options, log) if "hf" in options.baselines else None
     lc = _llamacpp_baselines(pipe, options) if "llamacpp" in options.baselines else None
     methods = _methods(pipe, options, hf, lc)
+    if "bf16" in options.baselines:
+        methods.append(harness.engine_method("bf16_plain", _bf16_runtime(pipe), eos_ids=pipe.eos_ids))
     budget = harness.prompt_budget(pipe.runtime, methods, options.max_new_tokens, options.max_prompt_tokens)
     if budget < 2:
         raise SpecdraftError(
@@ -385,6 +391,15 @@ def _llamacpp_baselines(pipe: Pipeline, options: BenchOptions):
     return build_llamacpp_baselines(
         pipe.target.name, torch.get_num_threads(), pipe.eos_ids, options.fixed_k, pipe.draft_spec
     )
+
+
+def _bf16_runtime(pipe: Pipeline):
+    """The target in the bf16 compact runtime (``--baselines bf16``), its transformers model loaded."""
+    from specdraft.models.loading import load_model
+    from specdraft.models.runtime import make_runtime
+
+    loaded = pipe.target if pipe.target.model is not None else load_model(pipe.target.name, torch.float32)
+    return make_runtime(loaded, "compact", torch.bfloat16)
 
 
 def _methods(pipe: Pipeline, options: BenchOptions, hf, lc=None) -> list[Method]:
@@ -521,7 +536,7 @@ def _row(
             run = runs[method]
             row[f"{method}_new_tokens"] = run.new_tokens
             row[f"{method}_tokens_per_s"] = _r(run.new_tokens / run.seconds if run.seconds else 0.0)
-    for method in LLAMACPP_METHODS:
+    for method in AGREEMENT_METHODS:
         if method in runs and options.params.greedy:  # another runtime: agreement, not equality
             reference = plain.as_run().tokens
             shared, first = agreement(reference, runs[method].as_run().tokens)
@@ -543,6 +558,7 @@ def markdown_table(result: BenchResult | dict) -> str:
             ("hf_prompt_lookup", "HF lookup"),
             ("llamacpp_plain", "llama.cpp plain"),
             ("llamacpp_spec", "llama.cpp lookup"),
+            ("bf16_plain", "bf16 plain"),
         )
         if f"{m}_tokens_per_s" in d["overall"]
     ]

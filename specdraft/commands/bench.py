@@ -30,7 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="",
         help="'hf': also transformers generate plain, assisted and prompt lookup; 'llamacpp': also "
         "llama.cpp plain and prompt lookup on the target's GGUF (needs llama-cpp-python: make peers); "
-        "both: 'hf,llamacpp'",
+        "'bf16': also the target's bf16 runtime, plain (greedy agreement with a quantized one); "
+        "several: 'hf,llamacpp'",
     )
     p.add_argument(
         "--long-prompts",

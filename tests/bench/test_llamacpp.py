@@ -128,3 +128,43 @@ def test_real_llama_cpp_on_smollm2_gguf(tmp_path, prompt_file):
     assert row["llamacpp_plain_shared_tokens"] >= 1
     assert 0.0 < d["overall"]["llamacpp_plain_agreement"] <= 1.0
     assert "llama-cpp-python" in d["config"]["llamacpp"] and "SmolLM2" in d["config"]["llamacpp"]
+
+
+def test_bf16_baseline_reports_agreement(prompt_file):
+    """``--baselines bf16``: the target's bf16 runtime, plain, beside this one: its rate and its
+    greedy agreement with this runtime's output (first difference per prompt)."""
+    pipe = api.load("tiny", "lookup", dtype="fp32", threads=1)
+    options = BenchOptions(k=3, max_new_tokens=8, baselines=("bf16",), progress=False)
+    result = run_bench(pipe, read_prompts(prompt_file), options, log=lambda msg: None)
+    o = result.overall
+    assert o["bf16_plain_tokens_per_s"] > 0 and 0.0 <= o["bf16_plain_agreement"] <= 1.0
+    assert o["bf16_plain_identical"] in (0, 1, 2)
+    for row in result.prompts:
+        first = row["bf16_plain_first_difference"]
+        assert first is None or 0 <= first <= row["plain_new_tokens"]
+    assert "bf16 plain tok/s" in markdown_table(result)
+
+
+@pytest.mark.skipif(not HAVE_LLAMA_CPP, reason="llama-cpp-python is not installed (make peers)")
+def test_llama_cpp_gets_our_ids_and_computes_the_same_model():
+    """What the low free-running agreement is not: llama.cpp tokenizes the chat-templated text to the
+    ids we feed (no BOS added, special tokens as ours), and teacher-forced, its argmax agrees with the
+    quantized runtime's at most positions (both round the same Q4_1 model differently: one flipped
+    near-tie and the free-running outputs part)."""
+    import numpy as np
+    import torch
+    from llama_cpp import Llama
+
+    from specdraft.models.quant import gguf_path
+
+    pipe = api.load("smollm2-135m", "none", dtype="q", threads=1)
+    llm = Llama(
+        model_path=str(gguf_path("smollm2-135m")), n_ctx=256, n_threads=1, logits_all=True, verbose=False
+    )
+    ids = pipe.encode("Who wrote Hamlet?")
+    assert llm.tokenize(pipe.tokenizer.decode(ids).encode(), add_bos=False, special=True) == ids
+    llm.eval(ids)
+    theirs = torch.from_numpy(np.array(llm.scores[: len(ids)]))  # (T, V)
+    state = pipe.runtime.new_state(1, len(ids))
+    ours = pipe.runtime.forward(state, torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0)).logits[0]
+    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.9
