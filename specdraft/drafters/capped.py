@@ -13,6 +13,15 @@ from dataclasses import replace
 import torch
 
 from specdraft.drafters.base import DraftContext, Drafter, DraftState, Proposal, Verified
+from specdraft.tree import TokenTree
+
+
+def _first_nodes(tree: TokenTree, n: int) -> TokenTree:
+    """The tree of ``tree``'s first n nodes."""
+    q, src = tree.draft_probs, tree.sources
+    return TokenTree(
+        tree.tokens[:n], tree.parents[:n], None if q is None else q[:n], None if src is None else src[:n]
+    )
 
 
 class RowCappedDrafter:
@@ -22,6 +31,7 @@ class RowCappedDrafter:
         self.inner = inner
         self.name = inner.name
         self.vocab_size = inner.vocab_size
+        self.proposes_trees = getattr(inner, "proposes_trees", False)
         self.caps: torch.Tensor | None = None  # (B,) set by the caller before each step; None: no caps
 
     def new_state(self, batch_size: int, capacity: int) -> DraftState:
@@ -32,7 +42,13 @@ class RowCappedDrafter:
         if self.caps is None:
             return prop
         num_valid = prop.num_valid if prop.num_valid is not None else torch.full((prop.tokens.shape[0],), k)
-        return replace(prop, num_valid=torch.minimum(num_valid, self.caps.clamp(max=k)))
+        caps = self.caps.clamp(max=k)
+        trees = prop.trees
+        if trees is not None:  # a tree keeps its first cap nodes (parents come first: still a tree)
+            trees = [
+                None if t is None or c == 0 else _first_nodes(t, c) for t, c in zip(trees, caps.tolist())
+            ]
+        return replace(prop, num_valid=torch.minimum(num_valid, caps), trees=trees)
 
     def observe(
         self, state: DraftState, num_accepted: torch.Tensor, verified: Verified | None = None

@@ -147,3 +147,22 @@ def test_a_model_base_keeps_greedy_output_and_accepts_tokens_from_model_and_pool
         sources += [s for s, d in zip(ev.source, ev.from_draft) if d]
     assert [out[r.id] for r in requests] == [plain_greedy(tiny.target, p, 24) for p in prompts]
     assert {"model", "pool"} <= set(sources), set(sources)
+
+
+def test_the_servers_row_caps_cut_trees_to_their_first_nodes():
+    from specdraft.drafters.capped import RowCappedDrafter
+
+    capped = RowCappedDrafter(OuroborosDrafter())
+    assert capped.proposes_trees
+    text = [2, 3, 4, 5, 9, 1, 2, 6, 9, 1]
+    state = capped.new_state(3, 64)
+    for row_pool in state.pools:
+        row_pool.add(1, [7, 8])
+    capped.caps = torch.tensor([0, 2, 9])
+    prop = capped.propose(state, _ctx([text] * 3), k=6)
+    full = prop.trees[2]
+    assert prop.trees[0] is None and prop.num_valid.tolist() == [0, 2, 5]
+    assert (
+        prop.trees[1].tokens.tolist() == full.tokens[:2].tolist()
+        and prop.trees[1].sources == full.sources[:2]
+    )
