@@ -481,18 +481,14 @@ static inline AI void tile_group(int type, int direct, const uint8_t *w, long rs
         tile_direct(type, w, rs, a, nb, nb, 2, out);
     else if (direct)
         tile_direct(type, w, rs, a, nb, nb, 1, out);
-    else if (!a4 && R == 3)
+    else if (!a4 && R == 3) /* unpacked: M >= 3 rows, so balanced groups of 2 or 3 */
         tile_rows_cols(type, u, a, nb, nb, 3, out);
-    else if (!a4 && R == 2)
-        tile_rows_cols(type, u, a, nb, nb, 2, out);
     else if (!a4)
-        tile_rows_cols(type, u, a, nb, nb, 1, out);
+        tile_rows_cols(type, u, a, nb, nb, 2, out);
     else if (R == 3)
         tile_rows(type, u, a, a4, nb, nb, 3, out);
-    else if (R == 2)
-        tile_rows(type, u, a, a4, nb, nb, 2, out);
     else
-        tile_rows(type, u, a, a4, nb, nb, 1, out);
+        tile_rows(type, u, a, a4, nb, nb, 2, out);
 }
 
 /* All M rows against weight rows [n0, n1): 4-row tiles, direct or unpacked once (use_direct), each

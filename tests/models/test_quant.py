@@ -67,6 +67,26 @@ def test_kernel_variants_agree_and_rows_are_independent(name, K):
     assert err < 0.02, err
 
 
+@pytest.mark.parametrize("K", [160, 1024])
+@pytest.mark.parametrize("name", TYPES)
+def test_extreme_blocks_sum_without_overflow(name, K):
+    """Weights at the largest |integer| of their type and activations at +-127 with the weights'
+    signs, so every product is as large as it gets and all add up: the kernels' 16-bit partial sums
+    must not wrap (a wrapped sum is off by 2^16 d_w d_a, far outside the tolerance)."""
+    N = 12
+    w = torch.ones(N, K)
+    w[:, ::32] = 0.0  # Q4_1: min 0, max 1 -> nibbles 0 and 15
+    if name != "Q4_1":
+        w = -w  # Q4_0: the extreme -1 -> integer -8; Q8_0: -127
+    m = quantized(w.numpy(), TYPES[name])
+    x = -torch.ones(9, K) if name != "Q4_1" else torch.ones(9, K)  # all products >= 0, a = +-127
+    ref = (x.double() @ dequantized(m).double().T).float()
+    for variant in VARIANTS:
+        for M in (1, 2, 3, 5, 9):
+            y = quant_matmul(m, x[:M], variant, 1)
+            torch.testing.assert_close(y, ref[:M], rtol=1e-5, atol=0)
+
+
 @pytest.mark.parametrize("name", TYPES)
 def test_dequantize_rows_match_gguf(name):
     g = torch.Generator().manual_seed(1)
