@@ -161,9 +161,9 @@ class Pipeline:
             for ev in events:
                 text, hit_stop = detok.push(ev.tokens, ev.finished)
                 if hit_stop:
-                    yield TextDelta(text, ev.tokens, ev.from_draft, True, "stop")
+                    yield TextDelta(text, ev.tokens, ev.from_draft, True, "stop", ev.source)
                     return
-                yield TextDelta(text, ev.tokens, ev.from_draft, ev.finished, ev.finish_reason)
+                yield TextDelta(text, ev.tokens, ev.from_draft, ev.finished, ev.finish_reason, ev.source)
         finally:
             events.close()
 
@@ -181,13 +181,15 @@ class Pipeline:
 
 @dataclass
 class TextDelta:
-    """A piece of streamed output: new text and the tokens behind it."""
+    """A piece of streamed output: new text and the tokens behind it (``source``: where each token
+    came from, :attr:`specdraft.engine.StepEvent.source`)."""
 
     text: str
     tokens: list[int]
     from_draft: list[bool]
     finished: bool = False
     finish_reason: str | None = None
+    source: list[str] = field(default_factory=list)
 
 
 @dataclass
