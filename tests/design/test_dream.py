@@ -17,7 +17,7 @@ from specdraft.design.dream import (
     target_features,
 )
 from specdraft.design.prune import depth_prune
-from specdraft.design.train import TrainConfig
+from specdraft.design.train import TrainConfig, train_offline
 from specdraft.errors import SpecdraftError
 from tests.helpers import random_prompts
 
@@ -87,6 +87,34 @@ def test_loss_terms_decrease_on_a_tiny_model(tiny_pipe):
     assert float(loss.detach()) < 0.95 * float(first.detach())
     assert parts["soft_ce"] < parts0["soft_ce"] and parts["reg"] < parts0["reg"]
     assert {"soft_ce", "reg", "mid"} <= set(parts)
+
+
+def test_a_killed_run_resumes_exactly(tiny_pipe, tmp_path):
+    data = generate_target_data(
+        tiny_pipe.runtime,
+        random_prompts([5, 8, 6, 7], seed=6),
+        eos_ids=(),
+        max_new_tokens=10,
+        topk=8,
+        hidden_layer=-1,
+        progress=False,
+    )
+    cfg = TrainConfig(steps=4, batch_size=2, max_len=24, lr=3e-3, warmup=1, checkpoint_every=1, eval_every=0)
+
+    def fresh():
+        torch.manual_seed(0)
+        return DreamDraftLM(depth_prune(tiny_pipe.target.model, [1]), None, tiny_pipe.target.model)
+
+    whole = fresh()
+    train_offline(whole, data, None, cfg, tmp_path / "a", progress=False)
+    killed = fresh()
+    train_offline(killed, data, None, cfg, tmp_path / "b", progress=False, stop_after=2)
+    resumed = fresh()
+    res = train_offline(resumed, data, None, cfg, tmp_path / "b", progress=False)
+    assert res.resumed_from == 2
+    for k, v in whole.own_state().items():
+        assert torch.allclose(v, resumed.own_state()[k], atol=1e-6), k
+    assert not torch.equal(whole.cross["o"], torch.zeros_like(whole.cross["o"]))  # the block trained
 
 
 def test_bad_layers_are_refused(tiny_pipe):
