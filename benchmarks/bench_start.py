@@ -5,7 +5,8 @@ cache: the conversion cache, the GGUF index, the built kernels, the page cache):
 
 - ``specdraft generate``: ``specdraft generate --target T --dtype D --draft none --max-new-tokens 8
   PROMPT``, timed from the spawn to the first byte it writes to stdout (the first token's text);
-  its peak RSS is the process's ``ru_maxrss`` (torch included).
+  its peak RSS is the process's ``ru_maxrss`` (torch included; this script imports neither torch
+  nor specdraft, so no child inherits a large peak through fork).
 - inside: a process doing what ``generate`` does, with its own timer: seconds from the spawn to
   the end of the imports, of ``api.load`` and to the first token.
 - llama.cpp: a process that imports ``llama_cpp``, loads the same GGUF (llama-cpp-python, same
@@ -18,6 +19,7 @@ cache: the conversion cache, the GGUF index, the built kernels, the page cache):
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -93,25 +95,28 @@ def inside(args) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in runs[1:]) for k in runs[0]}
 
 
-def llamacpp_argv(args) -> list[str] | None:
-    """The llama.cpp process's argv (same GGUF, same chat-templated ids), or None without llama_cpp."""
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return None
-    from specdraft.api import Pipeline
-    from specdraft.models.loading import load_tokenizer
-    from specdraft.models.quant import gguf_path
+IDS = r"""
+import sys
+from specdraft.api import Pipeline
+from specdraft.models.loading import load_tokenizer
+from specdraft.models.quant import gguf_path
+ids = Pipeline(load_tokenizer(sys.argv[1]), None, None).encode(sys.argv[2])
+print(gguf_path(sys.argv[1]), ",".join(map(str, ids)))
+"""
 
-    ids = Pipeline(load_tokenizer(args.target), None, None).encode(PROMPT)
-    return [
-        sys.executable,
-        "-c",
-        LLAMACPP,
-        str(gguf_path(args.target)),
-        str(args.threads),
-        ",".join(map(str, ids)),
-    ]
+
+def llamacpp_argv(args) -> list[str] | None:
+    """The llama.cpp process's argv (same GGUF, same chat-templated ids), or None without llama_cpp.
+
+    The ids come from a child process: this one stays small, so that no child's peak RSS can
+    carry this process's over through fork."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    out = subprocess.run(
+        [sys.executable, "-c", IDS, args.target, PROMPT], capture_output=True, text=True, check=True
+    )
+    path, ids = out.stdout.rsplit(maxsplit=1)
+    return [sys.executable, "-c", LLAMACPP, path, str(args.threads), ids]
 
 
 def main(argv: list[str] | None = None) -> int:

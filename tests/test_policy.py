@@ -184,3 +184,32 @@ def test_cost_aware_reads_unmeasured_sizes_off_the_latency_curve():
     assert p.latency() == analytic.LatencyCurve({1: p.t_target})
     p.choose()
     assert p._times == [p.latency().time(n) for n in range(1, 6)]  # what the choice of k was scored with
+
+
+def test_cost_aware_drafts_less_on_a_steeper_verification_curve():
+    """The policy reads the runtime's own T(k + 1) / T(1), measured as it decodes: on a runtime
+    whose verification costs more per token (the quantized runtime's ~3.9x T1 at 8 tokens against
+    the bf16 runtime's ~2x, README) it mostly drafts less, at the analytic best for each curve."""
+
+    def flat(n):
+        return 0.010 * (1 + 0.15 * (n - 1))
+
+    def steep(n):
+        return 0.0067 * (1 + 0.42 * (n - 1))
+
+    def usual_k(curve) -> int:  # the k chosen most often once the curves are learned
+        p, g, ks = CostAwareK(k_max=8), torch.Generator().manual_seed(0), []
+        for _ in range(500):
+            k = p.choose()
+            ks.append(k)
+            survive = (torch.rand(k, generator=g) < 0.7).to(torch.int64).cumprod(0)
+            p.update(k, t(k), t(int(survive.sum())), k * 0.0002, curve(k + 1))
+        return max(set(ks[250:]), key=ks[250:].count)
+
+    k_flat, k_steep = usual_k(flat), usual_k(steep)
+    assert k_steep < k_flat
+    for k, curve in ((k_flat, flat), (k_steep, steep)):  # learned from noisy counts: near the best
+        best = analytic.best_k(0.7, 0.0002, curve, 8)
+        assert analytic.throughput(0.7, k, 0.0002, curve) >= 0.95 * analytic.throughput(
+            0.7, best, 0.0002, curve
+        )
