@@ -220,3 +220,33 @@ def test_api_auto_and_compact_load_gemma_on_the_compact_runtime(tmp_path):
         rt = api.load(str(tmp_path), "none", runtime=runtime, threads=1).runtime
         assert isinstance(rt, Gemma3Runtime) and rt.w.dtype == api.resolve_dtype("auto"), runtime
     assert isinstance(api.load(str(tmp_path), "none", runtime="hf", threads=1).runtime, HFRuntime)
+
+
+@native
+def test_token_tree_rows_equal_chain_steps_past_the_window(gemma):
+    """A token-tree step (issue 16) after a context longer than the window: every node's logits are
+    bit for bit those of a chain step over its path (the native attention applies the window to
+    the keys each node sees)."""
+    from specdraft.tree import TokenTree
+
+    model, rt = gemma
+    context, root = random_prompts([10], vocab=96, seed=8)[0], 7
+    tree = TokenTree.from_chains([[11, 12, 13], [11, 14], [15, 16, 17, 18], [20]])
+    P = len(context)
+    state, _ = prefill(rt, torch.tensor([context]), 32)
+    logits = rt.forward(
+        state,
+        torch.cat([torch.tensor([root]), tree.tokens]).unsqueeze(0),
+        tree.positions(P).unsqueeze(0),
+        attn_mask=tree.step_mask(P, 32).unsqueeze(0),
+        slots=tree.slots(P).unsqueeze(0),
+    ).logits[0]  # (N + 1, V)
+    for i in range(-1, tree.num_nodes):
+        chain = [root, *([] if i < 0 else tree.tokens[tree.ancestors[i]].tolist())]
+        one, _ = prefill(rt, torch.tensor([context]), 32)
+        want = rt.forward(one, torch.tensor([chain]), torch.arange(P, P + len(chain)).unsqueeze(0)).logits[
+            0, -1
+        ]
+        assert torch.equal(logits[1 + i], want), i
+        reference = hf_logits(model, torch.tensor([context + chain]))[0, -1]
+        torch.testing.assert_close(logits[1 + i], reference, atol=ATOL, rtol=0)
