@@ -49,6 +49,15 @@ def _any(kind: str, arg: str) -> str:
     return arg
 
 
+def _designed_arg(kind: str, arg: str) -> str:
+    name = arg.removeprefix("designed:")
+    if not arg.startswith("designed:") or name in ("", "auto"):
+        raise SpecdraftError(
+            f"bad draft spec {kind}:{arg}: use {kind}:designed:NAME (a feature or dream draft)"
+        )
+    return arg
+
+
 def _suffix_options(kind: str, arg: str) -> str:
     opts = [o for o in arg.split(",") if o]
     if any(not (o in ("shared", "chain") or (o.isdigit() and int(o) >= 1)) for o in opts):
@@ -169,7 +178,7 @@ DRAFTERS: dict[str, DrafterKind] = {
         _lazy("specdraft.design.artifact", "drafter_from_spec"), _any, "designed[:NAME|PATH|auto]"
     ),
     "bigram": DrafterKind(_lazy("specdraft.drafters.bigram"), _no_arg, "bigram"),
-    "local": DrafterKind(_lazy("specdraft.drafters.local"), _any, "local:designed:NAME"),
+    "local": DrafterKind(_lazy("specdraft.drafters.local"), _designed_arg, "local:designed:NAME"),
     "suffix": DrafterKind(_lazy("specdraft.drafters.suffix"), _suffix_options, "suffix[:N][,shared][,chain]"),
     "ouroboros": DrafterKind(
         _lazy("specdraft.drafters.ouroboros"),

@@ -77,7 +77,7 @@ class LocalHead:
         ids[p[keep], rank[keep]] = keys[keep] % V
         counts[p[keep], rank[keep]] = cnt[keep].float()
         rows = torch.bincount(prev, minlength=V).float()
-        uni = torch.bincount(torch.cat([s for s in seqs]).long(), minlength=V).float() + 1.0
+        uni = torch.bincount(torch.cat(seqs).long(), minlength=V).float() + 1.0
         return cls(ids, counts, rows, uni / uni.sum(), beta=beta)
 
     def log_local(self, prev: torch.Tensor) -> torch.Tensor:
@@ -138,9 +138,7 @@ def from_spec(spec, target):
     from specdraft.drafters.feature_base import FeatureDrafterBase
     from specdraft.registry import DraftSpec, build_drafter
 
-    inner = DraftSpec.parse(spec.arg)
-    if inner.kind != "designed" or inner.arg in ("", "auto"):
-        raise SpecdraftError(f"local:{spec.arg}: use local:designed:NAME (a designed feature or dream draft)")
+    inner = DraftSpec.parse(spec.arg)  # designed:NAME (the registry's check)
     drafter = build_drafter(inner, target)
     if not isinstance(drafter, FeatureDrafterBase):
         raise SpecdraftError(f"local:{spec.arg}: a local head fuses into feature or dream drafts only")

@@ -90,11 +90,14 @@ def test_design_local_and_the_local_spec_end_to_end(tmp_path, monkeypatch, capsy
     assert main([*gen, "--draft", f"local:designed:{out}"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(res["tokens"]) == 6 and res["stats"]["drafted"] > 0
-    assert main([*gen, "--draft", "local:lookup"]) != 0
-    assert "local:designed:NAME" in capsys.readouterr().err
+    prune = ["design", "build", *tiny, *data, "--layers", "1", "--head", "64", "--steps", "1"]
+    assert main([*prune, "--batch-size", "2", "--out", str(tmp_path / "l")]) == 0  # a token-level draft
+    capsys.readouterr()
+    assert main([*gen, "--draft", f"local:designed:{tmp_path / 'l'}"]) != 0
+    assert "feature or dream drafts only" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("spec", ["local:designed:auto", "local:"])
+@pytest.mark.parametrize("spec", ["local:designed:auto", "local:", "local:lookup", "local:designed:"])
 def test_bad_local_specs_are_one_line(spec, capsys):
     assert main(["generate", "hi", "--target", "tiny", "--threads", "1", "--draft", spec]) != 0
     err = capsys.readouterr().err
