@@ -12,7 +12,8 @@ cache; it simply feeds the next tokens at the positions it wants to (re)write.
 Two implementations live in this package: :class:`specdraft.models.llama.LlamaRuntime`, a compact
 Llama-family forward with a preallocated position-indexed cache (batch >= 1, ragged rows), and
 :class:`specdraft.models.hf.HFRuntime`, an adapter over any transformers causal LM (batch 1,
-cache cropping). :class:`specdraft.models.quant.QuantRuntime` runs a GGUF's quantized blocks.
+cache cropping). :class:`specdraft.models.gemma3.Gemma3Runtime` is the compact runtime with Gemma 3's
+layer. :class:`specdraft.models.quant.QuantRuntime` runs a GGUF's quantized blocks.
 :func:`make_runtime` picks the runtime for a loaded model.
 """
 
