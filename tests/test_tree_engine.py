@@ -26,8 +26,9 @@ class OracleTrees:
 
     name, vocab_size = "oracle", None
 
-    def __init__(self, references: list[list[int]], seed: int = 0, chain_every: int = 0):
+    def __init__(self, references: list[list[int]], seed: int = 0, chain_every: int = 0, vocab: int = 254):
         self.references = references  # prompt + plain output of each prompt
+        self.vocab = vocab
         self.g = torch.Generator().manual_seed(seed)
         self.chain_every = chain_every
         self.steps = 0
@@ -37,7 +38,7 @@ class OracleTrees:
         return DraftState(batch_size)
 
     def _rand(self, n: int) -> list[int]:
-        return torch.randint(0, 254, (n,), generator=self.g).tolist()
+        return torch.randint(0, self.vocab, (n,), generator=self.g).tolist()
 
     def _chains(self, seq: list[int], k: int) -> list[list[int]]:
         ref = next(r for r in self.references if r[: len(seq)] == seq)
@@ -45,7 +46,7 @@ class OracleTrees:
         depth = int(torch.randint(0, k, (1,), generator=self.g))
         good = nxt[:depth]
         if good and int(torch.randint(0, 3, (1,), generator=self.g)) == 0:
-            good[-1] = (good[-1] + 1) % 254  # rejected at its last node
+            good[-1] = (good[-1] + 1) % self.vocab  # rejected at its last node
         chains = [self._rand(1), good, self._rand(k - 1 - len(good))]
         return [c for c in chains if c]
 
@@ -87,6 +88,32 @@ def test_tree_steps_give_plain_greedy_output_batch_1_and_3(tiny):
         assert out == [plain_greedy(tiny.target, p, 24) for p in batch]
         assert engine.stats.accepted > 5  # the trees were really accepted from (not only bonus tokens)
         assert engine.stats.mean_accepted_length > 1.2
+
+
+@pytest.fixture(scope="module")
+def quant_rt(tmp_path_factory):
+    """The quantized runtime over a tiny Q4_1 GGUF (vocabulary 96), as tests/models/test_quant_tree.py."""
+    from specdraft import kernels
+    from specdraft.models import quant
+    from tests.models.test_quant import TYPES, write_tiny_gguf
+
+    if not kernels.available() or "avx2" not in quant.variants():
+        pytest.skip(f"native kernels unavailable ({kernels.status()})")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPECDRAFT_CACHE", str(tmp_path_factory.mktemp("cache")))
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    write_tiny_gguf(path, TYPES["Q4_1"])
+    yield quant.QuantRuntime(path)
+    mp.undo()
+
+
+def test_tree_steps_on_the_quantized_runtime(quant_rt):
+    prompts = random_prompts([5, 9, 3], vocab=94, seed=16)
+    refs = [p + plain_greedy(quant_rt, p, 20 + K + 2) for p in prompts]
+    for batch in ([prompts[0]], prompts):
+        engine = Engine(quant_rt, OracleTrees(refs, seed=6, chain_every=3, vocab=94), FixedK(K))
+        assert decode(engine, batch, 20) == [plain_greedy(quant_rt, p, 20) for p in batch]
+        assert engine.stats.accepted > 5
 
 
 def test_chain_steps_after_tree_steps_continue_as_plain(tiny):
