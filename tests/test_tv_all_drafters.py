@@ -222,6 +222,15 @@ class FixedTrees:
         pass
 
 
+def _warm_ouroboros(base) -> OuroborosDrafter:
+    """An Ouroboros drafter whose pool starts with two phrases after every token, so trees branch."""
+    drafter = OuroborosDrafter(base, branches=3)
+    for t in range(V):
+        drafter.start.add(t, [(t + 1) % V, (t + 2) % V])
+        drafter.start.add(t, [(t + 3) % V])
+    return drafter
+
+
 def make_case(name: str, target: LlamaRuntime) -> Case:
     """The case ``name``."""
     if name == "model":
@@ -235,11 +244,7 @@ def make_case(name: str, target: LlamaRuntime) -> Case:
     if name in ("ouroboros", "ouroboros-model"):  # a base draft lengthened with pool phrases, pool
         # phrases as branches; the model's nodes carry its q, the pool's are point masses
         base = ModelDrafter(peaked(seed=11, scale=12.0), "other") if name == "ouroboros-model" else None
-        drafter = OuroborosDrafter(base, branches=3)
-        for t in range(V):  # a warm pool: two phrases after every token, so trees branch
-            drafter.start.add(t, [(t + 1) % V, (t + 2) % V])
-            drafter.start.add(t, [(t + 3) % V])
-        return Case(drafter, FixedK(4), check=_branching)
+        return Case(_warm_ouroboros(base), FixedK(4), check=_branching)
     if name == "suffix":  # frequency trees over the context and a history of earlier outputs
         drafter = SuffixDrafter(max_n=3, shared=True)
         drafter.history = NgramIndex(3, 1000)
@@ -300,18 +305,26 @@ def make_case(name: str, target: LlamaRuntime) -> Case:
         watch = RowWatch(evidence=0.5, floor=0.5)
         policy = SteadyClock(CostAwareK(k_max=2, k_start=2, probe_every=8, watch=watch))
         return Case(ModelDrafter(peaked(seed=11, scale=12.0), "other"), policy, batch=100, check=_rows_off)
-    if name == "server-row-caps":
-        drafter, policy = (
-            RowCappedDrafter(ModelDrafter(peaked(seed=11, scale=12.0), "other")),
-            CappedPolicy(FixedK(3)),
-        )
+    if name in ("server-row-caps", "server-row-caps-tree"):  # the tree variant: trees cut to cap nodes
+        inner = ModelDrafter(peaked(seed=11, scale=12.0), "other")
+        if name == "server-row-caps-tree":
+            inner = _warm_ouroboros(inner)
+        drafter, policy = RowCappedDrafter(inner), CappedPolicy(FixedK(3))
 
         def before_step(engine):  # as Scheduler._step: per-request caps (off, 1, none), the batch's k
             caps = [(0, 1, policy.k_max)[r.params.seed % 3] for r in engine.requests]
             policy.cap = max(caps)
             drafter.caps = torch.tensor(caps)
 
-        return Case(drafter, policy, before_step=before_step, check=_lengths(0, 1, 3))
+        def check(rec, policy):  # rows with each cap (a tree's first path is shorter than its
+            # nodes); the tree variant's trees still branch
+            if name == "server-row-caps":
+                _lengths(0, 1, 3)(rec, policy)
+            else:
+                _lengths(0, 1, 2)(rec, policy)
+                _branching(rec, policy)
+
+        return Case(drafter, policy, before_step=before_step, check=check)
     if name == "old-gate":
         return Case(SampledTokenGate(_distilled(), "old", cost=VerifyCost([1.0, 1.4, 1.6], 0.0)), FixedK(2))
     raise ValueError(name)
@@ -360,6 +373,7 @@ CASES = [
     "cost-aware-trim",
     "cost-aware-rows",
     "server-row-caps",
+    "server-row-caps-tree",
 ]
 
 
