@@ -86,11 +86,11 @@ def measure(pipe, methods, ids: list[list[int]], max_new_tokens: int) -> dict[st
     return totals
 
 
-def report(args, totals: dict[str, harness.Totals], n: int, precision: str) -> dict:
+def report(args, totals: dict[str, harness.Totals], n: int, runtime: str) -> dict:
     """Print the table; the numbers as a dict (for --json)."""
     plain = totals["plain"]
     print(
-        f"\n{args.target} ({precision}), {torch.get_num_threads()} threads, k {args.k}, {n} GSM8K "
+        f"\n{args.target} ({runtime}), {torch.get_num_threads()} threads, k {args.k}, {n} GSM8K "
         f"questions measured after {n} warming the shared drafters, {args.max_new_tokens} new tokens, "
         "batch 1, greedy; speedup = tokens/s over plain decoding in the same run"
     )
@@ -134,7 +134,8 @@ def main(argv=None) -> int:
         print(f"\r{i + 1}/{len(warm)} warming", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
     totals = measure(pipe, methods, measured, args.max_new_tokens)
-    doc = report(args, totals, len(measured), harness.runtime_precision(pipe.runtime))
+    runtime = f"{type(pipe.runtime).__name__}, computing in {harness.runtime_precision(pipe.runtime)}"
+    doc = report(args, totals, len(measured), runtime)
     if args.save_pool:
         pool.shared_pool("ouroboros").save(args.save_pool)
     if args.json:
