@@ -6,7 +6,8 @@ In one run, on the same chat-templated token ids and thread count:
   runtimes alternating prompt by prompt (A B, then B A), tokens after the first over the time
   after the first (prefill excluded), and end to end;
 - T(n) / T(1), n = 1..9: one forward of n new tokens at a ``--context``-token cache, rounds
-  alternating between the runtimes, medians;
+  alternating between the runtimes, medians; the verification cost T(k + 1) / T(1), k = 1..8,
+  is the curve ``--k auto`` measures online (:meth:`specdraft.policy.CostAwareK.latency`);
 - greedy agreement: the fraction of prompts whose outputs are identical, the mean common prefix,
   and the position-wise token agreement;
 - start to first token and peak RSS: a fresh Python process per runtime (warm caches), each
@@ -171,6 +172,13 @@ def main(argv=None) -> int:
             report["step_ms"].setdefault(n, {})[k] = t * 1e3
             cells.append(f"{t * 1e3:9.2f} ms  {t / t1:5.2f}x T1")
         print(f"  {k}  " + "".join(f"{c:>26s}" for c in cells))
+    # what a verification of k drafts costs in one-token steps; --k auto measures this curve as it
+    # decodes (CostAwareK.latency) on whichever runtime it runs
+    cost = report["verification_cost"] = {
+        n: {k: times[n][k + 1] / times[n][1] for k in range(1, 9)} for n in names
+    }
+    for n in names:
+        print(f"  T(k + 1) / T(1), k = 1..8, {n}: " + " ".join(f"{cost[n][k]:.2f}" for k in range(1, 9)))
 
     print(
         f"\nstart to first token (fresh process, warm caches, api.load(dtype=bf16 | q)) and peak RSS, "
