@@ -1,7 +1,8 @@
 """Draft-length policies against each other and against plain decoding, in one process.
 
 One drafter (prompt lookup by default), several policies (``--policies auto,2,4,heuristic``: the
-cost-aware policy, fixed k, transformers' heuristic), Spec-Bench first turns, batch 1, greedy.
+cost-aware policy, fixed k, transformers' heuristic), Spec-Bench first turns, greedy, batch 1 (or
+``--batch N``: the prompts decoded N rows at a time, overall figures only).
 After an untimed warm-up of every method, each prompt runs every method once in a rotating order
 (A B C, then B C A, ...: :mod:`specdraft.bench.harness`), so slow phases of a shared machine hit
 all methods alike. Each method
@@ -48,6 +49,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are cut in the middle")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="decode the prompts in batches of N rows (N > 1: overall figures only, categories mix)",
+    )
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -73,28 +80,32 @@ def main(argv=None) -> int:
 
     harness.warm_up(methods, ids[0][:64], 16)
     totals = {n: defaultdict(harness.Totals) for n in names}  # by category, and "overall"
-    for i, (prompt, p) in enumerate(zip(ids, prompts)):
-        runs = harness.run_prompt(methods, prompt, i, args.max_new_tokens)
-        plain = runs["plain"].tokens
-        for name, run in runs.items():
-            cls = None
-            if name != "plain":
-                check = (pipe.runtime, prompt, plain, run.tokens, args.max_new_tokens, pipe.eos_ids, tol)
-                cls = harness.equality(*check)[0]
-            for key in (p.category, "overall"):
-                totals[name][key].add(run, cls)
-        print(f"\r{i + 1}/{len(ids)} prompts", end="", file=sys.stderr, flush=True)
+    B = max(1, args.batch)
+    for i in range(0, len(ids), B):
+        group, cats_i = ids[i : i + B], [p.category for p in prompts[i : i + B]]
+        runs = run_group(methods, group, i // B, args.max_new_tokens)
+        for name, (run, outputs) in runs.items():
+            classes = []
+            if name != "plain":  # each row against plain decoding's, counted per prompt
+                pairs = zip(group, runs["plain"][1], outputs)
+                check = (args.max_new_tokens, pipe.eos_ids, tol)
+                classes = [harness.equality(pipe.runtime, x, a, b, *check)[0] for x, a, b in pairs]
+            for key in ([cats_i[0]] if B == 1 else []) + ["overall"]:
+                totals[name][key].add(run)
+                for c in classes:
+                    totals[name][key].classes[c] = totals[name][key].classes.get(c, 0) + 1
+        print(f"\r{i + len(group)}/{len(ids)} prompts", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
     overall = {n: totals[n]["overall"] for n in names}
     mismatches = {n: overall[n].mismatches for n in names[1:]}
     forwards = {n: overall[n].stats.target_forwards for n in names}
 
-    cats = list(dict.fromkeys(p.category for p in prompts)) + ["overall"]
+    cats = (list(dict.fromkeys(p.category for p in prompts)) if B == 1 else []) + ["overall"]
     rate = {n: {c: totals[n][c].tokens_per_s for c in cats} for n in names}
     print(
         f"\n{args.target}, draft {args.draft}, {torch.get_num_threads()} threads, {len(ids)} Spec-Bench "
-        f"first turns, {args.max_new_tokens} new tokens; speedup = tokens/s over plain decoding in the "
-        "same run"
+        f"first turns, batch {B}, {args.max_new_tokens} new tokens; speedup = tokens/s over plain decoding "
+        "in the same run"
     )
     print("| category | plain tok/s | " + " | ".join(f"k {n}" for n in names[1:]) + " |")
     print("|---|---|" + "---|" * (len(names) - 1))
@@ -124,6 +135,21 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps(doc, indent=2))
     print(f"\nreproduce: {command}")
     return 1 if any(mismatches.values()) else 0
+
+
+def run_group(methods, group: list[list[int]], i: int, max_new: int) -> dict:
+    """Every method once on a group of prompts (one batch; interleaved order by group index):
+    by method name, a :class:`harness.Run` over the whole group and each row's output."""
+    out = {}
+    for m in harness.interleave(methods, i):
+        if len(group) == 1:
+            run = m.run(group[0], max_new)
+            out[m.name] = (run, [run.tokens])
+            continue
+        b = m.run_batch(group, max_new)
+        flat = [t for row in b.outputs for t in row]
+        out[m.name] = (harness.Run(flat, b.seconds, b.stats, b.first_token_seconds), b.outputs)
+    return {m.name: out[m.name] for m in methods}
 
 
 if __name__ == "__main__":
