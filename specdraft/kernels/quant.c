@@ -263,32 +263,6 @@ static inline AI void finish4(const __m256 *acc, const __m128 *mins, int R, floa
     }
 }
 
-/* R activation rows against weight rows w, w + rs, ..., w + 3 rs, from the file's blocks:
- * out[r * NC + c]. The weights PF bytes ahead are prefetched as the tile streams its own. */
-static inline AI void tile_direct(int type, const uint8_t *w, long rs, const block_a8 *a, long as, int nb,
-                                  int R, float *out) {
-    __m256 acc[MR];
-    __m128 mins[MR];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), mins[r] = _mm_setzero_ps();
-    const int bb = block_bytes(type);
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *blk = w + (long)b * bb;
-        for (int o = 0; o < NC * bb; o += 64)
-            _mm_prefetch((const char *)(w + PF + (long)b * NC * bb + o), _MM_HINT_T0);
-        __m128 m4;
-        const __m256 dw = scales4(type, blk, rs, &m4);
-        __m256i wq[NC], aw[NC];
-#pragma GCC unroll 4
-        for (int c = 0; c < NC; c++) {
-            wq[c] = unpack_avx2(type, blk + c * rs);
-            aw[c] = type == T_Q4_1 ? wq[c] : _mm256_sign_epi8(wq[c], wq[c]);
-        }
-        block_cols(type, wq, aw, dw, m4, a, as, b, R, acc, mins);
-    }
-    finish4(acc, mins, R, out);
-}
-
 /* A tile's 4 weight rows unpacked with their lanes transposed: for block b and k < 4, q[b, k] is
  * the 32 bytes [g(0, k) g(1, k) g(2, k) g(3, k) | g(0, k + 4) ... g(3, k + 4)], g(c, j) the 4
  * weights of lane j of column c (|w| for Q4_0 and Q8_0, whose signs are in s[b, k], the same
@@ -351,42 +325,88 @@ static void acts_transposed(const block_a8 *a, int M, int nb, int8_t *a4) {
     }
 }
 
-/* R activation rows against a transposed unpacked tile: out[r * NC + c], dot_ref's operations.
- * The 4 pair-product vectors of a block add up in 16 bits for Q4 weights (|w a + w' a'| <= 3810,
- * four of them < 2^15), in 32 bits for Q8_0. */
+/* Block b of R activation rows (a4: their transposed bytes) against 4 columns' transposed weights
+ * aw[k] (|w|, or w for Q4_1) with signs sg[k] (Q4_0, Q8_0), scales dw (as scales4) and Q4_1 mins
+ * m4: acc[r] and mins[r] advanced by one block. The 4 pair-product vectors add up in 16 bits for Q4
+ * weights (|w a + w' a'| <= 3810, four of them < 2^15), in 32 bits for Q8_0. */
+static inline AI void block_rows(int type, const __m256i *aw, const __m256i *sg, __m256 dw, __m128 m4,
+                                 const block_a8 *a, const int8_t *a4, long as, int b, int R, __m256 *acc,
+                                 __m128 *mins) {
+    const __m256i ones = _mm256_set1_epi16(1);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        const block_a8 *ab = a + r * as + b;
+        __m256i p[4];
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            __m256i av = _mm256_load_si256((const __m256i *)(a4 + ((r * as + b) * 4 + k) * QK));
+            if (type != T_Q4_1) av = _mm256_sign_epi8(av, sg[k]);
+            p[k] = _mm256_maddubs_epi16(aw[k], av);
+            if (type == T_Q8_0) p[k] = _mm256_madd_epi16(p[k], ones);
+        }
+        __m256i v;
+        if (type == T_Q8_0)
+            v = _mm256_add_epi32(_mm256_add_epi32(p[0], p[1]), _mm256_add_epi32(p[2], p[3]));
+        else
+            v = _mm256_madd_epi16(
+                _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])), ones);
+        const __m256 sc = _mm256_mul_ps(dw, _mm256_broadcast_ss(&ab->d));
+        acc[r] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(v), acc[r]);
+        if (type == T_Q4_1) mins[r] = _mm_fmadd_ps(m4, _mm_broadcast_ss(&ab->s), mins[r]);
+    }
+}
+
+/* R activation rows against a transposed unpacked tile: out[r * NC + c], dot_ref's operations. */
 static inline AI void tile_rows(int type, const unpacked *u, const block_a8 *a, const int8_t *a4, long as,
                                 int nb, int R, float *out) {
     __m256 acc[MR];
     __m128 mins[MR];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), mins[r] = _mm_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1);
     for (int b = 0; b < nb; b++) {
-        const __m256 dw = _mm256_load_ps(u->d + 8 * b);
-        const __m128 m4 = _mm_load_ps(u->m + 4 * b);
+        __m256i aw[4], sg[4];
 #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            const block_a8 *ab = a + r * as + b;
-            __m256i p[4];
-#pragma GCC unroll 4
-            for (int k = 0; k < 4; k++) {
-                const __m256i aw = _mm256_load_si256((const __m256i *)(u->q + (b * 4 + k) * QK));
-                __m256i av = _mm256_load_si256((const __m256i *)(a4 + ((r * as + b) * 4 + k) * QK));
-                if (type != T_Q4_1)
-                    av = _mm256_sign_epi8(av, _mm256_load_si256((const __m256i *)(u->s + (b * 4 + k) * QK)));
-                p[k] = _mm256_maddubs_epi16(aw, av);
-                if (type == T_Q8_0) p[k] = _mm256_madd_epi16(p[k], ones);
-            }
-            __m256i v;
-            if (type == T_Q8_0)
-                v = _mm256_add_epi32(_mm256_add_epi32(p[0], p[1]), _mm256_add_epi32(p[2], p[3]));
-            else
-                v = _mm256_madd_epi16(
-                    _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])), ones);
-            const __m256 sc = _mm256_mul_ps(dw, _mm256_broadcast_ss(&ab->d));
-            acc[r] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(v), acc[r]);
-            if (type == T_Q4_1) mins[r] = _mm_fmadd_ps(m4, _mm_broadcast_ss(&ab->s), mins[r]);
+        for (int k = 0; k < 4; k++) {
+            aw[k] = _mm256_load_si256((const __m256i *)(u->q + (b * 4 + k) * QK));
+            if (type != T_Q4_1) sg[k] = _mm256_load_si256((const __m256i *)(u->s + (b * 4 + k) * QK));
         }
+        const __m256 dw = _mm256_load_ps(u->d + 8 * b);
+        block_rows(type, aw, sg, dw, _mm_load_ps(u->m + 4 * b), a, a4, as, b, R, acc, mins);
+    }
+    finish4(acc, mins, R, out);
+}
+
+/* R activation rows against weight rows w, w + rs, ..., w + 3 rs, from the file's blocks:
+ * out[r * NC + c]. With a4 (the rows' transposed bytes) each block's 4 columns are transposed in
+ * registers (block_rows), else their half sums come by horizontal adds (block_cols): in a 1-thread
+ * A/B the first is 0.85x for 2 rows of Q4 weights, 1.04-1.07x for 1 row and for Q8_0 (direct_a4).
+ * The weights PF bytes ahead are prefetched as the tile streams its own. */
+static inline AI void tile_direct(int type, const uint8_t *w, long rs, const block_a8 *a, const int8_t *a4,
+                                  long as, int nb, int R, float *out) {
+    __m256 acc[MR];
+    __m128 mins[MR];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), mins[r] = _mm_setzero_ps();
+    const int bb = block_bytes(type);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = w + (long)b * bb;
+        for (int o = 0; o < NC * bb; o += 64)
+            _mm_prefetch((const char *)(w + PF + (long)b * NC * bb + o), _MM_HINT_T0);
+        __m128 m4;
+        const __m256 dw = scales4(type, blk, rs, &m4);
+        __m256i sg[NC], aw[NC];
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; c++) {
+            sg[c] = unpack_avx2(type, blk + c * rs);
+            aw[c] = type == T_Q4_1 ? sg[c] : _mm256_sign_epi8(sg[c], sg[c]);
+        }
+        if (!a4) {
+            block_cols(type, sg, aw, dw, m4, a, as, b, R, acc, mins);
+            continue;
+        }
+        transpose4(aw);
+        if (type != T_Q4_1) transpose4(sg);
+        block_rows(type, aw, sg, dw, m4, a, a4, as, b, R, acc, mins);
     }
     finish4(acc, mins, R, out);
 }
@@ -471,16 +491,19 @@ static inline void store_out(const qmat *W, const float *out, int R, int n, int 
  * (the Q8_0 head), T3 1.0x. */
 static inline int use_direct(int type, int M) { return M <= 2 || type == T_Q8_0; }
 
+/* Whether a direct tile transposes its blocks in registers (tile_direct) for these M rows. */
+static inline int direct_a4(int type, int M) { return M == 2 && type != T_Q8_0; }
+
 /* R rows (R <= 3) of a tile: tile_direct from w, or tile_rows / tile_rows_cols from the unpacked
  * copy u (a4: the transposed activations, NULL for the by-column copy). */
 static inline AI void tile_group(int type, int direct, const uint8_t *w, long rs, const unpacked *u,
                                  const block_a8 *a, const int8_t *a4, int nb, int R, float *out) {
     if (direct && R == 3)
-        tile_direct(type, w, rs, a, nb, nb, 3, out);
+        tile_direct(type, w, rs, a, a4, nb, nb, 3, out);
     else if (direct && R == 2)
-        tile_direct(type, w, rs, a, nb, nb, 2, out);
+        tile_direct(type, w, rs, a, a4, nb, nb, 2, out);
     else if (direct)
-        tile_direct(type, w, rs, a, nb, nb, 1, out);
+        tile_direct(type, w, rs, a, a4, nb, nb, 1, out);
     else if (!a4 && R == 3) /* unpacked: M >= 3 rows, so balanced groups of 2 or 3 */
         tile_rows_cols(type, u, a, nb, nb, 3, out);
     else if (!a4)
@@ -538,11 +561,17 @@ static void matmul_range(const qmat *W, const block_a8 *a, int M, float *y, long
     }
     unpacked u = {NULL, NULL, NULL, NULL};
     int8_t *a4 = NULL;
-    if (!use_direct(W->type, M) && n0 + NC <= n1) { /* q, s, d, m of a tile, then the activations' a4 */
-        const size_t tile = ((size_t)nb * (2 * 4 * QK + 48) + 31) / 32 * 32, acts = (size_t)M * nb * 4 * QK;
+    const int direct = use_direct(W->type, M);
+    const size_t tile = direct ? 0 : ((size_t)nb * (2 * 4 * QK + 48) + 31) / 32 * 32;
+    const int transposed = direct ? direct_a4(W->type, M) : W->cols <= KT; /* the tiles read a4 */
+    const size_t acts = transposed ? (size_t)M * nb * 4 * QK : 0;
+    if (n0 + NC <= n1 && tile + acts) { /* q, s, d, m of an unpacked tile, then the activations' a4 */
         u.q = (int8_t *)aligned_alloc(32, tile + acts);
-        u.s = u.q + (size_t)nb * 4 * QK, u.d = (float *)(u.s + (size_t)nb * 4 * QK), u.m = u.d + 8 * nb;
-        if (W->cols <= KT) a4 = u.q + tile, acts_transposed(a, M, nb, a4);
+        if (tile) {
+            u.s = u.q + (size_t)nb * 4 * QK, u.d = (float *)(u.s + (size_t)nb * 4 * QK);
+            u.m = u.d + 8 * nb;
+        }
+        if (acts) a4 = u.q + tile, acts_transposed(a, M, nb, a4);
     }
     if (W->type == T_Q4_0)
         range_avx2(T_Q4_0, W, a, M, y, ldy, n0, n1, add, &u, a4);
