@@ -34,7 +34,7 @@ lengthened base draft, as a chain, to compare tree and chain).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -219,6 +219,17 @@ class OuroborosDrafter:
         self.base.observe(state.base_state, torch.tensor(own, dtype=torch.int64), verified)
 
 
+def _with_model(target):
+    """``target`` with its transformers model loaded (a designed draft shares its embedding): a
+    quantized target's runtime loads only the tokenizer (as :func:`specdraft.api.load` does for a
+    ``designed`` spec)."""
+    if target.loaded.model is not None:
+        return target
+    from specdraft.models.loading import load_model
+
+    return replace(target, loaded=load_model(target.loaded.name, torch.float32))
+
+
 def from_spec(spec, target) -> OuroborosDrafter:
     """The ``ouroboros[:lookup][,shared][,warm=PATH][,chain]`` factory of
     :data:`specdraft.registry.DRAFTERS`: the base is prompt lookup with ``lookup``, else the draft
@@ -227,5 +238,5 @@ def from_spec(spec, target) -> OuroborosDrafter:
 
     opts = spec.arg.split(",")
     warm = next((o.partition("=")[2] for o in opts if o.startswith("warm=")), None)
-    base = PromptLookupDrafter() if "lookup" in opts else build_drafter("designed:auto", target)
+    base = PromptLookupDrafter() if "lookup" in opts else build_drafter("designed:auto", _with_model(target))
     return OuroborosDrafter(base, shared="shared" in opts, warm=warm, tree="chain" not in opts)

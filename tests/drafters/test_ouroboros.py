@@ -166,3 +166,17 @@ def test_the_servers_row_caps_cut_trees_to_their_first_nodes():
         prop.trees[1].tokens.tolist() == full.tokens[:2].tolist()
         and prop.trees[1].sources == full.sources[:2]
     )
+
+
+def test_a_model_base_over_a_tokenizer_only_target_loads_the_transformers_model(tiny_pipe):
+    """A quantized target loads only its tokenizer; the designed:auto base needs the model (as
+    ``api.load`` gives a ``designed`` spec)."""
+    from dataclasses import replace
+
+    from specdraft.drafters.ouroboros import _with_model
+    from specdraft.registry import Target
+
+    bare = Target(replace(tiny_pipe.target, model=None), tiny_pipe.runtime, torch.float32)
+    assert _with_model(bare).loaded.model is not None and _with_model(bare).runtime is tiny_pipe.runtime
+    full = Target(tiny_pipe.target, tiny_pipe.runtime, torch.float32)
+    assert _with_model(full) is full
