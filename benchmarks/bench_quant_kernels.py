@@ -7,10 +7,15 @@ In one run, 2 threads by default, rounds alternating between the kernels, median
   rows M = 1, 2, 5, 9, 16: ms per product and GOPS (2 M N K / t) of ``quant_matmul`` (the file's
   blocks; activation rows quantized inside the call) and of the bf16 kernel
   (:func:`specdraft.kernels.fewrows_matmul` on the same weights de-quantized to bf16);
-- a step profile of :class:`QuantRuntime` for T = 1, 5, 9 new tokens at a ``--context``-token
+- a step profile of :class:`QuantRuntime` for T = 1, 2, 5, 9 new tokens at a ``--context``-token
   cache: the whole forward, the matmuls' share (each layer's 7 products times the layers, plus the
   head, timed one by one as above), and the rest (attention, norms, activation quantization,
-  SiLU, embedding, Python): T(n) / T(1) is the verification cost the policy sees.
+  SiLU, embedding, Python): T(n) / T(1) is the verification cost the policy sees. Products timed
+  alone keep their weights in cache where they fit, while the step streams them from memory, so
+  "rest" is a lower bound (negative when the step is memory-bound).
+
+``--clock cpu`` (with ``--threads 1``) times process CPU time: on a loaded machine wall-clock
+figures are mostly waits for a core, and an A/B of two kernels is better read from CPU time.
 
     .venv/bin/python benchmarks/bench_quant_kernels.py --threads 2 --rounds 9
 """
