@@ -173,7 +173,20 @@ class RowWatch:
     running average p (rows that are on, decay ``average_decay`` per proposal) and so unlikely
     under p that ``P(X <= h | Binomial(n, p)) < detect_alpha``: a row that is merely unlucky is
     not flagged, one that is always wrong is after ``log(alpha) / log(1 - p)`` proposals
-    (3 at p = 0.9, 13 at p = 0.3).
+    (3 at p = 0.9, 13 at p = 0.3). A row that is off proposes only at its probes (intervals
+    ``probe_every``, doubling), so in steps that is 3 at p = 0.9, about 60 at p = 0.6 (6
+    proposals: 3 + probes after 8, 16, 32 steps), and later than most requests end below that;
+    probing faster would buy detection with draft work (a probe of a model draft costs
+    ``probe_k`` draft forwards), which the defense must not spend. A drafter whose average
+    acceptance is low cannot tell an attacked request from an unlucky one quickly (75 proposals
+    at p = 0.06): it is also the drafter with little to collapse.
+
+    Cold: nothing is flagged until the average rests on ``detect_warmup`` decayed proposals (the
+    first requests a policy sees); those requests are still switched off by ``floor``, so an
+    attacked one costs about plain decoding even when it is not flagged. The average counts
+    every row that is on, the watched row included, so a request alone on a cold policy is
+    compared with itself and never flagged. Measured on recorded clean and always-wrong requests
+    by :mod:`specdraft.attack.detection` (``benchmarks/bench_detection.py``).
 
     Attributes:
         decay: weight of history in a row's acceptance estimate (per proposal).
@@ -182,6 +195,7 @@ class RowWatch:
         detect_fraction: flagged only below this fraction of the drafter's average acceptance.
         detect_alpha: and only when that few hits are this unlikely at the average.
         average_decay: weight of history in the drafter's average (per row proposal).
+        detect_warmup: decayed proposals the average needs before any row is flagged.
     """
 
     decay: float = 0.8
@@ -190,13 +204,17 @@ class RowWatch:
     detect_fraction: float = 0.25
     detect_alpha: float = 0.01
     average_decay: float = 0.98
+    detect_warmup: float = 10.0
 
     def __post_init__(self):
         if not (0 < self.decay < 1 and 0 < self.average_decay < 1 and 0 <= self.floor < 1):
             raise SpecdraftError("RowWatch: need 0 < decay, average_decay < 1 and 0 <= floor < 1")
-        if not (self.evidence > 0 and 0 < self.detect_fraction <= 1 and 0 < self.detect_alpha < 1):
+        if not (self.evidence > 0 and 0 < self.detect_fraction <= 1 and 0 < self.detect_alpha < 1) or (
+            self.detect_warmup < 0
+        ):
             raise SpecdraftError(
-                "RowWatch: need evidence > 0, 0 < detect_fraction <= 1, 0 < detect_alpha < 1"
+                "RowWatch: need evidence > 0, 0 < detect_fraction <= 1, 0 < detect_alpha < 1, "
+                "detect_warmup >= 0"
             )
 
 
@@ -494,7 +512,7 @@ class CostAwareK:
     def _detect(self, r: int, row: _Row) -> None:
         """Flag row r once when its acceptance is far below, and implausibly low for, the average."""
         w = self.watch
-        if r in self.collapsed or self.average[0] < 1.0:
+        if r in self.collapsed or self.average[0] < max(w.detect_warmup, 1.0):
             return
         p = self.average[1] / self.average[0]
         if row.hits < w.detect_fraction * p * row.proposals and (

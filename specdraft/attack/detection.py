@@ -1,0 +1,98 @@
+"""The defense's detection rule measured on recorded acceptance (issue 17).
+
+The rule is :class:`specdraft.policy.RowWatch`'s (its thresholds are documented there): a request
+is flagged as collapsed when its first-draft-token hits h of n proposals are below
+``detect_fraction`` of the drafter's running average p *and* ``P(X <= h | Binomial(n, p)) <
+detect_alpha``, once the average rests on ``detect_warmup`` decayed proposals.
+
+To check it without a model, a request is recorded as the sequence of its proposals' first-token
+outcomes (1: the target accepted the first draft token, 0: it did not) under a fixed k
+(:class:`HitRecorder` wraps the policy of a real decode). :func:`replay` feeds such sequences
+through a fresh :class:`~specdraft.policy.CostAwareK`, one request after another as a server at
+batch 1 would (the policy, and so the running average, is shared by all of them), with the policy
+scheduling each request's proposals: a request that is switched off verifies only its probes,
+which take the next outcomes of its record. It returns, per request, the step and the proposal at
+which it was flagged (None: never), from which :func:`rates` gives the false-positive rate over
+clean requests and the detection rate over adversarial ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdraft.policy import CostAwareK, FixedK, RowWatch
+
+
+@dataclass
+class Flag:
+    """When :func:`replay` saw a request flagged.
+
+    Attributes:
+        step: decode steps of the request up to and including the flagging one (None: never).
+        proposal: proposals it had verified then (None: never).
+        steps: decode steps it ran in all.
+    """
+
+    step: int | None
+    proposal: int | None
+    steps: int
+
+
+class HitRecorder(FixedK):
+    """A fixed-k policy that records, per request id, its proposals' first-token outcomes
+    (``hits[request_id]``: 1 accepted, 0 rejected, one per proposal)."""
+
+    def __init__(self, k: int):
+        super().__init__(k)
+        self.hits: dict[int, list[int]] = {}
+
+    def update(self, k, num_drafted, num_accepted, draft_time, target_time, bucket=None, rows=None, **kw):
+        if rows is None or k == 0:
+            return
+        for r, d, a in zip(rows, num_drafted.tolist(), num_accepted.tolist()):
+            if d > 0:
+                self.hits.setdefault(r, []).append(int(a >= 1))
+
+
+def replay(requests: list[list[int]], watch: RowWatch | None = None, tokens: int | None = None) -> list[Flag]:
+    """Replay recorded requests through one fresh policy, one after another (module docstring).
+
+    Args:
+        requests: per request, its proposals' first-token outcomes (1 accepted, 0 rejected).
+        watch: the row watch (thresholds) under test (default: the policy's).
+        tokens: decode steps per request (default: the length of its record); a request whose
+            record runs out before that decodes plainly for the rest.
+    """
+    policy = CostAwareK(watch=watch or RowWatch())
+    one, zero = torch.tensor([1]), torch.tensor([0])
+    flags = []
+    for rid, hits in enumerate(requests):
+        n_steps = len(hits) if tokens is None else tokens
+        used, flag = 0, Flag(None, None, n_steps)
+        for step in range(1, n_steps + 1):
+            policy.choose([rid])
+            verify = used < len(hits) and int(policy.trim(one, None, [rid])[0]) > 0
+            if verify:
+                policy.update(1, one, torch.tensor([hits[used]]), 1e-4, 1e-2, None, [rid])
+                used += 1
+            else:
+                policy.update(0, zero, zero, 0.0, 1e-2, None, [rid])
+            if flag.step is None and rid in policy.collapsed:
+                flag.step, flag.proposal = step, used
+        flags.append(flag)
+    return flags
+
+
+def rates(flags: list[Flag], adversarial: list[bool]) -> dict:
+    """``{"false_positive_rate", "detected_rate", "median_steps_to_flag"}`` over the replayed
+    requests (``adversarial[i]``: request i is an attacked one); a rate with no request is None."""
+    clean = [f.step is not None for f, a in zip(flags, adversarial) if not a]
+    attacked = [f for f, a in zip(flags, adversarial) if a]
+    steps = sorted(f.step for f in attacked if f.step is not None)
+    return {
+        "false_positive_rate": sum(clean) / len(clean) if clean else None,
+        "detected_rate": sum(f.step is not None for f in attacked) / len(attacked) if attacked else None,
+        "median_steps_to_flag": steps[len(steps) // 2] if steps else None,
+    }
