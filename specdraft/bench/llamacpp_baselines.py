@@ -26,9 +26,12 @@ compute the same model from the same ids: llama.cpp tokenizes the chat-templated
 ids fed here (no BOS added; ``tests/bench/test_llamacpp.py``), and fed the same prefixes (teacher
 forcing) its argmax agrees with the quantized runtime's at 0.95-0.98 of the positions of four
 prompts (each against the exactly de-quantized fp32 model: llama.cpp 0.98-1.00, the quantized runtime
-0.95-0.97). Both round the Q4_1 model's activations to 8 bits, differently, so a near-tie flips
-somewhere and the free-running outputs part from there. ``--baselines bf16`` reports the same
-agreement of the bf16 runtime's output.
+0.95-0.97). On specdraft's own greedy outputs, fed as a prefix, llama.cpp's argmax was specdraft's
+token at every position of two Spec-Bench answers (:meth:`LlamaCppBaselines.forced_matches`, the
+JSON's ``llamacpp_forced_agreement``), yet its own generation parted at token 3 and 6: there the top
+two logits were 0.1 apart, and llama.cpp's one-token decode steps round differently from its batched
+evaluation (it is not batch-invariant), so such near-ties flip. ``--baselines bf16`` reports the
+free-running agreement of the bf16 runtime's output.
 
 llama-cpp-python is an optional extra (``make peers``, ~10 minutes of building on 2 cores); without
 it ``--baselines llamacpp`` stops with one line saying so (:func:`require`).
@@ -143,6 +146,21 @@ class LlamaCppBaselines:
             if len(out) >= max_new_tokens or out[-1] in self.eos_ids:
                 break
         return out
+
+    def forced_matches(self, ids: list[int], tokens: list[int]) -> int:
+        """How many of ``tokens`` (specdraft's greedy output after ``ids``) are llama.cpp's argmax
+        too when it is fed the same prefix (teacher forcing, one batched evaluation): agreement of
+        the two models position by position, without the free-running outputs parting at the first
+        near-tie. Uses the ``logits_all`` model (the lookup one)."""
+        import numpy as np
+
+        if not tokens:
+            return 0
+        llm = self.models["llamacpp_spec"]
+        llm.reset()
+        llm.eval(ids + tokens[:-1])
+        rows = np.asarray(llm.scores[len(ids) - 1 : len(ids) + len(tokens) - 1])  # (len(tokens), V)
+        return int((rows.argmax(-1) == np.asarray(tokens)).sum())
 
 
 def build_llamacpp_baselines(

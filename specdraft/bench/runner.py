@@ -213,6 +213,7 @@ class _Tally:
     classes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CLASSES, 0))
     classified: bool = True
     shared: dict[str, list[int]] = field(default_factory=dict)  # method -> [shared, plain tokens, equal]
+    forced: list[int] = field(default_factory=lambda: [0, 0])  # llama.cpp fed our output: [matches, tokens]
 
     def add(self, row: dict, runs: dict[str, MethodRun]) -> None:
         self.prompts += 1
@@ -223,6 +224,9 @@ class _Tally:
                 sums[0] += row[f"{method}_shared_tokens"]
                 sums[1] += row["plain_new_tokens"]
                 sums[2] += row[f"{method}_first_difference"] is None
+        if row.get("llamacpp_forced_matches") is not None:
+            self.forced[0] += row["llamacpp_forced_matches"]
+            self.forced[1] += row["plain_new_tokens"]
         if row["equality"] is None:
             self.classified = False
         else:
@@ -264,6 +268,8 @@ class _Tally:
             # greedy token agreement with specdraft's plain output: leading tokens shared, summed
             out[f"{method}_agreement"] = _r(shared / total if total else None)
             out[f"{method}_identical"] = equal
+        if self.forced[1]:
+            out["llamacpp_forced_agreement"] = _r(self.forced[0] / self.forced[1])
         return out
 
     def _tokens(self, method: str) -> int:
@@ -337,7 +343,7 @@ def run_bench(
                     {"id": prompt.id, "category": prompt.category, "reason": "; ".join(runs["plain"].notes)}
                 )
             else:
-                row = _row(pipe, prompt, runs, options, tol)
+                row = _row(pipe, prompt, runs, options, tol, lc)
                 rows.append(row)
                 overall.add(row, runs)
                 categories.setdefault(prompt.category, _Tally()).add(row, runs)
@@ -503,7 +509,12 @@ def _config(pipe: Pipeline, options: BenchOptions, hf, lc, budget: int, tol: flo
 
 
 def _row(
-    pipe: Pipeline, prompt: BenchPrompt, runs: dict[str, MethodRun], options: BenchOptions, tol: float
+    pipe: Pipeline,
+    prompt: BenchPrompt,
+    runs: dict[str, MethodRun],
+    options: BenchOptions,
+    tol: float,
+    lc=None,
 ) -> dict:
     plain, spec = runs["plain"], runs["spec"]
     equality, first_diff = (None, None)
@@ -543,6 +554,11 @@ def _row(
             row[f"{method}_shared_tokens"] = shared
             row[f"{method}_first_difference"] = first
             row[f"{method}_agreement"] = _r(shared / len(reference) if reference else None)
+    if lc is not None and options.params.greedy:  # llama.cpp fed our output: the models, position by position
+        row["llamacpp_forced_matches"] = sum(map(lc.forced_matches, plain.prompt_ids, plain.turns))
+        row["llamacpp_forced_agreement"] = _r(
+            row["llamacpp_forced_matches"] / plain.new_tokens if plain.new_tokens else None
+        )
     return row
 
 

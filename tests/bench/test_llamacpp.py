@@ -75,6 +75,10 @@ class FakeLlamaCpp:
             out = out[:2] + [(t + 1) % 256 for t in out[2:]]
         return out
 
+    def forced_matches(self, ids, tokens):  # fed our output, the same model agrees everywhere
+        self.calls.append("forced")
+        return len(tokens)
+
 
 def test_fields_and_agreement_with_a_stand_in(prompt_file, monkeypatch):
     pipe = api.load("tiny", "prune:0", dtype="fp32", draft_dtype="fp32", threads=1)
@@ -85,6 +89,7 @@ def test_fields_and_agreement_with_a_stand_in(prompt_file, monkeypatch):
     result = run_bench(pipe, read_prompts(prompt_file), options, log=lambda msg: None)
     assert fake.n_ctx >= 8 + fake.lookup_tokens
     assert fake.calls.count("llamacpp_plain") == fake.calls.count("llamacpp_spec") == 1 + 3  # warm-up + turns
+    assert fake.calls.count("forced") == 3  # every turn of every prompt, fed specdraft's output
     for summary in [result.overall, *result.categories.values()]:
         for key in FIELDS:
             assert summary[key] is not None and summary[key] > 0, key
@@ -94,6 +99,7 @@ def test_fields_and_agreement_with_a_stand_in(prompt_file, monkeypatch):
     )
     assert o["llamacpp_plain_agreement"] == 1.0 and o["llamacpp_plain_identical"] == 2
     assert o["llamacpp_spec_identical"] == 0 and 0 < o["llamacpp_spec_agreement"] < 1
+    assert o["llamacpp_forced_agreement"] == 1.0 and result.prompts[0]["llamacpp_forced_agreement"] == 1.0
     row = result.prompts[1]  # one turn: the spec stand-in differs from token 2 on
     assert row["llamacpp_plain_first_difference"] is None and row["llamacpp_spec_first_difference"] == 2
     assert row["llamacpp_spec_agreement"] == pytest.approx(2 / row["plain_new_tokens"])
@@ -127,6 +133,7 @@ def test_real_llama_cpp_on_smollm2_gguf(tmp_path, prompt_file):
     # the same Q4_1 blocks and the same token ids: a factual answer's first token is not a near-tie
     assert row["llamacpp_plain_shared_tokens"] >= 1
     assert 0.0 < d["overall"]["llamacpp_plain_agreement"] <= 1.0
+    assert d["overall"]["llamacpp_forced_agreement"] >= 0.5  # fed our output: the same model
     assert "llama-cpp-python" in d["config"]["llamacpp"] and "SmolLM2" in d["config"]["llamacpp"]
 
 
