@@ -4,7 +4,9 @@ Conventions (as vLLM's spec-decode metrics and the EAGLE papers use them):
 
 - ``mean_accepted_length`` counts the bonus/recovered token: it is output tokens per target
   forward, so plain decoding scores exactly 1.0 and a step that accepts all k drafts scores k + 1.
-- ``acceptance_rate`` is accepted draft tokens / drafted tokens.
+- ``acceptance_rate`` is accepted draft tokens / drafted tokens (token trees: accepted nodes /
+  verified nodes, which a bushy tree keeps low however long its accepted paths are; its per-position
+  counts are per depth).
 - ``accepted_per_position[i]`` counts steps whose draft token i was accepted, and
   ``drafted_per_position[i]`` steps that proposed a token at position i; their ratio is the
   per-position acceptance curve.
@@ -24,8 +26,8 @@ class SpecStats:
     Attributes:
         steps: row-steps (one per row per target forward after prefill).
         target_forwards: batched target forwards (a forward over B rows counts once).
-        drafted: draft tokens proposed.
-        accepted: draft tokens accepted.
+        drafted: draft tokens proposed (token trees: nodes verified).
+        accepted: draft tokens accepted (token trees: nodes on the accepted paths).
         generated: output tokens.
         draft_time: seconds spent in the drafter.
         target_time: seconds spent in target forwards (verification and plain steps).
