@@ -65,6 +65,7 @@ class DiscreteResult:
         degradation: its degradation.
         keeps_argmax: whether the target's greedy output on the attacked prompt is still ``y``.
         history: per step, the kept suffix's ``{"loss", "degradation", "preservation"}``.
+        start: the initial suffix the search started from.
     """
 
     suffix: list[int]
@@ -72,6 +73,7 @@ class DiscreteResult:
     degradation: float
     keeps_argmax: bool
     history: list[dict] = field(default_factory=list)
+    start: list[int] = field(default_factory=list)
 
 
 def attack_discrete(
@@ -140,7 +142,7 @@ def attack_discrete(
     i = max(range(len(firsts)), key=lambda j: (bool(kept[j]), -float(loss[j])))
     current = firsts[i : i + 1]
     cur_loss, cur_deg, cur_pres, cur_kept = float(loss[i]), float(deg[i]), float(pres[i]), bool(kept[i])
-    best = DiscreteResult(current[0].tolist(), cur_loss, cur_deg, cur_kept)
+    best = DiscreteResult(current[0].tolist(), cur_loss, cur_deg, cur_kept, start=current[0].tolist())
     for _ in range(config.steps):
         onehot = torch.zeros(m, V)
         onehot[torch.arange(m), current[0]] = 1.0
@@ -170,7 +172,7 @@ def attack_discrete(
             better = (bool(kept[i]), -cur_loss) > (best.keeps_argmax, -best.loss)
             if better:
                 best = DiscreteResult(
-                    current[0].tolist(), cur_loss, float(deg[i]), bool(kept[i]), best.history
+                    current[0].tolist(), cur_loss, float(deg[i]), bool(kept[i]), best.history, best.start
                 )
         best.history.append({"loss": cur_loss, "degradation": cur_deg, "preservation": cur_pres})
     return best

@@ -387,6 +387,7 @@ def _discrete(pipe, models: Models, ids, text, y, o: AttackOptions, allowed):
     detail = {
         "suffix": tok.decode(found.suffix),
         "suffix_ids": found.suffix,
+        "start": tok.decode(found.start),
         "loss": found.loss,
         "degradation": found.degradation,
         "keeps_argmax": found.keeps_argmax,

@@ -145,6 +145,7 @@ def test_discrete_starts_from_a_suffix_that_keeps_the_answer_and_stays_there(mod
     found = attack_discrete(models, head, [], y, bang, cfg, allowed, clean=PROMPT, starts=[own])
     assert not alone.keeps_argmax  # the test can fail: from "!!!!" the search loses the answer
     assert found.keeps_argmax and found.history[-1]["degradation"] <= found.history[0]["degradation"]
+    assert found.start == own and alone.start == bang
     with pytest.raises(SpecdraftError, match="same length"):
         attack_discrete(models, head, [], y, bang, cfg, allowed, starts=[own[:2]])
 
