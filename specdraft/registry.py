@@ -178,7 +178,9 @@ DRAFTERS: dict[str, DrafterKind] = {
         _lazy("specdraft.design.artifact", "drafter_from_spec"), _any, "designed[:NAME|PATH|auto]"
     ),
     "bigram": DrafterKind(_lazy("specdraft.drafters.bigram"), _no_arg, "bigram"),
-    "local": DrafterKind(_lazy("specdraft.drafters.local"), _designed_arg, "local:designed:NAME"),
+    "local": DrafterKind(
+        _lazy("specdraft.design.artifact", "local_drafter_from_spec"), _designed_arg, "local:designed:NAME"
+    ),
     "suffix": DrafterKind(_lazy("specdraft.drafters.suffix"), _suffix_options, "suffix[:N][,shared][,chain]"),
     "ouroboros": DrafterKind(
         _lazy("specdraft.drafters.ouroboros"),

@@ -55,7 +55,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = sub.add_parser("data", help="generate (or complete) the cached target answers")
     add_model_arguments(d, draft=False)
     _data_args(d, 512)
+    _search_arguments(sub)
+    _build_arguments(sub)
+    _local_arguments(sub)
+    e = sub.add_parser("export", help="write a self-contained transformers directory (embedding included)")
+    e.add_argument("draft", help="draft directory or drafts/ name")
+    add_model_arguments(e, draft=False)
+    e.add_argument("--out", type=Path, required=True)
+    _compare_arguments(sub)
 
+
+def _search_arguments(sub) -> None:
     s = sub.add_parser(
         "search", help="search layer subsets by predicted throughput (untrained, layer-pruned)"
     )
@@ -73,6 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--k-max", type=int, default=8)
     s.add_argument("--json", type=Path, default=None, help="write every candidate here")
 
+
+def _build_arguments(sub) -> None:
     b = sub.add_parser(
         "build", help="prune, shrink the head, distil (offline, then on-policy) and save a draft"
     )
@@ -119,6 +131,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--work", type=Path, default=None, help="checkpoint directory (default <out>.work); a rerun resumes"
     )
 
+
+def _local_arguments(sub) -> None:
     lo = sub.add_parser(
         "local", help="count a DeLS-Spec local head (bigram) for a feature/dream draft and tune its fusion"
     )
@@ -131,11 +145,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--successors", type=int, default=16, help="successors kept per token in the bigram table"
     )
 
-    e = sub.add_parser("export", help="write a self-contained transformers directory (embedding included)")
-    e.add_argument("draft", help="draft directory or drafts/ name")
-    add_model_arguments(e, draft=False)
-    e.add_argument("--out", type=Path, required=True)
 
+def _compare_arguments(sub) -> None:
     c = sub.add_parser(
         "compare", help="depth vs width at equal parameter count: latency, acceptance, predicted throughput"
     )

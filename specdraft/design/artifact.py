@@ -445,3 +445,20 @@ def vocab_maps(head_tokens: list[int], vocab_size: int) -> dict[str, torch.Tenso
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[ids] = True
     return {"d2t": ids - torch.arange(ids.numel()), "t2d": t2d}
+
+
+def local_drafter_from_spec(spec, target):
+    """``local:designed:NAME``: the designed feature/DREAM draft NAME with its local head fused in."""
+    from specdraft.drafters.feature_base import FeatureDrafterBase
+    from specdraft.drafters.local import LocalHead
+    from specdraft.registry import DraftSpec, build_drafter
+
+    inner = DraftSpec.parse(spec.arg)  # designed:NAME (the registry's check)
+    drafter = build_drafter(inner, target)
+    if not isinstance(drafter, FeatureDrafterBase):
+        raise SpecdraftError(f"local:{spec.arg}: a local head fuses into feature or dream drafts only")
+    drafter.local = LocalHead.load(find_draft(inner.arg, target.loaded.model))
+    if drafter.local.succ_ids.shape[0] != drafter.vocab_size:
+        raise SpecdraftError(f"local:{spec.arg}: the local head's vocabulary is not the draft's")
+    drafter.name = f"local:{drafter.name}"
+    return drafter

@@ -130,20 +130,3 @@ class LocalHead:
         except (SafetensorError, KeyError, ValueError, TypeError, OSError) as e:
             raise SpecdraftError(f"local head {path} is corrupted ({type(e).__name__}: {e})") from None
         return cls(t["succ_ids"].long(), t["succ_counts"], t["row_counts"], t["prior"], a, b, beta)
-
-
-def from_spec(spec, target):
-    """``local:designed:NAME``: the designed feature/DREAM draft NAME with its local head fused in."""
-    from specdraft.design.artifact import find_draft
-    from specdraft.drafters.feature_base import FeatureDrafterBase
-    from specdraft.registry import DraftSpec, build_drafter
-
-    inner = DraftSpec.parse(spec.arg)  # designed:NAME (the registry's check)
-    drafter = build_drafter(inner, target)
-    if not isinstance(drafter, FeatureDrafterBase):
-        raise SpecdraftError(f"local:{spec.arg}: a local head fuses into feature or dream drafts only")
-    drafter.local = LocalHead.load(find_draft(inner.arg, target.loaded.model))
-    if drafter.local.succ_ids.shape[0] != drafter.vocab_size:
-        raise SpecdraftError(f"local:{spec.arg}: the local head's vocabulary is not the draft's")
-    drafter.name = f"local:{drafter.name}"
-    return drafter
