@@ -325,11 +325,13 @@ def runtime_precision(runtime) -> str:
 
 
 def tolerance(runtime, given: float | None = None) -> float:
-    """The near-tie margin of :func:`equality`: ``given``, else 0 in fp32 and
+    """The near-tie margin of :func:`equality`: ``given``, else 0 in fp32 and on the quantized
+    runtime (its rows are bit-identical whatever the batch) and
     :data:`specdraft.lossless.DEFAULT_TOLERANCE` otherwise."""
     if given is not None:
         return given
-    return 0.0 if runtime_precision(runtime) == "fp32" else lossless.DEFAULT_TOLERANCE
+    exact = runtime_precision(runtime) == "fp32" or runtime_precision(runtime).startswith("q")
+    return 0.0 if exact else lossless.DEFAULT_TOLERANCE
 
 
 def equality(

@@ -404,6 +404,11 @@ class QuantWeights:
             out[QTYPES[m.type]] = out.get(QTYPES[m.type], 0) + 1
         return out
 
+    @property
+    def precision(self) -> str:
+        """What the runtime computes in, for reports: the GGUF block types (``q4_1+q8_0``)."""
+        return "+".join(sorted(t.lower() for t in self.types))
+
 
 # the attention block quant_layers calls per layer (fewrows.c's rope_attend signature)
 ATTEND_FN = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 7, *[ctypes.c_int] * 7)
