@@ -340,3 +340,12 @@ def test_api_load_q_builds_no_transformers_model(tmp_path, monkeypatch, dtype):
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], random_prompts([9], vocab=90, seed=2)[0]]
     out, _ = api.run_batch(pipe, prompts, max_new_tokens=12, k=3)
     assert out == [plain_greedy(pipe.runtime, p, 12, eos_ids=pipe.eos_ids) for p in prompts]
+
+
+def test_reports_name_the_block_types_and_keep_exact_equality(tiny_gguf):
+    from specdraft.bench import harness
+
+    rt = QuantRuntime(tiny_gguf[1])
+    precision = harness.runtime_precision(rt)
+    assert precision == "+".join(sorted(t.lower() for t in rt.w.types)) and precision.startswith("q")
+    assert harness.tolerance(rt) == 0.0  # rows are bit-identical: no near-tie margin
