@@ -263,7 +263,9 @@ class CostAwareK:
     :attr:`collapsed`; such a row no longer teaches the class curves, and a row's proposals teach
     them only once one of its drafts has been accepted (until then they wait in ``_Row.pending``).
     A row's cut reads only its earlier steps, never the tokens proposed now, so sampling stays
-    lossless.
+    lossless. In a batch, a chain step pads every row to the longest, so the rows are then cut to
+    the one length that maximises their summed expected tokens per padded step time
+    (:meth:`_batch_cap`; rows due for a probe keep theirs).
 
     Token trees (``Proposal.trees``): k is the node budget ("at most k nodes"). ``T_target(k + 1)``
     is the same latency curve (a forward over a root and k nodes costs what k + 1 chain tokens
@@ -423,14 +425,37 @@ class CostAwareK:
         if rows is None or self.watch is None:
             return out
         # a row that is off verifies nothing, or probe_k tokens when its probe is due
-        row_caps = []
+        row_caps, probing = [], []
         for r, cap in zip(rows, out.tolist()):
             row = self.row_state.get(r)
+            probing.append(row is not None and row.off and row.probing)
             if row is None or not row.off:
                 row_caps.append(cap)
             else:
                 row_caps.append(self.probe_k if row.probing else 0)
-        return torch.minimum(num_valid, torch.tensor(row_caps, dtype=num_valid.dtype))
+        out = torch.minimum(num_valid, torch.tensor(row_caps, dtype=num_valid.dtype))
+        return self._batch_cap(out, bucket, probing)
+
+    def _batch_cap(
+        self, caps: torch.Tensor, bucket: torch.Tensor | None, probing: list[bool]
+    ) -> torch.Tensor:
+        """Cut the rows to one length K when that pays for the batch: a chain step pads every row
+        to the longest, so K maximises the rows' summed expected tokens per padded step time
+        (:meth:`latency` at this batch size). Rows due for a probe keep theirs. It reads only what
+        earlier steps taught and the rows' classes, as the per-row cut does."""
+        longest = int(caps.max()) if caps.numel() else 0
+        if caps.numel() < 2 or longest == 0 or 1 not in self.t_target:
+            return caps
+        curve = self.latency()
+        classes = bucket.tolist() if bucket is not None else [None] * caps.numel()
+
+        def rate(K: int) -> float:
+            tokens = sum(self.expected_tokens(min(K, c), b) for c, b in zip(caps.tolist(), classes))
+            return tokens / curve.time(K + 1)
+
+        K = max(range(longest + 1), key=rate)
+        keep = torch.tensor(probing, dtype=torch.bool)
+        return torch.where(keep, caps, caps.clamp(max=K))
 
     def update(
         self, k, num_drafted, num_accepted, draft_time, target_time, bucket=None, rows=None, width=None

@@ -213,3 +213,28 @@ def test_cost_aware_drafts_less_on_a_steeper_verification_curve():
         assert analytic.throughput(0.7, k, 0.0002, curve) >= 0.95 * analytic.throughput(
             0.7, best, 0.0002, curve
         )
+
+
+def test_a_batch_is_cut_to_the_length_that_pays_for_all_its_rows():
+    """Rows are padded to the longest: one row with a good class does not make the other seven pay
+    a long verification, while eight good rows keep theirs; a lone row keeps its per-row cut."""
+
+    def step_t(n):  # a batch step where each extra token per row costs a quarter of a step
+        return 0.030 + 0.010 * n
+
+    p = CostAwareK(k_max=8)
+    g = torch.Generator().manual_seed(2)
+    alphas = {3: 0.9, 1: 0.05}
+    for i in range(400):
+        k = p.choose()
+        buckets = t(3 if i % 2 else 1)
+        nv = p.trim(t(k), buckets)
+        d = int(nv[0])
+        survive = (torch.rand(d, generator=g) < alphas[int(buckets[0])]).to(torch.int64).cumprod(0)
+        p.update(k, nv, t(int(survive.sum())), 1e-5, step_t(d + 1), buckets)
+    alone = int(p.trim(t(8), t(3), rows=[0])[0])
+    assert alone >= 3
+    one_good = p.trim(t(*[8] * 8), t(3, *[1] * 7), rows=list(range(8)))
+    assert one_good.tolist() == [0] * 8
+    all_good = p.trim(t(*[8] * 8), t(*[3] * 8), rows=list(range(8)))
+    assert all_good.min() >= 3 and len(set(all_good.tolist())) == 1
