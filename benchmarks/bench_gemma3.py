@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -30,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specdraft import api, lossless
+from specdraft import api
 from specdraft.bench import harness, profile
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.models import loading
@@ -78,27 +77,9 @@ def startup(runtime: str, threads: int) -> tuple[str, float, int]:
     return name, float(seconds), int(rss)
 
 
-def agreement(outs: list[list[int]], refs: list[list[int]]) -> dict:
-    """Greedy agreement of ``outs`` with ``refs``, prompt by prompt."""
-    prefix = [lossless.first_difference(a, c) for a, c in zip(outs, refs)]
-    prefix = [len(a) if k is None else k for k, a in zip(prefix, outs)]
-    agree = sum(x == y for a, c in zip(outs, refs) for x, y in zip(a, c))
-    return {
-        "identical_outputs": sum(a == c for a, c in zip(outs, refs)),
-        "prompts": len(outs),
-        "mean_common_prefix": statistics.mean(prefix),
-        "positionwise": agree / max(sum(min(len(a), len(c)) for a, c in zip(outs, refs)), 1),
-    }
-
-
 def decode(methods, prompts, new_tokens: int, report: dict) -> dict[str, list[list[int]]]:
     """Greedy decoding of every prompt by every method, rotating; prints and records the rates."""
-    outs: dict[str, list[list[int]]] = {m.name: [] for m in methods}
-    totals = {m.name: harness.Totals() for m in methods}
-    for i, prompt in enumerate(prompts):
-        for name, run in harness.run_prompt(methods, prompt, i, new_tokens).items():
-            outs[name].append(run.tokens)
-            totals[name].add(run)
+    totals = harness.run_prompts(methods, prompts, new_tokens)
     print(f"\ngreedy decoding, {len(prompts)} prompts x {new_tokens} new tokens")
     for n, t in totals.items():
         dec, e2e = t.after_first_tokens_per_s, t.tokens_per_s
@@ -107,7 +88,7 @@ def decode(methods, prompts, new_tokens: int, report: dict) -> dict[str, list[li
         print(f"  {n:22s} decode {dec:6.2f} tok/s   end to end {e2e:6.2f} tok/s")
     rates = report["decode_tokens_per_s"]
     print(f"  compact / hf decode (plain): {rates['compact'] / rates['hf']:.2f}x", flush=True)
-    return outs
+    return {n: t.outputs for n, t in totals.items()}
 
 
 def main(argv=None) -> int:
@@ -147,7 +128,7 @@ def main(argv=None) -> int:
 
     report: dict = {"threads": args.threads, "load_seconds": load_s}
     outs = decode(methods, prompts, args.new_tokens, report)
-    agree = report["agreement"] = agreement(outs["compact"], outs["hf"])
+    agree = report["agreement"] = harness.agreement(outs["compact"], outs["hf"])
     lossless_ok = report["lookup_equals_plain"] = outs["compact + lookup k=auto"] == outs["compact"]
     print(
         f"\ngreedy agreement compact vs hf: {agree['identical_outputs']}/{agree['prompts']} identical, "

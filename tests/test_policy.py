@@ -87,13 +87,9 @@ def test_per_position_curve_beats_one_alpha_on_bursty_acceptance():
     assert p.rates()[0] == pytest.approx(0.5, abs=0.3) and min(p.rates()[1:]) > 0.9
 
 
-def test_classes_get_their_own_curves_and_rows_are_trimmed_to_them():
-    """Two kinds of proposal in one stream (prompt lookup's long and short matches): the good
-    class is verified in full, the bad one cut to what pays."""
-
-    def step_t(n):
-        return 0.030 + 0.004 * n
-
+def two_class_policy(step_t) -> CostAwareK:
+    """A policy fed 400 steps of prompt lookup's two kinds of proposal, alternating: class 3
+    (long matches, accepted 0.9 per token) and class 1 (short, 0.05), verified in ``step_t(n)``."""
     p = CostAwareK(k_max=8)
     g = torch.Generator().manual_seed(2)
     alphas = {3: 0.9, 1: 0.05}
@@ -104,6 +100,17 @@ def test_classes_get_their_own_curves_and_rows_are_trimmed_to_them():
         d = int(nv[0])
         survive = (torch.rand(d, generator=g) < alphas[int(buckets[0])]).to(torch.int64).cumprod(0)
         p.update(k, nv, t(int(survive.sum())), 1e-5, step_t(d + 1), buckets)
+    return p
+
+
+def test_classes_get_their_own_curves_and_rows_are_trimmed_to_them():
+    """Two kinds of proposal in one stream (prompt lookup's long and short matches): the good
+    class is verified in full, the bad one cut to what pays."""
+
+    def step_t(n):
+        return 0.030 + 0.004 * n
+
+    p = two_class_policy(step_t)
     assert p.classes and set(p.curves) >= {1, 3}
     assert p.rates(3)[0] > 0.6 and p.rates(1)[0] < 0.3  # 0.9 and 0.05, seen through ~10 decayed counts
     caps = p.trim(t(8, 8, 0), t(3, 1, 0)).tolist()
@@ -222,16 +229,7 @@ def test_a_batch_is_cut_to_the_length_that_pays_for_all_its_rows():
     def step_t(n):  # a batch step where each extra token per row costs a quarter of a step
         return 0.030 + 0.010 * n
 
-    p = CostAwareK(k_max=8)
-    g = torch.Generator().manual_seed(2)
-    alphas = {3: 0.9, 1: 0.05}
-    for i in range(400):
-        k = p.choose()
-        buckets = t(3 if i % 2 else 1)
-        nv = p.trim(t(k), buckets)
-        d = int(nv[0])
-        survive = (torch.rand(d, generator=g) < alphas[int(buckets[0])]).to(torch.int64).cumprod(0)
-        p.update(k, nv, t(int(survive.sum())), 1e-5, step_t(d + 1), buckets)
+    p = two_class_policy(step_t)
     alone = int(p.trim(t(8), t(3), rows=[0])[0])
     assert alone >= 3
     one_good = p.trim(t(*[8] * 8), t(3, *[1] * 7), rows=list(range(8)))

@@ -96,3 +96,19 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
+
+
+def load_pipeline(args: argparse.Namespace, needs: tuple[str, ...] = ()):
+    """``api.load`` with the arguments :func:`add_model_arguments` defined (``needs``: what the run
+    needs besides the runtime, as :func:`specdraft.api.load` takes it)."""
+    from specdraft import api
+
+    return api.load(
+        args.target,
+        args.draft,
+        dtype=args.dtype,
+        runtime=args.runtime,
+        threads=args.threads,
+        draft_dtype=args.draft_dtype,
+        needs=needs,
+    )

@@ -7,7 +7,7 @@ import json
 import shlex
 from pathlib import Path
 
-from specdraft.commands import add_model_arguments, positive_int
+from specdraft.commands import add_model_arguments, load_pipeline, positive_int
 
 HELP = "craft inputs that make the draft's proposals rejected while the target's answer stays the same"
 
@@ -57,7 +57,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specdraft import api
     from specdraft.attack.continuous import ContinuousConfig
     from specdraft.attack.discrete import DiscreteConfig
     from specdraft.attack.run import AttackOptions, run_attack
@@ -88,15 +87,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise SpecdraftError(f"--out {out} exists and is not a directory")
-    pipe = api.load(
-        args.target,
-        args.draft,
-        dtype=args.dtype,
-        runtime=args.runtime,
-        threads=args.threads,
-        draft_dtype=args.draft_dtype,
-        needs=("attack",),
-    )
+    pipe = load_pipeline(args, needs=("attack",))
     result = run_attack(pipe, prompts, options)
     argv = ["specdraft", "attack", "--target", args.target, "--draft", args.draft, "--k", str(args.k)]
     argv += ["--method", args.method, "--max-new-tokens", str(args.max_new_tokens), "--out", str(out)]

@@ -8,7 +8,13 @@ import shlex
 import sys
 from pathlib import Path
 
-from specdraft.commands import add_model_arguments, add_sampling_arguments, positive_int, sampling_from_args
+from specdraft.commands import (
+    add_model_arguments,
+    add_sampling_arguments,
+    load_pipeline,
+    positive_int,
+    sampling_from_args,
+)
 
 HELP = "benchmark speculative vs plain decoding on Spec-Bench prompts (optionally vs transformers)"
 
@@ -97,7 +103,6 @@ def reproducing_command(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specdraft import api
     from specdraft.bench.prompts import load_prompts, parse_categories
     from specdraft.bench.runner import BenchOptions, markdown_table, run_bench
 
@@ -113,15 +118,8 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     prompts = load_prompts(args.prompts, parse_categories(args.categories), args.limit)
-    pipe = api.load(
-        args.target,
-        args.draft,
-        dtype=args.dtype,
-        runtime=args.runtime,
-        threads=args.threads,
-        draft_dtype=args.draft_dtype,
-        needs=baselines,  # --baselines hf keeps --dtype auto on bf16 (the transformers model)
-    )
+    # --baselines hf keeps --dtype auto on bf16 (the transformers model)
+    pipe = load_pipeline(args, needs=baselines)
     result = run_bench(pipe, prompts, options)
     result.config["command"] = reproducing_command(args)
     table = markdown_table(result)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from specdraft.commands import add_model_arguments, positive_int
+from specdraft.commands import add_model_arguments, load_pipeline, positive_int
 from specdraft.errors import SpecdraftError
 
 HELP = "check that greedy speculative output equals plain greedy output (bf16: up to near-ties)"
@@ -61,20 +61,13 @@ def read_prompt_file(path: str, limit: int | None = None) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specdraft import api, lossless
+    from specdraft import lossless
     from specdraft.engine import Request, decode_requests
 
     prompts = read_prompt_file(args.prompts, args.limit) if args.prompts else args.prompt
     if any(not p.strip() for p in prompts):
         raise SpecdraftError("empty prompt")
-    pipe = api.load(
-        args.target,
-        args.draft,
-        dtype=args.dtype,
-        runtime=args.runtime,
-        threads=args.threads,
-        draft_dtype=args.draft_dtype,
-    )
+    pipe = load_pipeline(args)
     if pipe.drafter is None:
         raise SpecdraftError("--draft none has nothing to check: give a drafter")
     tol = args.tol if args.tol is not None else lossless.default_tolerance(pipe.runtime.dtype)

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from specdraft.commands import add_model_arguments, positive_int
+from specdraft.commands import add_model_arguments, load_pipeline, positive_int
 
 RESERVE_S = 45.0  # seconds kept for the profile and the report after the bench
 
@@ -60,7 +60,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specdraft import api
     from specdraft.bench.profile import profile_pipeline
     from specdraft.bench.prompts import load_prompts
     from specdraft.bench.runner import BenchOptions, markdown_table, run_bench
@@ -71,15 +70,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prompts = load_prompts(args.prompts, None, args.limit)
-    pipe = api.load(
-        args.target,
-        args.draft,
-        dtype=args.dtype,
-        runtime=args.runtime,
-        threads=args.threads,
-        draft_dtype=args.draft_dtype,
-        needs=("hf",) if args.baselines else (),
-    )
+    pipe = load_pipeline(args, needs=("hf",) if args.baselines else ())
     print(
         f"target {pipe.target.name} ({pipe.target.source}); draft {pipe.draft_spec}; k {args.k}; "
         f"{pipe.runtime}; "

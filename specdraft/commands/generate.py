@@ -6,7 +6,13 @@ import argparse
 import json
 import sys
 
-from specdraft.commands import add_model_arguments, add_sampling_arguments, positive_int, sampling_from_args
+from specdraft.commands import (
+    add_model_arguments,
+    add_sampling_arguments,
+    load_pipeline,
+    positive_int,
+    sampling_from_args,
+)
 from specdraft.errors import SpecdraftError
 
 HELP = "generate text for a prompt with speculative decoding"
@@ -33,20 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specdraft import api
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt.strip():
         raise SpecdraftError("empty prompt")
     params = sampling_from_args(args)
-    pipe = api.load(
-        args.target,
-        args.draft,
-        dtype=args.dtype,
-        runtime=args.runtime,
-        threads=args.threads,
-        draft_dtype=args.draft_dtype,
-    )
+    pipe = load_pipeline(args)
     engine = pipe.engine(args.k)
     chat = False if args.no_chat else None
     text, tokens, palette = [], [], {}

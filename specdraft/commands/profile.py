@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specdraft.commands import add_model_arguments
+from specdraft.commands import add_model_arguments, load_pipeline
 from specdraft.errors import SpecdraftError
 
 HELP = "measure target/draft forward latencies (T_target(b, n), T_draft(b)) and a draft-step breakdown"
@@ -41,18 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specdraft import api
     from specdraft.bench.profile import profile_pipeline
 
     batch, new_tokens = int_list(args.batch), int_list(args.new_tokens)
-    pipe = api.load(
-        args.target,
-        args.draft,
-        dtype=args.dtype,
-        runtime=args.runtime,
-        threads=args.threads,
-        draft_dtype=args.draft_dtype,
-    )
+    pipe = load_pipeline(args)
     prof = profile_pipeline(
         pipe,
         batch_sizes=batch,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from specdraft.commands import add_model_arguments, port
+from specdraft.commands import add_model_arguments, load_pipeline, port
 
 HELP = "serve /v1/completions and /v1/chat/completions (OpenAI API) with speculative decoding"
 
@@ -47,7 +47,6 @@ def api_key(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specdraft import api
     from specdraft.server import ServerConfig, create_app, run_server
 
     config = ServerConfig(
@@ -60,12 +59,5 @@ def run(args: argparse.Namespace) -> int:
         api_key=api_key(args),
         request_timeout=args.request_timeout,
     )
-    pipe = api.load(
-        args.target,
-        args.draft,
-        dtype=args.dtype,
-        runtime=args.runtime,
-        threads=args.threads,
-        draft_dtype=args.draft_dtype,
-    )
+    pipe = load_pipeline(args)
     return run_server(create_app(pipe, config), args.host, args.port, args.log_level)
