@@ -125,7 +125,12 @@ def read_prompts(path: str | Path) -> list[BenchPrompt]:
     """
     path = Path(path).expanduser()
     if not path.is_file():
-        hint = " (set SPECDRAFT_DATA to the data directory)" if path == default_prompts_path() else ""
+        # a missing Spec-Bench file (not looked up again: that would print the data note)
+        hint = (
+            " (set SPECDRAFT_DATA to the data directory)"
+            if path.as_posix().endswith(SPEC_BENCH.as_posix())
+            else ""
+        )
         raise SpecdraftError(f"prompt file not found: {path}{hint}")
     prompts = []
     with path.open(encoding="utf-8") as f:
