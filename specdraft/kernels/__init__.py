@@ -443,10 +443,18 @@ class DecodeLayers:
         cos: torch.Tensor,
         sin: torch.Tensor,
         tree: TreeLayout | None = None,
+        span: tuple[int, int] | None = None,
     ) -> torch.Tensor:
         """``x (B, T, C)`` fp32 (the embeddings) -> the residual stream after the last layer,
         computed in place in ``x`` (made contiguous first); writes each layer's new keys and values
-        into its ``(B, G, cap, D)`` caches (at ``tree.slot`` for a token-tree step)."""
+        into its ``(B, G, cap, D)`` caches (at ``tree.slot`` for a token-tree step).
+
+        ``span = (first, stop)`` runs layers ``first .. stop - 1`` only (``x``: layer ``first``'s
+        input): consecutive spans give bit for bit what one call over all layers gives, since the
+        kernel runs layer after layer the same way, and let a caller read the stream in between."""
+        first, stop = (0, len(self.layers)) if span is None else span
+        if not 0 <= first < stop <= len(self.layers):
+            raise ValueError(f"DecodeLayers: layer span {span} outside 0..{len(self.layers)}")
         B, T, C = x.shape
         F = self.layers[0].w_down.shape[1]
         cap = k_caches[0].shape[2]
@@ -486,10 +494,12 @@ class DecodeLayers:
             F,
             cap,
             self.eps,
-            len(self.layers),
-            *self._pointers(),
-            ctypes.addressof(kc),
-            ctypes.addressof(vc),
+            stop - first,
+            *[
+                a + first * ctypes.sizeof(ctypes.c_void_p) for a in self._pointers()
+            ],  # arrays from layer first
+            ctypes.addressof(kc) + first * ctypes.sizeof(ctypes.c_void_p),
+            ctypes.addressof(vc) + first * ctypes.sizeof(ctypes.c_void_p),
             cos.data_ptr(),
             sin.data_ptr(),
             torch.get_num_threads(),

@@ -508,19 +508,35 @@ class LlamaRuntime:
         top = last if slots is None else max(last, int(slots.max()))
         if top >= state.capacity:
             raise SpecdraftError(f"position {top} beyond cache capacity {state.capacity}")
+        if any(not -1 <= i < len(self.layers) for i in hidden_layers):
+            raise SpecdraftError(f"hidden layers {hidden_layers}: -1 or 0..{len(self.layers) - 1}")
         tree = self._tree_layout(attn_mask, positions, slots, logits_index)
         mask = None if tree is not None else attn_mask  # a tree the kernels take is a scoring step
         exact = mask is None and logits_index is None and self.dtype == torch.float32
-        path = self._path(tokens.shape, hidden_layers, mask, exact)
+        path = self._path(tokens.shape, mask, exact)
         x = self._embed(tokens)  # (B, T, C)
         hidden: dict[int, torch.Tensor] = {}
         if path == "native":  # no per-op overhead between the layers
-            x = self._decode_layers(x, positions, state.k, state.v, *self._rope_tables(last + 1), tree)
+            x = self._native_run(x, positions, state, last, tree, set(hidden_layers), hidden)
         else:
             native_tree = {"tree": tree} if tree is not None and path == "fused" else {}
             attend = self._attention(path, positions, attn_mask, slots, **native_tree)
             x = self._run_layers(x, state, attend, exact, set(hidden_layers), hidden)
         return self._head(x, exact, hidden_layers, hidden, logits_index)
+
+    def _native_run(self, x, positions, state: LlamaKV, last: int, tree, wanted: set[int], hidden: dict):
+        """The layers over ``x (B, T, C)`` in native calls, one per span up to each ``wanted``
+        layer (then a copy of the stream into ``hidden``) and one for the rest: bit for bit the
+        one call over all layers (:class:`specdraft.kernels.DecodeLayers` ``span``)."""
+        cos, sin = self._rope_tables(last + 1)
+        n = len(self.layers)
+        first = 0
+        for li in sorted({i for i in wanted if i >= 0} | {n - 1}):
+            x = self._decode_layers(x, positions, state.k, state.v, cos, sin, tree, span=(first, li + 1))
+            first = li + 1
+            if li in wanted:
+                hidden[li] = x.clone()  # the next span updates x in place
+        return x
 
     def _tree_layout(
         self,
@@ -541,9 +557,7 @@ class LlamaRuntime:
         """``(B, T)`` token ids -> ``(B, T, C)`` input embeddings in the compute dtype."""
         return self.w.embed[tokens].to(self.dtype)
 
-    def _path(
-        self, shape: torch.Size, hidden_layers: tuple[int, ...], attn_mask: torch.Tensor | None, exact: bool
-    ) -> str:
+    def _path(self, shape: torch.Size, attn_mask: torch.Tensor | None, exact: bool) -> str:
         """``"native"``, ``"fused"`` or ``"torch"``: which path :meth:`forward` takes for a step of
         ``shape = (B, T)`` tokens."""
         w = self.w
@@ -558,8 +572,9 @@ class LlamaRuntime:
         )
         if not fused:
             return "torch"
-        # ... and, where the layers allow it, all of them in one native call
-        native = set(hidden_layers) <= {-1} and self._native_layers(Tk, 1 if exact else B * T)
+        # ... and, where the layers allow it, all of them in native calls (one, or one per span
+        # up to each hidden layer asked for: :meth:`_native_run`)
+        native = self._native_layers(Tk, 1 if exact else B * T)
         return "native" if native else "fused"
 
     def _attention(

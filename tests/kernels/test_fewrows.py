@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from specdraft import kernels
+from specdraft.errors import SpecdraftError
 from specdraft.models.llama import LlamaRuntime, LlamaWeights
 from specdraft.models.tiny import tiny_llama
 
@@ -253,7 +254,9 @@ def test_native_decoder_layers_match_layer_by_layer_and_keep_rows_independent(mo
 
     calls = []
     real = kernels.DecodeLayers.__call__
-    monkeypatch.setattr(kernels.DecodeLayers, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
+    monkeypatch.setattr(
+        kernels.DecodeLayers, "__call__", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw)
+    )
     native, st_native = step(True, hidden=(-1,))
     assert calls, "the native layers did not run"
     layerwise, st_layer = step(False, hidden=(-1,))
@@ -267,8 +270,46 @@ def test_native_decoder_layers_match_layer_by_layer_and_keep_rows_independent(mo
         assert torch.equal(step(True, rows=(r,))[0].logits[0], native.logits[r])
         assert torch.equal(step(True, rows=(r,), T=1)[0][0], native.logits[r])
 
-    st = rt.new_state(2, 32)
-    rt.forward(st, prompts, torch.arange(12).expand(2, 12))
-    calls.clear()
-    rt.forward(st, new, pos, hidden_layers=(0,))  # a hidden state inside the stack: layer by layer
-    assert not calls
+
+@needs_kernel
+def test_native_decoder_layers_hand_out_intermediate_layers_bit_for_bit(monkeypatch):
+    """Hidden states inside the stack keep a step on the native layers (one call per span,
+    ``DecodeLayers(span=...)``): logits bit for bit the no-hidden step's, each hidden state bit
+    for bit what a runtime of only the layers up to it ends with, close to the layer-by-layer path."""
+    model = tiny_llama(vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, seed=6)
+    weights = LlamaWeights.from_hf(model, torch.bfloat16, compute=torch.float32)
+    rt = LlamaRuntime(weights)
+    g = torch.Generator().manual_seed(1)
+    prompts, new = torch.randint(0, 256, (2, 10), generator=g), torch.randint(0, 256, (2, 3), generator=g)
+    pos = torch.stack([torch.arange(10, 13), torch.arange(7, 10)])  # ragged rows
+
+    def step(runtime, hidden, native=True):
+        monkeypatch.setattr(kernels, "USE_NATIVE_LAYERS", native)
+        st = runtime.new_state(2, 32)
+        runtime.forward(st, prompts, torch.arange(10).expand(2, 10))
+        spans.clear()  # the spans of the step below only
+        return runtime.forward(st, new, pos, hidden_layers=hidden)
+
+    spans = []
+    real = kernels.DecodeLayers.__call__
+    monkeypatch.setattr(
+        kernels.DecodeLayers,
+        "__call__",
+        lambda self, *a, **kw: spans.append(kw.get("span")) or real(self, *a, **kw),
+    )
+    plain = step(rt, ())
+    assert spans == [(0, 4)]
+    out = step(rt, (-1, 0, 2))
+    assert spans == [(0, 1), (1, 3), (3, 4)], "intermediate layers left the native path"
+    assert torch.equal(out.logits, plain.logits)
+    for li in (0, 2):
+        alone = step(LlamaRuntime(weights, layer_ids=list(range(li + 1))), (li,))
+        assert torch.equal(out.hidden[li], alone.hidden[li])
+    slow = step(rt, (-1, 0, 2), native=False)
+    for li in (-1, 0, 2):
+        assert torch.allclose(out.hidden[li], slow.hidden[li], atol=1e-4)
+        assert not torch.equal(out.hidden[li], out.hidden[2 if li != 2 else 0])
+    with pytest.raises(SpecdraftError, match="hidden layers"):
+        step(rt, (4,))
+    with pytest.raises(ValueError, match="span"):
+        rt._decode_layers(torch.zeros(1, 1, 64), pos[:1, :1], [], [], *rt._rope_tables(16), span=(2, 2))
