@@ -4,7 +4,8 @@
  *   quant_matmul     y = x W^T with W in GGUF blocks (Q4_0, Q4_1, Q8_0), x as activation blocks
  *   quant_dequant    chosen rows of W back to fp32 (the embedding lookup)
  *   quant_layers     the decoder layers of a Llama-family step in one call (quantized matmuls,
- *                    fewrows.c's rope_attend and rmsnorm_f32 passed in as function pointers)
+ *                    fewrows.c's rope_attend and rmsnorm_f32 passed in as function pointers);
+ *                    a ragged step packs each row's own tokens, with no padding (attend_step)
  *
  * ---- block layouts, exactly as ggml stores them in a GGUF file (QK = 32 weights per block) -----
  *
@@ -688,6 +689,26 @@ static void silu_mul(const float *gu, float *h, int M, int F, int j0, int j1) {
     }
 }
 
+/* A step's attention: all B rows of T tokens in one call, or for a ragged step (off non-NULL: row
+ * b's tokens are packed rows off[b] .. off[b + 1] - 1 of qkv and att) one call per row over its own
+ * tokens, positions and cache row (rope_attend with one row). A query's operations are the same
+ * either way (rope_attend's contract), so a ragged step's rows are bit for bit one-token steps. */
+static void attend_step(rope_attend_fn attend, const int64_t *off, const float *qkv, const int64_t *pos,
+                        const float *cosT, const float *sinT, float *kc, float *vc, float *att, int B, int T,
+                        int H, int G, int D, int cap, int nt) {
+    if (!off) {
+        attend(qkv, pos, cosT, sinT, kc, vc, att, B, T, H, G, D, cap, nt);
+        return;
+    }
+    const long Q = (long)(H + 2 * G) * D, cache_row = (long)G * cap * D;
+    for (int b = 0; b < B; b++) {
+        const int n = (int)(off[b + 1] - off[b]);
+        if (n > 0)
+            attend(qkv + off[b] * Q, pos + off[b], cosT, sinT, kc + b * cache_row, vc + b * cache_row,
+                   att + off[b] * (long)H * D, 1, n, H, G, D, cap, nt);
+    }
+}
+
 /* Threads: one parallel region per layer plus rope_attend's own, instead of one per matmul. In a
  * region each thread takes its share of a matmul's output columns and writes them (the residual
  * matmuls add into x directly: x + y, the same float operation as a separate add); barriers stand
@@ -695,13 +716,13 @@ static void silu_mul(const float *gu, float *h, int M, int F, int j0, int j1) {
  * blocks of x and of the attention output) each thread computes for itself, in its own buffers,
  * with the same operations, so no thread waits for it; the SiLU product and its activation blocks
  * are split by the gate/up share (columns j of g and u go to the same thread). */
-void quant_layers(float *x, const int64_t *pos, int B, int T, int C, int H, int G, int D, int F, int cap,
-                  float eps, int L, const qlayer *layers, float *const *kc, float *const *vc,
+void quant_layers(float *x, const int64_t *pos, const int64_t *off, int B, int T, int C, int H, int G, int D,
+                  int F, int cap, float eps, int L, const qlayer *layers, float *const *kc, float *const *vc,
                   const float *cosT, const float *sinT, void *rope_attend, void *rmsnorm, int variant,
                   int threads) {
     const rope_attend_fn attend = (rope_attend_fn)rope_attend;
     const rmsnorm_fn norm = (rmsnorm_fn)rmsnorm;
-    const int M = B * T, HD = H * D, GD = G * D, Q = HD + 2 * GD, nt = threads > 1 ? threads : 1;
+    const int M = off ? (int)off[B] : B * T, HD = H * D, GD = G * D, Q = HD + 2 * GD, nt = threads > 1 ? threads : 1;
     const int widest = C > HD ? C : HD;
     float *hs = (float *)aligned_alloc(32, sizeof(float) * (size_t)nt * M * widest + 32);     /* per thread */
     block_a8 *as = (block_a8 *)malloc(sizeof(block_a8) * (size_t)nt * M * (widest / QK) + 1); /* per thread */
@@ -748,7 +769,7 @@ void quant_layers(float *x, const int64_t *pos, int B, int T, int C, int H, int 
                 matmul_cols(qkv3, 3, a, M, qkv, Q, lo, hi, 0, variant);
             }
         }
-        if (l + 1 < L) attend(qkv, pos, cosT, sinT, kc[l + 1], vc[l + 1], att, B, T, H, G, D, cap, nt);
+        if (l + 1 < L) attend_step(attend, off, qkv, pos, cosT, sinT, kc[l + 1], vc[l + 1], att, B, T, H, G, D, cap, nt);
     }
     free(hs), free(as), free(af), free(qkv), free(att), free(gu), free(hf);
 }

@@ -88,7 +88,7 @@ def lib() -> ctypes.CDLL:
         so.quant_quantize.argtypes = [vp, vp, i, i]
         so.quant_matmul.argtypes = [vp, vp, vp, i, ctypes.c_long, i, i]
         so.quant_dequant.argtypes = [vp, vp, i, vp]
-        so.quant_layers.argtypes = [vp, vp] + [i] * 8 + [f, i] + [vp] * 7 + [i, i]
+        so.quant_layers.argtypes = [vp, vp, vp] + [i] * 8 + [f, i] + [vp] * 7 + [i, i]
         for fn in (so.quant_quantize, so.quant_matmul, so.quant_dequant, so.quant_layers):
             fn.restype = None
 
@@ -631,7 +631,7 @@ class QuantRuntime:
             self._caches = (key, (ctypes.c_void_p * n)(*key[:n]), (ctypes.c_void_p * n)(*key[n:]))
         return self._caches[1], self._caches[2]
 
-    def _layers_call(self, x, pos, B, T, cap, first, last, kc, vc, cos, sin, attend):
+    def _layers_call(self, x, pos, off, B, T, cap, first, last, kc, vc, cos, sin, attend):
         w = self.w
         L = last - first
         layers = ctypes.byref(self._layers, first * ctypes.sizeof(QLayer))
@@ -642,6 +642,7 @@ class QuantRuntime:
             self._lib.quant_layers,
             x.data_ptr(),
             pos.data_ptr(),
+            None if off is None else off.data_ptr(),
             B,
             T,
             w.hidden,
@@ -663,6 +664,25 @@ class QuantRuntime:
             torch.get_num_threads(),
         )
 
+    def _run_layers(self, x, pos, off, B, T, state, attend, tree, hidden_layers) -> dict[int, torch.Tensor]:
+        """The decoder layers over ``x`` in place, split where ``hidden_layers`` are read; returns them."""
+        w = self.w
+        cos, sin = self._rope_tables(int(pos.max()) + 1)
+        kc, vc = self._cache_arrays(state)
+        hidden: dict[int, torch.Tensor] = {}
+        first = 0
+        for li in sorted({i for i in hidden_layers if i >= 0}) + [len(w.layers) - 1]:
+            if li >= len(w.layers):
+                raise SpecdraftError(f"hidden layer {li} beyond the model's {len(w.layers)} layers")
+            if li + 1 > first:
+                self._layers_call(x, pos, off, B, T, state.capacity, first, li + 1, kc, vc, cos, sin, attend)
+                first = li + 1
+                if tree is not None and tree.error is not None:
+                    raise tree.error
+            if li in hidden_layers:
+                hidden[li] = x.clone()
+        return hidden
+
     @torch.inference_mode()
     def forward(
         self,
@@ -674,43 +694,38 @@ class QuantRuntime:
         attn_mask: torch.Tensor | None = None,
         logits_index: torch.Tensor | None = None,
         slots: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None,
     ) -> ForwardOutput:
         """Run the layers over new tokens (see :class:`specdraft.models.runtime.Runtime`).
 
         ``attn_mask`` ``(B, T, S)`` and ``slots`` ``(B, T)``: a token-tree step
         (:mod:`specdraft.tree`, as :meth:`specdraft.models.llama.LlamaRuntime.forward`); each
         node's row is bit for bit a chain step's over the same prefix (:class:`TreeAttention`).
+
+        ``lengths`` ``(B,)``: a ragged step: row b feeds only its first ``lengths[b]`` tokens, the
+        rest is padding that costs nothing (not computed, not written to the cache; its logits and
+        hidden states are 0). The rows' tokens are packed into one block for the matmuls and each
+        row attends over its own cache row (``attend_step`` in quant.c): each row's logits are bit
+        for bit those of its own chain step.
         """
         w = self.w
         B, T = tokens.shape
-        last = int(positions.max())
+        top = int(positions.max()) if slots is None else max(int(positions.max()), int(slots.max()))
         if slots is not None and attn_mask is None:
             raise SpecdraftError("slots apart from positions need an attention mask over the slots")
-        top = last if slots is None else max(last, int(slots.max()))
         if top >= state.capacity:
             raise SpecdraftError(f"position {top} beyond cache capacity {state.capacity}")
         if state.batch_size != B:
             raise SpecdraftError(f"cache has {state.batch_size} rows, tokens {B}")
-        x = dequantize_rows(w.embed, tokens)  # (B, T, C)
-        pos = positions.to(torch.int64).contiguous()
-        cos, sin = self._rope_tables(last + 1)
-        kc, vc = self._cache_arrays(state)
+        keep = _ragged_rows(lengths, B, T, attn_mask is not None or logits_index is not None)  # (B, T)
+        pos = (positions if keep is None else positions[keep]).to(torch.int64).contiguous()
+        x = dequantize_rows(w.embed, tokens if keep is None else tokens[keep])  # (B, T, C) or (N, C)
+        off = None if keep is None else torch.cat([torch.zeros(1), lengths.cumsum(0)]).to(torch.int64)
         tree = None
         if attn_mask is not None:
             tree = TreeAttention(self, state, pos, positions if slots is None else slots, attn_mask)
         attend = self._attend if tree is None else ctypes.cast(tree.pointer, ctypes.c_void_p).value
-        hidden: dict[int, torch.Tensor] = {}
-        first = 0
-        for li in sorted({i for i in hidden_layers if i >= 0}) + [len(w.layers) - 1]:
-            if li >= len(w.layers):
-                raise SpecdraftError(f"hidden layer {li} beyond the model's {len(w.layers)} layers")
-            if li + 1 > first:
-                self._layers_call(x, pos, B, T, state.capacity, first, li + 1, kc, vc, cos, sin, attend)
-                first = li + 1
-                if tree is not None and tree.error is not None:
-                    raise tree.error
-            if li in hidden_layers:
-                hidden[li] = x.clone()
+        hidden = self._run_layers(x, pos, off, B, T, state, attend, tree, hidden_layers)
         normed = torch.empty_like(x)
         kernels._call(
             "specdraft::rms_norm",
@@ -718,7 +733,7 @@ class QuantRuntime:
             x.data_ptr(),
             w.norm.data_ptr(),
             normed.data_ptr(),
-            B * T,
+            x.numel() // w.hidden,
             w.hidden,
             w.eps,
         )
@@ -726,8 +741,35 @@ class QuantRuntime:
             hidden[-1] = normed
         if logits_index is not None:
             normed = normed.gather(1, logits_index.unsqueeze(-1).expand(-1, -1, w.hidden))
-        logits = quant_matmul(w.head, normed, self.variant)  # (B, n, V)
+        logits = quant_matmul(w.head, normed, self.variant)  # (B, n, V) or (N, V)
+        if keep is not None:
+            logits, hidden = _unpack(logits, keep), {i: _unpack(h, keep) for i, h in hidden.items()}
         return ForwardOutput(logits=logits, hidden=hidden)
+
+
+def _ragged_rows(lengths: torch.Tensor | None, B: int, T: int, masked: bool) -> torch.Tensor | None:
+    """``(B, T)`` the tokens a ragged step feeds (row b: its first ``lengths[b]``), or None when
+    every row feeds all T (a chain step).
+
+    Raises:
+        SpecdraftError: lengths outside 1..T, or a ragged step with a tree mask or ``logits_index``.
+    """
+    if lengths is None:
+        return None
+    if lengths.shape != (B,) or int(lengths.min()) < 1 or int(lengths.max()) > T:
+        raise SpecdraftError(f"ragged lengths must be ({B},) in 1..{T}, got {lengths.tolist()}")
+    if bool((lengths == T).all()):
+        return None
+    if masked:
+        raise SpecdraftError("a ragged step takes neither a tree mask nor logits_index")
+    return torch.arange(T) < lengths.unsqueeze(1)
+
+
+def _unpack(y: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """A ragged step's packed rows ``(N, n)`` back in ``(B, T, n)``, zeros at the padding."""
+    out = y.new_zeros(*keep.shape, y.shape[-1])
+    out[keep] = y
+    return out
 
 
 def gguf_path(name: str) -> Path:
