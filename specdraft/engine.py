@@ -111,6 +111,10 @@ class Engine:
                 f"{drafter.name} proposes token trees, which {type(target).__name__} cannot verify "
                 "(no tree attention mask): use the compact runtime (--runtime compact)"
             )
+        if getattr(drafter, "drafts_in_forward", False) and getattr(drafter, "target", None) is not target:
+            raise SpecdraftError(
+                f"{drafter.name} drafts inside its target's forward: verify with that runtime"
+            )
         self.target = target
         self.drafter = drafter
         self.policy = policy or FixedK(0 if drafter is None else 5)
@@ -233,13 +237,17 @@ class Engine:
         t0 = time.perf_counter()
         prop = None
         if k > 0:
-            ctx = DraftContext(self.tokens, self.lengths, params, self.generators, self.target_hidden)
+            ctx = DraftContext(
+                self.tokens, self.lengths, params, self.generators, self.target_hidden, self.kv
+            )
             prop = self.drafter.propose(self.draft_state, ctx, k)
         t1 = time.perf_counter()
 
         # 2. score and 3. verify: a chain [last, d_1..d_k], or a token tree per row
         if prop is not None and prop.trees is not None:
             out = self._tree_step(prop.trees, k, params, ids)
+        elif self._drafts_in_forward():
+            out = self._flex_step(prop, k, params, ids)
         else:
             out = self._chain_step(prop, k, params, ids)
 
@@ -268,8 +276,11 @@ class Engine:
         self.stats.total_time += t3 - t0
         return events
 
-    def _chain_step(self, prop: Proposal | None, k: int, params: list, ids: list[int]) -> _Outcome:
-        """Score ``[last committed, d_1..d_k]`` at positions ``L-1 .. L-1+k`` and verify the chain."""
+    def _chain_step(
+        self, prop: Proposal | None, k: int, params: list, ids: list[int], forward=None
+    ) -> _Outcome:
+        """Score ``[last committed, d_1..d_k]`` at positions ``L-1 .. L-1+k`` and verify the chain
+        (``forward``: the target's forward, or one that does more, as :meth:`_flex_step`'s)."""
         B, L = self.active, self.lengths
         draft_tokens = torch.zeros(B, 0, dtype=torch.int64)
         draft_probs, num_valid, bucket, proposed = None, torch.zeros(B, dtype=torch.int64), None, 0
@@ -288,7 +299,7 @@ class Engine:
         last = self.tokens.gather(1, (L - 1).unsqueeze(1))  # (B, 1)
         inp = torch.cat([last, draft_tokens], dim=1)  # (B, k + 1)
         positions = (L - 1).unsqueeze(1) + torch.arange(k + 1)  # (B, k + 1)
-        out = self.target.forward(self.kv, inp, positions, hidden_layers=self.hidden_layers)
+        out = (forward or self.target.forward)(self.kv, inp, positions, hidden_layers=self.hidden_layers)
         self.target_hidden = out.hidden
         target_time = time.perf_counter() - t1
         nv = num_valid if k else None
@@ -303,6 +314,29 @@ class Engine:
             verified = _verified(fed, [list(range(-1, len(f) - 1)) for f in fed], out.logits, tokens)
         num_valid = num_valid if k else torch.zeros(B, dtype=torch.int64)
         return _Outcome(tokens, n, sources, verified, num_valid, proposed, bucket, target_time)
+
+    def _drafts_in_forward(self) -> bool:
+        """Whether this step is a parallel draft-and-verify step (a drafter that drafts inside the
+        target's forward, and a batch no larger than its switch size); else the ordinary loop."""
+        return getattr(self.drafter, "drafts_in_forward", False) and self.active <= self.drafter.switch_batch
+
+    def _flex_step(self, prop: Proposal | None, k: int, params: list, ids: list[int]) -> _Outcome:
+        """A chain step whose verification forward also carries the drafter's mask tokens
+        (:mod:`specdraft.drafters.flex`): the target's rows are verified as :meth:`_chain_step` does,
+        and the mask group of each row's accepted count becomes its next draft."""
+        groups = []
+
+        def forward(kv, inp, positions, **kw):
+            out, hidden = self.drafter.forward_with_masks(kv, inp, positions, **kw)
+            groups.append(hidden)  # (B, k + 1, m, C)
+            return out
+
+        out = self._chain_step(prop, k, params, ids, forward)
+        bonus = torch.tensor([t[-1] for t in out.tokens])  # the recovered / bonus token per row
+        self.drafter.take(
+            self.draft_state, groups[0], out.num_accepted, bonus, self.lengths + out.num_accepted + 1
+        )
+        return out
 
     def _tree_step(self, trees: list[TokenTree | None], k: int, params: list, ids: list[int]) -> _Outcome:
         """Score every row's tree ``[root, nodes]`` in one forward (rows padded to the largest tree

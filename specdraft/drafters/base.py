@@ -78,6 +78,8 @@ class DraftContext:
         generators: one per row (the request's own randomness).
         target_hidden: hidden states the engine asked the target for at its last forward
             (``{layer: (B, T, C)}``), for feature-level drafters; empty otherwise.
+        target_state: the target's cache (its keys/values up to each row's ``lengths - 2``), for a
+            drafter that reads them (FlexDraft's sequential mode, :mod:`specdraft.drafters.flex`).
     """
 
     tokens: torch.Tensor
@@ -85,6 +87,7 @@ class DraftContext:
     params: list[SamplingParams]
     generators: list[torch.Generator | None]
     target_hidden: dict | None = None
+    target_state: object = None
 
     @property
     def all_greedy(self) -> bool:
