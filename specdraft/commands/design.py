@@ -101,11 +101,15 @@ def _build_arguments(sub) -> None:
     )
     b.add_argument(
         "--kind",
-        choices=["layers", "feature", "dream"],
+        choices=["layers", "feature", "dream", "diffusion", "ctc"],
         default="layers",
         help="layers: a token-level draft; feature: EAGLE-style, also reads the target's final hidden state; "
-        "dream: DREAM-style, also cross-attends to intermediate target layers",
+        "dream: DREAM-style, also cross-attends to intermediate target layers; diffusion: a block drafted "
+        "in one pass with an adaptive length head (DFlash/AdaFlash style); ctc: a feature draft whose slots "
+        "emit a blank-augmented sequence, CTC-collapsed into a token tree",
     )
+    b.add_argument("--block", type=int, default=16, help="--kind diffusion: block size (anchor included)")
+    b.add_argument("--window", type=int, default=8, help="--kind diffusion: target features read as context")
     b.add_argument(
         "--feature-layers",
         type=_layers,
@@ -281,6 +285,8 @@ def _build(args) -> int:
         dtype=args.save_dtype,
         kind=args.kind,
         feature_layers=args.feature_layers,
+        block=args.block,
+        window=args.window,
     )
     if args.steps == 0:
         cfg.train.steps = 0
@@ -315,7 +321,7 @@ def _export(args) -> int:
     src = resolve_draft_dir(args.draft)
     pipe = _pipe(args)
     draft, meta, extra = load_draft(src, pipe.target.model)
-    if meta.kind == "feature":
+    if meta.kind in ("feature", "diffusion"):
         raise SpecdraftError(
             f"{src} is a {meta.kind} draft: it exports only in its own format (copy the directory)"
         )

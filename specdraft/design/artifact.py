@@ -21,7 +21,9 @@ target's final hidden state; they need specdraft's drafter (:mod:`specdraft.draf
 DREAM-style drafts (``kind = "dream"``) add ``fc.weight`` and the cross-attention's ``cross.*``
 tensors, record the target layers they read and the heads in ``arch`` of ``specdraft.json``, and
 carry ``speculators_config.json`` (:func:`speculators_config`); they need
-:mod:`specdraft.drafters.dream`.
+:mod:`specdraft.drafters.dream`. CTC drafts (``kind = "ctc"``) add ``fc.weight`` and ``ctc.*``
+(slot embeddings, blank logit; ``arch``: slots and CTC labels); they need
+:mod:`specdraft.drafters.ctc`.
 
 Finding and building a designed draft (``--draft designed[:NAME|PATH|auto]``):
 
@@ -48,6 +50,7 @@ from pathlib import Path
 import torch
 
 from specdraft import durable
+from specdraft.drafters.ctc import CTC_KEYS, CTCDrafter
 from specdraft.drafters.dream import CROSS_KEYS, DreamDrafter
 from specdraft.drafters.feature import FeatureDrafter
 from specdraft.drafters.gated import GatedDrafter
@@ -62,7 +65,7 @@ WEIGHTS_FILE = "model.safetensors"
 EMBED_KEY = "model.embed_tokens.weight"
 HEAD_KEY = "lm_head.weight"
 SHARED_KEYS = (EMBED_KEY, HEAD_KEY)
-KINDS = ("layers", "feature", "dream")
+KINDS = ("layers", "feature", "dream", "diffusion", "ctc")
 DRAFTS_DIR = Path(__file__).resolve().parents[2] / "drafts"  # the designed drafts this repository commits
 
 
@@ -350,27 +353,44 @@ def drafter_from_spec(spec, target):
     dense = torch.float32 if dtype == torch.qint8 else dtype  # int8 packs the weights after loading
     draft, meta, extra = load_draft(path, target.loaded.model, dense)
     head = torch.tensor(meta.head_tokens, dtype=torch.int64) if meta.head_tokens else None
+    if meta.kind == "diffusion":
+        return diffusion_drafter(draft, meta, extra, head, path)
     tw = target.runtime.w if isinstance(target.runtime, LlamaRuntime) else None
     w = draft_weights(draft, tw, head, dtype)
     rt = LlamaRuntime(w)
     if head is not None:
         rt = SubsetHeadRuntime(rt, head, meta.vocab_size)
-    if meta.kind in ("feature", "dream"):
+    if meta.kind in ("feature", "dream", "ctc"):
         return _feature_drafter(meta, extra, rt, w, path)
     return GatedDrafter(rt, f"designed:{path.name}", target_runtime=target.runtime)
 
 
 def _feature_drafter(meta: DraftMeta, extra: dict, rt, w, path: Path):
-    """The engine-side drafter of a ``feature`` or ``dream`` draft."""
-    need = ["fc.weight"] + ([f"cross.{k}" for k in CROSS_KEYS] if meta.kind == "dream" else [])
+    """The engine-side drafter of a ``feature``, ``dream`` or ``ctc`` draft."""
+    own = {"dream": [f"cross.{k}" for k in CROSS_KEYS], "ctc": [f"ctc.{k}" for k in CTC_KEYS]}
+    need = ["fc.weight"] + own.get(meta.kind, [])
     lacking = [k for k in need if k not in extra]
     if lacking:
         raise SpecdraftError(f"{meta.kind} draft {path} lacks {lacking[0]}: corrupted")
     fc, name = extra["fc.weight"].to(w.compute_dtype), f"designed:{path.name}"
     if meta.kind == "feature":
         return FeatureDrafter(rt, fc, w.embed, name)
+    if meta.kind == "ctc":
+        return CTCDrafter(rt, fc, {k: extra[f"ctc.{k}"] for k in CTC_KEYS}, w.embed, name)
     cross = {k: extra[f"cross.{k}"] for k in CROSS_KEYS}
     return DreamDrafter(rt, fc, cross, w.embed, name, meta.arch["layers"], meta.arch["heads"])
+
+
+def diffusion_drafter(draft, meta: DraftMeta, extra: dict, head, path: Path, adaptive: bool = True):
+    """The engine-side drafter of a ``diffusion`` draft (:mod:`specdraft.drafters.diffusion`)."""
+    from specdraft.drafters.diffusion import PREFIX, BlockArch, BlockDiffusion, DiffusionDrafter
+
+    tensors = {k.removeprefix(PREFIX): v for k, v in extra.items() if k.startswith(PREFIX)}
+    try:
+        model = BlockDiffusion(draft, head, tensors, BlockArch(**meta.arch))
+    except (SpecdraftError, TypeError) as e:
+        raise SpecdraftError(f"diffusion draft {path} is corrupted ({e})") from None
+    return DiffusionDrafter(model, f"designed:{path.name}", adaptive=adaptive)
 
 
 LAYER_CONFIG_KEYS = (  # the decoder layer's fields in a speculators transformer_layer_config

@@ -55,9 +55,13 @@ class BuildConfig:
         dtype: storage dtype of the saved draft (``fp32`` or ``bf16``).
         kind: ``layers`` (token-level), ``feature`` (EAGLE-style, reads the target's hidden state) or
             ``dream`` (DREAM-style: also cross-attends to intermediate target layers,
-            :mod:`specdraft.design.dream`).
+            :mod:`specdraft.design.dream`), ``ctc`` (feature pairs plus slots decoded by CTC
+            collapse, :mod:`specdraft.design.ctc`).
         feature_layers: the target layers a ``dream`` draft reads (None: low / mid / high,
             :func:`specdraft.design.dream.default_layers`).
+        block: a ``diffusion`` draft's block size (the anchor included,
+            :mod:`specdraft.design.diffusion`).
+        window: the target features a ``diffusion`` block reads as context.
     """
 
     layers: list[int]
@@ -76,6 +80,8 @@ class BuildConfig:
     dtype: str = "fp32"
     kind: str = "layers"
     feature_layers: list[int] | None = None
+    block: int = 16
+    window: int = 8
 
 
 SELF_SOURCE = "requests the target wrote itself (Magpie-style, sampled from its chat template's user turn)"
@@ -177,6 +183,11 @@ def build_draft(
     result = _train(model, pipe, cfg, data, val, work, progress, times)
     after = validate(model, val, cfg.train.max_len)
     log(f"trained: validation acceptance {after['alpha']:.3f}")
+    if cfg.kind == "diffusion":
+        from specdraft.design.diffusion import block_report
+
+        after["blocks"] = block_report(model, val)
+        log(f"trained: {after['blocks']['tokens_per_block']:.2f} tokens per block (teacher-forced)")
 
     import transformers
 
@@ -213,7 +224,7 @@ def build_draft(
         init_layers=list(cfg.layers),
         width=_width(cfg, draft),
         recipe=recipe,
-        arch={"layers": model.layers, "heads": model.heads} if cfg.kind == "dream" else {},
+        arch=_arch(model, cfg.kind),
     )
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.dtype]
     extra = _extra_tensors(model, cfg.kind)
@@ -246,12 +257,32 @@ def _target_data(pipe, cfg: BuildConfig, progress: bool) -> tuple[TargetData, Ta
     return data, val
 
 
+def _arch(model, kind: str) -> dict:
+    """What a kind records beside the Llama config (``DraftMeta.arch``)."""
+    if kind == "dream":
+        return {"layers": model.layers, "heads": model.heads}
+    if kind == "diffusion":
+        return {"block": model.arch.block, "window": model.arch.window}
+    if kind == "ctc":
+        return {"slots": model.num_slots, "labels": model.labels}
+    return {}
+
+
 def _draft_model(draft, cfg: BuildConfig, head, target):
     """The trainable module around the draft: token-level, or conditioned on target features."""
+    if cfg.kind == "diffusion":
+        from specdraft.design.diffusion import DiffusionDraftLM
+        from specdraft.drafters.diffusion import BlockArch
+
+        return DiffusionDraftLM(draft, head.token_ids if head else None, BlockArch(cfg.block, cfg.window))
     if cfg.kind == "dream":
         from specdraft.design.dream import DreamDraftLM
 
         return DreamDraftLM(draft, head.token_ids if head else None, target, cfg.feature_layers)
+    if cfg.kind == "ctc":
+        from specdraft.design.ctc import CTCDraftLM
+
+        return CTCDraftLM(draft, head.token_ids if head else None)
     if cfg.kind == "feature":
         from specdraft.design.feature import FeatureDraftLM
 
@@ -285,10 +316,12 @@ def _train(model, pipe, cfg: BuildConfig, data, val, work: Path, progress: bool,
 
 
 def _extra_tensors(model, kind: str) -> dict:
-    """The trained tensors outside the Llama: ``fc.weight`` (feature, dream) and ``cross.*`` (dream)."""
+    """The trained tensors outside the Llama: ``fc.weight`` (feature, dream), ``cross.*`` (dream),
+    ``diffusion.*`` (diffusion) and ``ctc.*`` (ctc)."""
     if kind == "layers":
         return {}
-    return {k: v for k, v in model.own_state().items() if k == "fc.weight" or k.startswith("cross.")}
+    own = ("fc.weight", "cross.", "diffusion.", "ctc.")
+    return {k: v for k, v in model.own_state().items() if k.startswith(own)}
 
 
 def _width(cfg: BuildConfig, draft) -> dict | None:
