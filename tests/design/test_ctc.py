@@ -1,0 +1,90 @@
+"""Training a CTC draft: the anchors' labels and features, the loss terms, and ``specdraft design
+build --kind ctc`` end to end on the tiny target."""
+
+import json
+
+import pytest
+import torch
+
+from specdraft.cli import main
+from specdraft.design.ctc import CTCDraftLM
+from specdraft.design.data import generate_target_data
+from specdraft.design.prune import depth_prune
+from specdraft.design.train import TrainConfig
+from specdraft.errors import SpecdraftError
+from tests.helpers import head_subset, random_prompts
+
+
+@pytest.fixture(scope="module")
+def data(tiny_pipe):
+    return generate_target_data(
+        tiny_pipe.runtime,
+        random_prompts([5, 8, 6], seed=2),
+        eos_ids=(),
+        max_new_tokens=12,
+        batch_size=3,
+        topk=8,
+        hidden_layer=-1,
+        progress=False,
+    )
+
+
+def test_anchors_carry_the_next_feature_and_the_next_tokens(tiny_pipe, data):
+    head = head_subset(200, must=tuple(t for s in data.tokens for t in s.tolist()))
+    model = CTCDraftLM(depth_prune(tiny_pipe.target.model, [1]), head, slots=4, labels=3, anchors=5)
+    torch.manual_seed(0)
+    batch = model.make_batch(data, [0, 2], 64)
+    assert torch.bincount(batch.anchor_rows, minlength=2).tolist() == [5, 5]
+    for r, j, a, f, lab in zip(
+        batch.anchor_rows, batch.anchor_cols, batch.anchor_block, batch.anchor_feat, batch.anchor_labels
+    ):
+        i = [0, 2][int(r)]
+        P = data.prompt_lens[i]
+        assert torch.equal(f, data.hidden[i][j + 1].float())
+        assert torch.equal(model.head_tokens[lab], data.tokens[i][P + 1 + j : P + 4 + j])
+        assert int(j) + 1 + 3 <= data.tokens[i].shape[0] - P  # n labels exist
+    assert batch.anchor_block.tolist() == [0, 1, 2, 3, 4] * 2
+    # labels outside the head subset: no anchor uses them
+    said = {t for s in data.tokens for t in s.tolist()}
+    other = torch.tensor([t for t in range(256) if t not in said][:8])
+    small = CTCDraftLM(depth_prune(tiny_pipe.target.model, [1]), other, slots=4, labels=3)
+    assert small.make_batch(data, [0, 1, 2], 64).anchor_rows.numel() == 0
+    with pytest.raises(SpecdraftError, match="labels <= slots"):
+        CTCDraftLM(depth_prune(tiny_pipe.target.model, [1]), None, slots=2, labels=3)
+
+
+def test_loss_has_the_three_terms_and_the_ctc_term_trains_the_slots(tiny_pipe, data):
+    torch.manual_seed(0)
+    model = CTCDraftLM(depth_prune(tiny_pipe.target.model, [1]), None, slots=4, labels=2)
+    batch = model.make_batch(data, [0, 1, 2], 64)
+    loss, parts = model.loss(batch, TrainConfig())
+    assert set(parts) >= {"soft_ce", "reg", "ctc"} and parts["ctc"] > 0
+    loss.backward()
+    assert model.ctc["slots"].grad.abs().sum() > 0 and model.ctc["blank_w"].grad.abs().sum() > 0
+    # a sure alignment of the labels costs nothing: the CTC loss is the labels' log-likelihood
+    hs = torch.zeros(1, 4, 64)
+    lp = torch.full((1, 4, 257), -50.0)
+    lp[0, [0, 1, 2, 3], [7, 256, 9, 9]] = 0.0  # 7, blank, 9, 9 -> [7, 9]
+    model.slot_logprobs = lambda h: lp
+    assert float(model.ctc_loss(hs, torch.tensor([[7, 9]]))) < 1e-3
+    assert float(model.ctc_loss(hs, torch.tensor([[9, 7]]))) > 10
+
+
+def test_build_kind_ctc_end_to_end(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "d"
+    data = ["--prompts", "6", "--val-prompts", "4", "--max-new-tokens", "8", "--gen-batch", "4", "--quiet"]
+    argv = ["design", "build", "--target", "tiny", "--threads", "1", *data, "--kind", "ctc", "--layers", "1"]
+    assert main([*argv, "--head", "64", "--steps", "2", "--batch-size", "2", "--out", str(out)]) == 0
+    meta = json.loads((out / "specdraft.json").read_text())
+    assert meta["kind"] == "ctc" and meta["arch"] == {"slots": 6, "labels": 3}
+    assert meta["recipe"]["offline"]["steps"] == 2
+    from safetensors.torch import load_file
+
+    assert {"fc.weight", "ctc.slots", "ctc.blank_w", "ctc.blank_b"} <= set(
+        load_file(str(out / "model.safetensors"))
+    )
+    gen = ["generate", "hello", "--target", "tiny", "--threads", "1", "--draft", f"designed:{out}"]
+    assert main([*gen, "--max-new-tokens", "6", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(res["tokens"]) == 6
