@@ -30,6 +30,7 @@ import torch
 from specdraft.drafters.base import DraftContext, DraftState, Proposal
 from specdraft.drafters.bigram import BigramDrafter
 from specdraft.drafters.capped import RowCappedDrafter
+from specdraft.drafters.ctc import CTCDrafter
 from specdraft.drafters.dream import DreamDrafter, cross_weights
 from specdraft.drafters.feature import FeatureDrafter
 from specdraft.drafters.gated import GatedDrafter
@@ -295,6 +296,19 @@ def make_case(name: str, target: LlamaRuntime) -> Case:
         local.a, local.b = 1.5, 0.5
         drafter = FeatureDrafter(LlamaRuntime(w), fc, target.w.embed, "local:feature", local=local)
         return Case(drafter, FixedK(2), check=_lengths(0, 2))
+    if name == "ctc":  # slots in one pass, CTC-collapsed candidates as a tree of point masses
+        w = LlamaWeights.from_hf(tiny_llama(vocab_size=V, seed=15), torch.float32)
+        w.lm_head = w.lm_head * 12.0
+        g = torch.Generator().manual_seed(5)
+        C = w.embed.shape[1]
+        ctc = {
+            "slots": torch.randn(3, C, generator=g),
+            "blank_w": torch.randn(C, generator=g),
+            "blank_b": torch.zeros(1),
+        }
+        fc = torch.randn(C, 2 * C, generator=g) * 0.1
+        drafter = CTCDrafter(LlamaRuntime(w), fc, ctc, target.w.embed, "ctc", width=2, beams=4)
+        return Case(drafter, FixedK(4), check=_branching)
     if name == "cost-aware-trim":
         policy = SteadyClock(CostAwareK(k_max=3, k_start=3, probe_every=2))
         return Case(PromptLookupDrafter(), policy, batch=100, check=_trimmed)
@@ -370,6 +384,7 @@ CASES = [
     "feature",
     "dream",
     "local-fused",
+    "ctc",
     "cost-aware-trim",
     "cost-aware-rows",
     "server-row-caps",
