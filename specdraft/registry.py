@@ -75,6 +75,40 @@ def _ouroboros_options(kind: str, arg: str) -> str:
     return arg
 
 
+TREE_INNER = ("designed", "prune", "self", "model")  # kinds that draft with a model
+TREE_USAGE = "tree:[dyn[=W]|static[=BxD],]MODEL_DRAFT"
+
+
+def tree_parts(arg: str) -> tuple[str, tuple[int, int], str]:
+    """``tree:`` spec argument -> ``(shape, numbers, inner spec)``. ``dyn=W`` (the default, W = 2):
+    the W most probable nodes of each depth expanded with their top W, reranked to k nodes
+    (EAGLE-2); ``static=BxD`` (default 2x2): the draft's greedy chain with its top B at each of
+    the first D depths. Numbers: ``(W, W)`` or ``(B, D)``."""
+    head, _, rest = arg.partition(",")
+    name, _, nums = head.partition("=")
+    if name not in ("dyn", "static"):
+        name, nums, rest = "dyn", "", arg
+    default = "2" if name == "dyn" else "2x2"
+    parts = (nums or default).split("x")
+    want = 1 if name == "dyn" else 2
+    if len(parts) != want or not all(p.isdigit() and int(p) >= 1 for p in parts) or int(parts[0]) < 2:
+        raise SpecdraftError(f"bad tree shape {head!r}: use dyn=W or static=BxD (W, B >= 2, D >= 1)")
+    a = int(parts[0])
+    return name, (a, a if name == "dyn" else int(parts[1])), rest
+
+
+def _tree_arg(kind: str, arg: str) -> str:
+    shape, nums, inner = tree_parts(arg)
+    spec = DraftSpec.parse(inner) if inner else None
+    if spec is None or spec.kind not in TREE_INNER:
+        raise SpecdraftError(
+            f"bad draft spec {kind}:{arg}: use {TREE_USAGE} with a model draft "
+            f"({', '.join(TREE_INNER[:-1])}, or a model alias/path)"
+        )
+    n = f"{nums[0]}" if shape == "dyn" else f"{nums[0]}x{nums[1]}"
+    return f"{shape}={n},{spec}"
+
+
 @dataclass(frozen=True)
 class DrafterKind:
     """One registered kind of drafter.
@@ -187,5 +221,6 @@ DRAFTERS: dict[str, DrafterKind] = {
         _ouroboros_options,
         "ouroboros[:lookup][,shared][,warm=PATH][,chain]",
     ),
+    "tree": DrafterKind(_lazy("specdraft.drafters.topk_tree"), _tree_arg, TREE_USAGE),
     "model": DrafterKind(_lazy("specdraft.drafters.model", "model_from_spec"), _any, "MODEL_ALIAS|PATH"),
 }

@@ -131,6 +131,27 @@ class TokenTree:
         )
 
     @classmethod
+    def from_candidates(
+        cls, tokens: torch.Tensor, parents: torch.Tensor, keep: torch.Tensor, source: str | None = None
+    ) -> TokenTree:
+        """The tree of the kept candidates of a larger draft tree, renumbered in their order.
+
+        Args:
+            tokens: ``(M,)`` every candidate's token.
+            parents: ``(M,)`` every candidate's parent candidate (-1: the root), ``parents[i] < i``.
+            keep: ``(M,)`` bool, the candidates to keep; a kept candidate's parent must be kept.
+            source: tag of every node (None: the drafter's name).
+        """
+        idx = keep.nonzero().squeeze(1)  # (N,) kept candidates, in order
+        renum = torch.full((tokens.shape[0] + 1,), -1, dtype=torch.int64)  # slot 0: the root
+        renum[idx + 1] = torch.arange(idx.shape[0])
+        par = renum[parents[idx] + 1]  # (N,)
+        if bool(((parents[idx] >= 0) & (par < 0)).any()):
+            raise SpecdraftError("a kept tree candidate's parent is not kept")
+        tags = None if source is None else (source,) * idx.shape[0]
+        return cls(tokens[idx].clone(), par, sources=tags)
+
+    @classmethod
     def chain(cls, tokens: list[int], probs: torch.Tensor | None = None) -> TokenTree:
         """A single chain: what a chain step verifies."""
         return cls.from_chains([tokens], None if probs is None else [probs])
@@ -200,6 +221,28 @@ class TokenTree:
         mask[:, : root_pos + 1] = True
         mask[1:, root_pos + 1 : root_pos + 1 + n] = self.ancestors
         return mask
+
+
+def most_probable(scores: torch.Tensor, budget: int) -> torch.Tensor:
+    """EAGLE-2's rerank (Li et al. 2024, "EAGLE-2: Faster Inference of Language Models with Dynamic
+    Draft Trees", arXiv 2406.16858): the ``budget`` candidates of highest ``score`` per row.
+
+    ``scores`` are cumulative draft log-probabilities (a node's is its parent's plus its own
+    log q, so never above its parent's) over candidates in topological order; ties go to the
+    earlier candidate, so a kept node's ancestors are always kept. ``-inf`` (a token outside a
+    subset head) is never kept.
+
+    Args:
+        scores: ``(B, M)`` float.
+        budget: nodes per row.
+
+    Returns:
+        ``(B, M)`` bool, the kept candidates.
+    """
+    order = scores.argsort(dim=1, descending=True, stable=True)[:, :budget]  # (B, <= budget)
+    keep = torch.zeros_like(scores, dtype=torch.bool)
+    keep.scatter_(1, order, True)
+    return keep & torch.isfinite(scores)
 
 
 @dataclass

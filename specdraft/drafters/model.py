@@ -71,16 +71,21 @@ class ModelDrafter:
     def new_state(self, batch_size: int, capacity: int) -> ModelDraftState:
         return ModelDraftState(self.runtime, batch_size, capacity)
 
+    def catch_up(self, state: ModelDraftState, ctx: DraftContext) -> torch.Tensor:
+        """Feed the committed tokens the draft has not seen (>= 1: the last one never is) in one
+        forward; ``(B, V)`` the draft's logits after each row's last committed token."""
+        L = ctx.lengths
+        pending = L - state.fed  # (B,)
+        positions = catch_up_positions(state.fed, L, int(pending.max()))
+        tokens = ctx.tokens.gather(1, positions.clamp(max=ctx.tokens.shape[1] - 1))
+        last = (pending - 1).unsqueeze(1)  # (B, 1) index of each row's last real token
+        return self.runtime.forward(state.kv, tokens, positions, logits_index=last).logits[:, 0]
+
     def propose(self, state: ModelDraftState, ctx: DraftContext, k: int) -> Proposal:
         B = ctx.lengths.shape[0]
         L = ctx.lengths
-        # 1. catch up on committed tokens the draft has not seen (>= 1: the last one never is)
-        pending = L - state.fed  # (B,)
-        P = int(pending.max())
-        positions = catch_up_positions(state.fed, L, P)
-        tokens = ctx.tokens.gather(1, positions.clamp(max=ctx.tokens.shape[1] - 1))
-        last = (pending - 1).unsqueeze(1)  # (B, 1) index of each row's last real token
-        logits = self.runtime.forward(state.kv, tokens, positions, logits_index=last).logits[:, 0]
+        # 1. catch up on committed tokens the draft has not seen
+        logits = self.catch_up(state, ctx)
 
         # 2. k autoregressive steps; d_i is fed at position L - 1 + i
         draft = torch.empty(B, k, dtype=torch.int64)

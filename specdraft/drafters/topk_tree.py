@@ -1,0 +1,257 @@
+"""Token trees from a draft model's top-k: a static shape, and EAGLE-2's dynamic one.
+
+A chain draft proposes the draft's most likely token at each depth; when the target disagrees at
+depth j, everything below is lost, even if the target's choice was the draft's second guess. This
+drafter grows a tree of the draft's top tokens instead and lets the target pick the longest
+agreeing branch in one forward (:mod:`specdraft.tree`). Two shapes (``k``: the policy's node
+budget, ``Proposal.trees`` holds at most k nodes):
+
+- ``static=BxD``: the draft's greedy chain, and at each of the first D depths the draft's next
+  B - 1 tokens as leaves beside the chain node (the chain gets the rest of the budget; a sibling
+  depth is kept only while the chain keeps at least ``k - (B - 1) * D'`` >= 1 nodes, ``D' <= (k - 1)
+  // B``). The draft runs exactly as a chain draft does (one token per forward): the siblings
+  cost it nothing, the target verifies ``(B - 1) D'`` more nodes.
+- ``dyn=W`` (EAGLE-2, Li et al. 2024, arXiv 2406.16858): at each depth the W candidates of
+  highest cumulative draft probability (the product of q along the path, a proxy for the chance
+  the target accepts the path) are expanded with their top W tokens, in one draft forward over W
+  nodes with a tree attention mask; after k depths every candidate is reranked and the k most
+  probable are kept (:func:`specdraft.tree.most_probable`: a node is never more probable than its
+  parent, so the kept nodes form a tree).
+
+Sampling: the tree is a function of the draft's logits only (top tokens, never a sample), so each
+node is a point mass (``draft_probs = None``): the verifier draws one token from p at each node
+and follows the child that carries it (:func:`specdraft.tree.verify_tree_sampling`), which emits
+exactly the target's distribution (``tests/test_tv_all_drafters.py``: ``tree-dyn``, ``tree-static``).
+
+The draft's cache: the best candidate of each depth sits at the cache slot of its position (the
+slot a chain draft would use), the others past the deepest such slot. While those best candidates
+form a path, they are what a chain draft would have cached, so after verification the draft keeps
+their entries as far as the committed tokens agree with that path (:meth:`TopKTreeDrafter.observe`)
+and feeds the rest at its next proposal, as :class:`~specdraft.drafters.model.ModelDrafter` does.
+
+Draft spec: ``tree:[dyn[=W]|static[=BxD],]MODEL_DRAFT`` (default ``dyn=2``), e.g.
+``tree:designed:smollm2-135m-l2`` or ``tree:static=2x2,prune:0,1,2,29``
+(:func:`specdraft.registry.tree_parts`). Feature drafts (EAGLE-style, ``designed`` drafts of kind
+``feature``) are not supported yet.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from specdraft.drafters.base import DraftContext, Proposal, Verified
+from specdraft.drafters.model import ModelDrafter, ModelDraftState
+from specdraft.errors import SpecdraftError
+from specdraft.tree import TokenTree, most_probable
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """How the draft's top tokens grow into a tree.
+
+    Attributes:
+        dynamic: EAGLE-2's rerank (True) or the static chain-with-siblings shape.
+        branch: top tokens taken below each expanded node (static: B; dynamic: W).
+        width: nodes expanded per depth (static: 1, the greedy chain; dynamic: W).
+        branch_depths: static: the first D depths keep their siblings (unused when dynamic).
+    """
+
+    dynamic: bool
+    branch: int
+    width: int
+    branch_depths: int = 0
+
+    def __post_init__(self):
+        if self.branch < 2 or self.width < 1:
+            raise SpecdraftError(f"a tree needs branch >= 2 and width >= 1, got {self.branch}, {self.width}")
+
+    @classmethod
+    def parse(cls, name: str, nums: tuple[int, int]) -> TreeShape:
+        """From :func:`specdraft.registry.tree_parts`' shape name and numbers."""
+        if name == "dyn":
+            return cls(True, nums[0], nums[0])
+        return cls(False, nums[0], 1, nums[1])
+
+    def sibling_depths(self, k: int) -> int:
+        """Static: the depths whose siblings fit in a budget of k nodes beside a chain of >= 1."""
+        return min(self.branch_depths, (k - 1) // self.branch)
+
+    def depth(self, k: int) -> int:
+        """Draft depth for a budget of k nodes."""
+        return k if self.dynamic else k - (self.branch - 1) * self.sibling_depths(k)
+
+    def keep(self, scores: torch.Tensor, k: int) -> torch.Tensor:
+        """``(B, M)`` bool, the candidates kept from ``scores (B, M)`` (static: depth-major, B per
+        depth, rank 0 the chain node)."""
+        if self.dynamic:
+            return most_probable(scores, k)
+        rank = torch.arange(scores.shape[1]) % self.branch  # (M,)
+        depth = torch.arange(scores.shape[1]) // self.branch + 1  # (M,)
+        keep = (rank == 0) | (depth <= self.sibling_depths(k))
+        return keep.unsqueeze(0) & torch.isfinite(scores)
+
+
+@dataclass
+class Grown:
+    """The candidates a draft grew, per row, in topological order.
+
+    Attributes:
+        tokens: ``(B, M)`` candidate tokens.
+        parents: ``(B, M)`` parent candidate (-1: the root).
+        scores: ``(B, M)`` cumulative draft log-probability.
+        path: ``(B, depth - 1)`` the best fed candidate's token at each depth (cached at the slot
+            of its position).
+        path_len: ``(B,)`` how many of them form a path from the root.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    scores: torch.Tensor
+    path: torch.Tensor
+    path_len: torch.Tensor
+
+
+class TopKTreeState(ModelDraftState):
+    """The model draft's state, plus each row's cached path (:attr:`Grown.path`)."""
+
+    def __init__(self, runtime, batch_size: int, capacity: int):
+        super().__init__(runtime, batch_size, capacity)
+        self.path = [[] for _ in range(batch_size)]
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        super().select_rows(rows)
+        self.path = [self.path[int(r)] for r in rows]
+
+    def append(self, other: TopKTreeState) -> None:
+        super().append(other)
+        self.path += other.path
+
+
+class TopKTreeDrafter:
+    """Token trees of a model draft's top tokens (module docstring).
+
+    Args:
+        model: the model draft (its runtime drafts; its cache bookkeeping is reused).
+        shape: static or dynamic.
+        name: shown in statistics.
+    """
+
+    proposes_trees = True
+    source = "model"
+
+    def __init__(self, model: ModelDrafter, shape: TreeShape, name: str):
+        core = getattr(model.runtime, "runtime", model.runtime)  # under a subset head
+        if shape.width > 1 and "slots" not in inspect.signature(core.forward).parameters:
+            raise SpecdraftError(f"{name}: a dynamic tree needs a draft on the compact runtime (tree mask)")
+        self.model, self.shape, self.name = model, shape, name
+        self.runtime, self.vocab_size = model.runtime, model.vocab_size
+
+    def new_state(self, batch_size: int, capacity: int) -> TopKTreeState:
+        return TopKTreeState(self.runtime, batch_size, capacity)
+
+    def propose(self, state: TopKTreeState, ctx: DraftContext, k: int) -> Proposal:
+        B, L = ctx.lengths.shape[0], ctx.lengths
+        logits = self.model.catch_up(state, ctx)  # (B, V) after the root
+        grown = self.grow(state, logits.unsqueeze(1), L, self.shape.depth(k))
+        keep = self.shape.keep(grown.scores, k)  # (B, M)
+        trees = [
+            TokenTree.from_candidates(grown.tokens[b], grown.parents[b], keep[b], self.source)
+            for b in range(B)
+        ]
+        state.fed, state.base = L.clone(), L.clone()
+        state.path = [grown.path[b, : int(grown.path_len[b])].tolist() for b in range(B)]
+        return Proposal(tokens=torch.zeros(B, 0, dtype=torch.int64), trees=trees)
+
+    def grow(self, state: TopKTreeState, logits: torch.Tensor, L: torch.Tensor, depth: int) -> Grown:
+        """Expand the ``width`` best candidates of each depth with their top ``branch`` tokens,
+        ``depth`` levels below the root; ``logits (B, 1, V)`` are the draft's after the root."""
+        B, c, w = L.shape[0], self.shape.branch, self.shape.width
+        F = w * (depth - 1)  # fed candidates; slot L + o holds the one at offset o
+        if F and hasattr(state.kv, "ensure_capacity"):
+            state.kv.ensure_capacity(int(L.max()) + F + 1)
+        anc = torch.zeros(B, 1, F, dtype=torch.bool)  # (B, f, F) fed ancestors of each frontier node
+        front = torch.full((B, 1), -1)  # (B, f) candidate index of each frontier node (the root)
+        score = torch.zeros(B, 1)  # (B, f)
+        tokens, parents, scores, path = [], [], [], []
+        path_len = torch.zeros(B, dtype=torch.int64)
+        for d in range(1, depth + 1):
+            top = logits.float().log_softmax(-1).topk(c, dim=-1)  # (B, f, c)
+            new_score = (score.unsqueeze(-1) + top.values).flatten(1)  # (B, f * c)
+            first = sum(t.shape[1] for t in tokens)
+            tokens.append(top.indices.flatten(1))
+            parents.append(front.repeat_interleave(c, dim=1))
+            scores.append(new_score)
+            if d == depth:
+                break
+            pick = new_score.argsort(dim=1, descending=True, stable=True)[:, :w]  # (B, w) best first
+            if d > 1:  # the best of depth d continues the path while its parent was the best of d - 1
+                path_len += (path_len == d - 1) & (pick[:, 0] // c == 0)
+            else:
+                path_len += 1
+            front, score = first + pick, new_score.gather(1, pick)
+            fed = tokens[-1].gather(1, pick)  # (B, w)
+            path.append(fed[:, 0])
+            anc = self._ancestors(anc, pick // c, d, depth)
+            logits = self._feed(state, fed, L, d, depth, anc)
+        return Grown(
+            torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(scores, 1),
+            torch.stack(path, 1) if path else torch.zeros(B, 0, dtype=torch.int64), path_len,
+        )  # fmt: skip
+
+    def _offsets(self, d: int, depth: int) -> torch.Tensor:
+        """``(w,)`` slot offsets of depth d's fed candidates: the best at its position's slot
+        (offset d - 1), the others past the deepest such slot."""
+        w = self.shape.width
+        rest = depth - 1 + (d - 1) * (w - 1) + torch.arange(w - 1)
+        return torch.cat([torch.tensor([d - 1]), rest])
+
+    def _ancestors(self, anc: torch.Tensor, rows: torch.Tensor, d: int, depth: int) -> torch.Tensor:
+        """``(B, w, F)`` fed ancestors (and self) of depth d's fed candidates, whose parents are
+        the previous frontier's ``rows (B, w)``."""
+        F = anc.shape[2]
+        new = anc.gather(1, rows.unsqueeze(-1).expand(-1, -1, F)).clone()  # (B, w, F)
+        new[:, torch.arange(rows.shape[1]), self._offsets(d, depth)] = True
+        return new
+
+    def _feed(
+        self, state, fed: torch.Tensor, L: torch.Tensor, d: int, depth: int, anc: torch.Tensor
+    ) -> torch.Tensor:
+        """Run the draft over depth d's fed candidates ``(B, w)``; their logits ``(B, w, V)``."""
+        pos = (L - 1 + d).unsqueeze(1).expand_as(fed)  # (B, w) siblings share a position
+        if fed.shape[1] == 1:  # a chain: at the slot of its position, causal
+            return self.runtime.forward(state.kv, fed, pos).logits
+        F = anc.shape[2]
+        slots = L.unsqueeze(1) + self._offsets(d, depth)  # (B, w)
+        rel = torch.arange(int(L.max()) + F) - L.unsqueeze(1)  # (B, S) slot offset past the root
+        seen = anc.gather(2, rel.clamp(0, F - 1).unsqueeze(1).expand(-1, fed.shape[1], -1))  # (B, w, S)
+        mask = (rel < 0).unsqueeze(1) | (seen & (rel >= 0).unsqueeze(1))  # context + root, ancestors
+        return self.runtime.forward(state.kv, fed, pos, attn_mask=mask, slots=slots).logits
+
+    def observe(
+        self, state: TopKTreeState, num_accepted: torch.Tensor, verified: Verified | None = None
+    ) -> None:
+        """Keep the cached path as far as the committed tokens follow it (module docstring)."""
+        if verified is None:
+            return
+        for b, (path, committed) in enumerate(zip(state.path, verified.committed)):
+            same = 0  # the last committed token stays unfed: the next catch-up reads its logits
+            while same < min(len(path), len(committed) - 1) and path[same] == committed[same]:
+                same += 1
+            state.fed[b] = state.base[b] + same
+
+
+def from_spec(spec, target) -> TopKTreeDrafter:
+    """The ``tree:[SHAPE,]MODEL_DRAFT`` factory of :data:`specdraft.registry.DRAFTERS`."""
+    from specdraft.registry import build_drafter, tree_parts
+
+    shape, nums, inner = tree_parts(spec.arg)
+    model = build_drafter(inner, target)
+    if not isinstance(model, ModelDrafter):
+        raise SpecdraftError(
+            f"draft {spec}: {inner!r} gives a {type(model).__name__}, not a model draft "
+            "(feature drafts cannot grow trees yet; designed:auto without a committed draft is prompt lookup)"
+        )
+    return TopKTreeDrafter(model, TreeShape.parse(shape, nums), str(spec))
