@@ -23,7 +23,10 @@ tensors, record the target layers they read and the heads in ``arch`` of ``specd
 carry ``speculators_config.json`` (:func:`speculators_config`); they need
 :mod:`specdraft.drafters.dream`. CTC drafts (``kind = "ctc"``) add ``fc.weight`` and ``ctc.*``
 (slot embeddings, blank logit; ``arch``: slots and CTC labels); they need
-:mod:`specdraft.drafters.ctc`.
+:mod:`specdraft.drafters.ctc`. FlexDraft drafts (``kind = "flex"``) have no Llama of their own (no
+``config.json``): ``model.safetensors`` holds the ``flex.*`` tensors (mask embedding, attention
+projectors from the split layer, calibration; ``arch``: split, block, rank), and they draft inside
+the target's forward (:mod:`specdraft.drafters.flex`, compact runtime only).
 
 Finding and building a designed draft (``--draft designed[:NAME|PATH|auto]``):
 
@@ -65,7 +68,7 @@ WEIGHTS_FILE = "model.safetensors"
 EMBED_KEY = "model.embed_tokens.weight"
 HEAD_KEY = "lm_head.weight"
 SHARED_KEYS = (EMBED_KEY, HEAD_KEY)
-KINDS = ("layers", "feature", "dream", "diffusion", "ctc")
+KINDS = ("layers", "feature", "dream", "diffusion", "ctc", "flex")
 DRAFTS_DIR = Path(__file__).resolve().parents[2] / "drafts"  # the designed drafts this repository commits
 
 
@@ -170,7 +173,8 @@ def save_draft(
     Args:
         path: the directory; an existing draft directory (or an empty one) there is replaced as a
             whole. Any other existing path is refused.
-        draft: a transformers ``LlamaForCausalLM`` (its embedding is the target's).
+        draft: a transformers ``LlamaForCausalLM`` (its embedding is the target's), or None for a
+            draft made of ``extra`` tensors only (``flex``: no ``config.json``).
         meta: recorded in ``specdraft.json``.
         full: also write the embedding, so plain transformers can load the directory.
         dtype: storage dtype (default: the draft's).
@@ -187,15 +191,16 @@ def save_draft(
     if d.exists() and not (d.is_dir() and ((d / META_FILE).is_file() or not any(d.iterdir()))):
         raise SpecdraftError(f"{d} exists and is not a draft directory: choose another output path")
     state = {}
-    tied = bool(draft.config.tie_word_embeddings)
-    for name, t in draft.state_dict().items():
+    own = {} if draft is None else draft.state_dict()  # None: a draft of extra tensors only (flex)
+    tied = draft is not None and bool(draft.config.tie_word_embeddings)
+    for name, t in own.items():
         if name in SHARED_KEYS and not full or (name == HEAD_KEY and tied):
             continue  # shared with the target (a tied head is the embedding)
         state[name] = t.detach().to(dtype or t.dtype).contiguous().clone()
     for name, t in (extra or {}).items():
         state[name] = t.detach().to(dtype or t.dtype).contiguous().clone()
-    cfg = draft.config
-    if dtype is not None:
+    cfg = draft.config if draft is not None else None
+    if dtype is not None and cfg is not None:
         cfg.dtype = str(dtype).removeprefix("torch.")
     real = d.resolve()  # (a name to put the temporary directory beside, even for ".")
     real.parent.mkdir(parents=True, exist_ok=True)
@@ -204,7 +209,8 @@ def save_draft(
         shutil.rmtree(tmp)  # what a killed save left
     tmp.mkdir()
     try:
-        cfg.to_json_file(str(tmp / "config.json"))
+        if cfg is not None:
+            cfg.to_json_file(str(tmp / "config.json"))
         kind = "full" if full else "compact"
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "specdraft": kind})
         (tmp / META_FILE).write_text(json.dumps(asdict(meta), indent=1))
@@ -349,6 +355,8 @@ def drafter_from_spec(spec, target):
     path = find_draft(spec.arg, target.loaded.model)
     if path is None:
         return PromptLookupDrafter()
+    if read_meta(path).kind == "flex":
+        return flex_drafter(path, target)
     dtype = target.dtype
     dense = torch.float32 if dtype == torch.qint8 else dtype  # int8 packs the weights after loading
     draft, meta, extra = load_draft(path, target.loaded.model, dense)
@@ -379,6 +387,29 @@ def _feature_drafter(meta: DraftMeta, extra: dict, rt, w, path: Path):
         return CTCDrafter(rt, fc, {k: extra[f"ctc.{k}"] for k in CTC_KEYS}, w.embed, name)
     cross = {k: extra[f"cross.{k}"] for k in CROSS_KEYS}
     return DreamDrafter(rt, fc, cross, w.embed, name, meta.arch["layers"], meta.arch["heads"])
+
+
+def flex_drafter(path: Path, target):
+    """The engine-side drafter of a ``flex`` draft: it drafts inside ``target.runtime``'s forward."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from specdraft.drafters.flex import FlexDrafter, FlexWeights
+
+    meta = read_meta(path)
+    check_compatible(meta, target.loaded.model, str(path))
+    if not isinstance(target.runtime, LlamaRuntime):
+        raise SpecdraftError(
+            f"flex draft {path.name} drafts inside the compact runtime's forward: --runtime compact"
+        )
+    try:
+        tensors = load_file(str(path / WEIGHTS_FILE))
+    except (OSError, SafetensorError) as e:
+        raise SpecdraftError(f"draft {path} is corrupted or incomplete ({type(e).__name__}: {e})") from None
+    dt = target.runtime.dtype
+    tensors = {k: v.to(dt) for k, v in tensors.items()}
+    w = FlexWeights.from_tensors(tensors, meta.arch["split"], len(target.runtime.layers))
+    return FlexDrafter(target.runtime, w, f"designed:{path.name}", block=meta.arch["block"])
 
 
 def diffusion_drafter(draft, meta: DraftMeta, extra: dict, head, path: Path, adaptive: bool = True):

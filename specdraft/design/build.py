@@ -173,7 +173,7 @@ def build_draft(
 
     V = pipe.runtime.vocab_size
     head = head_subset(data, cfg.head, V, pipe.eos_ids, prompt_token_counts(pipe))
-    draft = make_draft(pipe, cfg, val)
+    draft = None if cfg.kind == "flex" else make_draft(pipe, cfg, val)  # flex: the target's layers
     model = _draft_model(draft, cfg, head, pipe.target.model)
     if head:
         log(f"head: {len(head)} tokens cover {head.coverage:.1%} of the target's answer tokens")
@@ -207,7 +207,8 @@ def build_draft(
         "time_s": {**times, "total_s": round(sum(times.values()), 1)},
         "threads": torch.get_num_threads(),
         "validation": {"untrained": before, "trained": after},
-        "params": param_count(draft) + sum(t.numel() for t in _extra_tensors(model, cfg.kind).values()),
+        "params": (param_count(draft) if draft is not None else 0)
+        + sum(t.numel() for t in _extra_tensors(model, cfg.kind).values()),
         "versions": {
             "torch": torch.__version__,
             "transformers": transformers.__version__,
@@ -265,6 +266,8 @@ def _arch(model, kind: str) -> dict:
         return {"block": model.arch.block, "window": model.arch.window}
     if kind == "ctc":
         return {"slots": model.num_slots, "labels": model.labels}
+    if kind == "flex":
+        return model.arch
     return {}
 
 
@@ -283,6 +286,10 @@ def _draft_model(draft, cfg: BuildConfig, head, target):
         from specdraft.design.ctc import CTCDraftLM
 
         return CTCDraftLM(draft, head.token_ids if head else None)
+    if cfg.kind == "flex":  # split at the first of --layers, --block mask tokens per group
+        from specdraft.design.flex import FlexDraftLM
+
+        return FlexDraftLM(target, cfg.layers[0], cfg.block, head_tokens=head.token_ids if head else None)
     if cfg.kind == "feature":
         from specdraft.design.feature import FeatureDraftLM
 
@@ -317,10 +324,10 @@ def _train(model, pipe, cfg: BuildConfig, data, val, work: Path, progress: bool,
 
 def _extra_tensors(model, kind: str) -> dict:
     """The trained tensors outside the Llama: ``fc.weight`` (feature, dream), ``cross.*`` (dream),
-    ``diffusion.*`` (diffusion) and ``ctc.*`` (ctc)."""
+    ``diffusion.*`` (diffusion), ``ctc.*`` (ctc) and ``flex.*`` (flex)."""
     if kind == "layers":
         return {}
-    own = ("fc.weight", "cross.", "diffusion.", "ctc.")
+    own = ("fc.weight", "cross.", "diffusion.", "ctc.", "flex.")
     return {k: v for k, v in model.own_state().items() if k.startswith(own)}
 
 

@@ -1,0 +1,108 @@
+"""Training a FlexDraft draft: the engine-side drafter computes what the training model computes,
+training lowers the loss and resumes exactly, and ``design build --kind flex`` end to end."""
+
+import json
+
+import pytest
+import torch
+
+from specdraft.cli import main
+from specdraft.design.data import generate_target_data
+from specdraft.design.flex import FlexDraftLM
+from specdraft.design.train import TrainConfig, train_offline
+from specdraft.drafters.base import DraftContext
+from specdraft.drafters.flex import FlexDrafter, FlexWeights
+from specdraft.errors import SpecdraftError
+from specdraft.verify import SamplingParams
+from tests.helpers import random_prompts
+
+
+@pytest.fixture(scope="module")
+def data(tiny_pipe):
+    return generate_target_data(
+        tiny_pipe.runtime,
+        random_prompts([5, 8, 6, 7], seed=6),
+        eos_ids=(),
+        max_new_tokens=10,
+        topk=8,
+        progress=False,
+    )
+
+
+def _fresh(tiny_pipe):
+    torch.manual_seed(0)
+    return FlexDraftLM(tiny_pipe.target.model, split=1, block=3, rank=16, anchors=4)
+
+
+def test_drafter_matches_the_training_model(tiny_pipe, data):
+    model = _fresh(tiny_pipe)
+    with torch.no_grad():
+        model.up.normal_(0, 0.2)  # a live calibration
+        model.mask.normal_()
+    model.eval()
+    batch = model.make_batch(data, [1], 320)
+    q_train = torch.softmax(model.logits(batch).detach(), -1)  # (M, V)
+    rt = model.runtime
+    drafter = FlexDrafter(rt, FlexWeights.from_tensors(model.own_state(), 1, 2), block=3)
+    compared = 0
+    for a in range(4):  # each anchor p: the sequential draft after committing tokens 0..p+1
+        p = int(batch.visible[0, a])
+        kv = rt.new_state(1, 64)
+        rt.forward(kv, batch.ids[:, : p + 1], torch.arange(p + 1).unsqueeze(0))
+        ctx = DraftContext(
+            batch.ids, torch.tensor([p + 2]), [SamplingParams(temperature=1.0)], [torch.Generator()], None, kv
+        )
+        q = drafter.propose(drafter.new_state(1, 64), ctx, 3).probs[0]  # (3, V)
+        for j in range(3):
+            hit = ((batch.rows == 0) & (batch.cols == a * 3 + j)).nonzero()
+            if len(hit):
+                torch.testing.assert_close(q[j], q_train[int(hit[0, 0])], rtol=1e-4, atol=1e-5)
+                compared += 1
+    assert compared >= 8
+
+
+def test_training_lowers_the_loss_and_resumes_exactly(tiny_pipe, data, tmp_path):
+    cfg = TrainConfig(steps=6, batch_size=2, lr=3e-3, warmup=0, checkpoint_every=1, eval_every=0)
+    whole = _fresh(tiny_pipe)
+    first = whole.loss(whole.make_batch(data, [0, 1, 2, 3], 320), cfg)[0].item()
+    res = train_offline(whole, data, data, cfg, tmp_path / "a", progress=False)
+    whole.train()
+    torch.manual_seed(1)
+    assert whole.loss(whole.make_batch(data, [0, 1, 2, 3], 320), cfg)[0].item() < first
+    assert res.val["alpha"] >= 0.0 and {"ce", "kl"} <= set(res.history[-1])
+    killed = _fresh(tiny_pipe)
+    train_offline(killed, data, None, cfg, tmp_path / "b", progress=False, stop_after=3)
+    resumed = _fresh(tiny_pipe)
+    assert train_offline(resumed, data, None, cfg, tmp_path / "b", progress=False).resumed_from == 3
+    for k, v in whole.own_state().items():
+        torch.testing.assert_close(v, resumed.own_state()[k], rtol=1e-5, atol=1e-6)
+    with pytest.raises(SpecdraftError, match="flex draft lacks"):
+        _fresh(tiny_pipe).load_own_state({k: v for k, v in whole.own_state().items() if k != "flex.mask"})
+
+
+def test_build_kind_flex_end_to_end(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "f"
+    data = ["--prompts", "6", "--val-prompts", "4", "--max-new-tokens", "8", "--gen-batch", "4", "--quiet"]
+    argv = ["design", "build", "--target", "tiny", "--threads", "1", *data, "--kind", "flex", "--layers", "1"]
+    assert main([*argv, "--head", "0", "--block", "3", "--steps", "2", "--out", str(out)]) == 0
+    meta = json.loads((out / "specdraft.json").read_text())
+    assert meta["kind"] == "flex" and meta["arch"] == {"split": 1, "block": 3, "rank": 256}
+    assert meta["recipe"]["offline"]["steps"] == 2 and not (out / "config.json").exists()
+    gen = [
+        "generate",
+        "hello",
+        "--target",
+        "tiny",
+        "--threads",
+        "1",
+        "--dtype",
+        "fp32",
+        "--max-new-tokens",
+        "8",
+    ]
+    assert main([*gen, "--draft", f"designed:{out}", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main([*gen, "--draft", "none", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"] == res["tokens"]
+    assert res["stats"]["drafted"] > 0
