@@ -567,12 +567,13 @@ def target_data(
 
 def generation_runtime(pipe, dtype: torch.dtype | None):
     """The runtime that answers training prompts: the pipeline's, or its target's weights in ``dtype``."""
-    from specdraft.models.llama import LlamaRuntime, LlamaWeights
+    from specdraft.models.llama import LlamaRuntime
+    from specdraft.models.runtime import make_runtime
 
     rt = pipe.runtime
     if dtype is None or not isinstance(rt, LlamaRuntime) or rt.dtype == dtype and rt.w.dtype == dtype:
         return rt
-    return LlamaRuntime(LlamaWeights.from_hf(pipe.target.model, dtype))
+    return make_runtime(pipe.target, "compact", dtype)  # the target's family (Llama or Gemma 3)
 
 
 def _subset(data: TargetData, order: list[int]) -> TargetData:

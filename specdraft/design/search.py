@@ -23,7 +23,8 @@ import torch
 from specdraft import analytic
 from specdraft.bench.profile import DraftLatencies, measure_latency
 from specdraft.design.data import TargetData
-from specdraft.models.llama import LlamaRuntime, LlamaWeights
+from specdraft.models.llama import LlamaWeights
+from specdraft.models.runtime import compact_runtime
 
 
 @torch.inference_mode()
@@ -31,7 +32,7 @@ def agreement(runtime, data: TargetData, head: torch.Tensor | None = None) -> fl
     """Teacher-forced agreement of ``runtime`` with the target's answers in ``data`` (0..1).
 
     Args:
-        runtime: a compact runtime (e.g. ``LlamaRuntime(w, layer_ids)``).
+        runtime: a compact runtime (e.g. ``compact_runtime(w, layer_ids)``).
         data: calibration sequences (prompt + the target's answer).
         head: if given, the draft may only predict these ids (argmax over the subset).
     """
@@ -108,9 +109,9 @@ def search_layers(
     if extra is None:
         extra = [list(range(d - 1)) + [n - 1] for d in range(2, max_depth + 1)]
     depths = sorted({len(x) for x in extra} | (set(range(1, max_depth + 1)) if beam else set()))
-    target = LlamaRuntime(weights)
+    target = compact_runtime(weights)  # Llama or Gemma 3 layers, by the weights' family
     if latency is None:
-        drafts = {f"depth{d}": LlamaRuntime(weights, list(range(d))) for d in depths}
+        drafts = {f"depth{d}": compact_runtime(weights, list(range(d))) for d in depths}
         latency = measure_latency(target, drafts)
     t_target = latency.curve().time
     evaluated: dict[tuple, Candidate] = {}
@@ -118,7 +119,7 @@ def search_layers(
     def score(layers: tuple[int, ...]) -> Candidate:
         if layers not in evaluated:
             t_draft = latency.draft[f"depth{len(layers)}"]
-            alpha = agreement(LlamaRuntime(weights, list(layers)), calib)
+            alpha = agreement(compact_runtime(weights, list(layers)), calib)
             c = Candidate(list(layers), alpha, t_draft, **predict(alpha, t_draft, t_target, k_max))
             evaluated[layers] = c
             if log:

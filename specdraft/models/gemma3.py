@@ -28,7 +28,9 @@ Shapes: B batch rows, T new tokens, C hidden size, H query heads, G key/value he
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -87,47 +89,78 @@ class Gemma3Weights(LlamaWeights):
                 (int8 matmuls, for drafts).
             compute: dtype of the activations; default as :meth:`LlamaWeights.from_hf`.
         """
+        state = model.state_dict()  # views of the parameters, tied ones under both names
+        return cls.from_tensors(model.config, lambda name, dt: state[name].detach().to(dt), dtype, compute)
+
+    @classmethod
+    def from_safetensors(
+        cls, directory: Path, dtype: torch.dtype = torch.bfloat16, compute: torch.dtype | None = None
+    ) -> Gemma3Weights:
+        """The weights of a transformers directory (``config.json``, ``model.safetensors``, as
+        ``save_pretrained`` and the GGUF conversion cache write them), read tensor by tensor: no
+        transformers model, no float32 copy of the whole model (arguments as :meth:`from_hf`).
+
+        Raises:
+            SpecdraftError: not a Gemma 3 text model, or a file that cannot be read.
+        """
+        from safetensors import SafetensorError
+        from transformers import AutoConfig
+
+        try:
+            cfg = AutoConfig.from_pretrained(directory, local_files_only=True)
+            return cls.from_tensors(cfg, _SafetensorsReader(directory / "model.safetensors"), dtype, compute)
+        except (SafetensorError, OSError, ValueError, KeyError) as e:
+            raise SpecdraftError(f"cannot read the Gemma 3 weights in {directory}: {type(e).__name__}: {e}")
+
+    @classmethod
+    def from_tensors(
+        cls,
+        cfg,
+        get: Callable[[str, torch.dtype], torch.Tensor],
+        dtype: torch.dtype,
+        compute: torch.dtype | None,
+    ) -> Gemma3Weights:
+        """The weights from a transformers Gemma 3 config and ``get(name, dtype)``, which returns
+        the tensor of that state-dict name (``model.layers.0.self_attn.q_proj.weight``) in ``dtype``."""
         if dtype == torch.qint8:
-            return cls.from_hf(model, torch.float32).quantize_int8()
+            return cls.from_tensors(cfg, get, torch.float32, compute).quantize_int8()
         if compute is None:
             compute = bf16_compute_dtype() if dtype == torch.bfloat16 else dtype
-        cfg = model.config
         if cfg.model_type not in GEMMA3_FAMILY:
             raise SpecdraftError(f"not a Gemma 3 text model: {cfg.model_type!r}")
         if cfg.attn_logit_softcapping is not None:
             raise SpecdraftError(
                 "attention soft-capping is not supported by the compact runtime: use --runtime hf"
             )
-        inner = model.model
+        if getattr(cfg, "attention_bias", False):
+            raise SpecdraftError("Gemma 3 with attention biases is not supported by the compact runtime")
 
-        def w(t: torch.Tensor) -> torch.Tensor:
-            return t.detach().to(dtype).contiguous()
+        def w(name: str) -> torch.Tensor:
+            return get(name, dtype).contiguous()
 
-        def norm(module) -> torch.Tensor:  # Gemma's RMSNorm scales by 1 + weight, in float32
-            return (1.0 + module.weight.detach().float()).to(compute).contiguous()
+        def norm(name: str) -> torch.Tensor:  # Gemma's RMSNorm scales by 1 + weight, in float32
+            return (1.0 + get(name, torch.float32)).to(compute).contiguous()
 
-        layers = [_layer(layer, kind, w, norm) for layer, kind in zip(inner.layers, cfg.layer_types)]
-        embed = w(inner.embed_tokens.weight)
-        head = model.lm_head.weight
-        tied = head.data_ptr() == inner.embed_tokens.weight.data_ptr()
-        rotary = inner.rotary_emb
+        layers = [_layer(f"model.layers.{i}.", kind, w, norm) for i, kind in enumerate(cfg.layer_types)]
+        embed = w("model.embed_tokens.weight")
+        rotary = _rotary(cfg)
         return cls(
             embed=embed,
             layers=layers,
-            norm=norm(inner.norm),
-            lm_head=embed if tied else w(head),
+            norm=norm("model.norm.weight"),
+            lm_head=embed if cfg.tie_word_embeddings else w("lm_head.weight"),
             n_heads=cfg.num_attention_heads,
             n_kv_heads=cfg.num_key_value_heads,
             head_dim=cfg.head_dim,
             eps=cfg.rms_norm_eps,
-            inv_freq=rotary.full_attention_inv_freq.detach().float().clone(),
+            inv_freq=rotary.full_attention_inv_freq.float().clone(),
             rope_scale=float(rotary.full_attention_attention_scaling),
             max_context=cfg.max_position_embeddings,
             compute=compute if compute != dtype else None,
-            local_inv_freq=rotary.sliding_attention_inv_freq.detach().float().clone(),
+            local_inv_freq=rotary.sliding_attention_inv_freq.float().clone(),
             local_rope_scale=float(rotary.sliding_attention_attention_scaling),
             window=int(cfg.sliding_window),
-            embed_scale=float(inner.embed_tokens.scalar_embed_scale),
+            embed_scale=float(cfg.hidden_size**0.5),  # Gemma3TextModel's embed_scale
             attn_scale=float(cfg.query_pre_attn_scalar) ** -0.5,
             final_softcap=cfg.final_logit_softcapping,
         )
@@ -166,25 +199,58 @@ class Gemma3Weights(LlamaWeights):
         return sub.quantize_int8() if dtype == torch.qint8 else sub
 
 
-def _layer(layer, kind: str, w, norm) -> GemmaLayerWeights:
-    """One transformers ``Gemma3DecoderLayer`` as :class:`GemmaLayerWeights`."""
-    at, mlp = layer.self_attn, layer.mlp
-    if at.q_proj.bias is not None:
-        raise SpecdraftError("Gemma 3 with attention biases is not supported by the compact runtime")
+def _layer(prefix: str, kind: str, w, norm) -> GemmaLayerWeights:
+    """The decoder layer whose state-dict names start with ``prefix`` (``model.layers.3.``)."""
+    at, mlp = prefix + "self_attn.", prefix + "mlp."
     return GemmaLayerWeights(
-        attn_norm=norm(layer.input_layernorm),
-        wqkv=w(torch.cat([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight])),
+        attn_norm=norm(prefix + "input_layernorm.weight"),
+        wqkv=torch.cat([w(at + f"{x}_proj.weight") for x in "qkv"]),
         bqkv=None,
-        wo=w(at.o_proj.weight),
-        mlp_norm=norm(layer.pre_feedforward_layernorm),
-        w_gate_up=w(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
-        w_down=w(mlp.down_proj.weight),
-        q_norm=norm(at.q_norm),
-        k_norm=norm(at.k_norm),
-        post_attn_norm=norm(layer.post_attention_layernorm),
-        post_mlp_norm=norm(layer.post_feedforward_layernorm),
+        wo=w(at + "o_proj.weight"),
+        mlp_norm=norm(prefix + "pre_feedforward_layernorm.weight"),
+        w_gate_up=torch.cat([w(mlp + "gate_proj.weight"), w(mlp + "up_proj.weight")]),
+        w_down=w(mlp + "down_proj.weight"),
+        q_norm=norm(at + "q_norm.weight"),
+        k_norm=norm(at + "k_norm.weight"),
+        post_attn_norm=norm(prefix + "post_attention_layernorm.weight"),
+        post_mlp_norm=norm(prefix + "post_feedforward_layernorm.weight"),
         sliding=kind == "sliding_attention",
     )
+
+
+def _rotary(cfg):
+    """transformers' Gemma 3 RoPE module for ``cfg`` (both layer types' ``inv_freq`` and scaling)."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+    return Gemma3RotaryEmbedding(cfg)
+
+
+class _SafetensorsReader:
+    """``get(name, dtype)`` over a safetensors file, opened per read (and per block of rows of a
+    large tensor), so that at most ``ROWS`` rows of the file's float32 pages are mapped at a time:
+    the peak memory is the compact weights plus one block."""
+
+    ROWS = 16384
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def open(self):
+        from safetensors import safe_open
+
+        return safe_open(self.path, "pt")
+
+    def __call__(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        with self.open() as f:
+            shape = f.get_slice(name).get_shape()
+        if len(shape) < 2 or shape[0] <= self.ROWS:
+            with self.open() as f:
+                return f.get_tensor(name).to(dtype)
+        out = torch.empty(shape, dtype=dtype)
+        for r in range(0, shape[0], self.ROWS):
+            with self.open() as f:
+                out[r : r + self.ROWS] = f.get_slice(name)[r : r + self.ROWS]
+        return out
 
 
 class Gemma3Runtime(LlamaRuntime):

@@ -14,7 +14,9 @@ Llama-family forward with a preallocated position-indexed cache (batch >= 1, rag
 :class:`specdraft.models.hf.HFRuntime`, an adapter over any transformers causal LM (batch 1,
 cache cropping). :class:`specdraft.models.gemma3.Gemma3Runtime` is the compact runtime with Gemma 3's
 layer. :class:`specdraft.models.quant.QuantRuntime` runs a GGUF's quantized blocks.
-:func:`make_runtime` picks the runtime for a loaded model.
+:func:`make_runtime` picks the runtime for a loaded model, :func:`compact_runtime` the compact
+runtime's class for a model's (or a layer subset's) weights, and :func:`compact_from_files` reads
+a Gemma 3 model's compact weights from its files without a transformers model.
 """
 
 from __future__ import annotations
@@ -114,18 +116,54 @@ def make_runtime(loaded, kind: str = "auto", dtype: torch.dtype | None = None) -
         dtype: overrides the loaded model's dtype for the compact runtime (``torch.qint8``: int8).
     """
     # imported here: both runtimes import this module (ForwardOutput)
-    from specdraft.models.gemma3 import GEMMA3_FAMILY, Gemma3Runtime, Gemma3Weights
+    from specdraft.models.gemma3 import GEMMA3_FAMILY, Gemma3Weights
     from specdraft.models.hf import HFRuntime
-    from specdraft.models.llama import LlamaRuntime, LlamaWeights
+    from specdraft.models.llama import LlamaWeights
 
     model_type = loaded.model.config.model_type
     if kind == "compact" or (kind == "auto" and runs_compact(model_type)):
         dtype = dtype or next(loaded.model.parameters()).dtype
-        if model_type in GEMMA3_FAMILY:
-            return Gemma3Runtime(Gemma3Weights.from_hf(loaded.model, dtype))
-        return LlamaRuntime(LlamaWeights.from_hf(loaded.model, dtype))
+        family = Gemma3Weights if model_type in GEMMA3_FAMILY else LlamaWeights
+        return compact_runtime(family.from_hf(loaded.model, dtype))
     if dtype == torch.qint8:
         raise SpecdraftError(f"int8 needs the compact runtime (Llama family, Gemma 3), not {model_type!r}")
     if kind in ("auto", "hf"):
         return HFRuntime(loaded.model)
     raise SpecdraftError(f"unknown runtime {kind!r}: use auto, compact or hf")
+
+
+def compact_runtime(weights, layer_ids: list[int] | None = None) -> Runtime:
+    """The compact runtime for ``weights`` over the layers ``layer_ids`` (all when None):
+    :class:`~specdraft.models.gemma3.Gemma3Runtime` for :class:`~specdraft.models.gemma3.Gemma3Weights`,
+    else :class:`~specdraft.models.llama.LlamaRuntime`. Every caller that builds a compact runtime
+    from weights (a target, a layer-pruned draft, a profiling stand-in) goes through here."""
+    from specdraft.models.gemma3 import Gemma3Runtime, Gemma3Weights
+    from specdraft.models.llama import LlamaRuntime
+
+    return (Gemma3Runtime if isinstance(weights, Gemma3Weights) else LlamaRuntime)(weights, layer_ids)
+
+
+def compact_from_files(name_or_path: str, dtype: torch.dtype) -> Runtime | None:
+    """A Gemma 3 target's compact runtime read straight from its weight files
+    (:meth:`~specdraft.models.gemma3.Gemma3Weights.from_safetensors`): no transformers model and no
+    float32 copy of the weights is built. None when the model is not Gemma 3 or its files are not
+    there yet (a GGUF not converted: :func:`~specdraft.models.loading.load_model` converts it).
+
+    Raises:
+        SpecdraftError: the name resolves to nothing, or the files cannot be read.
+    """
+    import json
+
+    from specdraft.models.gemma3 import GEMMA3_FAMILY, Gemma3Weights
+    from specdraft.models.loading import weights_dir
+
+    directory = weights_dir(name_or_path)
+    if directory is None or not (directory / "model.safetensors").is_file():
+        return None
+    try:
+        model_type = json.loads((directory / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError) as e:
+        raise SpecdraftError(f"cannot read {directory / 'config.json'}: {e}") from None
+    if model_type not in GEMMA3_FAMILY:
+        return None
+    return compact_runtime(Gemma3Weights.from_safetensors(directory, dtype))

@@ -116,12 +116,14 @@ def _stand_in(runtime, drafter):
 
     The profiler always times target forwards too (it prefills ``b x context`` tokens for each
     batch size first); a draft's profile only needs ``t_draft``, so the slot gets the target's
-    first layer alone (a compact target), which costs a thirtieth of the target's prefill.
+    first layer alone (a compact target, through :func:`specdraft.models.runtime.compact_runtime`:
+    a Gemma 3 layer for a Gemma 3 target), which costs a thirtieth of the target's prefill.
     """
     from specdraft.models.llama import LlamaRuntime
+    from specdraft.models.runtime import compact_runtime
 
     if isinstance(runtime, LlamaRuntime):
-        return LlamaRuntime(runtime.w, runtime.layer_ids[:1])
+        return compact_runtime(runtime.w, runtime.layer_ids[:1])
     return getattr(drafter, "runtime", None) or runtime
 
 
