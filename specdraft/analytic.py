@@ -67,9 +67,13 @@ def alpha_from_mean_accepted(mean_tokens: float, k: int, tol: float = 1e-6) -> f
     return (lo + hi) / 2
 
 
-def step_time(k: int, t_draft: float, t_target: Callable[..., float]) -> float:
-    """T_step(k) = k * T_draft + T_target(k + 1); ``t_target(n)`` is a forward over n tokens."""
-    return k * t_draft + t_target(k + 1)
+def step_time(
+    k: int, t_draft: float, t_target: Callable[..., float], draft_calls: int | None = None
+) -> float:
+    """T_step(k) = c(k) * T_draft + T_target(k + 1); ``t_target(n)`` is a forward over n tokens and
+    ``c(k) = draft_calls`` the draft forwards, k for a draft that runs one per token (the default),
+    ``min(k, 1)`` for a block drafter (one forward per block, :mod:`specdraft.drafters.diffusion`)."""
+    return (k if draft_calls is None else draft_calls) * t_draft + t_target(k + 1)
 
 
 def throughput(alpha: float, k: int, t_draft: float, t_target: Callable[..., float]) -> float:
