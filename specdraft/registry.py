@@ -34,15 +34,19 @@ def _positive_int(kind: str, arg: str) -> str:
 
 
 def _layer_list(kind: str, arg: str) -> str:
+    parts = [x.strip() for x in arg.split(",") if x.strip()]
+    head = parts.pop() if parts and parts[-1].startswith("head=") else None  # a smaller LM head
     try:
-        layers = [int(x) for x in arg.split(",") if x.strip()]
+        layers = [int(x) for x in parts]
     except ValueError:
         layers = []
-    if not layers or min(layers) < 0 or len(set(layers)) != len(layers):
+    bad_head = head is not None and not (head[5:].isdigit() and int(head[5:]) >= 1)
+    if bad_head or not layers or min(layers) < 0 or len(set(layers)) != len(layers):
         raise SpecdraftError(
-            f"bad draft spec {kind}:{arg}: use {kind}:0,1,2,29 (distinct layer indices >= 0)"
+            f"bad draft spec {kind}:{arg}: use {kind}:0,1,2,29 (distinct layer indices >= 0), "
+            f"optionally ending with head=N (N >= 1)"
         )
-    return ",".join(map(str, layers))
+    return ",".join([*map(str, layers), *([f"head={int(head[5:])}"] if head else [])])
 
 
 def _any(kind: str, arg: str) -> str:
@@ -107,6 +111,12 @@ def _tree_arg(kind: str, arg: str) -> str:
         )
     n = f"{nums[0]}" if shape == "dyn" else f"{nums[0]}x{nums[1]}"
     return f"{shape}={n},{spec}"
+
+
+def _layer_index(kind: str, arg: str) -> str:
+    if arg and not arg.isdigit():
+        raise SpecdraftError(f"bad draft spec {kind}:{arg}: use {kind} or {kind}:S with a layer index S >= 0")
+    return arg
 
 
 @dataclass(frozen=True)
@@ -174,7 +184,13 @@ class DraftSpec:
     @property
     def layers(self) -> list[int]:
         """The layer indices of a ``prune:`` spec."""
-        return [int(x) for x in self.arg.split(",")] if self.kind == "prune" else []
+        return [int(x) for x in self.arg.split(",") if x.isdigit()] if self.kind == "prune" else []
+
+    @property
+    def head(self) -> int | None:
+        """A ``prune:...,head=N`` spec's head size N (None: the target's whole head)."""
+        last = self.arg.rsplit(",", 1)[-1] if self.kind == "prune" else ""
+        return int(last[5:]) if last.startswith("head=") else None
 
 
 def build_drafter(spec: str | DraftSpec | None, target: Target):
@@ -206,7 +222,7 @@ DRAFTERS: dict[str, DrafterKind] = {
     "lookup-tree": DrafterKind(_lazy("specdraft.drafters.lookup_tree"), _positive_int, "lookup-tree[:N]"),
     "self": DrafterKind(_lazy("specdraft.drafters.model", "self_from_spec"), _no_arg, "self"),
     "prune": DrafterKind(
-        _lazy("specdraft.drafters.model", "pruned_from_spec"), _layer_list, "prune:0,1,2,29"
+        _lazy("specdraft.design.prune", "drafter_from_spec"), _layer_list, "prune:0,1,2,29[,head=N]"
     ),
     "designed": DrafterKind(
         _lazy("specdraft.design.artifact", "drafter_from_spec"), _any, "designed[:NAME|PATH|auto]"
@@ -222,5 +238,6 @@ DRAFTERS: dict[str, DrafterKind] = {
         "ouroboros[:lookup][,shared][,warm=PATH][,chain]",
     ),
     "tree": DrafterKind(_lazy("specdraft.drafters.topk_tree"), _tree_arg, TREE_USAGE),
+    "flex": DrafterKind(_lazy("specdraft.drafters.flex"), _layer_index, "flex[:SPLIT]"),  # untrained
     "model": DrafterKind(_lazy("specdraft.drafters.model", "model_from_spec"), _any, "MODEL_ALIAS|PATH"),
 }
