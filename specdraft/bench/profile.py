@@ -256,6 +256,9 @@ def _draft_step(drafter, batch: int, context: int, vocab: int):
     runtime = getattr(drafter, "runtime", None)
     if runtime is not None:  # a model draft
         return _runtime_step(runtime, batch, context)
+    block = getattr(drafter, "profile_step", None)
+    if block is not None:  # a block drafter: its step is one forward over a whole block
+        return block(batch, context)
     # a drafter without a model: propose one token from a random context
     g = torch.Generator().manual_seed(2)
     ctx = DraftContext(

@@ -244,6 +244,22 @@ class DiffusionDrafter:
     def new_state(self, batch_size: int, capacity: int) -> BlockDraftState:
         return BlockDraftState(batch_size, self.model.arch.window, self.model.head_w.shape[1])
 
+    def profile_step(self, batch: int, context: int):
+        """A callable running one draft step for the profiler: a block forward over a full window
+        of (random) features at ``context``, every block token's logits and the length head."""
+        W, C = self.model.arch.window, self.model.head_w.shape[1]
+        g = torch.Generator().manual_seed(1)
+        feats = torch.randn(batch, W, C, generator=g)
+        valid = torch.ones(batch, W, dtype=torch.bool)
+        anchor, L = torch.zeros(batch, dtype=torch.int64), torch.full((batch,), context)
+
+        @torch.no_grad()
+        def step():
+            h = self.model(feats, valid, anchor, L)
+            return self.model.logits(h[:, 1:]).argmax(-1), self.model.length(h)
+
+        return step
+
     def observe(self, state, num_accepted, verified=None) -> None:
         pass  # the next proposal reads the verified features and the committed length
 

@@ -27,8 +27,9 @@ class Latencies:
     Attributes:
         target: ``{context: profile}`` of the target (``t_target[b][n]`` for n = 1..k_max + 1).
         drafts: ``{draft spec: {context: profile}}`` (``t_draft[b]``, and the step breakdown).
-        draft_kinds: ``{draft spec: "model" | "lookup"}``: a model draft runs k forwards per
-            step, a lookup draft one search.
+        draft_kinds: ``{draft spec: "model" | "lookup" | "block"}``: a model draft runs k forwards per
+            step, a block draft (:mod:`specdraft.drafters.diffusion`) one forward per block, a lookup
+            draft one search.
     """
 
     target: dict[int, LatencyProfile]
@@ -44,8 +45,9 @@ class Latencies:
         return interp({c: interp(p.t_draft, batch) for c, p in self.drafts[draft].items()}, context)
 
     def draft_calls(self, draft: str, k: int) -> int:
-        """Draft steps per speculative step: k for a model draft, one search for prompt lookup."""
-        return min(k, 1) if self.draft_kinds.get(draft) == "lookup" else k
+        """Draft steps per speculative step: k for a model draft, one forward for a block draft, one
+        search for prompt lookup."""
+        return min(k, 1) if self.draft_kinds.get(draft) in ("lookup", "block") else k
 
     def breakdown(self, draft: str) -> dict[str, float]:
         """Where a batch-1 draft step's time goes (the profile at the shortest context that has one)."""
@@ -74,6 +76,10 @@ class Latencies:
 
 
 def draft_kind(drafter) -> str:
+    """``model`` (k forwards per step), ``block`` (one forward per block, ``drafts_blocks``) or
+    ``lookup`` (one search)."""
+    if getattr(drafter, "drafts_blocks", False):
+        return "block"
     return "model" if getattr(drafter, "runtime", None) is not None else "lookup"
 
 
