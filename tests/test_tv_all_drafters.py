@@ -40,6 +40,7 @@ from specdraft.drafters.model import ModelDrafter
 from specdraft.drafters.ouroboros import OuroborosDrafter
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.drafters.suffix import SEP, NgramIndex, SuffixDrafter
+from specdraft.drafters.topk_tree import TopKTreeDrafter, TreeShape
 from specdraft.engine import Engine, Request
 from specdraft.models.llama import LlamaRuntime, LlamaWeights
 from specdraft.models.tiny import tiny_llama
@@ -246,6 +247,11 @@ def make_case(name: str, target: LlamaRuntime) -> Case:
         # phrases as branches; the model's nodes carry its q, the pool's are point masses
         base = ModelDrafter(peaked(seed=11, scale=12.0), "other") if name == "ouroboros-model" else None
         return Case(_warm_ouroboros(base), FixedK(4), check=_branching)
+    if name in ("tree-dyn", "tree-static"):  # a model draft's top-k as a tree (EAGLE-2's rerank,
+        # or the chain with siblings): every node a point mass, the tree a function of q only
+        shape = TreeShape(True, 2, 2) if name == "tree-dyn" else TreeShape(False, 3, 1, 1)
+        inner = ModelDrafter(peaked(seed=11, scale=12.0), "other")
+        return Case(TopKTreeDrafter(inner, shape, name), FixedK(4), check=_branching)
     if name == "suffix":  # frequency trees over the context and a history of earlier outputs
         drafter = SuffixDrafter(max_n=3, shared=True)
         drafter.history = NgramIndex(3, 1000)
@@ -375,6 +381,8 @@ CASES = [
     "tree-branches",
     "ouroboros",
     "ouroboros-model",
+    "tree-dyn",
+    "tree-static",
     "suffix",
     "bigram",
     "self",

@@ -227,7 +227,8 @@ class TopKTreeDrafter:
         slots = L.unsqueeze(1) + self._offsets(d, depth)  # (B, w)
         rel = torch.arange(int(L.max()) + F) - L.unsqueeze(1)  # (B, S) slot offset past the root
         seen = anc.gather(2, rel.clamp(0, F - 1).unsqueeze(1).expand(-1, fed.shape[1], -1))  # (B, w, S)
-        mask = (rel < 0).unsqueeze(1) | (seen & (rel >= 0).unsqueeze(1))  # context + root, ancestors
+        inside = ((rel >= 0) & (rel < F)).unsqueeze(1)  # (B, 1, S) this row's tree slots
+        mask = (rel < 0).unsqueeze(1) | (seen & inside)  # context + root, ancestors and self
         return self.runtime.forward(state.kv, fed, pos, attn_mask=mask, slots=slots).logits
 
     def observe(
