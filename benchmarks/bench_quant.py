@@ -10,12 +10,18 @@ In one run, on the same chat-templated token ids and thread count:
   is the curve ``--k auto`` measures online (:meth:`specdraft.policy.CostAwareK.latency`);
 - greedy agreement: the fraction of prompts whose outputs are identical, the mean common prefix,
   and the position-wise token agreement;
+- prefill and decode-only rates beside llama.cpp's (``--sections llamacpp``, needs ``make peers``):
+  each runtime's prefill of the prompt and one-token forwards, and llama-cpp-python's low-level
+  ``eval`` of the same ids on the same GGUF (prefill, then one token at a time, greedy), every
+  method in turn per prompt (:mod:`specdraft.bench.llamacpp_baselines`, :class:`StepTimes`); the
+  ratios quantized / llama.cpp are the issue's decode (>= 1.5x) and prefill (>= 2x) targets;
 - start to first token and peak RSS: a fresh Python process per runtime (warm caches), each
   running ``api.load(..., dtype="bf16" | "q")`` (what ``specdraft generate --dtype ...`` loads:
   for ``q`` the tokenizer only) and one prefill; peak RSS is the process's VmHWM (ru_maxrss
   would carry over the parent's peak through fork and exec).
 
     .venv/bin/python benchmarks/bench_quant.py --threads 2
+    .venv/bin/python benchmarks/bench_quant.py --threads 2 --sections llamacpp --new-tokens 128
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specdraft.bench import harness, profile
+from specdraft.bench import harness, llamacpp_baselines, profile
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.engine import Engine
 from specdraft.models import loading
@@ -59,6 +65,7 @@ hwm = [line for line in open("/proc/self/status") if line.startswith("VmHWM")][0
 print(int(out.logits[0, -1].argmax()), int(hwm.split()[1]) // 1024)
 """
 DTYPE = {"bf16 compact": "bf16", "quantized": "q"}
+SECTIONS = ("decode", "agreement", "steps", "startup", "llamacpp")
 
 
 def chat_ids(tok, text: str) -> list[int]:
@@ -114,6 +121,58 @@ def decode_rates(
     return {n: t.outputs for n, t in totals.items()}
 
 
+def llamacpp_rates(runtimes, prompts, new_tokens: int, threads: int, report: dict) -> None:
+    """Prefill and decode-only rates of each runtime and of llama.cpp (llama-cpp-python's ``eval``)
+    on the same ids, every method in turn per prompt (rotated: A B C, B C A, ...); prints them and
+    the quantized runtime's ratios to llama.cpp, records them in ``report``."""
+    lc = llamacpp_baselines.LlamaCppBaselines(str(loading._smollm2_gguf()), threads, eos_ids=())
+    lc.load(max(len(p) for p in prompts) + new_tokens + lc.lookup_tokens + 1)
+    steps = {
+        name: lambda ids, rt=rt: llamacpp_baselines.runtime_step_times(rt, ids, new_tokens)
+        for name, rt in runtimes.items()
+    }
+    steps["llama.cpp"] = lambda ids: lc.step_times(ids, new_tokens)
+    names = list(steps)
+    for name in names:  # warm-up, untimed
+        steps[name](prompts[0])
+    runs = {name: [] for name in names}
+    for i, ids in enumerate(prompts):
+        for name in harness.interleave(names, i):
+            runs[name].append(steps[name](ids))
+    print(
+        f"\nprefill and decode-only rates, {len(prompts)} prompts x {new_tokens} new tokens, greedy, "
+        "methods in turn per prompt"
+    )
+    print(f"  {lc.note}")
+    rates = {}
+    for name in names:
+        prefill = sum(r.prompt_tokens for r in runs[name]) / sum(r.prefill_s for r in runs[name])
+        decode = sum(len(r.decode_s) for r in runs[name]) / sum(sum(r.decode_s) for r in runs[name])
+        rates[name] = (prefill, decode)
+        print(f"  {name:14s} prefill {prefill:7.1f} tok/s   decode-only {decode:6.1f} tok/s")
+    (qp, qd), (lp, ld) = rates["quantized"], rates["llama.cpp"]
+    print(
+        f"  quantized / llama.cpp: decode-only {qd / ld:.2f}x (target >= 1.5x), "
+        f"prefill {qp / lp:.2f}x (target >= 2x)"
+    )
+    agree = harness.agreement([r.tokens for r in runs["quantized"]], [r.tokens for r in runs["llama.cpp"]])
+    print(
+        f"  greedy outputs identical to llama.cpp's: {agree['identical_outputs']}/{len(prompts)}, "
+        f"position-wise {agree['positionwise']:.3f}"
+    )
+    report.update(
+        {
+            "llamacpp_note": lc.note,
+            "prompt_tokens": [len(p) for p in prompts],
+            "prefill_tokens_per_s": {n: r[0] for n, r in rates.items()},
+            "decode_only_tokens_per_s": {n: r[1] for n, r in rates.items()},
+            "quantized_decode_only_vs_llamacpp": qd / ld,
+            "quantized_prefill_vs_llamacpp": qp / lp,
+            "agreement_quantized_vs_llamacpp": agree,
+        }
+    )
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2)
@@ -121,8 +180,17 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=100)
     p.add_argument("--rounds", type=int, default=7, help="T(n) rounds per runtime")
     p.add_argument("--startup-runs", type=int, default=2)
+    p.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the prompts")
+    p.add_argument(
+        "--sections",
+        default=",".join(s for s in SECTIONS if s != "llamacpp"),
+        help=f"comma-separated, of {', '.join(SECTIONS)} (llamacpp needs make peers)",
+    )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
+    sections = set(args.sections.split(","))
+    if not sections <= set(SECTIONS):
+        p.error(f"--sections: unknown {', '.join(sorted(sections - set(SECTIONS)))}")
     print(
         "command: .venv/bin/python benchmarks/bench_quant.py "
         + " ".join(sys.argv[1:] if argv is None else argv),
@@ -138,26 +206,49 @@ def main(argv=None) -> int:
     }
     del loaded
     print(f"threads {args.threads}; quantized runtime: {runtimes['quantized']!r}", flush=True)
-    prompts = [chat_ids(tok, q) for q in PROMPTS]
-    names = list(runtimes)
+    prompts = [chat_ids(tok, q) for q in PROMPTS[: args.prompts]]
     harness.warm_up(decode_methods(runtimes, speculative=False), prompts[0], 8)
 
     report = {"threads": args.threads}
-    outs = {}
-    for speculative in (False, True):
-        label = "prompt lookup, --k auto" if speculative else "plain"
-        outs[label] = decode_rates(
-            runtimes, prompts, args.new_tokens, speculative, report.setdefault(label, {})
-        )
-    outs = outs["plain"]
+    if sections & {"decode", "agreement"}:
+        outs = {}
+        for speculative in (False, True) if "decode" in sections else (False,):
+            label = "prompt lookup, --k auto" if speculative else "plain"
+            outs[label] = decode_rates(
+                runtimes, prompts, args.new_tokens, speculative, report.setdefault(label, {})
+            )
+        agreement(outs["plain"], report, args.new_tokens)
+    if "steps" in sections:
+        verification_cost(runtimes, args, report)
+    if "startup" in sections:
+        startup_section(list(runtimes), args, report)
+    if "llamacpp" in sections:
+        llamacpp_rates(runtimes, prompts, args.new_tokens, args.threads, report.setdefault("llamacpp", {}))
+        if "plain" in report:
+            engine = report["plain"]["decode_tokens_per_s"]["quantized"]
+            ratio = report["llamacpp"]["plain_engine_decode_vs_llamacpp_decode_only"] = (
+                engine / report["llamacpp"]["decode_only_tokens_per_s"]["llama.cpp"]
+            )
+            print(
+                f"  plain decoding through the engine (quantized, after the first token) / "
+                f"llama.cpp decode-only: {ratio:.2f}x"
+            )
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
 
+
+def agreement(outs: dict, report: dict, new_tokens: int) -> None:
     agree = report["agreement"] = harness.agreement(outs["quantized"], outs["bf16 compact"])
     print(
-        f"\ngreedy agreement quantized vs bf16: {agree['identical_outputs']}/{len(prompts)} outputs "
-        f"identical, mean common prefix {agree['mean_common_prefix']:.1f} of {args.new_tokens} tokens, "
+        f"\ngreedy agreement quantized vs bf16: {agree['identical_outputs']}/{agree['prompts']} outputs "
+        f"identical, mean common prefix {agree['mean_common_prefix']:.1f} of {new_tokens} tokens, "
         f"position-wise {agree['positionwise']:.3f}"
     )
 
+
+def verification_cost(runtimes: dict, args, report: dict) -> None:
+    names = list(runtimes)
     print(
         f"\nT(n) / T(1) at a {args.context}-token context "
         f"(medians of {args.rounds} rounds, runtimes alternating)"
@@ -180,6 +271,8 @@ def main(argv=None) -> int:
     for n in names:
         print(f"  T(k + 1) / T(1), k = 1..8, {n}: " + " ".join(f"{cost[n][k]:.2f}" for k in range(1, 9)))
 
+
+def startup_section(names: list[str], args, report: dict) -> None:
     print(
         f"\nstart to first token (fresh process, warm caches, api.load(dtype=bf16 | q)) and peak RSS, "
         f"{args.startup_runs} runs each"
@@ -190,9 +283,6 @@ def main(argv=None) -> int:
         s, rss = min(r[0] for r in runs), max(r[1] for r in runs)
         report["startup"][n] = {"seconds_min": s, "peak_rss_mb": rss}
         print(f"  {n:14s} {s:5.2f} s (best)   peak RSS {rss} MB")
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
-    return 0
 
 
 if __name__ == "__main__":

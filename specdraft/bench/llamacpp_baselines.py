@@ -33,12 +33,20 @@ two logits were 0.1 apart, and llama.cpp's one-token decode steps round differen
 evaluation (it is not batch-invariant), so such near-ties flip. ``--baselines bf16`` reports the
 free-running agreement of the bf16 runtime's output.
 
+Prefill and decode-only rates (:class:`StepTimes`, ``benchmarks/bench_quant.py``): the issue's decode
+target compares specdraft's plain decode rate with llama.cpp's decode-only rate, without
+llama-bench (a cmake build). :meth:`LlamaCppBaselines.step_times` drives llama-cpp-python's low-level
+API as :func:`runtime_step_times` drives a specdraft runtime: the prompt's ids evaluated in one call
+(the prefill, timed), then one token at a time, greedy (the argmax of the last logits, inside the
+timed step on both sides), each step timed; no sampler, no engine, no detokenizer on either side.
+
 llama-cpp-python is an optional extra (``make peers``, ~10 minutes of building on 2 cores); without
 it ``--baselines llamacpp`` stops with one line saying so (:func:`require`).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from specdraft.errors import SpecdraftError
@@ -59,6 +67,65 @@ def require():
             f"--baselines llamacpp needs llama-cpp-python, not installed here: {INSTALL_HINT}"
         ) from e
     return llama_cpp
+
+
+@dataclass
+class StepTimes:
+    """One prompt's prefill and one-token decode steps, greedy (:func:`runtime_step_times`,
+    :meth:`LlamaCppBaselines.step_times`).
+
+    Attributes:
+        prompt_tokens: tokens evaluated by the prefill.
+        prefill_s: seconds of the prefill call (it gives the first new token's logits).
+        decode_s: seconds of each one-token step after it (one per new token but the first).
+        tokens: the new tokens, the first (from the prefill's logits) included.
+    """
+
+    prompt_tokens: int
+    prefill_s: float
+    decode_s: list[float]
+    tokens: list[int]
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return len(self.decode_s) / sum(self.decode_s)
+
+
+def _timed_steps(prefill, step, ids: list[int], new_tokens: int) -> StepTimes:
+    """``prefill(ids)`` then ``step(token)`` ``new_tokens - 1`` times, each returning the next
+    greedy token and timed on its own."""
+    t0 = time.perf_counter()
+    tokens = [prefill(ids)]
+    prefill_s = time.perf_counter() - t0
+    decode_s = []
+    for _ in range(new_tokens - 1):
+        t0 = time.perf_counter()
+        tokens.append(step(tokens[-1]))
+        decode_s.append(time.perf_counter() - t0)
+    return StepTimes(len(ids), prefill_s, decode_s, tokens)
+
+
+def runtime_step_times(runtime, ids: list[int], new_tokens: int) -> StepTimes:
+    """A specdraft runtime's prefill and one-token forwards over ``ids`` (batch 1, greedy), as
+    the engine calls them: the last position's logits only."""
+    import torch
+
+    state = runtime.new_state(1, len(ids) + new_tokens)
+    done = [0]  # tokens in the cache
+
+    @torch.inference_mode()
+    def forward(tokens: list[int]) -> int:
+        positions = torch.arange(done[0], done[0] + len(tokens)).unsqueeze(0)
+        last = torch.tensor([[len(tokens) - 1]])
+        out = runtime.forward(state, torch.tensor([tokens]), positions, logits_index=last)
+        done[0] += len(tokens)
+        return int(out.logits[0, -1].argmax())
+
+    return _timed_steps(forward, lambda t: forward([t]), ids, new_tokens)
 
 
 @dataclass
@@ -146,6 +213,26 @@ class LlamaCppBaselines:
             if len(out) >= max_new_tokens or out[-1] in self.eos_ids:
                 break
         return out
+
+    def step_times(self, ids: list[int], new_tokens: int) -> StepTimes:
+        """llama.cpp's prefill and one-token ``eval`` calls over ``ids`` from an empty cache,
+        greedy (the argmax of ``llama_get_logits``), on the plain model (:class:`StepTimes`)."""
+        import numpy as np
+
+        llama_cpp = require()
+        llm = self.models["llamacpp_plain"]
+        if len(ids) + new_tokens > self.n_ctx:
+            raise SpecdraftError(
+                f"{len(ids)} + {new_tokens} tokens do not fit llama.cpp's n_ctx {self.n_ctx}"
+            )
+
+        def evaluate(tokens: list[int]) -> int:
+            llm.eval(tokens)
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits(llm.ctx), shape=(llm.n_vocab(),))
+            return int(logits.argmax())
+
+        llm.reset()
+        return _timed_steps(evaluate, lambda t: evaluate([t]), ids, new_tokens)
 
     def forced_matches(self, ids: list[int], tokens: list[int]) -> int:
         """How many of ``tokens`` (specdraft's greedy output after ``ids``) are llama.cpp's argmax

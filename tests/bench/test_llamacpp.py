@@ -175,3 +175,33 @@ def test_llama_cpp_gets_our_ids_and_computes_the_same_model():
     state = pipe.runtime.new_state(1, len(ids))
     ours = pipe.runtime.forward(state, torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0)).logits[0]
     assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.9
+
+
+def test_runtime_step_times_are_plain_greedy_decoding():
+    """A runtime's prefill and one-token steps (bench_quant's decode-only rate): the tokens are plain
+    greedy decoding's, one timed step per token after the first."""
+    from tests.helpers import plain_greedy
+
+    rt = api.load("tiny", "none", dtype="fp32", threads=1).runtime
+    ids = [5, 6, 7, 8, 9, 10, 11]
+    steps = llamacpp_baselines.runtime_step_times(rt, ids, 6)
+    assert steps.tokens == plain_greedy(rt, ids, 6)
+    assert steps.prompt_tokens == len(ids) and len(steps.decode_s) == 5
+    assert steps.prefill_tokens_per_s > 0 and steps.decode_tokens_per_s > 0
+
+
+@pytest.mark.skipif(not HAVE_LLAMA_CPP, reason="llama-cpp-python is not installed (make peers)")
+def test_llama_cpp_step_times_are_its_greedy_decoding():
+    """llama.cpp's decode-only rate is measured on its own greedy decoding of our ids: the tokens
+    of the one-token ``eval`` loop are those its ``generate`` gives (same file, same ids)."""
+    from specdraft.verify import SamplingParams
+
+    pipe = api.load("smollm2-135m", "none", dtype="q", threads=1)
+    lc = llamacpp_baselines.build_llamacpp_baselines("smollm2-135m", 1, (), None, "none")
+    lc.load(128)
+    ids = pipe.encode("Who wrote Hamlet?")
+    steps = lc.step_times(ids, 8)
+    assert steps.tokens == lc.run("llamacpp_plain", ids, 8, SamplingParams())
+    assert steps.prompt_tokens == len(ids) and len(steps.decode_s) == 7 and steps.decode_tokens_per_s > 0
+    with pytest.raises(SpecdraftError, match="n_ctx"):
+        lc.step_times(ids, 128)
