@@ -62,6 +62,13 @@ def _designed_arg(kind: str, arg: str) -> str:
     return arg
 
 
+def _diffusion_arg(kind: str, arg: str) -> str:
+    name, _, opt = arg.partition(",")
+    if name.removeprefix("designed:") in ("", "auto") or opt not in ("", "fixed"):
+        raise SpecdraftError(f"bad draft spec {kind}:{arg}: use {kind}:NAME[,fixed] (a diffusion draft)")
+    return arg
+
+
 def _suffix_options(kind: str, arg: str) -> str:
     opts = [o for o in arg.split(",") if o]
     if any(not (o in ("shared", "chain") or (o.isdigit() and int(o) >= 1)) for o in opts):
@@ -230,6 +237,9 @@ DRAFTERS: dict[str, DrafterKind] = {
     "bigram": DrafterKind(_lazy("specdraft.drafters.bigram"), _no_arg, "bigram"),
     "local": DrafterKind(
         _lazy("specdraft.design.artifact", "local_drafter_from_spec"), _designed_arg, "local:designed:NAME"
+    ),
+    "diffusion": DrafterKind(
+        _lazy("specdraft.design.diffusion", "drafter_from_spec"), _diffusion_arg, "diffusion:NAME[,fixed]"
     ),
     "suffix": DrafterKind(_lazy("specdraft.drafters.suffix"), _suffix_options, "suffix[:N][,shared][,chain]"),
     "ouroboros": DrafterKind(

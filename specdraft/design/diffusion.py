@@ -213,3 +213,21 @@ def block_report(model: DiffusionDraftLM, data: TargetData, batch_size: int = 8)
 def param_count(model: DiffusionDraftLM) -> int:
     """The block tensors' parameters (the Llama layers are counted by the build)."""
     return sum(math.prod(t.shape) for t in model.block.tensors().values())
+
+
+def drafter_from_spec(spec, target):
+    """``diffusion:NAME[,fixed]``: the designed block-diffusion draft NAME (a ``drafts/`` name or a
+    directory), as ``designed:NAME`` loads it; ``fixed`` ignores the length head and proposes every
+    block token up to k (a fixed block length, for comparisons)."""
+    from specdraft.design.artifact import diffusion_drafter, find_draft, load_draft
+
+    name, _, opt = spec.arg.partition(",")
+    path = find_draft(name.removeprefix("designed:"), target.loaded.model)
+    dense = torch.float32 if target.dtype == torch.qint8 else target.dtype
+    draft, meta, extra = load_draft(path, target.loaded.model, dense)
+    if meta.kind != "diffusion":
+        raise SpecdraftError(f"{spec}: {path} is a {meta.kind} draft, not a block-diffusion draft")
+    head = torch.tensor(meta.head_tokens, dtype=torch.int64) if meta.head_tokens else None
+    drafter = diffusion_drafter(draft, meta, extra, head, path, adaptive=opt != "fixed")
+    drafter.name = f"diffusion:{spec.arg}"
+    return drafter

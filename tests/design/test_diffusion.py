@@ -100,3 +100,14 @@ def test_build_kind_diffusion_end_to_end(tmp_path, monkeypatch, capsys):
     assert main([*plain, "--max-new-tokens", "6", "--json"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"] == res["tokens"]
     assert res["stats"]["drafted"] > 0
+    # the alias, with the length head ignored (a fixed block length): the same tokens
+    assert main([*gen[:-1], f"diffusion:{out},fixed", "--max-new-tokens", "6", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"] == res["tokens"]
+
+
+@pytest.mark.parametrize("spec", ["diffusion:", "diffusion:auto", "diffusion:x,wide"])
+def test_bad_diffusion_spec_is_refused_before_loading(spec):
+    from specdraft.registry import DraftSpec
+
+    with pytest.raises(SpecdraftError, match="use diffusion:NAME"):
+        DraftSpec.parse(spec)
