@@ -11,12 +11,18 @@
 Both return a transformers ``LlamaForCausalLM`` with fresh copies of the kept weights (the draft's
 own, trainable) and the target's embedding/tied head (shared, frozen); :func:`param_count` counts the
 draft's own parameters.
+
+At run time (no training), ``--draft prune:0,1,2,29`` is the target's own layers in its compact
+runtime, Llama or Gemma 3 (:func:`drafter_from_spec`), and ``prune:0,17,head=16384`` also gives the
+draft a smaller LM head: the rows of the ids most frequent in the training prompts' text
+(:func:`prompt_head`). Gemma 3's tied 262k-row head is ~60% of its parameters and most of a shallow
+draft's step; the subset keeps the output lossless (:mod:`specdraft.models.subset_head`).
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -201,3 +207,53 @@ def ffn_for_budget(target_model, depth: int, budget: int, *, kv_heads: int, q_pe
             f"a {depth}-layer draft with these heads exceeds {budget} parameters before any FFN"
         )
     return min(ffn, cfg.intermediate_size)
+
+
+HEAD_PROMPTS = 4096
+"""Training prompts whose tokens :func:`prompt_head` counts."""
+
+
+def prompt_head(tokenizer, n: int, vocab_size: int, always: tuple[int, ...] = ()):
+    """The ``n`` ids most frequent in the text of :data:`HEAD_PROMPTS` training prompts (GSM8K
+    questions and HellaSwag contexts, the train split of :func:`specdraft.design.data.training_prompts`;
+    Spec-Bench is never read), plus ``always`` (end-of-sequence ids): a head chosen without running
+    the target. A designed draft counts the target's own answers instead (:mod:`specdraft.design.vocab`).
+
+    Returns:
+        A :class:`specdraft.design.vocab.VocabSubset` (coverage measured on those prompts).
+    """
+    from specdraft.design.data import training_prompts
+    from specdraft.design.vocab import token_counts, top_tokens
+
+    texts = training_prompts(HEAD_PROMPTS, "train", sources=("gsm8k", "hellaswag"))
+    ids = [t for text in texts for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
+    return top_tokens(token_counts(torch.tensor(ids, dtype=torch.int64), vocab_size), n, always)
+
+
+def drafter_from_spec(spec, target):
+    """``prune:LAYERS[,head=N]``: the target's layers ``LAYERS`` at full width in its compact
+    runtime (:func:`specdraft.drafters.model.pruned_from_spec`), with the head cut to the
+    :func:`prompt_head` subset of N ids when ``head=N`` is given (:func:`with_head`)."""
+    from specdraft.drafters.model import pruned_from_spec
+
+    drafter = pruned_from_spec(spec, target)
+    V = drafter.runtime.vocab_size
+    if spec.head is None or spec.head >= V:
+        return drafter
+    head = prompt_head(target.loaded.tokenizer, spec.head, V, target.loaded.eos_ids())
+    return with_head(drafter, head.token_ids)
+
+
+def with_head(drafter, token_ids: torch.Tensor):
+    """A layer-pruned ``drafter`` whose LM head scores only ``token_ids`` (``(N,)`` ids): new
+    weights sharing every tensor but the head's N rows, the target's weights unchanged."""
+    from specdraft.drafters.model import ModelDrafter
+    from specdraft.models.llama import pack_int8
+    from specdraft.models.runtime import compact_runtime
+    from specdraft.models.subset_head import SubsetHeadRuntime
+
+    rt = drafter.runtime
+    head = rt.w.lm_head[token_ids].contiguous()  # (N, C)
+    w = replace(rt.w, lm_head=head, q_head=None if rt.w.q_head is None else pack_int8(head))
+    sub = SubsetHeadRuntime(compact_runtime(w, rt.layer_ids), token_ids, rt.vocab_size)
+    return ModelDrafter(sub, drafter.name)

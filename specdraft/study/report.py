@@ -159,11 +159,13 @@ def spearman(x: list[float], y: list[float]) -> float | None:
 
 
 def short_name(spec: str) -> str:
-    """``prune:0,1,2,3,29`` -> ``prune:0-3,29`` (runs of three or more layers as ranges)."""
+    """``prune:0,1,2,3,29`` -> ``prune:0-3,29`` (runs of three or more layers as ranges; a
+    ``head=N`` option is kept)."""
     try:
-        layers = DraftSpec.parse(spec).layers
+        parsed = DraftSpec.parse(spec)
     except SpecdraftError:
         return spec
+    layers = parsed.layers
     if not layers:
         return spec
     parts, i = [], 0
@@ -173,7 +175,7 @@ def short_name(spec: str) -> str:
             j += 1
         parts += [f"{layers[i]}-{layers[j]}"] if j - i >= 2 else [str(x) for x in layers[i : j + 1]]
         i = j + 1
-    return "prune:" + ",".join(parts)
+    return "prune:" + ",".join(parts + ([f"head={parsed.head}"] if parsed.head else []))
 
 
 def _fmt(x, spec="{:.2f}", none="n/a") -> str:

@@ -200,3 +200,4 @@ def test_short_names():
     assert short_name("prune:0,1,29") == "prune:0,1,29"
     assert short_name("prune:" + ",".join(map(str, range(28)))) == "prune:0-27"
     assert short_name("lookup") == "lookup"
+    assert short_name("prune:0,1,2,17,head=16384") == "prune:0-2,17,head=16384"
