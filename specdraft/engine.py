@@ -118,6 +118,11 @@ class Engine:
         self.target = target
         self.drafter = drafter
         self.policy = policy or FixedK(0 if drafter is None else 5)
+        # a runtime whose chain steps can be ragged (forward(..., lengths=): row b feeds only its own
+        # 1 + k_b tokens, the quantized runtime) verifies no padding; a policy that prices steps knows
+        self.ragged = "lengths" in inspect.signature(target.forward).parameters
+        if self.ragged and hasattr(self.policy, "ragged"):
+            self.policy.ragged = True
         self.hidden_layers = hidden_layers
         self.stats = SpecStats()
         self.requests: list[Request] = []
@@ -299,7 +304,10 @@ class Engine:
         last = self.tokens.gather(1, (L - 1).unsqueeze(1))  # (B, 1)
         inp = torch.cat([last, draft_tokens], dim=1)  # (B, k + 1)
         positions = (L - 1).unsqueeze(1) + torch.arange(k + 1)  # (B, k + 1)
-        out = (forward or self.target.forward)(self.kv, inp, positions, hidden_layers=self.hidden_layers)
+        ragged = {"lengths": 1 + num_valid} if self.ragged and k and forward is None else {}
+        out = (forward or self.target.forward)(
+            self.kv, inp, positions, hidden_layers=self.hidden_layers, **ragged
+        )
         self.target_hidden = out.hidden
         target_time = time.perf_counter() - t1
         nv = num_valid if k else None

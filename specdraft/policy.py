@@ -33,7 +33,9 @@ Wrappers and the prefix rule that drafters share:
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -265,7 +267,10 @@ class CostAwareK:
     A row's cut reads only its earlier steps, never the tokens proposed now, so sampling stays
     lossless. In a batch, a chain step pads every row to the longest, so the rows are then cut to
     the one length that maximises their summed expected tokens per padded step time
-    (:meth:`_batch_cap`; rows due for a probe keep theirs).
+    (:meth:`_batch_cap`; rows due for a probe keep theirs). On a runtime with ragged steps
+    (:attr:`ragged`, set by the engine) each row feeds only its own tokens: a step's time is a line
+    in the rows' mean tokens fed (:meth:`latency`), and the batch keeps the draft positions with the
+    best expected gain instead of cutting every row to one length.
 
     Token trees (``Proposal.trees``): k is the node budget ("at most k nodes"). ``T_target(k + 1)``
     is the same latency curve (a forward over a root and k nodes costs what k + 1 chain tokens
@@ -318,6 +323,10 @@ class CostAwareK:
         self.row_state: dict[int, _Row] = {}  # request id -> its own record
         self.collapsed: set[int] = set()  # request ids flagged (of the rows still in the batch)
         self.average = [0.0, 0.0]  # the drafter's first-token (reached, accepted), rows that are on
+        # ragged chain steps (each row feeds only its own 1 + k_b tokens; the engine sets it from
+        # the runtime): decayed sums of x^2 and x y, x = mean k_b, y = step time - T_target(1)
+        self.ragged = False
+        self.fit = [0.0, 0.0]
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
@@ -325,7 +334,13 @@ class CostAwareK:
     def latency(self) -> analytic.LatencyCurve:
         """T_target(n) as measured so far (at the batch size being decoded), read through
         :class:`specdraft.analytic.LatencyCurve`: linear between and beyond the measured n, flat
-        while only one n is measured (optimistic until the next size is measured)."""
+        while only one n is measured (optimistic until the next size is measured).
+
+        Ragged steps: ``T(n) = T(1) + s (n - 1)`` at n mean tokens per row, s the least-squares slope
+        through T(1) of the steps seen (``fit``), flat until one is seen."""
+        if self.ragged and self.fit[0] > 0 and 1 in self.t_target:
+            t1 = self.t_target[1]
+            return analytic.LatencyCurve({1: {1: t1, 2: t1 + max(self.fit[1] / self.fit[0], 0.0)}})
         return analytic.LatencyCurve({1: self.t_target})
 
     def _curve(self, bucket: int | None) -> _Curve:
@@ -442,12 +457,15 @@ class CostAwareK:
         """Cut the rows to one length K when that pays for the batch: a chain step pads every row
         to the longest, so K maximises the rows' summed expected tokens per padded step time
         (:meth:`latency` at this batch size). Rows due for a probe keep theirs. It reads only what
-        earlier steps taught and the rows' classes, as the per-row cut does."""
+        earlier steps taught and the rows' classes, as the per-row cut does. Ragged steps:
+        :meth:`_ragged_cap`."""
         longest = int(caps.max()) if caps.numel() else 0
         if caps.numel() < 2 or longest == 0 or 1 not in self.t_target:
             return caps
         curve = self.latency()
         classes = bucket.tolist() if bucket is not None else [None] * caps.numel()
+        if self.ragged:
+            return self._ragged_cap(caps, classes, probing, curve)
 
         def rate(K: int) -> float:
             tokens = sum(self.expected_tokens(min(K, c), b) for c, b in zip(caps.tolist(), classes))
@@ -457,6 +475,29 @@ class CostAwareK:
         keep = torch.tensor(probing, dtype=torch.bool)
         return torch.where(keep, caps, caps.clamp(max=K))
 
+    def _ragged_cap(self, caps: torch.Tensor, classes: list, probing: list[bool], curve) -> torch.Tensor:
+        """A ragged step costs ``T(1 + n / B)`` for n draft tokens over B rows, whichever rows feed
+        them; draft position j of a row gains ``P_j = c_1 ... c_j`` expected tokens (non-increasing
+        in j). So the n positions kept are the n best gains of the batch (a prefix of each row),
+        n maximising ``(B + sum of their gains) / T(1 + n / B)``. Rows due for a probe keep theirs."""
+        B = caps.numel()
+        out = [c if p else 0 for c, p in zip(caps.tolist(), probing)]
+        gains = sorted(
+            (-gain, j, row)
+            for row, (c, b, p) in enumerate(zip(caps.tolist(), classes, probing))
+            if not p
+            for j, gain in enumerate(itertools.accumulate(self.rates(b)[:c], operator.mul))
+        )
+        tokens = sum(self.expected_tokens(c, b) for c, b in zip(out, classes))
+        fixed = sum(out)
+        rates = [tokens / curve.time(1 + fixed / B)]
+        for n, (neg_gain, _, _) in enumerate(gains, 1):
+            tokens -= neg_gain
+            rates.append(tokens / curve.time(1 + (fixed + n) / B))
+        for _, _, row in gains[: max(range(len(rates)), key=rates.__getitem__)]:
+            out[row] += 1
+        return torch.tensor(out, dtype=caps.dtype)
+
     def update(
         self, k, num_drafted, num_accepted, draft_time, target_time, bucket=None, rows=None, width=None
     ) -> None:
@@ -465,7 +506,10 @@ class CostAwareK:
         # prompt lookup found less to propose or trim() cut it), or a tree's nodes + 1 (width):
         # that is the size this time belongs to
         fed = drafted + 1 if width is None else width
-        self.t_target[fed] = self._ema(self.t_target.get(fed), target_time)
+        if self.ragged and fed > 1:  # rows fed 1 + num_drafted[b] each (a tree: width each)
+            self._fit(fed - 1 if width is not None else float(num_drafted.float().mean()), target_time)
+        else:
+            self.t_target[fed] = self._ema(self.t_target.get(fed), target_time)
         self._times = None
         if k == 0 or drafted == 0:
             return
@@ -489,6 +533,12 @@ class CostAwareK:
                     self._learn(*pending)
                 row.pending = []
             self._learn(b, d, a)
+
+    def _fit(self, x: float, seconds: float) -> None:
+        """A ragged step's time, x extra tokens per row on average, into the slope's decayed sums."""
+        if 1 in self.t_target:
+            y = seconds - self.t_target[1]
+            self.fit = [self.decay * f + (1 - self.decay) * v for f, v in zip(self.fit, (x * x, x * y))]
 
     def _learn(self, b: int | None, d: int, a: int) -> None:
         """Add one row's proposal of class b (d drafts verified, a accepted) to the class's curve."""
@@ -585,6 +635,16 @@ class CappedPolicy:
     @property
     def collapsed(self) -> set[int]:
         return self.inner.collapsed
+
+    @property
+    def ragged(self) -> bool:
+        """The inner policy's :attr:`CostAwareK.ragged` (False for one that does not price steps)."""
+        return getattr(self.inner, "ragged", False)
+
+    @ragged.setter
+    def ragged(self, value: bool) -> None:
+        if hasattr(self.inner, "ragged"):
+            self.inner.ragged = value
 
     def choose(self, rows: list[int] | None = None) -> int:
         k = self.inner.choose(rows)

@@ -1,6 +1,6 @@
 """Draft-length policies: fixed, transformers' heuristic, and the cost-aware choice including k = 0."""
 
-from itertools import pairwise
+from itertools import pairwise, product
 
 import pytest
 import torch
@@ -236,3 +236,43 @@ def test_a_batch_is_cut_to_the_length_that_pays_for_all_its_rows():
     assert one_good.tolist() == [0] * 8
     all_good = p.trim(t(*[8] * 8), t(*[3] * 8), rows=list(range(8)))
     assert all_good.min() >= 3 and len(set(all_good.tolist())) == 1
+
+
+def test_ragged_steps_keep_each_rows_paying_positions():
+    """Ragged steps (each row feeds only its own tokens): the good row keeps its long draft beside
+    seven rows at 0 (padded, the test above cuts it to 0); rows whose positions do not pay are still
+    cut, a probing row keeps its probe, and the batch cut is the best n of the sorted gains."""
+
+    def step_t(n):
+        return 0.030 + 0.010 * n
+
+    p = two_class_policy(step_t)
+    p.ragged = True
+    one_good = p.trim(t(*[8] * 8), t(3, *[1] * 7), rows=list(range(8)))
+    assert one_good[0] >= 3 and one_good[1:].tolist() == [0] * 7
+    assert p._batch_cap(t(8, 8, 8), t(3, 1, 1), [False] * 3).tolist()[1:] == [0, 0]
+    assert p._batch_cap(t(8, 2), t(3, 1), [False, True]).tolist()[1] == 2
+    # against every n kept (a prefix of the sorted gains), the one chosen has the best rate
+    caps, classes = t(6, 4, 5), [3, 1, 3]
+    kept = p._batch_cap(caps, t(*classes), [False] * 3)
+    curve = p.latency()
+
+    def rate(ks):
+        return sum(p.expected_tokens(k, b) for k, b in zip(ks, classes)) / curve.time(1 + sum(ks) / 3)
+
+    best = max((list(ks) for ks in product(*[range(c + 1) for c in caps.tolist()])), key=rate)
+    assert rate(kept.tolist()) == pytest.approx(rate(best))
+
+
+def test_ragged_step_time_is_a_line_in_the_rows_mean_tokens():
+    """A ragged step's time is filed by the rows' mean draft tokens (not the longest row's) and
+    read as T(1) + s (n - 1), s the least-squares slope through T(1); flat until one is seen."""
+    p = CostAwareK(k_max=4)
+    p.ragged = True
+    p.update(0, t(0, 0, 0, 0), t(0, 0, 0, 0), 0.0, 0.010)
+    assert p.latency().time(5) == pytest.approx(0.010)
+    p.update(2, t(2, 0, 0, 0), t(1, 0, 0, 0), 0.001, 0.012)  # mean 0.5 extra tokens: s = 0.004
+    assert set(p.t_target) == {1}
+    assert p.latency().time(3) == pytest.approx(0.018)
+    p.update(2, t(2, 2, 2, 2), t(1, 1, 1, 1), 0.001, 0.018)  # mean 2: on the same line
+    assert p.latency().time(5) == pytest.approx(0.026)

@@ -123,10 +123,13 @@ def permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path, qtype):
+def write_tiny_gguf(path, qtype, head_scale: float | None = None, **config):
     """A random Llama (transformers) and the same model as a GGUF with ``qtype`` matrices; the
-    transformers model gets the de-quantized weights, so it is the exact fp32 reference."""
-    cfg = LlamaConfig(**CFG, initializer_range=0.15)
+    transformers model gets the de-quantized weights, so it is the exact fp32 reference.
+    ``config`` overrides :data:`CFG`; ``head_scale``: an untied head (``output.weight``, Q8_0),
+    scaled to make the next-token distributions peaked."""
+    tied = head_scale is None
+    cfg = LlamaConfig(**{**CFG, **config, "tie_word_embeddings": tied}, initializer_range=0.15)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = LlamaForCausalLM(cfg).eval()
@@ -156,6 +159,9 @@ def write_tiny_gguf(path, qtype):
         w.add_tensor(name, param.detach().float().numpy())
 
     matrix("token_embd.weight", model.model.embed_tokens.weight, t=gguf.GGMLQuantizationType.Q8_0)
+    if not tied:
+        model.lm_head.weight.data.mul_(head_scale)
+        matrix("output.weight", model.lm_head.weight, t=gguf.GGMLQuantizationType.Q8_0)
     vector("output_norm.weight", model.model.norm.weight)
     for i, layer in enumerate(model.model.layers):
         at, mlp = layer.self_attn, layer.mlp

@@ -6,10 +6,13 @@ import pytest
 import torch
 
 from specdraft import kernels
+from specdraft.drafters.prompt_lookup import PromptLookupDrafter
+from specdraft.engine import Engine
 from specdraft.errors import SpecdraftError
 from specdraft.models import quant
 from specdraft.models.quant import QuantRuntime
-from tests.helpers import random_prompts
+from specdraft.policy import CostAwareK, FixedK
+from tests.helpers import decode, plain_greedy, random_prompts
 from tests.models.test_quant import CFG, TYPES, write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(
@@ -30,6 +33,19 @@ def gguf_path(request, tmp_path_factory):
     write_tiny_gguf(path, TYPES[request.param])
     yield path
     mp.undo()
+
+
+class RaggedSpy(QuantRuntime):
+    """The quantized runtime, keeping the ``lengths`` of each ragged step it ran (rows that differ)."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.ragged_steps: list[list[int]] = []
+
+    def forward(self, *args, lengths=None, **kw):
+        if lengths is not None and len(set(lengths.tolist())) > 1:
+            self.ragged_steps.append(lengths.tolist())
+        return super().forward(*args, lengths=lengths, **kw)
 
 
 def _prefilled(rt, contexts: list[list[int]], capacity: int = 24):
@@ -106,3 +122,17 @@ def test_ragged_hidden_states_and_refusals(gguf_path):
             lengths=torch.tensor([1, 2, 3, 4]),
             logits_index=torch.zeros(4, 1).long(),
         )
+
+
+def test_the_engine_verifies_ragged_and_keeps_greedy_output(gguf_path):
+    """Prompt lookup proposes different lengths per row: the engine's chain steps feed each row its
+    own 1 + k_b tokens (the runtime's ``lengths``), and the output is plain greedy decoding's; a
+    cost-aware policy is told that steps are ragged."""
+    rt = RaggedSpy(gguf_path)
+    prompts = random_prompts([5, 9], vocab=96, seed=8) + [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [3, 4] * 6]
+    reference = [plain_greedy(rt, p, 12) for p in prompts]
+    rt.ragged_steps.clear()
+    assert decode(Engine(rt, PromptLookupDrafter(), FixedK(4)), prompts, 12) == reference
+    assert rt.ragged_steps and all(min(n) >= 1 and max(n) <= 5 for n in rt.ragged_steps)
+    policy = CostAwareK()
+    assert Engine(rt, PromptLookupDrafter(), policy).ragged and policy.ragged
