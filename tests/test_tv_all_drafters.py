@@ -27,6 +27,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from specdraft import kernels
 from specdraft.drafters.base import DraftContext, DraftState, Proposal
 from specdraft.drafters.bigram import BigramDrafter
 from specdraft.drafters.capped import RowCappedDrafter
@@ -70,6 +71,10 @@ def target():
 
 @pytest.fixture(scope="module")
 def exact(target):
+    return exact_distribution(target)
+
+
+def exact_distribution(target) -> torch.Tensor:
     """P(output = x) for every x in V^NEW (index sum x_j V^(NEW-1-j))."""
     outs = torch.cartesian_prod(*[torch.arange(V)] * NEW)  # (V^NEW, NEW)
     seqs = torch.cat([torch.tensor(PROMPT).expand(len(outs), -1), outs], 1)
@@ -404,15 +409,39 @@ CASES = [
 def test_sampled_output_follows_the_target_distribution(target, exact, name):
     case = make_case(name, target)
     idx, rec, stats = sample_outputs(target, case, N)
-    small, large = tv(idx[: N // 4], exact), tv(idx, exact)
-    assert small < bound(exact, N // 4), (small, bound(exact, N // 4))
-    assert large < bound(exact, N), (large, bound(exact, N))
-    assert large < small  # shrinks with the sample count
+    assert_within_bound(idx, exact)
     assert stats.accepted > 0  # drafts were verified and accepted
     # and rejected (the target's own drafts never are)
     assert stats.accepted < stats.drafted or name == "self"
     if case.check is not None:
         case.check(rec, case.policy)
+
+
+def assert_within_bound(idx: torch.Tensor, exact: torch.Tensor) -> None:
+    """The TV distance of the first quarter and of all samples under the bound, and shrinking."""
+    small, large = tv(idx[: N // 4], exact), tv(idx, exact)
+    assert small < bound(exact, N // 4), (small, bound(exact, N // 4))
+    assert large < bound(exact, N), (large, bound(exact, N))
+    assert large < small  # shrinks with the sample count
+
+
+@pytest.mark.skipif(not kernels.available(), reason=f"native kernels unavailable ({kernels.status()})")
+def test_ragged_quantized_steps_follow_the_target_distribution(tmp_path, monkeypatch):
+    """The quantized runtime verifies each row's own 1 + k_b tokens only (ragged steps, issue 17):
+    with the server's per-row caps (0, 1, 3 drafts: ragged rows) its sampled output is still its
+    own distribution (a GGUF of this file's vocabulary with a peaked head)."""
+    from tests.models.test_quant import TYPES, write_tiny_gguf
+    from tests.models.test_quant_ragged import RaggedSpy
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))  # the GGUF index cache
+    write_tiny_gguf(tmp_path / "v8.gguf", TYPES["Q8_0"], head_scale=12.0, vocab_size=V)
+    target = RaggedSpy(tmp_path / "v8.gguf")
+    exact = exact_distribution(target)
+    case = make_case("server-row-caps", target)
+    idx, rec, stats = sample_outputs(target, case, N)
+    assert_within_bound(idx, exact)
+    assert 0 < stats.accepted < stats.drafted and target.ragged_steps
+    case.check(rec, case.policy)
 
 
 def test_the_old_gating_rule_fails_this_test(target, exact):
