@@ -11,6 +11,9 @@ What it shares with the compact runtime: the position-indexed cache (:class:`Lla
 the fused RoPE + cache write + attention and RMSNorm kernels of ``fewrows.c`` (passed to the
 quantized layer loop as function pointers). A token-tree step (``attn_mask`` and ``slots``) runs
 the same layer loop with :class:`TreeAttention` as its attention block, bit-identical to chain steps.
+A ragged step (``lengths``) packs each row's own tokens into one block for the matmuls and attends
+per row (``attend_step`` in quant.c): a batch whose rows verify different draft lengths pays for
+its tokens only, not for every row padded to the longest.
 Not supported (refused with a clear error): biases (Qwen2), other block types (K-quants, F16
 matrices).
 

@@ -93,6 +93,10 @@ class Runtime(Protocol):
                 ``0..S-1``, replacing the default causal rule ``key_pos <= query_pos`` (tree
                 verification).
             logits_index: optional ``(B, n)`` indices into T: compute logits only there.
+
+        A runtime whose forward also takes ``lengths`` ``(B,)`` runs ragged steps (row b feeds only
+        its first ``lengths[b]`` tokens; :class:`specdraft.models.quant.QuantRuntime`): the engine
+        then feeds each row only its own draft tokens (:attr:`specdraft.engine.Engine.ragged`).
         """
         ...
 
