@@ -139,7 +139,8 @@ def _build_arguments(sub) -> None:
 
 def _local_arguments(sub) -> None:
     lo = sub.add_parser(
-        "local", help="count a DeLS-Spec local head (bigram) for a feature/dream draft and tune its fusion"
+        "local",
+        help="make a DeLS-Spec local head (bigram or GRU) for a feature/dream draft and tune its fusion",
     )
     add_model_arguments(lo, draft=False)
     _data_args(lo, 512)
@@ -149,6 +150,14 @@ def _local_arguments(sub) -> None:
     lo.add_argument(
         "--successors", type=int, default=16, help="successors kept per token in the bigram table"
     )
+    lo.add_argument(
+        "--local",
+        choices=["bigram", "gru"],
+        default="bigram",
+        help="bigram: a counted table; gru: a 1-layer GRU over the target's embeddings, trained",
+    )
+    lo.add_argument("--gru-steps", type=int, default=300, help="--local gru: training steps (batch 256)")
+    lo.add_argument("--window", type=int, default=8, help="--local gru: recent tokens the GRU reads")
 
 
 def _compare_arguments(sub) -> None:
@@ -305,7 +314,15 @@ def _local(args) -> int:
     model = long_model(src, pipe.target.model)
     data = target_data(pipe, n_prompts=args.prompts, split="train", **_data_kw(args))
     val = target_data(pipe, n_prompts=args.val_prompts, split="val", **_data_kw(args))
-    local, info = build_local(model, data, val, pipe.runtime.vocab_size, args.successors)
+    gru = None
+    if args.local == "gru":
+        gru = {
+            "embed": pipe.target.model.get_input_embeddings().weight,
+            "steps": args.gru_steps,
+            "window": args.window,
+            "progress": not args.quiet,
+        }
+    local, info = build_local(model, data, val, pipe.runtime.vocab_size, args.successors, gru=gru)
     print(f"wrote {local.save(src, info)}: use --draft local:designed:{args.draft}")
     return 0
 
@@ -322,7 +339,7 @@ def _export(args) -> int:
     src = resolve_draft_dir(args.draft)
     pipe = _pipe(args)
     draft, meta, extra = load_draft(src, pipe.target.model)
-    if meta.kind in ("feature", "diffusion"):
+    if meta.kind in ("feature", "diffusion", "ctc"):
         raise SpecdraftError(
             f"{src} is a {meta.kind} draft: it exports only in its own format (copy the directory)"
         )

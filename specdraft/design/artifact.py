@@ -501,15 +501,15 @@ def vocab_maps(head_tokens: list[int], vocab_size: int) -> dict[str, torch.Tenso
 def local_drafter_from_spec(spec, target):
     """``local:designed:NAME``: the designed feature/DREAM draft NAME with its local head fused in."""
     from specdraft.drafters.feature_base import FeatureDrafterBase
-    from specdraft.drafters.local import LocalHead
+    from specdraft.drafters.local import load_local
     from specdraft.registry import DraftSpec, build_drafter
 
     inner = DraftSpec.parse(spec.arg)  # designed:NAME (the registry's check)
     drafter = build_drafter(inner, target)
-    if not isinstance(drafter, FeatureDrafterBase):
+    if not isinstance(drafter, FeatureDrafterBase) or getattr(drafter, "proposes_trees", False):
         raise SpecdraftError(f"local:{spec.arg}: a local head fuses into feature or dream drafts only")
-    drafter.local = LocalHead.load(find_draft(inner.arg, target.loaded.model))
-    if drafter.local.succ_ids.shape[0] != drafter.vocab_size:
+    drafter.local = load_local(find_draft(inner.arg, target.loaded.model), drafter.embed)
+    if drafter.local.vocab_size != drafter.vocab_size:
         raise SpecdraftError(f"local:{spec.arg}: the local head's vocabulary is not the draft's")
     drafter.name = f"local:{drafter.name}"
     return drafter

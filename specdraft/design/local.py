@@ -7,6 +7,11 @@ scored by the fused draft's teacher-forced greedy agreement with the target at t
 position (the ``alpha`` of :func:`specdraft.design.train.validate`), and the best pair is kept
 (``a = b = 0``, the long draft alone, is in the grid, so tuning never makes it worse there). The
 held-out validation answers then give the ablation: alpha of the long draft alone and fused.
+
+The GRU head (:class:`~specdraft.drafters.local.GRULocalHead`, ``--local gru``) is trained instead
+of counted, on the same answers (plain next-token cross-entropy over the whole vocabulary, Adam,
+:func:`train_gru`; minutes on this CPU, so it has no checkpoints), then tuned and measured the same
+way.
 """
 
 from __future__ import annotations
@@ -15,9 +20,10 @@ import itertools
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from specdraft.design.data import TargetData, _subset
-from specdraft.drafters.local import LocalHead
+from specdraft.drafters.local import GRULocalHead, LocalHead
 from specdraft.errors import SpecdraftError
 
 TUNE_SHARE = 0.1
@@ -56,12 +62,73 @@ def scored_positions(model, data: TargetData, local: LocalHead, max_len: int = 3
     heads = model.head_tokens
     logits, local_lp, target = [], [], []
     for s in range(0, len(data), batch_size):
-        batch = model.make_batch(data, list(range(s, min(s + batch_size, len(data)))), max_len)
+        idx = list(range(s, min(s + batch_size, len(data))))
+        batch = model.make_batch(data, idx, max_len)
         logits.append(model.head_logits(batch).float())
-        prev = batch.ids[batch.rows, batch.cols]  # the token before the predicted one
-        local_lp.append(local.log_local(prev)[:, heads])
+        recent = recent_tokens(data, idx, batch.rows, batch.cols, local.window)
+        local_lp.append(local.log_local(recent)[:, heads])
         target.append(batch.target)
     return torch.cat(logits), torch.cat(local_lp), torch.cat(target)
+
+
+def recent_tokens(data: TargetData, idx: list[int], rows, cols, W: int) -> torch.Tensor:
+    """``(N, W)`` the W tokens up to the one before each predicted token of a feature batch (pair
+    ``cols`` of sequence ``idx[rows]`` holds token ``P + col``), earlier ones clamped to the first."""
+    out = torch.zeros(rows.shape[0], W, dtype=torch.int64)
+    for b, i in enumerate(idx):
+        at = rows == b
+        pos = data.prompt_lens[i] + cols[at]  # (n,) the token before each label
+        out[at] = data.tokens[i][(pos.unsqueeze(1) - W + 1 + torch.arange(W)).clamp(min=0)]
+    return out
+
+
+def gru_examples(data: TargetData, idx, W: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every answer position of ``data[idx]`` (from the last prompt token on) as ``(N, W)`` recent
+    tokens and ``(N,)`` the next token."""
+    wins, nxt = [], []
+    for i in idx:
+        seq, P = data.tokens[i], data.prompt_lens[i]
+        pos = torch.arange(P - 1, seq.shape[0] - 1)
+        wins.append(seq[(pos.unsqueeze(1) - W + 1 + torch.arange(W)).clamp(min=0)])
+        nxt.append(seq[pos + 1])
+    return torch.cat(wins), torch.cat(nxt)
+
+
+def train_gru(
+    head: GRULocalHead,
+    recent,
+    nxt,
+    steps: int,
+    batch_size: int = 256,
+    lr: float = 1e-2,
+    seed: int = 0,
+    progress: bool = True,
+) -> list[float]:
+    """Plain next-token cross-entropy of the GRU head on ``(recent (N, W), nxt (N,))``; the loss
+    of each step."""
+    from tqdm import tqdm
+
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=lr)
+    head.train()
+    losses = []
+    bar = tqdm(
+        range(steps),
+        desc="GRU local head",
+        unit="step",
+        dynamic_ncols=True,
+        leave=False,
+        disable=not progress,
+    )
+    for _ in bar:
+        pick = torch.randint(0, nxt.shape[0], (batch_size,), generator=g)
+        loss = F.cross_entropy(head.logits(recent[pick]), nxt[pick])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    head.eval()
+    return losses
 
 
 def agreement(logits, local_lp, log_prior, target, a: float, b: float) -> float:
@@ -82,15 +149,23 @@ def tune(logits, local_lp, log_prior, target, grid_a=GRID_A, grid_b=GRID_B) -> t
 
 
 def build_local(
-    model, data: TargetData, val: TargetData, vocab_size: int, M: int = 16, log=print
-) -> tuple[LocalHead, dict]:
-    """Count the bigrams of the training answers (less the held-in share), tune (a, b) on that
-    share, and measure the ablation on ``val``."""
+    model, data: TargetData, val: TargetData, vocab_size: int, M: int = 16, log=print, gru: dict | None = None
+) -> tuple[LocalHead | GRULocalHead, dict]:
+    """Count the bigrams of the training answers (less the held-in share), or with ``gru``
+    (``{"embed": (V, C) target embedding, "steps": n, "window": W}``) train a GRU head on them;
+    tune (a, b) on that share, and measure the ablation on ``val``."""
     n_tune = max(1, int(len(data) * TUNE_SHARE)) if len(data) > 1 else 0
     count_idx = range(len(data) - n_tune)
     if not count_idx:
         raise SpecdraftError("a local head needs at least 2 training answers (one to count, one to tune)")
     local = LocalHead.count([data.tokens[i][data.prompt_lens[i] - 1 :] for i in count_idx], vocab_size, M)
+    losses = None
+    if gru is not None:
+        local = GRULocalHead(gru["embed"].detach(), local.prior, window=gru.get("window", 8))
+        recent, nxt = gru_examples(data, count_idx, local.window)
+        losses = train_gru(local, recent, nxt, gru["steps"], progress=gru.get("progress", True))
+        if losses:
+            log(f"GRU local head: loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps")
     held = _subset(data, list(range(len(data) - n_tune, len(data))))
     log_prior = torch.log(local.prior)[model.head_tokens]
     logits, local_lp, target = scored_positions(model, held, local)
@@ -102,6 +177,8 @@ def build_local(
         "grid_alpha_held_in": grid,
         "val_alpha_long": round(agreement(lg, lp, log_prior, tg, 0.0, 0.0), 4),
         "val_alpha_fused": round(agreement(lg, lp, log_prior, tg, local.a, local.b), 4),
+        "kind": "gru" if gru is not None else "bigram",
+        **({"gru_loss": [round(losses[0], 4), round(losses[-1], 4)]} if losses else {}),
         "counted_answers": len(count_idx),
         "held_in_answers": n_tune,
         "val_answers": len(val),

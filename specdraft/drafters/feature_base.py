@@ -184,12 +184,13 @@ class FeatureDrafterBase:
             logits, f = self._forward(state, self.inputs(feats, tok, memory), pairs.positions, last)
             if memory is not None:  # drafted pairs read the last real pair's target layers
                 memory = memory.gather(1, last.view(B, 1, 1, 1).expand(-1, 1, *memory.shape[2:]))
-            prev = ctx.tokens.gather(1, (L - 1).unsqueeze(1))[:, 0]  # (B,) the token before draft 0
+            W = self.local.window if self.local is not None else 1
+            recent = ctx.tokens.gather(1, (L.unsqueeze(1) - W + torch.arange(W)).clamp(min=0))  # (B, W)
             for i in range(k):
                 if self.local is not None:
-                    logits = self.local.fuse(logits, prev)
+                    logits = self.local.fuse(logits, recent)
                 probs, _ = take_token(logits, ctx, draft, probs, i)
-                prev = draft[:, i]
+                recent = torch.cat([recent[:, 1:], draft[:, i : i + 1]], 1)  # the tokens before draft i + 1
                 if i + 1 < k:  # pair (f_hat at L-2+i+1, d_i) at position L-1+i
                     x = self.inputs(f.unsqueeze(1), draft[:, i : i + 1], memory)
                     logits, f = self._forward(state, x, (L - 1 + i).unsqueeze(1))
