@@ -60,15 +60,13 @@ class FlexDraftLM(torch.nn.Module):
         block: m, mask tokens per group (the most a step drafts).
         rank: R of the calibration.
         anchors: mask groups per training sequence.
-        head_tokens: must be None: FlexDraft drafts over the target's full head.
+        head_tokens: ``(N,)`` ids the draft's head scores (None: the whole vocabulary).
     """
 
     def __init__(
         self, target_model, split: int, block: int = 4, rank: int = 256, anchors: int = 16, head_tokens=None
     ):
         super().__init__()
-        if head_tokens is not None:
-            raise SpecdraftError("--kind flex drafts over the target's full head: use --head 0")
         if block < 1 or anchors < 1:
             raise SpecdraftError(f"flex block and anchors must be >= 1, got {block} and {anchors}")
         self.runtime = LlamaRuntime(LlamaWeights.from_hf(target_model, torch.float32))
@@ -78,6 +76,11 @@ class FlexDraftLM(torch.nn.Module):
         self.wqkv = torch.nn.ParameterList(w.wqkv)
         self.wo = torch.nn.ParameterList(w.wo)
         self.down, self.up = torch.nn.Parameter(w.down), torch.nn.Parameter(w.up)
+        V = self.runtime.vocab_size
+        ids = torch.arange(V) if head_tokens is None else head_tokens.long()
+        self.head_tokens, self.head_w = ids, self.runtime.w.lm_head[ids]  # (N,), (N, C) frozen
+        self.to_sub = torch.full((V,), -1, dtype=torch.int64)  # full id -> head row (-1: outside)
+        self.to_sub[ids] = torch.arange(ids.numel())
 
     @property
     def weights(self) -> FlexWeights:
@@ -127,7 +130,11 @@ class FlexDraftLM(torch.nn.Module):
             for a, p in enumerate(anchors.tolist()):
                 for j in range(min(m, len(seq) - p - 2)):  # mask j predicts token p + 2 + j
                     r = p + 2 + j + start - P  # its response index in the cached top-K
-                    label = (seq[p + 2 + j], data.topk_idx[i][r], data.topk_logp[i][r])
+                    label = (
+                        self.to_sub[seq[p + 2 + j]],
+                        self.to_sub[data.topk_idx[i][r]],
+                        data.topk_logp[i][r],
+                    )
                     items.append((b, a * m + j, POSITION_DECAY**j, seq[p + 1], *label))
         if not items:
             raise SpecdraftError("flex training needs answers of at least 2 tokens")
@@ -146,7 +153,7 @@ class FlexDraftLM(torch.nn.Module):
         )
 
     def logits(self, batch: FlexBatch) -> torch.Tensor:
-        """``(M, V)`` calibrated draft logits at the labelled mask tokens."""
+        """``(M, N)`` calibrated draft logits over the head at the labelled mask tokens."""
         B, T = batch.ids.shape
         rt = self.runtime
         with torch.no_grad():  # the frozen target's keys/values of the real tokens
@@ -157,11 +164,11 @@ class FlexDraftLM(torch.nn.Module):
         kv.k, kv.v = [t.clone() for t in kv.k], [t.clone() for t in kv.v]  # out of inference mode
         h = mask_hidden(rt, kv, group_rows(self.weights, batch.visible, self.block))[batch.rows, batch.cols]
         h = calibrate(h, rt.w.embed[batch.bonus], self.down, self.up)  # (M, C)
-        return F.linear(h, rt.w.lm_head)
+        return F.linear(h, self.head_w)
 
     def loss(self, batch: FlexBatch, cfg) -> tuple[torch.Tensor, dict]:
         return distill_loss(self.logits(batch), batch, cfg.ce_weight, cfg.kl_weight)
 
     def predict(self, batch: FlexBatch) -> torch.Tensor:
-        """Greedy draft tokens at the labelled mask tokens (teacher-forced: real prefix, real bonus)."""
+        """Greedy draft head rows at the labelled mask tokens (teacher-forced: real prefix, real bonus)."""
         return self.logits(batch).argmax(-1)

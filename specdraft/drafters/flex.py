@@ -16,7 +16,10 @@ The bonus token is known only after verification, and the mask tokens could not 
     h' = h + U silu(D [E[bonus]; h])      D: (R, 2C), U: (C, R), R = 256 in the paper
     q  = softmax(lm_head(h'))            the target's frozen head
 
-Since the head is linear this is a rank-R correction of the draft logits.
+Since the head is linear this is a rank-R correction of the draft logits. The head may be a subset
+of the vocabulary (the N tokens the target emits most, as other designed drafts): the LM head costs
+as much per row as a few target layers, and the draft's rows pay it every step; tokens outside the
+subset get q = 0, which verification handles like any q.
 
 The engine runs the parallel mode as its own step (:meth:`specdraft.engine.Engine._flex_step`,
 chosen by the capability :attr:`FlexDrafter.drafts_in_forward` while the batch has at most
@@ -171,6 +174,7 @@ class FlexDrafter:
         block: m, draft tokens per group (the most a step proposes).
         switch_batch: the engine's parallel step runs up to this many rows; above, the
             sequential mode (:meth:`propose` drafts on its own).
+        head_tokens: ``(N,)`` ids the draft's head scores (None: the whole vocabulary).
     """
 
     drafts_in_forward = True  # the engine's capability check: Engine._flex_step
@@ -182,10 +186,11 @@ class FlexDrafter:
         name: str = "flex",
         block: int = 4,
         switch_batch: int = 4,
+        head_tokens: torch.Tensor | None = None,
     ):
         if not isinstance(target, LlamaRuntime):
             raise SpecdraftError(
-                "FlexDraft drafts inside the compact runtime's forward: use --runtime compact"
+                "FlexDraft drafts inside the compact runtime's forward: use a bf16 or fp32 target (--dtype)"
             )
         if len(weights.wqkv) != len(target.layers) - weights.split:
             raise SpecdraftError("flex draft's projectors do not match the target's layers from its split")
@@ -194,6 +199,9 @@ class FlexDrafter:
         self.target, self.weights = target, weights
         self.name, self.vocab_size = name, target.vocab_size
         self.block, self.switch_batch = block, switch_batch
+        self.head_tokens = head_tokens
+        lm_head = target.w.lm_head
+        self.head = lm_head if head_tokens is None else lm_head[head_tokens].contiguous()  # (N, C)
 
     def new_state(self, batch_size: int, capacity: int) -> FlexState:
         return FlexState(batch_size)
@@ -242,12 +250,21 @@ class FlexDrafter:
             self.weights.down,
             self.weights.up,
         )
-        logits = linear(h, w.lm_head, None, w.q_head).float()  # (B, m, V)
+        logits = self._logits(h)  # (B, m, V)
         draft = torch.zeros(B, k, dtype=torch.int64)
         probs = None
         for i in range(m):  # independent positions: none reads another's token
             probs, _ = take_token(logits[:, i], ctx, draft, probs, i)
         return Proposal(tokens=draft, probs=probs, num_valid=torch.full((B,), m))
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """``(B, m, C)`` calibrated states -> ``(B, m, V)`` logits (``-inf`` outside the head)."""
+        if self.head_tokens is None:
+            return linear(h, self.head, None, self.target.w.q_head).float()
+        sub = linear(h, self.head, None, None).float()  # (B, m, N)
+        full = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))
+        full[..., self.head_tokens] = sub
+        return full
 
     def observe(self, state: FlexState, num_accepted: torch.Tensor, verified: Verified | None = None) -> None:
         pass  # the next draft is taken from the forward (take) or made in propose
@@ -256,6 +273,8 @@ class FlexDrafter:
 def from_spec(spec, target):
     """``flex`` (an untrained draft split at the target's last layer: for checking the machinery)."""
     if not isinstance(target.runtime, LlamaRuntime):
-        raise SpecdraftError("FlexDraft drafts inside the compact runtime's forward: use --runtime compact")
+        raise SpecdraftError(
+            "FlexDraft drafts inside the compact runtime's forward: use a bf16 or fp32 target (--dtype)"
+        )
     split = int(spec.arg) if spec.arg else len(target.runtime.layers) - 1
     return FlexDrafter(target.runtime, FlexWeights.init(target.runtime, split), f"flex:{split}")

@@ -14,7 +14,7 @@ from specdraft.drafters.base import DraftContext
 from specdraft.drafters.flex import FlexDrafter, FlexWeights
 from specdraft.errors import SpecdraftError
 from specdraft.verify import SamplingParams
-from tests.helpers import random_prompts
+from tests.helpers import head_subset, random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -29,13 +29,15 @@ def data(tiny_pipe):
     )
 
 
-def _fresh(tiny_pipe):
+def _fresh(tiny_pipe, head=None):
     torch.manual_seed(0)
-    return FlexDraftLM(tiny_pipe.target.model, split=1, block=3, rank=16, anchors=4)
+    return FlexDraftLM(tiny_pipe.target.model, split=1, block=3, rank=16, anchors=4, head_tokens=head)
 
 
-def test_drafter_matches_the_training_model(tiny_pipe, data):
-    model = _fresh(tiny_pipe)
+@pytest.mark.parametrize("subset", [False, True])
+def test_drafter_matches_the_training_model(tiny_pipe, data, subset):
+    head = head_subset(96, must=tuple(data.tokens[1].unique().tolist())) if subset else None
+    model = _fresh(tiny_pipe, head)
     with torch.no_grad():
         model.up.normal_(0, 0.2)  # a live calibration
         model.mask.normal_()
@@ -43,7 +45,7 @@ def test_drafter_matches_the_training_model(tiny_pipe, data):
     batch = model.make_batch(data, [1], 320)
     q_train = torch.softmax(model.logits(batch).detach(), -1)  # (M, V)
     rt = model.runtime
-    drafter = FlexDrafter(rt, FlexWeights.from_tensors(model.own_state(), 1, 2), block=3)
+    drafter = FlexDrafter(rt, FlexWeights.from_tensors(model.own_state(), 1, 2), block=3, head_tokens=head)
     compared = 0
     for a in range(4):  # each anchor p: the sequential draft after committing tokens 0..p+1
         p = int(batch.visible[0, a])
@@ -56,7 +58,9 @@ def test_drafter_matches_the_training_model(tiny_pipe, data):
         for j in range(3):
             hit = ((batch.rows == 0) & (batch.cols == a * 3 + j)).nonzero()
             if len(hit):
-                torch.testing.assert_close(q[j], q_train[int(hit[0, 0])], rtol=1e-4, atol=1e-5)
+                q_head = q[j] if head is None else q[j, head]  # (zero outside the head)
+                assert float(q_head.sum()) == pytest.approx(1.0, abs=1e-5)
+                torch.testing.assert_close(q_head, q_train[int(hit[0, 0])], rtol=1e-4, atol=1e-5)
                 compared += 1
     assert compared >= 8
 
@@ -85,8 +89,9 @@ def test_build_kind_flex_end_to_end(tmp_path, monkeypatch, capsys):
     out = tmp_path / "f"
     data = ["--prompts", "6", "--val-prompts", "4", "--max-new-tokens", "8", "--gen-batch", "4", "--quiet"]
     argv = ["design", "build", "--target", "tiny", "--threads", "1", *data, "--kind", "flex", "--layers", "1"]
-    assert main([*argv, "--head", "0", "--block", "3", "--steps", "2", "--out", str(out)]) == 0
+    assert main([*argv, "--head", "64", "--block", "3", "--steps", "2", "--out", str(out)]) == 0
     meta = json.loads((out / "specdraft.json").read_text())
+    assert 64 <= len(meta["head_tokens"]) <= 65  # (EOS always in)
     assert meta["kind"] == "flex" and meta["arch"] == {"split": 1, "block": 3, "rank": 256}
     assert meta["recipe"]["offline"]["steps"] == 2 and not (out / "config.json").exists()
     gen = [

@@ -13,7 +13,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.models.mask_rows import forward_with_masks, mask_hidden
 from specdraft.models.tiny import tiny_llama
 from specdraft.policy import FixedK
-from tests.helpers import compact, decode, plain_greedy, random_prompts
+from tests.helpers import compact, decode, head_subset, plain_greedy, random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +92,20 @@ def test_greedy_output_equals_the_target_alone(target, batch, switch):
     for p, n, got in zip(prompts, lengths, outs):
         assert got == plain_greedy(target, p, n)
     assert engine.stats.drafted > 0
+
+
+@pytest.mark.parametrize("switch", [4, 0])
+def test_a_head_subset_drafts_only_its_tokens(target, switch):
+    prompts = random_prompts([6, 4], seed=4)
+    head = head_subset(40)
+    drafter = FlexDrafter(target, weights(target), block=3, switch_batch=switch, head_tokens=head)
+    engine = Engine(target, drafter, FixedK(3))
+    seen = []
+    propose = drafter.propose
+    drafter.propose = lambda *a: seen.append(propose(*a)) or seen[-1]
+    assert decode(engine, prompts, 16) == [plain_greedy(target, p, 16) for p in prompts]
+    drafted = torch.cat([p.tokens.flatten() for p in seen])
+    assert drafted.numel() and torch.isin(drafted, head).all()
 
 
 @pytest.mark.parametrize("switch", [4, 0])
