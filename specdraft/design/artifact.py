@@ -400,7 +400,7 @@ def flex_drafter(path: Path, target):
     check_compatible(meta, target.loaded.model, str(path))
     if not isinstance(target.runtime, LlamaRuntime):
         raise SpecdraftError(
-            f"flex draft {path.name} drafts inside the compact runtime's forward: --runtime compact"
+            f"flex draft {path.name} drafts inside the compact runtime's forward: --dtype bf16 or fp32"
         )
     try:
         tensors = load_file(str(path / WEIGHTS_FILE))
@@ -409,7 +409,8 @@ def flex_drafter(path: Path, target):
     dt = target.runtime.dtype
     tensors = {k: v.to(dt) for k, v in tensors.items()}
     w = FlexWeights.from_tensors(tensors, meta.arch["split"], len(target.runtime.layers))
-    return FlexDrafter(target.runtime, w, f"designed:{path.name}", block=meta.arch["block"])
+    head = torch.tensor(meta.head_tokens, dtype=torch.int64) if meta.head_tokens else None
+    return FlexDrafter(target.runtime, w, f"designed:{path.name}", block=meta.arch["block"], head_tokens=head)
 
 
 def diffusion_drafter(draft, meta: DraftMeta, extra: dict, head, path: Path, adaptive: bool = True):
