@@ -11,10 +11,11 @@ The statistical test is the one of ``tests/test_sampling.py`` (target: a tiny Ll
 and every path that cuts a proposal: a model draft, prompt lookup (no q), the README's example
 bigram drafter (no q), the target drafting for itself, a layer-pruned draft, the gated designed
 draft (best prefix and early stop), the feature draft, the DREAM-style draft, the feature draft
-with a local head fused in, the Ouroboros and suffix drafters' token trees (point masses from a
-phrase pool / a history), the cost-aware policy's per-class trim, its per-row cut of rows whose
-drafts fail (issue 17) and the server's per-row caps. Each case also checks that its cut really
-happened, and the old gating rule is shown to fail the same test.
+with a local head fused in, FlexDraft (drafting in the verification forward, and sequentially),
+the Ouroboros and suffix drafters' token trees (point masses from a phrase pool / a history), the
+cost-aware policy's per-class trim, its per-row cut of rows whose drafts fail (issue 17) and the
+server's per-row caps. Each case also checks that its cut really happened, and the old gating
+rule is shown to fail the same test.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from specdraft.drafters.capped import RowCappedDrafter
 from specdraft.drafters.ctc import CTCDrafter
 from specdraft.drafters.dream import DreamDrafter, cross_weights
 from specdraft.drafters.feature import FeatureDrafter
+from specdraft.drafters.flex import FlexDrafter, FlexWeights
 from specdraft.drafters.gated import GatedDrafter
 from specdraft.drafters.local import LocalHead
 from specdraft.drafters.lookup_tree import LookupTreeDrafter
@@ -121,6 +123,9 @@ class Recorder:
 
     def observe(self, state, num_accepted, verified=None):
         self.inner.observe(state, num_accepted, verified)
+
+    def __getattr__(self, name):  # a capability's methods and settings (FlexDraft's forward_with_masks)
+        return getattr(self.inner, name)
 
 
 class SteadyClock:
@@ -320,6 +325,15 @@ def make_case(name: str, target: LlamaRuntime) -> Case:
         fc = torch.randn(C, 2 * C, generator=g) * 0.1
         drafter = CTCDrafter(LlamaRuntime(w), fc, ctc, target.w.embed, "ctc", width=2, beams=4)
         return Case(drafter, FixedK(4), check=_branching)
+    if name in ("flex", "flex-sequential"):  # drafts inside the verification forward (mask tokens
+        # from layer 1, every group a row's possible accepted count), or in propose above the switch
+        w = FlexWeights.init(target, 1, rank=8)
+        g = torch.Generator().manual_seed(5)
+        w.mask, w.up = torch.randn(w.mask.shape, generator=g), torch.randn(w.up.shape, generator=g)
+        head = torch.tensor([0, 2, 3, 5, 6, 7]) if name == "flex-sequential" else None  # q = 0 elsewhere
+        switch = N if name == "flex" else 0
+        drafter = FlexDrafter(target, w, name, block=2, switch_batch=switch, head_tokens=head)
+        return Case(drafter, FixedK(2), check=_lengths(2))
     if name == "cost-aware-trim":
         policy = SteadyClock(CostAwareK(k_max=3, k_start=3, probe_every=2))
         return Case(PromptLookupDrafter(), policy, batch=100, check=_trimmed)
@@ -397,6 +411,8 @@ CASES = [
     "feature",
     "dream",
     "local-fused",
+    "flex",
+    "flex-sequential",
     "ctc",
     "cost-aware-trim",
     "cost-aware-rows",
