@@ -107,7 +107,7 @@ def _build_arguments(sub) -> None:
         "dream: DREAM-style, also cross-attends to intermediate target layers; diffusion: a block drafted "
         "in one pass with an adaptive length head (DFlash/AdaFlash style); ctc: a feature draft whose slots "
         "emit a blank-augmented sequence, CTC-collapsed into a token tree; flex: FlexDraft, mask tokens "
-        "drafted inside the target's verification forward from layer --layers S (give --head 0 --block 4)",
+        "drafted inside the target's verification forward from layer --layers S (try --block 4)",
     )
     b.add_argument("--block", type=int, default=16, help="--kind diffusion: block size (anchor included)")
     b.add_argument("--window", type=int, default=8, help="--kind diffusion: target features read as context")
