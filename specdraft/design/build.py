@@ -188,6 +188,11 @@ def build_draft(
 
         after["blocks"] = block_report(model, val)
         log(f"trained: {after['blocks']['tokens_per_block']:.2f} tokens per block (teacher-forced)")
+    if cfg.kind == "ctc":
+        from specdraft.design.ctc import tree_report
+
+        after["trees"] = tree_report(model, val)
+        log(f"trained: {after['trees']['accepted_per_tree']:.2f} tokens per CTC tree (teacher-forced)")
 
     import transformers
 

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from specdraft.design.data import TargetData
 from specdraft.design.feature import FeatureBatch, FeatureDraftLM
 from specdraft.design.train import distill_loss
-from specdraft.drafters.ctc import CTC_KEYS
+from specdraft.drafters.ctc import CTC_KEYS, alignment_beams, candidate_tree
 from specdraft.errors import SpecdraftError
 
 FEAT_WEIGHT, SOFT_CE_WEIGHT, CTC_WEIGHT = 1.0, 0.1, 0.01  # the paper's loss weights (module docstring)
@@ -222,3 +222,51 @@ class CTCDraftLM(FeatureDraftLM):
     def head_logits(self, batch: FeatureBatch) -> torch.Tensor:
         h, _ = self.features(batch.feats, batch.ids, batch.positions)
         return self.tokens.head(h[batch.rows, batch.cols])
+
+
+@torch.no_grad()
+def tree_report(
+    model: CTCDraftLM, data: TargetData, budget: int = 8, width: int = 2, beams: int = 16
+) -> dict:
+    """Teacher-forced quality of the slots on ``data``: at every anchor, the candidate tree the
+    drafter would propose (:func:`~specdraft.drafters.ctc.candidate_tree`, ``budget`` nodes) walked
+    along the target's next ``labels`` tokens (greedy acceptance).
+
+    Returns:
+        ``{"anchors", "first_token", "accepted_per_tree"}``: anchors scored, the share whose tree
+        holds the target's next token under the root, the mean tokens accepted (at most ``labels``).
+    """
+    was, keep = model.training, model.anchors
+    model.eval()
+    model.anchors = 1 << 30  # every anchor
+    accepted = []
+    for s in range(0, len(data), 8):
+        batch = model.make_batch(data, list(range(s, min(s + 8, len(data)))), 320)
+        _, hs = model.features(batch.feats, batch.ids, batch.positions, batch)
+        if hs is None:
+            continue
+        logp = model.slot_logprobs(hs)  # (A, S, N + 1)
+        alignments, _ = alignment_beams(logp, width, beams)
+        for a, labels in enumerate(batch.anchor_labels.tolist()):
+            tree = candidate_tree(alignments[a], logp.shape[-1] - 1, budget)
+            accepted.append(_walk(tree, labels))
+    model.anchors = keep
+    model.train(was)
+    n = len(accepted)
+    return {
+        "anchors": n,
+        "first_token": round(sum(x > 0 for x in accepted) / n, 4) if n else 0.0,
+        "accepted_per_tree": round(sum(accepted) / n, 4) if n else 0.0,
+    }
+
+
+def _walk(tree, labels: list[int]) -> int:
+    """How many of ``labels`` a greedy verification of ``tree`` accepts."""
+    node, n = -1, 0
+    kids = tree.children if tree is not None else {}
+    for tok in labels:
+        nxt = [c for c in kids.get(node, []) if int(tree.tokens[c]) == tok]
+        if not nxt:
+            break
+        node, n = nxt[0], n + 1
+    return n

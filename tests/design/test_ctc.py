@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from specdraft.cli import main
-from specdraft.design.ctc import CTCDraftLM
+from specdraft.design.ctc import CTCDraftLM, _walk, tree_report
 from specdraft.design.data import generate_target_data
 from specdraft.design.prune import depth_prune
 from specdraft.design.train import TrainConfig
 from specdraft.errors import SpecdraftError
+from specdraft.tree import TokenTree
 from tests.helpers import head_subset, random_prompts
 
 
@@ -70,6 +71,21 @@ def test_loss_has_the_three_terms_and_the_ctc_term_trains_the_slots(tiny_pipe, d
     assert float(model.ctc_loss(hs, torch.tensor([[9, 7]]))) > 10
 
 
+def test_tree_report_walks_the_candidate_trees_along_the_labels(tiny_pipe, data):
+    tree = TokenTree.from_chains([[4, 5, 6], [4, 7], [8]])
+    assert _walk(tree, [4, 5, 6]) == 3 and _walk(tree, [4, 7, 1]) == 2 and _walk(tree, [8, 8]) == 1
+    assert _walk(tree, [5, 4]) == 0 and _walk(None, [4]) == 0
+    torch.manual_seed(0)
+    model = CTCDraftLM(depth_prune(tiny_pipe.target.model, [1]), None, slots=4, labels=2)
+    rep = tree_report(model, data, budget=6)
+    anchors = sum(
+        max(0, min(len(h) - 2, len(t) - p - 1 - 2) + 1)
+        for h, t, p in zip(data.hidden, data.tokens, data.prompt_lens)
+    )
+    assert rep["anchors"] == anchors and model.anchors == 16  # every anchor, then the training setting again
+    assert 0 <= rep["first_token"] <= 1 and 0 <= rep["accepted_per_tree"] <= 2
+
+
 def test_build_kind_ctc_end_to_end(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "d"
@@ -79,6 +95,11 @@ def test_build_kind_ctc_end_to_end(tmp_path, monkeypatch, capsys):
     meta = json.loads((out / "specdraft.json").read_text())
     assert meta["kind"] == "ctc" and meta["arch"] == {"slots": 6, "labels": 3}
     assert meta["recipe"]["offline"]["steps"] == 2
+    assert set(meta["recipe"]["validation"]["trained"]["trees"]) == {
+        "anchors",
+        "first_token",
+        "accepted_per_tree",
+    }
     from safetensors.torch import load_file
 
     assert {"fc.weight", "ctc.slots", "ctc.blank_w", "ctc.blank_b"} <= set(
