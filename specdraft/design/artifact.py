@@ -418,6 +418,8 @@ def diffusion_drafter(draft, meta: DraftMeta, extra: dict, head, path: Path, ada
     from specdraft.drafters.diffusion import PREFIX, BlockArch, BlockDiffusion, DiffusionDrafter
 
     tensors = {k.removeprefix(PREFIX): v for k, v in extra.items() if k.startswith(PREFIX)}
+    draft.model.layers.float()  # a small draft: fp32 on CPUs without native bf16 matmuls (the
+    draft.model.norm.float()  # shared embedding stays the target's)
     try:
         model = BlockDiffusion(draft, head, tensors, BlockArch(**meta.arch))
     except (SpecdraftError, TypeError) as e:
