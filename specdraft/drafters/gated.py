@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from specdraft.drafters.base import DraftContext, Proposal, take_token
-from specdraft.drafters.model import ModelDrafter, catch_up_positions
+from specdraft.drafters.model import ModelDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.policy import VerifyCost, best_prefix, worth_continuing
 
@@ -74,13 +74,7 @@ class GatedDrafter(ModelDrafter):
                 raise SpecdraftError("GatedDrafter needs a target runtime or a cost model")
             self.cost = VerifyCost.measure(self.target_runtime, self.runtime)
         B, L = ctx.lengths.shape[0], ctx.lengths
-        # catch up on committed tokens the draft has not seen, as ModelDrafter does
-        pending = L - state.fed  # (B,)
-        P = int(pending.max())
-        positions = catch_up_positions(state.fed, L, P)
-        tokens = ctx.tokens.gather(1, positions.clamp(max=ctx.tokens.shape[1] - 1))
-        last = (pending - 1).unsqueeze(1)  # (B, 1) index of each row's last real token
-        logits = self.runtime.forward(state.kv, tokens, positions, logits_index=last).logits[:, 0]
+        logits = self.catch_up(state, ctx)  # committed tokens the draft has not seen, as ModelDrafter does
 
         sampling = torch.tensor([not p.greedy for p in ctx.params])  # (B,)
         draft = torch.zeros(B, k, dtype=torch.int64)
