@@ -272,10 +272,11 @@ def cache_root() -> Path:
 
 
 def _cache_dir(slug: str, fingerprint_files: list[Path]) -> Path:
-    """``<cache>/models/<slug>-<key>``; the key hashes path, size and mtime of each file."""
-    import transformers
+    """``<cache>/models/<slug>-<key>``; the key hashes path, size and mtime of each file, and the
+    transformers version (read from its metadata: importing it takes a second)."""
+    from importlib.metadata import version
 
-    h = hashlib.sha256(f"format={_CACHE_FORMAT} transformers={transformers.__version__}".encode())
+    h = hashlib.sha256(f"format={_CACHE_FORMAT} transformers={version('transformers')}".encode())
     for f in fingerprint_files:
         st = f.stat()
         h.update(f"\0{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode())
@@ -559,11 +560,14 @@ def _tokenizer_intact(cache: Path) -> bool:
 def load_tokenizer(name_or_path: str) -> LoadedModel:
     """A model's tokenizer without the model, for runtimes that read the weights themselves (the
     quantized GGUF runtime, :mod:`specdraft.models.quant`): no transformers model, no float copy
-    of the weights, and none of transformers' model code imported.
+    of the weights, and transformers not imported at all where the directory's tokenizer settings
+    allow (:class:`specdraft.models.tokenizer.FastTokenizer`: the same ids and text, read with the
+    ``tokenizers`` library; transformers' ``PreTrainedTokenizerFast`` otherwise).
 
     A GGUF (alias or file) takes the tokenizer from its conversion cache when that entry's
-    tokenizer files are intact; with no such entry the model is loaded (and converted, once) by
-    :func:`load_model`, so later calls find it. A transformers directory gives its own tokenizer.
+    tokenizer files are intact; with no such entry, or a damaged one, the model is loaded (and
+    converted, once) by :func:`load_model`, so later calls find it. A transformers directory gives
+    its own tokenizer.
 
     Returns:
         A :class:`LoadedModel` whose ``model`` is None (unless :func:`load_model` had to run).
@@ -571,7 +575,7 @@ def load_tokenizer(name_or_path: str) -> LoadedModel:
     Raises:
         SpecdraftError: as :func:`load_model`.
     """
-    from transformers import PreTrainedTokenizerFast  # not AutoTokenizer: that imports the model code
+    from specdraft.models.tokenizer import FastTokenizer, supports
 
     ref = resolve_model_path(name_or_path)
     if ref.kind == "alias":
@@ -585,7 +589,12 @@ def load_tokenizer(name_or_path: str) -> LoadedModel:
     if ref.kind != "hf_dir" and not _tokenizer_intact(directory):
         return load_model(name_or_path, torch.float32)
     try:
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(directory, local_files_only=True)
+        if supports(directory):
+            tokenizer = FastTokenizer(directory)
+        else:
+            from transformers import PreTrainedTokenizerFast  # not AutoTokenizer: it imports model code
+
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(directory, local_files_only=True)
         gen = directory / "generation_config.json"
         eos = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
     except (OSError, ValueError) as e:
