@@ -86,6 +86,7 @@ AUTO_KEEPS_BF16: dict[str, str] = {
     "prune": "layer-pruned drafts run the target's own layers in the compact runtime",
     "hf": "the transformers baselines run the target's transformers model",
     "attack": "the attack differentiates the target's transformers model",
+    "design": "designing a draft reads and trains from the target's transformers model",
 }
 """What makes ``--dtype auto`` keep bf16 for a quantized GGUF (a draft kind, a bench baseline, a
 command) -> the reason, logged in one line. Designed drafts load the transformers model on demand

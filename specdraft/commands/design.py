@@ -186,7 +186,9 @@ def _pipe(args):
 
     # auto: what transformers' modules (the training path) compute in: fp32 unless bf16 is native
     dtype = api.resolve_dtype(args.dtype, runtime="hf")
-    pipe = api.load(args.target, "none", dtype=dtype, runtime=args.runtime, threads=args.threads)
+    pipe = api.load(
+        args.target, "none", dtype=dtype, runtime=args.runtime, threads=args.threads, needs=("design",)
+    )
     if not isinstance(pipe.runtime, LlamaRuntime):
         raise SpecdraftError("designing drafts needs a Llama-family target on the compact runtime")
     return pipe
