@@ -135,6 +135,8 @@ def diff_models(pipe) -> Models:
         n = target.config.num_hidden_layers
         if max(spec.layers) >= n:
             raise SpecdraftError(f"prune:{spec.arg}: the target has {n} layers")
+        if spec.head is not None:
+            raise SpecdraftError(f"prune:{spec.arg}: the attack's pruned draft has the whole head (no head=)")
         return Models(target, layer_subset(target, spec.layers))
     if spec.kind == "designed" and not isinstance(pipe.drafter, PromptLookupDrafter):
         from specdraft.design.artifact import find_draft, load_draft
