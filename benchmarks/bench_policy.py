@@ -1,7 +1,8 @@
 """Draft-length policies against each other and against plain decoding, in one process.
 
 One drafter (prompt lookup by default), several policies (``--policies auto,2,4,heuristic``: the
-cost-aware policy, fixed k, transformers' heuristic), Spec-Bench first turns, greedy, batch 1 (or
+cost-aware policy, fixed k, transformers' heuristic; ``auto-batch`` without its per-row watch,
+``auto-padded`` on the runtime without ragged steps), Spec-Bench first turns, greedy, batch 1 (or
 ``--batch N``: the prompts decoded N rows at a time, overall figures only).
 After an untimed warm-up of every method, each prompt runs every method once in a rotating order
 (A B C, then B C A, ...: :mod:`specdraft.bench.harness`), so slow phases of a shared machine hit
@@ -34,9 +35,29 @@ from specdraft.bench import harness
 from specdraft.bench.prompts import fit_context, load_prompts, parse_categories
 from specdraft.policy import CostAwareK, make_policy
 
+
+class Padded:
+    """A runtime seen without ragged steps (its forward takes no ``lengths``): every row of a chain
+    step is padded to the longest row's tokens, as before ragged verification (issue 17)."""
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+
+    def forward(
+        self, state, tokens, positions, *, hidden_layers=(), attn_mask=None, logits_index=None, slots=None
+    ):
+        kw = {"attn_mask": attn_mask, "logits_index": logits_index, "slots": slots}
+        return self.runtime.forward(state, tokens, positions, hidden_layers=hidden_layers, **kw)
+
+    def __getattr__(self, name):  # vocab_size, new_state, precision, ...
+        return getattr(self.runtime, name)
+
+
 # name -> policy factory; a name not here goes to make_policy ("auto", "heuristic", "4").
-# auto-batch: the cost-aware policy without its per-row watch (one acceptance record for the batch)
-POLICIES: dict = {"auto-batch": lambda: CostAwareK(watch=None)}
+# auto-batch: the cost-aware policy without its per-row watch (one acceptance record for the batch);
+# auto-padded: the cost-aware policy on the runtime without ragged steps (Padded)
+POLICIES: dict = {"auto-batch": lambda: CostAwareK(watch=None), "auto-padded": CostAwareK}
+RUNTIMES: dict = {"auto-padded": Padded}  # name -> the runtime a method decodes with
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -72,7 +93,8 @@ def main(argv=None) -> int:
     policies = {n: POLICIES[n]() if n in POLICIES else make_policy(n) for n in names[1:]}
     methods = [harness.engine_method("plain", pipe.runtime, None, eos_ids=pipe.eos_ids)]
     for n in names[1:]:
-        method = harness.engine_method(n, pipe.runtime, pipe.drafter, policies[n], eos_ids=pipe.eos_ids)
+        runtime = RUNTIMES[n](pipe.runtime) if n in RUNTIMES else pipe.runtime
+        method = harness.engine_method(n, runtime, pipe.drafter, policies[n], eos_ids=pipe.eos_ids)
         methods.append(method)
     budget = harness.prompt_budget(pipe.runtime, methods, args.max_new_tokens, args.max_prompt_tokens)
     ids = [fit_context(pipe.encode(p.turns[0]), budget).ids for p in prompts]
