@@ -30,7 +30,9 @@ distribution (tests/test_tv_all_drafters.py, case ``diffusion``).
 
 **Cost.** ``Proposal.steps`` is 1: the study charges one draft forward per block, whatever k
 (:mod:`specdraft.study`), and :attr:`DiffusionDrafter.drafts_blocks` tells the cost-aware policy the
-same. One denoising pass only (DFlash's default): several passes are not implemented.
+same. The head's n is computed first, so the LM head (the larger half of a block's cost with an
+8192-token head) runs only on the positions proposed. One denoising pass only (DFlash's
+default): several passes are not implemented.
 """
 
 from __future__ import annotations
@@ -290,9 +292,10 @@ class DiffusionDrafter:
             valid[:, -1] |= ~have  # rows without features: one slot so attention is defined (unused)
             anchor = ctx.tokens.gather(1, (L - 1).unsqueeze(1))[:, 0]
             h = self.model(state.feats, valid, anchor, L)  # (B, block, C)
-            tokens, probs = self._tokens(self.model.logits(h[:, 1 : k + 1]), ctx)
-            if self.adaptive:
+            if self.adaptive:  # the head's n first: the LM head then runs on the positions proposed
                 n = self.model.length(h).clamp(max=k)
+            cols = int(n[have].max())
+            tokens, probs = self._tokens(self.model.logits(h[:, 1 : cols + 1]), ctx)  # (B, cols)
         num_valid = torch.where(have, n, 0)
         bucket = num_valid.clone() if self.adaptive else None
         return Proposal(tokens, probs, num_valid, steps=torch.ones(B, dtype=torch.int64), bucket=bucket)
