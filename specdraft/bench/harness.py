@@ -82,7 +82,8 @@ class BatchRun:
         first_token_seconds: wall seconds until the first step's tokens (prefill and one step).
         stats: the engine's statistics of the call.
         steps: per prompt, the target forwards its row took part in.
-        tokens_fed: tokens fed to the target in those forwards: active rows x (k + 1) per step.
+        tokens_fed: tokens fed to the target in those forwards: active rows x (k + 1) per step
+            (ragged steps: each row's own 1 + k_b).
         collapsed: the prompts (indices) whose rows the policy flagged as collapsed.
         request_ids: the engine's request id of each prompt's row (to read per-request counts a
             policy or drafter kept).
@@ -109,10 +110,13 @@ def decode_counted(engine: Engine, requests: list[Request]) -> BatchRun:
     steps = dict.fromkeys(ids, 0)
     fed, first = 0, None
     while engine.active:
+        drafted = engine.stats.drafted
         events = engine.step()
         if first is None:
             first = time.perf_counter() - t0
-        fed += len(events) * (engine.stats.k_history[-1] + 1)
+        # a ragged step (Engine.ragged) feeds each row its own 1 + k_b tokens, a padded one k + 1
+        extra = engine.stats.drafted - drafted if engine.ragged else len(events) * engine.stats.k_history[-1]
+        fed += len(events) + extra
         for ev in events:
             out[ev.request_id] += ev.tokens
             steps[ev.request_id] += 1

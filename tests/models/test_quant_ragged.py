@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from specdraft import kernels
+from specdraft.bench.harness import decode_counted
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
-from specdraft.engine import Engine
+from specdraft.engine import Engine, Request
 from specdraft.errors import SpecdraftError
 from specdraft.models import quant
 from specdraft.models.quant import QuantRuntime
@@ -136,3 +137,5 @@ def test_the_engine_verifies_ragged_and_keeps_greedy_output(gguf_path):
     assert rt.ragged_steps and all(min(n) >= 1 and max(n) <= 5 for n in rt.ragged_steps)
     policy = CostAwareK()
     assert Engine(rt, PromptLookupDrafter(), policy).ragged and policy.ragged
+    run = decode_counted(Engine(rt, PromptLookupDrafter(), FixedK(4)), [Request(p, 12) for p in prompts])
+    assert run.outputs == reference and run.tokens_fed == sum(run.steps) + run.stats.drafted  # no padding
