@@ -118,6 +118,8 @@ class Engine:
         self.target = target
         self.drafter = drafter
         self.policy = policy or FixedK(0 if drafter is None else 5)
+        if getattr(drafter, "drafts_blocks", False) and hasattr(self.policy, "per_block"):
+            self.policy.per_block = True  # one draft forward per block: charged once per step
         # a runtime whose chain steps can be ragged (forward(..., lengths=): row b feeds only its own
         # 1 + k_b tokens, the quantized runtime) verifies no padding; a policy that prices steps knows
         self.ragged = "lengths" in inspect.signature(target.forward).parameters

@@ -327,6 +327,9 @@ class CostAwareK:
         # the runtime): decayed sums of x^2 and x y, x = mean k_b, y = step time - T_target(1)
         self.ragged = False
         self.fit = [0.0, 0.0]
+        # a block drafter (one draft forward per step whatever k; the engine sets it from the
+        # drafter's ``drafts_blocks``): T_draft is per step, charged once (analytic.step_time)
+        self.per_block = False
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
@@ -373,7 +376,9 @@ class CostAwareK:
             range(self.k_max + 1),
             key=lambda k: (
                 analytic.expected_tokens_from_rates(rates, k)
-                / analytic.step_time(k, t_draft, lambda n: times[n - 1])
+                / analytic.step_time(
+                    k, t_draft, lambda n: times[n - 1], min(k, 1) if self.per_block else None
+                )
             ),
         )
 
@@ -513,7 +518,7 @@ class CostAwareK:
         self._times = None
         if k == 0 or drafted == 0:
             return
-        self.t_draft = self._ema(self.t_draft, draft_time / k)
+        self.t_draft = self._ema(self.t_draft, draft_time / (1 if self.per_block else k))
         if self.classes is None:
             self.classes = bucket is not None
         classes = bucket.tolist() if bucket is not None else [None] * num_drafted.numel()
@@ -645,6 +650,16 @@ class CappedPolicy:
     def ragged(self, value: bool) -> None:
         if hasattr(self.inner, "ragged"):
             self.inner.ragged = value
+
+    @property
+    def per_block(self) -> bool:
+        """The inner policy's :attr:`CostAwareK.per_block` (False for one that does not price steps)."""
+        return getattr(self.inner, "per_block", False)
+
+    @per_block.setter
+    def per_block(self, value: bool) -> None:
+        if hasattr(self.inner, "per_block"):
+            self.inner.per_block = value
 
     def choose(self, rows: list[int] | None = None) -> int:
         k = self.inner.choose(rows)

@@ -11,7 +11,7 @@ from specdraft.design.train import TrainConfig, train_offline
 from specdraft.drafters.base import DraftContext
 from specdraft.drafters.diffusion import BlockArch, DiffusionDrafter
 from specdraft.engine import Engine
-from specdraft.policy import CostAwareK, FixedK
+from specdraft.policy import CappedPolicy, CostAwareK, FixedK
 from specdraft.verify import SamplingParams
 from tests.helpers import decode, head_subset, plain_greedy, random_prompts
 
@@ -114,3 +114,40 @@ def test_length_head_caps_every_proposal(tiny_pipe, trained, bias, n):
     decode(engine, random_prompts([6, 9], seed=4), 20)
     drafted = engine.stats.drafted_per_position
     assert drafted[n - 1] > 0 and all(d == 0 for d in drafted[n:])
+
+
+def test_the_cost_aware_policy_charges_one_draft_forward_per_block(tiny_pipe, trained):
+    """The engine marks the policy for a block drafter: T_draft is a step's draft time (not per
+    token), charged once whatever k, so the best k is longer than a per-token charge gives."""
+    drafter = DiffusionDrafter(trained.block, "diffusion")
+    policy = CostAwareK(k_max=4, watch=None)
+    Engine(tiny_pipe.runtime, drafter, policy, hidden_layers=drafter.hidden_layers)
+    assert policy.per_block and not CostAwareK().per_block
+    capped = CappedPolicy(CostAwareK(k_max=4))  # the server's wrapper passes it on
+    Engine(tiny_pipe.runtime, drafter, capped, hidden_layers=drafter.hidden_layers)
+    assert capped.inner.per_block
+    per_token = CostAwareK(k_max=4, watch=None)
+    for p in (policy, per_token):
+        for i in range(40):  # blocks of 4 drafts, 4 or 2 accepted; T_target(n) = 1 + 0.075 (n - 1)
+            p.update(4, torch.tensor([4]), torch.tensor([4 if i % 2 else 2]), 1.2, 1.3)
+        p.update(0, torch.tensor([0]), torch.tensor([0]), 0.0, 1.0)
+    assert policy.t_draft == pytest.approx(1.2) and per_token.t_draft == pytest.approx(0.3)
+    assert policy.choose() == 4 and per_token.choose() == 2
+
+
+def test_the_study_charges_one_draft_forward_per_block(tiny_pipe, trained):
+    from specdraft.bench.profile import profile_latency
+    from specdraft.study.latency import Latencies, draft_kind
+
+    drafter = DiffusionDrafter(trained.block, "diffusion")
+    assert draft_kind(drafter) == "block"
+    lat = Latencies(target={}, draft_kinds={"d": draft_kind(drafter)})
+    assert [lat.draft_calls("d", k) for k in (0, 1, 5)] == [0, 1, 1]
+    prof = profile_latency(
+        tiny_pipe.runtime, drafter, new_tokens=(1,), context=16, repeats=3, warmup=1, breakdown=False
+    )
+    # the profiled draft step is the block forward (a propose without features would do nothing)
+    step = drafter.profile_step(1, 16)
+    tokens, n = step()
+    assert tokens.shape == (1, ARCH.block - 1) and 1 <= int(n[0]) <= ARCH.block - 1
+    assert prof.t_draft[1] > 0
