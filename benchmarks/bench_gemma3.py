@@ -11,7 +11,9 @@ In one run, on the same chat-templated token ids and thread count:
 - T(n) / T(1), n = 1..5: one forward of n new tokens at a ``--context``-token cache, medians;
 - load time and peak RSS: a fresh Python process per runtime (warm conversion cache) running
   ``api.load("gemma3-270m", "none", runtime=...)`` (what ``specdraft generate`` loads) and one
-  prefill; peak RSS is the process's VmHWM.
+  prefill; peak RSS is the process's VmHWM. The compact runtime is loaded twice: from the weight
+  files alone (the default, issue 20) and with the transformers model kept (``needs=("hf",)``, as
+  a run with ``--baselines hf`` loads it, and as every load did before).
 
     .venv/bin/python benchmarks/bench_gemma3.py --threads 2
 """
@@ -51,7 +53,7 @@ CHILD = """
 import time, torch
 t = time.perf_counter()
 from specdraft import api
-pipe = api.load({target!r}, "none", runtime={runtime!r}, threads={threads})
+pipe = api.load({target!r}, "none", runtime={runtime!r}, threads={threads}, needs={needs!r})
 ids = torch.tensor([pipe.encode("Hello")])
 rt = pipe.runtime
 out = rt.forward(rt.new_state(1, 64), ids, torch.arange(ids.shape[1]).unsqueeze(0))
@@ -61,9 +63,9 @@ print(type(rt).__name__, int(out.logits[0, -1].argmax()), seconds, int(hwm.split
 """
 
 
-def startup(runtime: str, threads: int) -> tuple[str, float, int]:
+def startup(runtime: str, threads: int, needs: tuple[str, ...] = ()) -> tuple[str, float, int]:
     """The runtime's class, seconds from import to the first token's logits, peak RSS (MB)."""
-    code = CHILD.format(target=TARGET, runtime=runtime, threads=threads)
+    code = CHILD.format(target=TARGET, runtime=runtime, threads=threads, needs=needs)
     r = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
@@ -151,11 +153,12 @@ def main(argv=None) -> int:
         f"{args.startup_runs} run(s) each"
     )
     report["startup"] = {}
-    for kind in ("compact", "hf"):
-        runs = [startup(kind, args.threads) for _ in range(args.startup_runs)]
+    loads = {"compact": ("compact", ()), "compact + hf model": ("compact", ("hf",)), "hf": ("hf", ())}
+    for name, (kind, needs) in loads.items():
+        runs = [startup(kind, args.threads, needs) for _ in range(args.startup_runs)]
         s, rss = min(r[1] for r in runs), max(r[2] for r in runs)
-        report["startup"][kind] = {"runtime": runs[0][0], "seconds_min": s, "peak_rss_mb": rss}
-        print(f"  --runtime {kind:8s} {runs[0][0]:14s} {s:6.1f} s (best)   peak RSS {rss} MB", flush=True)
+        report["startup"][name] = {"runtime": runs[0][0], "seconds_min": s, "peak_rss_mb": rss}
+        print(f"  {name:18s} {runs[0][0]:14s} {s:6.1f} s (best)   peak RSS {rss} MB", flush=True)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 0
