@@ -9,11 +9,14 @@ from specdraft.drafters.model import ModelDrafter
 from specdraft.drafters.topk_tree import TopKTreeDrafter, TreeShape
 from specdraft.engine import Engine
 from specdraft.errors import SpecdraftError
+from specdraft.models.llama import LlamaRuntime
+from specdraft.models.subset_head import SubsetHeadRuntime
+from specdraft.models.tiny import tiny_llama
 from specdraft.policy import FixedK
 from specdraft.registry import DraftSpec, Target, build_drafter
 from specdraft.tree import TokenTree, most_probable
 from specdraft.verify import SamplingParams
-from tests.helpers import decode, plain_greedy, random_prompts
+from tests.helpers import compact, decode, head_subset, plain_greedy, random_prompts
 
 DYN, STATIC = TreeShape(True, 2, 2), TreeShape(False, 2, 1, 2)
 
@@ -122,7 +125,7 @@ def test_kept_draft_cache_proposes_what_a_fresh_one_does(tiny, shape):
     prompts = random_prompts([6, 3, 10], seed=5)
     runs = []
     for cls in (TopKTreeDrafter, Forgetful):
-        rec = Recording(cls(ModelDrafter(tiny.target.__class__(tiny.target.w, [0]), "prune:0"), shape, "t"))
+        rec = Recording(cls(ModelDrafter(LlamaRuntime(tiny.target.w, [0]), "prune:0"), shape, "t"))
         decode(Engine(tiny.target, rec, FixedK(5)), prompts, 20)
         runs.append(rec)
     assert runs[0].trees == runs[1].trees
@@ -133,11 +136,28 @@ def test_kept_draft_cache_proposes_what_a_fresh_one_does(tiny, shape):
 def test_greedy_output_identical_to_plain(tiny, shape):
     prompts = random_prompts([5, 9, 3], seed=6)
     refs = [plain_greedy(tiny.target, p, 24) for p in prompts]
-    for draft in (tiny.target.__class__(tiny.target.w, [0]), tiny.other):
+    for draft in (LlamaRuntime(tiny.target.w, [0]), tiny.other):
         engine = Engine(tiny.target, TopKTreeDrafter(ModelDrafter(draft, "d"), shape, "t"), FixedK(6))
         assert decode(engine, prompts, 24) == refs
         assert engine.stats.drafted > 0
     assert engine.stats.accepted == 0  # the unrelated draft: nothing accepted, still identical
+
+
+@pytest.mark.parametrize("shape", [DYN, STATIC], ids=["dyn", "static"])
+def test_a_subset_head_never_proposes_tokens_outside_it(tiny, shape):
+    """A designed draft's head may cover a few tokens: the draft's other top tokens are -inf, never nodes."""
+    head = head_subset(1, seed=2)  # top-2 always reaches outside a one-token head
+    w = compact(tiny_llama(seed=1)).w
+    w.lm_head = w.lm_head[head].contiguous()  # (1, C)
+    draft = SubsetHeadRuntime(LlamaRuntime(w), head, 256)
+    drafter = TopKTreeDrafter(ModelDrafter(draft, "subset"), shape, "t")
+    prompts = random_prompts([4, 7], seed=7)
+    prop = drafter.propose(drafter.new_state(2, 64), context(prompts), 4)
+    for tree in prop.trees:
+        assert tree.num_nodes >= 1 and set(tree.tokens.tolist()) == set(head.tolist())
+        assert all(len(kids) == 1 for kids in tree.children.values())  # one token per depth: a chain
+    engine = Engine(tiny.target, drafter, FixedK(4))
+    assert decode(engine, prompts, 12) == [plain_greedy(tiny.target, p, 12) for p in prompts]
 
 
 def test_specs_build_trees_over_model_drafts_and_refuse_others(tiny):
