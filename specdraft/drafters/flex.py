@@ -68,7 +68,8 @@ class FlexWeights:
 
     @classmethod
     def init(cls, target: LlamaRuntime, split: int, rank: int = 256, seed: int = 0) -> FlexWeights:
-        """Untrained: the target's own projections, a zero mask embedding, no calibration."""
+        """Untrained: the target's own projections, a small random mask embedding (its direction is
+        what the first norm passes on; zero would give every query zero), no calibration."""
         n = len(target.layers)
         if not 0 <= split < n:
             raise SpecdraftError(f"split layer {split} invalid for a {n}-layer target (0..{n - 1})")
@@ -77,7 +78,7 @@ class FlexWeights:
         g = torch.Generator().manual_seed(seed)
         return cls(
             split=split,
-            mask=torch.zeros(C, dtype=dt),
+            mask=(0.02 * torch.randn(C, generator=g)).to(dt),
             wqkv=[layer.wqkv.to(dt).clone() for layer in target.layers[split:]],
             wo=[layer.wo.to(dt).clone() for layer in target.layers[split:]],
             down=(torch.randn(rank, 2 * C, generator=g) / (2 * C) ** 0.5).to(dt),

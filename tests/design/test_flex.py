@@ -12,9 +12,11 @@ from specdraft.design.flex import FlexDraftLM
 from specdraft.design.train import TrainConfig, train_offline
 from specdraft.drafters.base import DraftContext
 from specdraft.drafters.flex import FlexDrafter, FlexWeights
+from specdraft.engine import Engine
 from specdraft.errors import SpecdraftError
+from specdraft.policy import FixedK
 from specdraft.verify import SamplingParams
-from tests.helpers import head_subset, random_prompts
+from tests.helpers import decode, head_subset, plain_greedy, random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +84,27 @@ def test_training_lowers_the_loss_and_resumes_exactly(tiny_pipe, data, tmp_path)
         torch.testing.assert_close(v, resumed.own_state()[k], rtol=1e-5, atol=1e-6)
     with pytest.raises(SpecdraftError, match="flex draft lacks"):
         _fresh(tiny_pipe).load_own_state({k: v for k, v in whole.own_state().items() if k != "flex.mask"})
+
+
+@pytest.mark.parametrize("switch", [4, 0])
+def test_a_trained_draft_is_accepted_while_decoding(tiny_pipe, data, tmp_path, switch):
+    """Trained on the target's answers to these prompts, the draft is accepted far more than the
+    untrained one (in the parallel step and in the sequential mode); output equals the target's."""
+    prompts = [t[:p].tolist() for t, p in zip(data.tokens, data.prompt_lens)]
+    rt = tiny_pipe.runtime
+    model = _fresh(tiny_pipe)
+    accepted = []
+    for steps in (0, 150):
+        if steps:
+            cfg = TrainConfig(
+                steps=steps, batch_size=4, lr=1e-2, warmup=0, checkpoint_every=150, eval_every=0
+            )
+            train_offline(model, data, None, cfg, tmp_path, progress=False)
+        w = FlexWeights.from_tensors(model.own_state(), 1, 2)
+        engine = Engine(rt, FlexDrafter(rt, w, block=3, switch_batch=switch), FixedK(3))
+        assert decode(engine, prompts, 10) == [plain_greedy(rt, p, 10) for p in prompts]
+        accepted.append(engine.stats.accepted / engine.stats.drafted)
+    assert accepted[1] > max(0.3, 2 * accepted[0]), accepted
 
 
 def test_build_kind_flex_end_to_end(tmp_path, monkeypatch, capsys):

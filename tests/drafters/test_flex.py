@@ -108,18 +108,6 @@ def test_a_head_subset_drafts_only_its_tokens(target, switch):
     assert drafted.numel() and torch.isin(drafted, head).all()
 
 
-@pytest.mark.parametrize("switch", [4, 0])
-def test_drafts_are_accepted_past_the_first_group(target, switch):
-    """The untrained draft split at the last layer (the target's own projectors there) is accepted
-    now and then, so steps take groups past n = 0; greedy output still equals the target's."""
-    prompts = random_prompts([5, 9, 3], seed=3)
-    drafter = FlexDrafter(target, FlexWeights.init(target, 2, rank=8), block=3, switch_batch=switch)
-    engine = Engine(target, drafter, FixedK(3))
-    outs = decode(engine, prompts, 30)
-    assert outs == [plain_greedy(target, p, 30) for p in prompts]
-    assert engine.stats.accepted > 0
-
-
 def test_the_engine_refuses_another_runtime(target):
     other = compact(tiny_llama(num_layers=3, seed=5))
     with pytest.raises(SpecdraftError, match="drafts inside its target's forward"):
