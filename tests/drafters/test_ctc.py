@@ -245,3 +245,38 @@ def test_saved_draft_loads_by_kind_and_stays_lossless(tiny_pipe, tmp_path):
     engine = pipe.engine(3)
     assert decode(engine, prompts, 20) == decode(Engine(pipe.runtime), prompts, 20)
     assert engine.stats.drafted > 0
+
+
+def test_rows_that_leave_and_join_keep_their_paths(tiny_pipe):
+    """Requests of different lengths leave the batch and a new one joins mid-way (the state's
+    rows are selected and appended): every output is still plain decoding's."""
+    from specdraft.engine import Request
+
+    prompts = random_prompts([6, 9, 5], seed=8)
+    lengths = [20, 7, 14]
+    plain = [decode(Engine(tiny_pipe.runtime), [p], n)[0] for p, n in zip(prompts, lengths)]
+    reference = [p + o for p, o in zip(prompts, plain)]
+    model = _model(tiny_pipe, None, slots=3)
+    oracle = OracleSlots(
+        LlamaRuntime(draft_weights(model.draft, tiny_pipe.runtime.w, None, torch.float32)),
+        model.fc.weight.detach(),
+        {k: v.detach() for k, v in model.ctc.items()},
+        tiny_pipe.runtime.w.embed,
+        "oracle",
+        beams=8,
+        reference=[],
+    )
+    engine = Engine(tiny_pipe.runtime, oracle, FixedK(8), hidden_layers=oracle.hidden_layers)
+    out: dict[int, list[int]] = {}
+    ids = engine.add([Request(prompts[i], lengths[i]) for i in (0, 1)])
+    rid = dict(zip(ids, (0, 1)))
+    joined = False
+    while engine.active:
+        oracle.reference = [reference[rid[r.id]] for r in engine.requests]  # the rows' order now
+        for ev in engine.step():
+            out.setdefault(rid[ev.request_id], []).extend(ev.tokens)
+        if not joined and 1 in out and len(out[1]) >= lengths[1]:
+            (new,) = engine.add([Request(prompts[2], lengths[2])])
+            rid[new], joined = 2, True
+    assert joined and [out[i] for i in range(3)] == plain
+    assert engine.stats.accepted > 0
