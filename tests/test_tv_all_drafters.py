@@ -243,8 +243,8 @@ def _warm_ouroboros(base) -> OuroborosDrafter:
     return drafter
 
 
-def make_case(name: str, target: LlamaRuntime) -> Case:
-    """The case ``name``."""
+def make_case(name: str, target: LlamaRuntime, draft=None) -> Case:
+    """The case ``name`` (``draft``: the server-row-caps case's draft model instead of its own)."""
     if name == "model":
         return Case(ModelDrafter(peaked(seed=11, scale=12.0), "other"), FixedK(2))
     if name == "lookup":
@@ -345,7 +345,7 @@ def make_case(name: str, target: LlamaRuntime) -> Case:
         policy = SteadyClock(CostAwareK(k_max=2, k_start=2, probe_every=8, watch=watch))
         return Case(ModelDrafter(peaked(seed=11, scale=12.0), "other"), policy, batch=100, check=_rows_off)
     if name in ("server-row-caps", "server-row-caps-tree"):  # the tree variant: trees cut to cap nodes
-        inner = ModelDrafter(peaked(seed=11, scale=12.0), "other")
+        inner = ModelDrafter(draft or peaked(seed=11, scale=12.0), "other")
         if name == "server-row-caps-tree":
             inner = _warm_ouroboros(inner)
         drafter, policy = RowCappedDrafter(inner), CappedPolicy(FixedK(3))
@@ -445,15 +445,19 @@ def assert_within_bound(idx: torch.Tensor, exact: torch.Tensor) -> None:
 def test_ragged_quantized_steps_follow_the_target_distribution(tmp_path, monkeypatch):
     """The quantized runtime verifies each row's own 1 + k_b tokens only (ragged steps, issue 17):
     with the server's per-row caps (0, 1, 3 drafts: ragged rows) its sampled output is still its
-    own distribution (a GGUF of this file's vocabulary with a peaked head)."""
+    own distribution. Target and draft: GGUFs of this file's vocabulary, the same weights with heads
+    scaled 2 and 1.5 (a close draft: most rows accept all drafts and take the bonus token, where a
+    step that dropped each row's last token would sample from zero logits, TV ~0.2: caught)."""
+    from specdraft.models.quant import QuantRuntime
     from tests.models.test_quant import TYPES, write_tiny_gguf
     from tests.models.test_quant_ragged import RaggedSpy
 
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))  # the GGUF index cache
-    write_tiny_gguf(tmp_path / "v8.gguf", TYPES["Q8_0"], head_scale=12.0, vocab_size=V)
+    write_tiny_gguf(tmp_path / "v8.gguf", TYPES["Q8_0"], head_scale=2.0, vocab_size=V)
+    write_tiny_gguf(tmp_path / "d8.gguf", TYPES["Q4_1"], head_scale=1.5, vocab_size=V)
     target = RaggedSpy(tmp_path / "v8.gguf")
     exact = exact_distribution(target)
-    case = make_case("server-row-caps", target)
+    case = make_case("server-row-caps", target, draft=QuantRuntime(tmp_path / "d8.gguf"))
     idx, rec, stats = sample_outputs(target, case, N)
     assert_within_bound(idx, exact)
     assert 0 < stats.accepted < stats.drafted and target.ragged_steps
