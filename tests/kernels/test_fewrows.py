@@ -12,6 +12,7 @@ from specdraft import kernels
 from specdraft.errors import SpecdraftError
 from specdraft.models.llama import LlamaRuntime, LlamaWeights
 from specdraft.models.tiny import tiny_llama
+from specdraft.tree import TokenTree
 
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason=f"native kernel: {kernels.status()}")
 
@@ -309,6 +310,28 @@ def test_native_decoder_layers_hand_out_intermediate_layers_bit_for_bit(monkeypa
     for li in (-1, 0, 2):
         assert torch.allclose(out.hidden[li], slow.hidden[li], atol=1e-4)
         assert not torch.equal(out.hidden[li], out.hidden[2 if li != 2 else 0])
+    # a token-tree step too (the native tree layout, spans in between)
+    tree = TokenTree.from_chains([[5, 6, 7], [5, 8], [9]])
+    root = [10, 7]
+
+    def tree_step(hidden):
+        monkeypatch.setattr(kernels, "USE_NATIVE_LAYERS", True)
+        st = rt.new_state(2, 32)
+        rt.forward(st, prompts, torch.arange(10).expand(2, 10))
+        spans.clear()
+        return rt.forward(
+            st,
+            torch.cat([new[:, :1], tree.tokens.expand(2, -1)], 1),
+            torch.stack([tree.positions(r) for r in root]),
+            hidden_layers=hidden,
+            attn_mask=torch.stack([tree.step_mask(r, 32) for r in root]),
+            slots=torch.stack([tree.slots(r) for r in root]),
+        )
+
+    assert torch.equal(tree_step((-1, 1)).logits, tree_step(()).logits)
+    assert spans == [(0, 4)]
+    tree_step((-1, 1))
+    assert spans == [(0, 2), (2, 4)]
     with pytest.raises(SpecdraftError, match="hidden layers"):
         step(rt, (4,))
     with pytest.raises(ValueError, match="span"):
