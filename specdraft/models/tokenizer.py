@@ -142,17 +142,26 @@ class FastTokenizer:
     def pad_token(self) -> str | None:
         return self.special_tokens_map.get("pad_token")
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    # Each call below takes the options specdraft uses; any other option (truncation, tensors,
+    # ...) is transformers' to interpret.
+
+    def encode(self, text: str, add_special_tokens: bool = True, **kwargs) -> list[int]:
+        if kwargs:
+            return self.hf.encode(text, add_special_tokens=add_special_tokens, **kwargs)
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> dict:
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True, **kwargs) -> dict:
         """``{"input_ids": ids}`` for a string, or a list of id lists for a list of strings."""
+        if kwargs:
+            return self.hf(text, add_special_tokens=add_special_tokens, **kwargs)
         if isinstance(text, str):
             return {"input_ids": self.encode(text, add_special_tokens)}
         encodings = self._tok.encode_batch(list(text), add_special_tokens=add_special_tokens)
         return {"input_ids": [e.ids for e in encodings]}
 
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+    def decode(self, ids, skip_special_tokens: bool = False, **kwargs) -> str:
+        if kwargs:
+            return self.hf.decode(ids, skip_special_tokens=skip_special_tokens, **kwargs)
         ids = [int(ids)] if isinstance(ids, int) else [int(i) for i in ids]  # ints, tensors, arrays
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 

@@ -125,6 +125,12 @@ def test_what_it_does_not_reproduce_goes_to_transformers(tmp_path):
     chat = [{"role": "user", "content": "hi", "tool_calls": []}]
     assert fast.apply_chat_template(chat, tokenize=False) == hf.apply_chat_template(chat, tokenize=False)
     assert fast.all_special_ids == hf.all_special_ids
+    kwargs, text = {"truncation": True, "max_length": 3}, "zebra quokka 42"  # not trained: many tokens
+    assert fast(text, **kwargs)["input_ids"] == hf(text, **kwargs)["input_ids"]
+    assert fast.encode(text, **kwargs) == hf.encode(text, **kwargs) and len(fast.encode(text)) > 3
+    assert fast.decode([5, 6], clean_up_tokenization_spaces=True) == hf.decode(
+        [5, 6], clean_up_tokenization_spaces=True
+    )
     with pytest.raises(Exception, match="no tools"):  # raise_exception, either way
         saved(tmp_path / "o", "bpe", OTHER_TEMPLATE)[0].apply_chat_template(
             [{"role": "tool", "content": "x"}]
