@@ -55,23 +55,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_frozen = False
-
-
 def _build_parser_frozen() -> argparse.ArgumentParser:
     """:func:`build_parser` with the cyclic garbage collector off, and what it imported frozen out
-    of its reach (the first time in a process; ``gc.freeze``). The command modules import torch:
-    millions of objects that the collector would otherwise traverse again and again while they load
-    and after (``specdraft generate --max-new-tokens 1``, measured under a load of 10 on 2 cores:
-    390 collections taking 1.1-1.4 s, against 18 taking 0.03 s; issue 15)."""
-    global _frozen
+    of its reach (``gc.freeze``). The command modules import torch: millions of objects that the
+    collector would otherwise traverse again and again while they load and after
+    (``specdraft generate --max-new-tokens 1``, measured under a load of 10 on 2 cores: 390
+    collections taking 1.1-1.4 s, against 18 taking 0.03 s; issue 15). Only for the ``specdraft``
+    command itself (``main()`` without arguments): a process that calls :func:`main` with its own
+    arguments (tests) would keep whatever it holds then out of the collector's reach for good."""
     gc.disable()
     try:
         return build_parser()
     finally:
-        if not _frozen:  # once: a process calling main again (tests) keeps collecting its garbage
-            gc.freeze()
-            _frozen = True
+        gc.freeze()
         gc.enable()
 
 
@@ -80,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # transformers' "Loading weights" bar: stderr stays one line
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    parser = _build_parser_frozen()
+    parser = _build_parser_frozen() if argv is None else build_parser()
     try:
         args = parser.parse_args(argv)
     except BadArguments as e:

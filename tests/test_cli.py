@@ -101,3 +101,24 @@ def test_vocab_mismatch_in_a_real_process(other_tokenizer_dir):
     assert len(lines) == 1 and "different tokenizer" in lines[0], proc.stderr
     assert lines[0].startswith("specdraft generate: error:")
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+FREEZE = """
+import gc, sys
+from specdraft import cli
+sys.argv = ["specdraft", "no-such-command"]
+rc = cli.main()
+print(gc.get_freeze_count() > 0, gc.isenabled(), rc)
+"""
+
+
+def test_the_command_freezes_its_imports_and_callers_with_arguments_do_not(capsys):
+    """``specdraft`` (``main()``) freezes what it imported out of the garbage collector's reach
+    (start time, issue 15) and leaves the collector on; ``main(argv)`` freezes nothing."""
+    import gc
+
+    before = gc.get_freeze_count()
+    assert run_cli(capsys, "no-such-command")[0] == 2
+    assert gc.get_freeze_count() == before and gc.isenabled()
+    out = subprocess.run([sys.executable, "-c", FREEZE], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.split() == ["True", "True", "2"]
