@@ -110,6 +110,11 @@ def _build_arguments(sub) -> None:
         "drafted inside the target's verification forward from layer --layers S (try --block 4)",
     )
     b.add_argument("--block", type=int, default=16, help="--kind diffusion: block size (anchor included)")
+    b.add_argument(
+        "--init-from",
+        default=None,
+        help="--kind ctc: start from this designed feature draft (its layers, fc and head)",
+    )
     b.add_argument("--window", type=int, default=8, help="--kind diffusion: target features read as context")
     b.add_argument(
         "--feature-layers",
@@ -297,6 +302,7 @@ def _build(args) -> int:
         dtype=args.save_dtype,
         kind=args.kind,
         feature_layers=args.feature_layers,
+        init_from=args.init_from,
         block=args.block,
         window=args.window,
     )

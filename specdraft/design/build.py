@@ -62,6 +62,9 @@ class BuildConfig:
         block: a ``diffusion`` draft's block size (the anchor included,
             :mod:`specdraft.design.diffusion`).
         window: the target features a ``diffusion`` block reads as context.
+        init_from: a ``ctc`` draft starts from this designed ``feature`` draft (directory or name
+            under ``drafts/``): its layers, ``fc`` and head subset (the slots and blank start new);
+            None: from the target's ``layers`` like the others.
     """
 
     layers: list[int]
@@ -82,6 +85,7 @@ class BuildConfig:
     feature_layers: list[int] | None = None
     block: int = 16
     window: int = 8
+    init_from: str | None = None
 
 
 SELF_SOURCE = "requests the target wrote itself (Magpie-style, sampled from its chat template's user turn)"
@@ -172,9 +176,12 @@ def build_draft(
     )
 
     V = pipe.runtime.vocab_size
-    head = head_subset(data, cfg.head, V, pipe.eos_ids, prompt_token_counts(pipe))
-    draft = None if cfg.kind == "flex" else make_draft(pipe, cfg, val)  # flex: the target's layers
-    model = _draft_model(draft, cfg, head, pipe.target.model)
+    if cfg.init_from:
+        model, head, draft = _warm_ctc(cfg, pipe)
+    else:
+        head = head_subset(data, cfg.head, V, pipe.eos_ids, prompt_token_counts(pipe))
+        draft = None if cfg.kind == "flex" else make_draft(pipe, cfg, val)  # flex: the target's layers
+        model = _draft_model(draft, cfg, head, pipe.target.model)
     if head:
         log(f"head: {len(head)} tokens cover {head.coverage:.1%} of the target's answer tokens")
     before = validate(model, val, cfg.train.max_len)
@@ -274,6 +281,23 @@ def _arch(model, kind: str) -> dict:
     if kind == "flex":
         return model.arch
     return {}
+
+
+def _warm_ctc(cfg: BuildConfig, pipe):
+    """``(model, head, draft)`` of a ``ctc`` draft started from the feature draft ``cfg.init_from``."""
+    from specdraft.design.artifact import load_draft, resolve_draft_dir
+    from specdraft.design.ctc import CTCDraftLM
+
+    if cfg.kind != "ctc":
+        raise SpecdraftError("--init-from starts a ctc draft from a feature draft (give --kind ctc)")
+    draft, meta, extra = load_draft(resolve_draft_dir(cfg.init_from), pipe.target.model)
+    if meta.kind != "feature":
+        raise SpecdraftError(f"--init-from {cfg.init_from}: a {meta.kind} draft, not a feature draft")
+    draft.model.layers.requires_grad_(True)  # load_draft freezes it
+    draft.model.norm.requires_grad_(True)
+    ids = torch.tensor(meta.head_tokens, dtype=torch.int64) if meta.head_tokens else None
+    head = VocabSubset(ids, meta.head_coverage or 0.0) if ids is not None else None
+    return CTCDraftLM(draft, ids, fc=extra["fc.weight"]), head, draft
 
 
 def _draft_model(draft, cfg: BuildConfig, head, target):

@@ -109,3 +109,46 @@ def test_build_kind_ctc_end_to_end(tmp_path, monkeypatch, capsys):
     assert main([*gen, "--max-new-tokens", "6", "--json"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(res["tokens"]) == 6
+
+
+def test_build_ctc_warm_started_from_a_feature_draft(tmp_path, monkeypatch, capsys):
+    """``--init-from``: the CTC draft takes the feature draft's layers, fc and head (untrained here:
+    ``--steps 0`` keeps them as they were); anything but a feature draft is refused in one line."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    data = ["--prompts", "6", "--val-prompts", "4", "--max-new-tokens", "8", "--gen-batch", "4", "--quiet"]
+    base = [
+        "design",
+        "build",
+        "--target",
+        "tiny",
+        "--threads",
+        "1",
+        *data,
+        "--layers",
+        "1",
+        "--batch-size",
+        "2",
+    ]
+    feat, ctc = tmp_path / "feat", tmp_path / "ctc"
+    assert main([*base, "--kind", "feature", "--head", "64", "--steps", "2", "--out", str(feat)]) == 0
+    assert main([*base, "--kind", "ctc", "--init-from", str(feat), "--steps", "0", "--out", str(ctc)]) == 0
+    a, b = load_file(str(feat / "model.safetensors")), load_file(str(ctc / "model.safetensors"))
+    assert {k for k in b if not k.startswith("ctc.")} == set(a)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    meta = [json.loads((d / "specdraft.json").read_text()) for d in (feat, ctc)]
+    assert meta[1]["head_tokens"] == meta[0]["head_tokens"] and meta[1]["kind"] == "ctc"
+    trained = tmp_path / "trained"  # and it trains from there
+    assert (
+        main([*base, "--kind", "ctc", "--init-from", str(feat), "--steps", "2", "--out", str(trained)]) == 0
+    )
+    c = load_file(str(trained / "model.safetensors"))
+    assert not torch.equal(c["fc.weight"], a["fc.weight"])
+    assert not torch.equal(c["model.layers.0.mlp.up_proj.weight"], a["model.layers.0.mlp.up_proj.weight"])
+    capsys.readouterr()
+    assert (
+        main([*base, "--kind", "ctc", "--init-from", str(ctc), "--steps", "0", "--out", str(tmp_path / "x")])
+        != 0
+    )
+    assert "not a feature draft" in capsys.readouterr().err
