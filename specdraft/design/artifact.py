@@ -406,8 +406,9 @@ def flex_drafter(path: Path, target):
         tensors = load_file(str(path / WEIGHTS_FILE))
     except (OSError, SafetensorError) as e:
         raise SpecdraftError(f"draft {path} is corrupted or incomplete ({type(e).__name__}: {e})") from None
-    dt = target.runtime.dtype
-    tensors = {k: v.to(dt) for k, v in tensors.items()}
+    rw = target.runtime.w  # projectors stored like the target's weights (bf16: half the traffic)
+    proj = ("flex.wqkv.", "flex.wo.")
+    tensors = {k: v.to(rw.dtype if k.startswith(proj) else rw.compute_dtype) for k, v in tensors.items()}
     w = FlexWeights.from_tensors(tensors, meta.arch["split"], len(target.runtime.layers))
     head = torch.tensor(meta.head_tokens, dtype=torch.int64) if meta.head_tokens else None
     return FlexDrafter(target.runtime, w, f"designed:{path.name}", block=meta.arch["block"], head_tokens=head)

@@ -79,8 +79,8 @@ class FlexWeights:
         return cls(
             split=split,
             mask=(0.02 * torch.randn(C, generator=g)).to(dt),
-            wqkv=[layer.wqkv.to(dt).clone() for layer in target.layers[split:]],
-            wo=[layer.wo.to(dt).clone() for layer in target.layers[split:]],
+            wqkv=[layer.wqkv.clone() for layer in target.layers[split:]],  # the target's weight dtype
+            wo=[layer.wo.clone() for layer in target.layers[split:]],
             down=(torch.randn(rank, 2 * C, generator=g) / (2 * C) ** 0.5).to(dt),
             up=torch.zeros(C, rank, dtype=dt),
         )

@@ -70,15 +70,16 @@ def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm(x, weight, eps)
 
 
-def _attention_mask(rows: MaskRows, S: int) -> torch.Tensor:
-    """``(B, 1, M, S + M)``: cache slots up to ``visible``, then the earlier mask tokens of the group."""
+def _attention_mask(rows: MaskRows, S: int, dtype: torch.dtype) -> torch.Tensor:
+    """``(B, 1, M, S + M)`` additive mask (0 or -inf, made once for all layers): cache slots up to
+    ``visible``, then the earlier mask tokens of the group."""
     M = rows.group.shape[0]
     see_real = torch.arange(S) <= rows.visible.unsqueeze(-1)  # (B, M, S)
     j = torch.arange(M)
-    see_mask = (rows.group.unsqueeze(1) == rows.group.unsqueeze(0)) & (
-        j.unsqueeze(1) >= j.unsqueeze(0)
-    )  # (M, M)
-    return torch.cat([see_real, see_mask.expand(see_real.shape[0], M, M)], -1).unsqueeze(1)
+    same = rows.group.unsqueeze(1) == rows.group.unsqueeze(0)
+    see_mask = same & (j.unsqueeze(1) >= j.unsqueeze(0))  # (M, M)
+    see = torch.cat([see_real, see_mask.expand(see_real.shape[0], M, M)], -1).unsqueeze(1)
+    return torch.zeros(see.shape, dtype=dtype).masked_fill_(~see, float("-inf"))
 
 
 def mask_hidden(runtime: LlamaRuntime, state: LlamaKV, rows: MaskRows) -> torch.Tensor:
@@ -91,7 +92,7 @@ def mask_hidden(runtime: LlamaRuntime, state: LlamaKV, rows: MaskRows) -> torch.
     B, M, _ = rows.x.shape
     H, G, D = w.n_heads, w.n_kv_heads, w.head_dim
     S = max(int(rows.visible.max()) + 1, 0)
-    mask = _attention_mask(rows, S)
+    mask = _attention_mask(rows, S, runtime.dtype)
     cos, sin = runtime._rope(rows.positions)  # (B, 1, M, D)
     if torch.is_grad_enabled():  # tables made under inference mode cannot be saved for backward
         cos, sin = cos.clone(), sin.clone()
