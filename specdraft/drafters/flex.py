@@ -193,6 +193,8 @@ class FlexDrafter:
             raise SpecdraftError(
                 "FlexDraft drafts inside the compact runtime's forward: use a bf16 or fp32 target (--dtype)"
             )
+        if type(target) is not LlamaRuntime:  # the mask tokens' layers are the Llama layer's math only
+            raise SpecdraftError(f"FlexDraft runs Llama-family targets only, not {type(target).__name__}")
         if len(weights.wqkv) != len(target.layers) - weights.split:
             raise SpecdraftError("flex draft's projectors do not match the target's layers from its split")
         if block < 1:

@@ -10,6 +10,7 @@ import torch
 from specdraft.drafters.flex import FlexDrafter, FlexWeights, group_rows
 from specdraft.engine import Engine, Request, decode_requests
 from specdraft.errors import SpecdraftError
+from specdraft.models.gemma3 import Gemma3Runtime
 from specdraft.models.mask_rows import forward_with_masks, mask_hidden
 from specdraft.models.tiny import tiny_llama
 from specdraft.policy import FixedK
@@ -112,5 +113,7 @@ def test_the_engine_refuses_another_runtime(target):
     other = compact(tiny_llama(num_layers=3, seed=5))
     with pytest.raises(SpecdraftError, match="drafts inside its target's forward"):
         Engine(other, FlexDrafter(target, weights(target)))
+    with pytest.raises(SpecdraftError, match="Llama-family targets only"):
+        FlexDrafter(Gemma3Runtime(target.w), weights(target))
     with pytest.raises(SpecdraftError, match="split layer"):
         FlexWeights.init(target, 3)
