@@ -346,11 +346,12 @@ def _export(args) -> int:
 
     src = resolve_draft_dir(args.draft)
     pipe = _pipe(args)
-    draft, meta, extra = load_draft(src, pipe.target.model)
-    if meta.kind in ("feature", "diffusion", "ctc"):
+    kind = read_meta(src).kind
+    if kind in ("feature", "diffusion", "ctc", "flex"):  # (a flex draft has no Llama to load)
         raise SpecdraftError(
-            f"{src} is a {meta.kind} draft: it exports only in its own format (copy the directory)"
+            f"{src} is a {kind} draft: it exports only in its own format (copy the directory)"
         )
+    draft, meta, extra = load_draft(src, pipe.target.model)
 
     def add_files(d):  # the tokenizer lands with the draft (and a DREAM draft's speculators config)
         pipe.tokenizer.save_pretrained(str(d))

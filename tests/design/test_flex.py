@@ -134,3 +134,5 @@ def test_build_kind_flex_end_to_end(tmp_path, monkeypatch, capsys):
     assert main([*gen, "--draft", "none", "--json"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokens"] == res["tokens"]
     assert res["stats"]["drafted"] > 0
+    exp = ["design", "export", str(out), "--target", "tiny", "--threads", "1", "--out", str(tmp_path / "x")]
+    assert main(exp) != 0 and "exports only in its own format" in capsys.readouterr().err
