@@ -44,7 +44,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.kernels import cpu_has_fast_bf16
 from specdraft.models.llama import LlamaWeights
 from specdraft.models.loading import DEFAULT_TARGET, LoadedModel, load_model, load_tokenizer
-from specdraft.models.runtime import Runtime, make_runtime, runs_compact
+from specdraft.models.runtime import Runtime, compact_from_files, make_runtime, runs_compact
 from specdraft.policy import KPolicy, make_policy
 from specdraft.stats import SpecStats
 from specdraft.verify import SamplingParams
@@ -81,6 +81,22 @@ def resolve_dtype(name: str | torch.dtype, draft: bool = False, runtime: str = "
             "int8 is a draft precision (--draft-dtype int8): an int8 target would not be lossless"
         )
     return dt
+
+
+RUNS_WITHOUT_TRANSFORMERS_MODEL = (
+    "none",
+    "lookup",
+    "lookup-tree",
+    "self",
+    "prune",
+    "bigram",
+    "suffix",
+    "model",
+)
+"""Draft kinds whose factories never read the target's transformers model: with these (and no
+``needs`` of :data:`specdraft.dtypes.AUTO_KEEPS_BF16`) a Gemma 3 target on the compact runtime is
+loaded from its weight files alone (:func:`specdraft.models.runtime.compact_from_files`), without
+the float32 transformers model."""
 
 
 def set_threads(threads: int | None) -> None:
@@ -290,6 +306,9 @@ def load(
         rt = QuantRuntime(gguf_path(target))
     elif dtype == "auto" and runtime in ("auto", "quant"):
         rt = auto_quant_runtime(target, (spec.kind, *needs))
+    keeps_model = spec.kind not in RUNS_WITHOUT_TRANSFORMERS_MODEL or any(n in AUTO_KEEPS_BF16 for n in needs)
+    if rt is None and dtype != "q" and runtime in ("auto", "compact") and not keeps_model:
+        rt = compact_from_files(target, resolve_dtype(dtype, runtime="compact"))  # Gemma 3 only
     if rt is not None:
         # the tokenizer only, unless the drafter is built from the target's transformers model
         # (a designed draft shares its embedding)

@@ -557,6 +557,31 @@ def _tokenizer_intact(cache: Path) -> bool:
         return False
 
 
+def _files_dir(ref: ModelRef) -> Path | None:
+    """Where a model's transformers files are: its directory, or a GGUF's conversion cache entry
+    (which may not exist yet); None for ``tiny``."""
+    if ref.kind == "alias":
+        return _cache_dir(ref.package.alias, ref.package.fingerprint_files())
+    if ref.kind == "gguf":
+        return _cache_dir(ref.path.stem, [ref.path])
+    return ref.path if ref.kind == "hf_dir" else None
+
+
+def weights_dir(name_or_path: str) -> Path | None:
+    """The transformers directory holding a model's weights, found without loading them: the
+    directory given, or a GGUF's conversion cache entry when it is complete and intact; None
+    otherwise (``tiny``, or a GGUF not converted yet: :func:`load_model` converts it).
+
+    Raises:
+        SpecdraftError: as :func:`resolve_model_path`.
+    """
+    ref = resolve_model_path(name_or_path)
+    directory = _files_dir(ref)
+    if directory is None or ref.kind == "hf_dir":
+        return directory
+    return directory if directory.exists() and _is_complete(directory) else None
+
+
 def load_tokenizer(name_or_path: str) -> LoadedModel:
     """A model's tokenizer without the model, for runtimes that read the weights themselves (the
     quantized GGUF runtime, :mod:`specdraft.models.quant`): no transformers model, no float copy
@@ -578,13 +603,8 @@ def load_tokenizer(name_or_path: str) -> LoadedModel:
     from specdraft.models.tokenizer import FastTokenizer, supports
 
     ref = resolve_model_path(name_or_path)
-    if ref.kind == "alias":
-        directory = _cache_dir(ref.package.alias, ref.package.fingerprint_files())
-    elif ref.kind == "gguf":
-        directory = _cache_dir(ref.path.stem, [ref.path])
-    elif ref.kind == "hf_dir":
-        directory = ref.path
-    else:
+    directory = _files_dir(ref)
+    if directory is None:
         return load_model(name_or_path, torch.float32)
     if ref.kind != "hf_dir" and not _tokenizer_intact(directory):
         return load_model(name_or_path, torch.float32)

@@ -222,6 +222,32 @@ def test_api_auto_and_compact_load_gemma_on_the_compact_runtime(tmp_path):
     assert isinstance(api.load(str(tmp_path), "none", runtime="hf", threads=1).runtime, HFRuntime)
 
 
+def test_compact_weights_load_from_files_without_the_transformers_model(tmp_path, monkeypatch):
+    """Nothing that needs the transformers model: the weights come from the safetensors file alone,
+    equal to :meth:`Gemma3Weights.from_hf`'s (logits bit for bit), also when a tensor is read in
+    several blocks of rows; a draft kind or a run that needs the model keeps it."""
+    from specdraft import api
+    from specdraft.models import gemma3
+    from specdraft.models.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    model = tiny_gemma3(vocab=len(tok))
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    monkeypatch.setattr(gemma3._SafetensorsReader, "ROWS", 40)  # the embedding in 3 blocks
+    ids = torch.randint(3, len(tok), (1, 12), generator=torch.Generator().manual_seed(9))
+    want = prefill(Gemma3Runtime(Gemma3Weights.from_hf(model, torch.bfloat16)), ids, 16)[1].logits
+    for draft in ("none", "prune:0,2"):
+        pipe = api.load(str(tmp_path), draft, dtype="bf16", threads=1)
+        assert pipe.target.model is None and isinstance(pipe.runtime, Gemma3Runtime), draft
+        assert torch.equal(prefill(pipe.runtime, ids, 16)[1].logits, want)
+    assert api.load(str(tmp_path), "none", dtype="bf16", threads=1, needs=("hf",)).target.model is not None
+    assert api.load(str(tmp_path), "none", dtype="bf16", runtime="hf", threads=1).target.model is not None
+    (tmp_path / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(SpecdraftError, match="cannot read the Gemma 3 weights"):
+        Gemma3Weights.from_safetensors(tmp_path, torch.float32)
+
+
 @native
 def test_token_tree_rows_equal_chain_steps_past_the_window(gemma):
     """A token-tree step (issue 16) after a context longer than the window: every node's logits are
@@ -250,3 +276,62 @@ def test_token_tree_rows_equal_chain_steps_past_the_window(gemma):
         assert torch.equal(logits[1 + i], want), i
         reference = hf_logits(model, torch.tensor([context + chain]))[0, -1]
         torch.testing.assert_close(logits[1 + i], reference, atol=ATOL, rtol=0)
+
+
+def test_pruned_draft_with_a_head_subset_is_lossless_and_leaves_the_target_alone(gemma):
+    """``prune:0,2,head=N``: the draft's head is the N ids most frequent in the training prompts
+    (plus end-of-sequence), it scores nothing else (-inf), the target keeps its whole head, and
+    greedy output equals plain decoding."""
+    from specdraft import registry
+    from specdraft.design.prune import prompt_head
+    from specdraft.models.loading import LoadedModel
+    from specdraft.models.subset_head import SubsetHeadRuntime
+    from specdraft.models.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    rt = Gemma3Runtime(Gemma3Weights.from_hf(tiny_gemma3(vocab=len(tok)), torch.float32))
+    V = rt.vocab_size
+    loaded = LoadedModel(model=None, tokenizer=tok, name="tiny-gemma", source="test")
+    drafter = registry.build_drafter("prune:0,2,head=40", registry.Target(loaded, rt, torch.float32))
+    head = prompt_head(tok, 40, V, loaded.eos_ids())
+    assert isinstance(drafter.runtime, SubsetHeadRuntime) and drafter.name == "prune:0,2,head=40"
+    assert torch.equal(drafter.runtime.token_ids, head.token_ids) and 40 <= len(head) <= 41
+    assert set(loaded.eos_ids()) <= set(head.token_ids.tolist()) and 0 < head.coverage < 1
+    assert rt.w.lm_head.shape[0] == V and drafter.runtime.runtime.w.lm_head.shape[0] == len(head)
+    state = drafter.runtime.new_state(1, 8)
+    logits = drafter.runtime.forward(state, torch.tensor([[5, 6, 7]]), torch.arange(3).unsqueeze(0)).logits
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[head.token_ids] = False
+    assert torch.isinf(logits[..., outside]).all() and torch.isfinite(logits[..., ~outside]).all()
+    prompts = random_prompts([5, 9], vocab=V, seed=7)
+    reference = [plain_greedy(rt, p, 12) for p in prompts]
+    assert decode(Engine(rt, drafter, FixedK(3)), prompts, 12) == reference
+
+
+@pytest.mark.parametrize(
+    "text, layers, head",
+    [("prune:0,2", [0, 2], None), ("prune:0, 2,head=40", [0, 2], 40), ("prune:5,head=7", [5], 7)],
+)
+def test_prune_spec_with_a_head_size(text, layers, head):
+    from specdraft.registry import DraftSpec
+
+    spec = DraftSpec.parse(text)
+    assert (spec.layers, spec.head) == (layers, head) and DraftSpec.parse(str(spec)) == spec
+
+
+@pytest.mark.parametrize("text", ["prune:head=40", "prune:0,head=0", "prune:0,head=x", "prune:0,head=4,1"])
+def test_bad_prune_head_specs_are_one_error_line(text):
+    from specdraft.registry import DraftSpec
+
+    with pytest.raises(SpecdraftError, match="head=N"):
+        DraftSpec.parse(text)
+
+
+def test_the_attack_refuses_a_pruned_draft_with_a_head_subset():
+    """The attack rebuilds a pruned draft as a transformers model with the whole head: it says so."""
+    from specdraft.attack.run import diff_models
+    from specdraft.models.tiny import tiny_llama
+
+    pipe = SimpleNamespace(target=SimpleNamespace(model=tiny_llama(seed=0)), draft_spec="prune:0,head=5")
+    with pytest.raises(SpecdraftError, match="no head="):
+        diff_models(pipe)
