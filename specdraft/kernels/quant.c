@@ -692,7 +692,9 @@ static void silu_mul(const float *gu, float *h, int M, int F, int j0, int j1) {
 /* A step's attention: all B rows of T tokens in one call, or for a ragged step (off non-NULL: row
  * b's tokens are packed rows off[b] .. off[b + 1] - 1 of qkv and att) one call per row over its own
  * tokens, positions and cache row (rope_attend with one row). A query's operations are the same
- * either way (rope_attend's contract), so a ragged step's rows are bit for bit one-token steps. */
+ * either way (rope_attend's contract), so a ragged step's rows are bit for bit one-token steps.
+ * With at least two rows per thread the rows share one parallel region, a row per thread at a time
+ * (rope_attend then runs on that thread alone), instead of opening one region per row. */
 static void attend_step(rope_attend_fn attend, const int64_t *off, const float *qkv, const int64_t *pos,
                         const float *cosT, const float *sinT, float *kc, float *vc, float *att, int B, int T,
                         int H, int G, int D, int cap, int nt) {
@@ -701,11 +703,13 @@ static void attend_step(rope_attend_fn attend, const int64_t *off, const float *
         return;
     }
     const long Q = (long)(H + 2 * G) * D, cache_row = (long)G * cap * D;
+    const int by_row = B >= 2 * nt, inner = by_row ? 1 : nt;
+#pragma omp parallel for schedule(dynamic) num_threads(nt) if (by_row)
     for (int b = 0; b < B; b++) {
         const int n = (int)(off[b + 1] - off[b]);
         if (n > 0)
             attend(qkv + off[b] * Q, pos + off[b], cosT, sinT, kc + b * cache_row, vc + b * cache_row,
-                   att + off[b] * (long)H * D, 1, n, H, G, D, cap, nt);
+                   att + off[b] * (long)H * D, 1, n, H, G, D, cap, inner);
     }
 }
 

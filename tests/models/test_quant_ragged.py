@@ -74,16 +74,20 @@ def _ragged_step(rt, state, new: list[list[int]], lengths: list[int], starts: li
     return rt.forward(state, torch.tensor(new), positions, lengths=torch.tensor(lengths)).logits
 
 
-@pytest.mark.parametrize("first, second", [([1, 4, 2, 3], [3, 1, 2, 1]), ([4, 1, 1, 1], [1, 1, 3, 2])])
+@pytest.mark.parametrize(
+    "first, second", [([1, 4, 2, 3], [3, 1, 2, 1]), ([4, 1, 1, 1], [1, 1, 3, 2]), ([2, 1, 4], [1, 3, 1])]
+)
 @pytest.mark.parametrize("variant", ["avx2", "ref"])
 def test_ragged_rows_equal_their_own_one_token_steps(gguf_path, variant, first, second):
     """Two ragged steps (the second from each row's own length): every row's logits equal its own
-    one-token steps bit for bit, so the first step wrote exactly the row's cache entries."""
+    one-token steps bit for bit, so the first step wrote exactly the row's cache entries. Four rows
+    on two threads attend a row per thread, three rows one after another (quant.c attend_step)."""
+    B = len(first)
     rt = QuantRuntime(gguf_path, variant)
-    state = _prefilled(rt, CONTEXTS)
+    state = _prefilled(rt, CONTEXTS[:B])
     P = len(CONTEXTS[0])
-    a = _ragged_step(rt, state, NEW, first, [P] * 4)
-    b = _ragged_step(rt, state, MORE, second, [P + n for n in first])
+    a = _ragged_step(rt, state, NEW[:B], first, [P] * B)
+    b = _ragged_step(rt, state, MORE[:B], second, [P + n for n in first])
     for row, (n1, n2) in enumerate(zip(first, second)):
         ref = _one_token_steps(rt, CONTEXTS[row], [NEW[row][:n1], MORE[row][:n2]])
         assert torch.equal(a[row, :n1], ref[0]), (row, n1)
