@@ -310,9 +310,9 @@ def load(
     if rt is None and dtype != "q" and runtime in ("auto", "compact") and not keeps_model:
         rt = compact_from_files(target, resolve_dtype(dtype, runtime="compact"))  # Gemma 3 only
     if rt is not None:
-        # the tokenizer only, unless the drafter is built from the target's transformers model
-        # (a designed draft shares its embedding)
-        loaded = load_model(target, torch.float32) if spec.kind == "designed" else load_tokenizer(target)
+        # the tokenizer only, unless the drafter may be built from the target's transformers model
+        # (a designed draft shares its embedding; tree:designed:... wraps one)
+        loaded = load_model(target, torch.float32) if keeps_model else load_tokenizer(target)
         drafter = make_drafter(draft, loaded, rt, resolve_dtype(draft_dtype, draft=True))
         return Pipeline(loaded, rt, drafter, draft)
     if dtype == "auto" and not cpu_has_fast_bf16():

@@ -87,3 +87,23 @@ def test_commands_say_what_they_run_beside_the_target(monkeypatch, tmp_path, cap
     assert cli.main([*argv, *extra, "--threads", "1"]) == 2
     assert "stop here" in capsys.readouterr().err
     assert tuple(seen["needs"]) == needs and seen["dtype"] == "auto"
+
+
+def test_a_drafter_that_wraps_a_model_draft_gets_the_transformers_model(q41, monkeypatch):
+    """``tree:self`` (not only ``designed:``) may build from the transformers model: a quantized
+    target keeps its runtime and loads the model beside it; prompt lookup reads the tokenizer only."""
+
+    class Loaded(Exception):
+        pass
+
+    def fake(what):
+        def load(target, *args, **kw):
+            raise Loaded(what)
+
+        return load
+
+    monkeypatch.setattr(api, "load_model", fake("model"))
+    monkeypatch.setattr(api, "load_tokenizer", fake("tokenizer"))
+    for draft, what in (("tree:self", "model"), ("designed:auto", "model"), ("lookup", "tokenizer")):
+        with pytest.raises(Loaded, match=what):
+            api.load(str(q41), draft, threads=1)
