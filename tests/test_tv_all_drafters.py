@@ -12,8 +12,9 @@ and every path that cuts a proposal: a model draft, prompt lookup (no q), the RE
 bigram drafter (no q), the target drafting for itself, a layer-pruned draft, the gated designed
 draft (best prefix and early stop), the feature draft, the DREAM-style draft, the feature draft
 with a local head fused in, FlexDraft (drafting in the verification forward, and sequentially),
-the Ouroboros and suffix drafters' token trees (point masses from a phrase pool / a history), the
-cost-aware policy's per-class trim, its per-row cut of rows whose drafts fail (issue 17) and the
+the block-diffusion drafter (one pass per block, cut by its length head), the Ouroboros and
+suffix drafters' token trees (point masses from a phrase pool / a history), the cost-aware
+policy's per-class trim, its per-row cut of rows whose drafts fail (issue 17) and the
 server's per-row caps. Each case also checks that its cut really happened, and the old gating
 rule is shown to fail the same test.
 """
@@ -33,6 +34,7 @@ from specdraft.drafters.base import DraftContext, DraftState, Proposal
 from specdraft.drafters.bigram import BigramDrafter
 from specdraft.drafters.capped import RowCappedDrafter
 from specdraft.drafters.ctc import CTCDrafter
+from specdraft.drafters.diffusion import BlockArch, BlockDiffusion, DiffusionDrafter, init_tensors
 from specdraft.drafters.dream import DreamDrafter, cross_weights
 from specdraft.drafters.feature import FeatureDrafter
 from specdraft.drafters.flex import FlexDrafter, FlexWeights
@@ -334,6 +336,14 @@ def make_case(name: str, target: LlamaRuntime, draft=None) -> Case:
         switch = N if name == "flex" else 0
         drafter = FlexDrafter(target, w, name, block=2, switch_batch=switch, head_tokens=head)
         return Case(drafter, FixedK(2), check=_lengths(2))
+    if name == "diffusion":  # one pass proposes the block; q per position; the length head's n varies
+        draft = tiny_llama(vocab_size=V, seed=14)
+        g = torch.Generator().manual_seed(4)
+        C = draft.config.hidden_size
+        t = {**init_tensors(C), "fc": torch.randn(C, C, generator=g) * C**-0.5}
+        t["len2.weight"] = torch.randn(1, 64, generator=g) * 4.0
+        block = BlockDiffusion(draft, None, t, BlockArch(block=4, window=2))
+        return Case(DiffusionDrafter(block, "diffusion"), FixedK(3), check=_lengths(0, 1, 3))
     if name == "cost-aware-trim":
         policy = SteadyClock(CostAwareK(k_max=3, k_start=3, probe_every=2))
         return Case(PromptLookupDrafter(), policy, batch=100, check=_trimmed)
@@ -414,6 +424,7 @@ CASES = [
     "flex",
     "flex-sequential",
     "ctc",
+    "diffusion",
     "cost-aware-trim",
     "cost-aware-rows",
     "server-row-caps",
