@@ -9,7 +9,8 @@ drawn (earlier tokens, the draft's distribution at i, the request, the policy's 
 The statistical test is the one of ``tests/test_sampling.py`` (target: a tiny Llama, vocabulary
 8, its head scaled up; every output of NEW tokens enumerated exactly), run for every drafter class
 and every path that cuts a proposal: a model draft, prompt lookup (no q), the README's example
-bigram drafter (no q), the target drafting for itself, a layer-pruned draft, the gated designed
+bigram drafter (no q), the target drafting for itself, a layer-pruned draft (also with a head
+subset: prune:...,head=N), the gated designed
 draft (best prefix and early stop), the feature draft, the DREAM-style draft, the feature draft
 with a local head fused in, FlexDraft (drafting in the verification forward, and sequentially),
 the block-diffusion drafter (one pass per block, cut by its length head), the Ouroboros and
@@ -30,6 +31,7 @@ import pytest
 import torch
 
 from specdraft import kernels
+from specdraft.design.prune import with_head
 from specdraft.drafters.base import DraftContext, DraftState, Proposal
 from specdraft.drafters.bigram import BigramDrafter
 from specdraft.drafters.capped import RowCappedDrafter
@@ -275,6 +277,9 @@ def make_case(name: str, target: LlamaRuntime, draft=None) -> Case:
         return Case(ModelDrafter(target, "self"), FixedK(2))
     if name == "pruned":
         return Case(ModelDrafter(LlamaRuntime(target.w, [0]), "prune:0"), FixedK(2))
+    if name == "pruned-head":  # prune:0,head=N: q is zero outside the head's ids
+        pruned = ModelDrafter(LlamaRuntime(target.w, [0]), "prune:0,head=5")
+        return Case(with_head(pruned, torch.tensor([0, 1, 2, 4, 6])), FixedK(2))
     if name == "gated-best-prefix":
         # a second token costs less than the first: whether the first pays can hang on the second
         gated = GatedDrafter(_distilled(), "gated", cost=VerifyCost([1.0, 1.4, 1.6], 0.0))
@@ -416,6 +421,7 @@ CASES = [
     "bigram",
     "self",
     "pruned",
+    "pruned-head",
     "gated-best-prefix",
     "gated-early-stop",
     "feature",
