@@ -55,3 +55,22 @@ def decode(
 def plain_greedy(runtime, prompt: list[int], max_new_tokens: int, eos_ids: tuple[int, ...] = ()) -> list[int]:
     """The reference: plain greedy decoding of one prompt (batch 1, no drafter)."""
     return decode(Engine(runtime), [prompt], max_new_tokens, eos_ids=eos_ids)[0]
+
+
+def target_answers(
+    pipe, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 16, hidden: bool = True
+):
+    """The tiny target's greedy answers to ``prompts`` with its top-8 log-probs and (``hidden``) its
+    final hidden states: the cached training data of the feature drafters' tests."""
+    from specdraft.design.data import generate_target_data
+
+    return generate_target_data(
+        pipe.runtime,
+        prompts,
+        eos_ids=(),
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        topk=8,
+        hidden_layer=-1 if hidden else None,
+        progress=False,
+    )

@@ -8,26 +8,16 @@ import torch
 
 from specdraft.cli import main
 from specdraft.design.ctc import CTCDraftLM, _walk, tree_report
-from specdraft.design.data import generate_target_data
 from specdraft.design.prune import depth_prune
 from specdraft.design.train import TrainConfig
 from specdraft.errors import SpecdraftError
 from specdraft.tree import TokenTree
-from tests.helpers import head_subset, random_prompts
+from tests.helpers import head_subset, random_prompts, target_answers
 
 
 @pytest.fixture(scope="module")
 def data(tiny_pipe):
-    return generate_target_data(
-        tiny_pipe.runtime,
-        random_prompts([5, 8, 6], seed=2),
-        eos_ids=(),
-        max_new_tokens=12,
-        batch_size=3,
-        topk=8,
-        hidden_layer=-1,
-        progress=False,
-    )
+    return target_answers(tiny_pipe, random_prompts([5, 8, 6], seed=2), max_new_tokens=12, batch_size=3)
 
 
 def test_anchors_carry_the_next_feature_and_the_next_tokens(tiny_pipe, data):

@@ -7,28 +7,19 @@ import pytest
 import torch
 
 from specdraft.cli import main
-from specdraft.design.data import generate_target_data
 from specdraft.design.diffusion import DiffusionDraftLM, accepted_fraction
 from specdraft.design.prune import depth_prune
 from specdraft.design.train import TrainConfig, train_offline
 from specdraft.drafters.diffusion import BlockArch
 from specdraft.errors import SpecdraftError
-from tests.helpers import random_prompts
+from tests.helpers import random_prompts, target_answers
 
 ARCH = BlockArch(block=5, window=3)
 
 
 @pytest.fixture(scope="module")
 def data(tiny_pipe):
-    return generate_target_data(
-        tiny_pipe.runtime,
-        random_prompts([5, 8, 6, 7], seed=6),
-        eos_ids=(),
-        max_new_tokens=10,
-        topk=8,
-        hidden_layer=-1,
-        progress=False,
-    )
+    return target_answers(tiny_pipe, random_prompts([5, 8, 6, 7], seed=6), max_new_tokens=10)
 
 
 def _fresh(tiny_pipe):

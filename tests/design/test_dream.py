@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from specdraft.cli import main
-from specdraft.design.data import generate_target_data
 from specdraft.design.dream import (
     DreamDraftLM,
     attention_entropy,
@@ -19,7 +18,7 @@ from specdraft.design.dream import (
 from specdraft.design.prune import depth_prune
 from specdraft.design.train import TrainConfig, train_offline
 from specdraft.errors import SpecdraftError
-from tests.helpers import random_prompts
+from tests.helpers import random_prompts, target_answers
 
 
 def _uniform(S):  # causal attention spread evenly over the visible keys: the highest entropy
@@ -63,15 +62,7 @@ def test_target_features_are_the_layers_and_the_selected_inputs(tiny_pipe):
 
 
 def test_loss_terms_decrease_on_a_tiny_model(tiny_pipe):
-    data = generate_target_data(
-        tiny_pipe.runtime,
-        random_prompts([5, 8, 6], seed=4),
-        eos_ids=(),
-        max_new_tokens=12,
-        topk=8,
-        hidden_layer=-1,
-        progress=False,
-    )
+    data = target_answers(tiny_pipe, random_prompts([5, 8, 6], seed=4), max_new_tokens=12)
     torch.manual_seed(0)
     model = DreamDraftLM(depth_prune(tiny_pipe.target.model, [1]), None, tiny_pipe.target.model, noise=0.0)
     batch = model.make_batch(data, [0, 1, 2], 32)
@@ -90,15 +81,7 @@ def test_loss_terms_decrease_on_a_tiny_model(tiny_pipe):
 
 
 def test_a_killed_run_resumes_exactly(tiny_pipe, tmp_path):
-    data = generate_target_data(
-        tiny_pipe.runtime,
-        random_prompts([5, 8, 6, 7], seed=6),
-        eos_ids=(),
-        max_new_tokens=10,
-        topk=8,
-        hidden_layer=-1,
-        progress=False,
-    )
+    data = target_answers(tiny_pipe, random_prompts([5, 8, 6, 7], seed=6), max_new_tokens=10)
     cfg = TrainConfig(steps=4, batch_size=2, max_len=24, lr=3e-3, warmup=1, checkpoint_every=1, eval_every=0)
 
     def fresh():

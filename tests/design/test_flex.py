@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from specdraft.cli import main
-from specdraft.design.data import generate_target_data
 from specdraft.design.flex import FlexDraftLM
 from specdraft.design.train import TrainConfig, train_offline
 from specdraft.drafters.base import DraftContext
@@ -16,19 +15,12 @@ from specdraft.engine import Engine
 from specdraft.errors import SpecdraftError
 from specdraft.policy import FixedK
 from specdraft.verify import SamplingParams
-from tests.helpers import decode, head_subset, plain_greedy, random_prompts
+from tests.helpers import decode, head_subset, plain_greedy, random_prompts, target_answers
 
 
 @pytest.fixture(scope="module")
 def data(tiny_pipe):
-    return generate_target_data(
-        tiny_pipe.runtime,
-        random_prompts([5, 8, 6, 7], seed=6),
-        eos_ids=(),
-        max_new_tokens=10,
-        topk=8,
-        progress=False,
-    )
+    return target_answers(tiny_pipe, random_prompts([5, 8, 6, 7], seed=6), max_new_tokens=10, hidden=False)
 
 
 def _fresh(tiny_pipe, head=None):

@@ -10,7 +10,6 @@ import torch
 from specdraft import api
 from specdraft.design.artifact import DraftMeta, save_draft
 from specdraft.design.ctc import CTCDraftLM, block_mask
-from specdraft.design.data import generate_target_data
 from specdraft.design.prune import depth_prune
 from specdraft.design.vocab import VocabSubset
 from specdraft.drafters.ctc import CTCDrafter, alignment_beams, candidate_tree, ctc_collapse
@@ -19,7 +18,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.models.llama import LlamaRuntime
 from specdraft.models.subset_head import SubsetHeadRuntime, draft_weights
 from specdraft.policy import FixedK
-from tests.helpers import decode, head_subset, random_prompts
+from tests.helpers import decode, head_subset, random_prompts, target_answers
 
 BLANK = 9
 
@@ -81,16 +80,7 @@ def test_block_mask():
 
 @pytest.fixture(scope="module")
 def data(tiny_pipe):
-    return generate_target_data(
-        tiny_pipe.runtime,
-        random_prompts([4, 9, 6, 12], seed=21),
-        eos_ids=(),
-        max_new_tokens=16,
-        batch_size=2,
-        topk=8,
-        hidden_layer=-1,
-        progress=False,
-    )
+    return target_answers(tiny_pipe, random_prompts([4, 9, 6, 12], seed=21), max_new_tokens=16, batch_size=2)
 
 
 def _model(tiny_pipe, head, slots=4):

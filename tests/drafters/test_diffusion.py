@@ -4,7 +4,6 @@ the target alone, the length head caps every proposal, and a block costs one dra
 import pytest
 import torch
 
-from specdraft.design.data import generate_target_data
 from specdraft.design.diffusion import DiffusionDraftLM
 from specdraft.design.prune import depth_prune
 from specdraft.design.train import TrainConfig, train_offline
@@ -13,7 +12,7 @@ from specdraft.drafters.diffusion import BlockArch, DiffusionDrafter
 from specdraft.engine import Engine
 from specdraft.policy import CappedPolicy, CostAwareK, FixedK
 from specdraft.verify import SamplingParams
-from tests.helpers import decode, head_subset, plain_greedy, random_prompts
+from tests.helpers import decode, head_subset, plain_greedy, random_prompts, target_answers
 
 ARCH = BlockArch(block=6, window=3)
 
@@ -21,16 +20,7 @@ ARCH = BlockArch(block=6, window=3)
 @pytest.fixture(scope="module")
 def data(tiny_pipe):
     prompts = random_prompts([4, 9, 6, 12, 5, 7], seed=21)
-    return generate_target_data(
-        tiny_pipe.runtime,
-        prompts,
-        eos_ids=(),
-        max_new_tokens=16,
-        batch_size=3,
-        topk=8,
-        hidden_layer=-1,
-        progress=False,
-    )
+    return target_answers(tiny_pipe, prompts, max_new_tokens=16, batch_size=3)
 
 
 def _model(tiny_pipe, head=None):

@@ -6,7 +6,6 @@ import torch
 
 from specdraft import api
 from specdraft.design.artifact import DraftMeta, save_draft
-from specdraft.design.data import generate_target_data
 from specdraft.design.feature import FeatureDraftLM
 from specdraft.design.prune import depth_prune
 from specdraft.design.train import TrainConfig, train_offline, validate
@@ -17,22 +16,13 @@ from specdraft.engine import Engine
 from specdraft.models.llama import LlamaRuntime
 from specdraft.models.subset_head import SubsetHeadRuntime, draft_weights
 from specdraft.verify import SamplingParams
-from tests.helpers import decode, head_subset, random_prompts
+from tests.helpers import decode, head_subset, random_prompts, target_answers
 
 
 @pytest.fixture(scope="module")
 def data(tiny_pipe):
     prompts = random_prompts([4, 9, 6, 12, 5, 7], seed=21)
-    return generate_target_data(
-        tiny_pipe.runtime,
-        prompts,
-        eos_ids=(),
-        max_new_tokens=16,
-        batch_size=3,
-        topk=8,
-        hidden_layer=-1,
-        progress=False,
-    )
+    return target_answers(tiny_pipe, prompts, max_new_tokens=16, batch_size=3)
 
 
 def _model(tiny_pipe, head):
