@@ -625,6 +625,19 @@ def make_policy(spec: str | int) -> KPolicy:
         raise SpecdraftError(f"--k must be an integer >= 0, 'auto' or 'heuristic', got {spec!r}") from None
 
 
+def _inner_flag(name: str) -> property:
+    """A wrapper's view of its inner policy's :class:`CostAwareK` flag ``name``: False (and setting it
+    does nothing) for an inner policy that does not price steps."""
+
+    def set_flag(self, value: bool) -> None:
+        if hasattr(self.inner, name):
+            setattr(self.inner, name, value)
+
+    return property(
+        lambda self: getattr(self.inner, name, False), set_flag, doc=f"The inner policy's ``{name}``."
+    )
+
+
 class CappedPolicy:
     """Any policy, with its k bounded by ``cap`` (None: no bound), set by the caller before each step.
 
@@ -641,25 +654,8 @@ class CappedPolicy:
     def collapsed(self) -> set[int]:
         return self.inner.collapsed
 
-    @property
-    def ragged(self) -> bool:
-        """The inner policy's :attr:`CostAwareK.ragged` (False for one that does not price steps)."""
-        return getattr(self.inner, "ragged", False)
-
-    @ragged.setter
-    def ragged(self, value: bool) -> None:
-        if hasattr(self.inner, "ragged"):
-            self.inner.ragged = value
-
-    @property
-    def per_block(self) -> bool:
-        """The inner policy's :attr:`CostAwareK.per_block` (False for one that does not price steps)."""
-        return getattr(self.inner, "per_block", False)
-
-    @per_block.setter
-    def per_block(self, value: bool) -> None:
-        if hasattr(self.inner, "per_block"):
-            self.inner.per_block = value
+    ragged = _inner_flag("ragged")
+    per_block = _inner_flag("per_block")
 
     def choose(self, rows: list[int] | None = None) -> int:
         k = self.inner.choose(rows)
