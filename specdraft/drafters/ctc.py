@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from specdraft.drafters.base import DraftContext, Proposal, Verified
 from specdraft.drafters.feature import FeatureDrafter
-from specdraft.drafters.feature_base import FeatureDraftState
+from specdraft.drafters.feature_base import FeatureDraftState, accepted_columns
 from specdraft.errors import SpecdraftError
 from specdraft.tree import TokenTree
 
@@ -110,28 +110,6 @@ def candidate_tree(alignments: torch.Tensor, blank: int, budget: int) -> TokenTr
     return TokenTree.from_candidates(tree.tokens, tree.parents, first, source="ctc")
 
 
-class CTCDraftState(FeatureDraftState):
-    """The feature draft's state, plus where the last step's accepted path sits among the target's
-    hidden columns.
-
-    Attributes:
-        paths: per row, the columns of the last target forward's hidden states along the accepted
-            path (root first), or None where they are the chain's ``0, 1, ..``.
-    """
-
-    def __init__(self, runtime, batch_size: int, capacity: int):
-        super().__init__(runtime, batch_size, capacity)
-        self.paths: list[list[int] | None] = [None] * batch_size
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        super().select_rows(rows)
-        self.paths = [self.paths[i] for i in rows.tolist()]
-
-    def append(self, other: FeatureDraftState) -> None:
-        super().append(other)
-        self.paths = self.paths + [None] * other.batch_size
-
-
 class CTCDrafter(FeatureDrafter):
     """CTC drafting (module docstring) in the engine.
 
@@ -159,9 +137,6 @@ class CTCDrafter(FeatureDrafter):
             )
         self.width, self.beams = width, beams
 
-    def new_state(self, batch_size: int, capacity: int) -> CTCDraftState:
-        return CTCDraftState(self.runtime, batch_size, capacity)
-
     def slot_logprobs(self, state: FeatureDraftState, g: torch.Tensor, L: torch.Tensor) -> torch.Tensor:
         """The S slots after features ``g (B, C)`` at positions ``L - 1``, in one draft forward:
         ``(B, S, V + 1)`` log-probabilities, blank last. Near the end of the cache fewer slots run
@@ -184,52 +159,22 @@ class CTCDrafter(FeatureDrafter):
         blank = out.hidden[-1].float() @ self.blank_w.float() + self.blank_b.float()  # (B, S)
         return torch.log_softmax(torch.cat([out.logits.float(), blank.unsqueeze(-1)], -1), -1)
 
-    def _chain_hidden(self, state: CTCDraftState, hid: torch.Tensor) -> torch.Tensor:
-        """The last target forward's ``hid (B', T', C)`` -> ``(B, T', C)`` per row (via ``state.src``),
-        the accepted path's columns first (chain order)."""
-        T = hid.shape[1]
-        cols = torch.arange(T).repeat(len(state.paths), 1)  # (B, T)
-        for b, path in enumerate(state.paths):
-            if path is not None:
-                cols[b, : len(path)] = torch.tensor(path)
-        rows = hid[state.src.clamp(min=0)]
-        return rows.gather(1, cols.unsqueeze(-1).expand(-1, -1, hid.shape[2]))
-
-    def propose(self, state: CTCDraftState, ctx: DraftContext, k: int) -> Proposal:
+    def propose(self, state: FeatureDraftState, ctx: DraftContext, k: int) -> Proposal:
         B, L = ctx.lengths.shape[0], ctx.lengths
-        hidden = ctx.target_hidden or {}
-        have = state.src >= 0 if -1 in hidden else torch.zeros(B, dtype=torch.bool)
         trees: list[TokenTree | None] = [None] * B
-        if bool(have.any()):
-            hid = self._chain_hidden(state, hidden[-1])
-            pairs = self._real_pairs(state, L, hid.shape[1], have)
-            feats = self._gather(hid, torch.arange(B), pairs)  # (B, C_max, C)
-            tok = ctx.tokens.gather(1, (pairs.positions + 1).clamp(max=ctx.tokens.shape[1] - 1))
-            _, g = self._forward(
-                state, self.inputs(feats, tok), pairs.positions, (pairs.count - 1).unsqueeze(1)
+        begun = self.start(state, ctx)  # the real pairs; g: the feature at L - 1
+        if begun is not None:
+            alignments, _ = alignment_beams(
+                self.slot_logprobs(state, begun.feature, L), self.width, self.beams
             )
-            alignments, _ = alignment_beams(self.slot_logprobs(state, g, L), self.width, self.beams)
             V = self.vocab_size
-            trees = [candidate_tree(alignments[b], V, k) if have[b] else None for b in range(B)]
-        state.src = torch.arange(B)
-        state.prev_L = L.clone()
-        state.paths = [None] * B
+            trees = [candidate_tree(alignments[b], V, k) if begun.have[b] else None for b in range(B)]
         return Proposal(tokens=torch.zeros(B, 0, dtype=torch.int64), trees=trees)
 
     def observe(
-        self, state: CTCDraftState, num_accepted: torch.Tensor, verified: Verified | None = None
+        self, state: FeatureDraftState, num_accepted: torch.Tensor, verified: Verified | None = None
     ) -> None:
         """Record, per row, the target's columns along the accepted path (a tree step feeds
-        ``[root, nodes]``; the accepted nodes are the children carrying the committed tokens)."""
-        if verified is None:
-            return
-        for b, (fed, parents, committed) in enumerate(
-            zip(verified.inputs, verified.parents, verified.committed)
-        ):
-            path = [0]
-            for tok in committed[: int(num_accepted[b])]:
-                nxt = [i for i, (t, p) in enumerate(zip(fed, parents)) if p == path[-1] and t == tok]
-                if not nxt:
-                    break
-                path.append(nxt[0])
-            state.paths[b] = path
+        ``[root, nodes]``), which the next step's real pairs read."""
+        if verified is not None:
+            state.paths = accepted_columns(verified, num_accepted)

@@ -48,6 +48,9 @@ class FeatureDraftState(DraftState):
         prev_L: ``(B,)`` committed length when that forward ran (-1: unknown).
         start: ``(B,)`` first position of the draft's context; cache slots before it are masked
             (-1: no context yet).
+        paths: per row, the columns of the last target forward's hidden states along the accepted
+            path (root first) after a token-tree step, or None where they are a chain's ``0, 1, ..``
+            (:func:`accepted_columns`).
     """
 
     def __init__(self, runtime, batch_size: int, capacity: int):
@@ -56,11 +59,13 @@ class FeatureDraftState(DraftState):
         self.src = torch.full((batch_size,), -1, dtype=torch.int64)
         self.prev_L = torch.full((batch_size,), -1, dtype=torch.int64)
         self.start = torch.full((batch_size,), -1, dtype=torch.int64)
+        self.paths: list[list[int] | None] = [None] * batch_size
 
     def select_rows(self, rows: torch.Tensor) -> None:
         super().select_rows(rows)
         self.kv.select_rows(rows)
         self.src, self.prev_L, self.start = self.src[rows], self.prev_L[rows], self.start[rows]
+        self.paths = [self.paths[i] for i in rows.tolist()]
 
     def append(self, other: FeatureDraftState) -> None:
         super().append(other)
@@ -68,6 +73,7 @@ class FeatureDraftState(DraftState):
         self.src = torch.cat([self.src, torch.full_like(other.src, -1)])
         self.prev_L = torch.cat([self.prev_L, other.prev_L])
         self.start = torch.cat([self.start, other.start])
+        self.paths = self.paths + [None] * other.batch_size
 
 
 @dataclass
@@ -85,6 +91,27 @@ class RealPairs:
     count: torch.Tensor
     positions: torch.Tensor
     valid: torch.Tensor
+
+
+@dataclass
+class Start:
+    """Where drafting continues after a step's real pairs (:meth:`FeatureDrafterBase.start`).
+
+    Attributes:
+        have: ``(B,)`` rows with features (the others propose nothing).
+        logits: ``(B, V)`` the draft's logits for the first draft token (a local head fused in).
+        feature: ``(B, C)`` the draft's predicted feature at position ``L - 1``, which the first
+            draft token's pair reads.
+        memory: ``(B, 1, M, C)`` the target's :attr:`~FeatureDrafterBase.layers` at the last real
+            pair, which drafted pairs read (None without layers).
+        recent: ``(B, W)`` the tokens before the first draft token (a local head's window).
+    """
+
+    have: torch.Tensor
+    logits: torch.Tensor
+    feature: torch.Tensor
+    memory: torch.Tensor | None
+    recent: torch.Tensor
 
 
 class FeatureDrafterBase:
@@ -130,21 +157,36 @@ class FeatureDrafterBase:
     ) -> None:
         pass  # rollback is a length change: the next proposal reads the committed length (module docstring)
 
-    def _forward(self, state, x: torch.Tensor, positions: torch.Tensor, index=None):
-        """Run the draft over inputs ``x (B, T, C)``; full logits at ``index`` (or the last column)
-        and the draft's feature there ``(B, C)``."""
+    def _run(
+        self, state, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, slots=None, index=None
+    ):
+        """Run the draft over inputs ``x (B, T, C)`` at ``positions (B, T)`` (cache ``slots``, default
+        the positions) under ``mask (B, T, S)``; its logits and features at columns ``index (B, I)``
+        (None: every column), ``(B, I, V)`` and ``(B, I, C)``."""
         B, T, C = x.shape
         self.core.w.embed = x.reshape(B * T, C)
-        S = int(positions.max()) + 1
-        slots = torch.arange(S)
+        rows = torch.arange(B * T).view(B, T)  # (B, T) rows of the embedding table set above
+        kw = {} if slots is None else {"slots": slots}
+        out = self.runtime.forward(
+            state.kv, rows, positions, hidden_layers=(-1,), attn_mask=mask, logits_index=index, **kw
+        )
+        f = (
+            out.hidden[-1]
+            if index is None
+            else out.hidden[-1].gather(1, index.unsqueeze(-1).expand(-1, -1, C))
+        )
+        return out.logits, f
+
+    def _forward(self, state, x: torch.Tensor, positions: torch.Tensor, index=None):
+        """Run the draft causally over inputs ``x (B, T, C)`` (each query sees the row's context from
+        ``state.start`` up to its position); full logits at ``index`` (or the last column) and the
+        draft's feature there ``(B, C)``."""
+        B, T, _ = x.shape
+        slots = torch.arange(int(positions.max()) + 1)
         mask = (slots >= state.start.view(B, 1, 1)) & (slots <= positions.unsqueeze(-1))  # (B, T, S)
         index = torch.full((B, 1), T - 1) if index is None else index
-        rows = torch.arange(B * T).view(B, T)  # (B, T) rows of the embedding table set above
-        out = self.runtime.forward(
-            state.kv, rows, positions, hidden_layers=(-1,), attn_mask=mask, logits_index=index
-        )
-        f = out.hidden[-1].gather(1, index.unsqueeze(-1).expand(-1, -1, C))[:, 0]  # (B, C)
-        return out.logits[:, 0], f
+        logits, f = self._run(state, x, positions, mask, index=index)
+        return logits[:, 0], f[:, 0]
 
     def _real_pairs(self, state: FeatureDraftState, L: torch.Tensor, T_prev: int, have) -> RealPairs:
         """Which pairs have real features this step; moves ``state.start`` where the context restarts."""
@@ -157,6 +199,19 @@ class FeatureDrafterBase:
         return RealPairs(have, c, (L - 1 - c).unsqueeze(1) + j, j < c.unsqueeze(1))
 
     @staticmethod
+    def _chain_hidden(state: FeatureDraftState, hid: torch.Tensor) -> torch.Tensor:
+        """The last target forward's ``hid (B', T', C)`` -> ``(B, T', C)`` per row (via ``state.src``),
+        the accepted path's columns first (chain order) after a token-tree step (``state.paths``)."""
+        rows = hid[state.src.clamp(min=0)]
+        if all(path is None for path in state.paths):
+            return rows
+        cols = torch.arange(hid.shape[1]).repeat(len(state.paths), 1)  # (B, T')
+        for b, path in enumerate(state.paths):
+            if path is not None:
+                cols[b, : len(path)] = torch.tensor(path)
+        return rows.gather(1, cols.unsqueeze(-1).expand(-1, -1, hid.shape[2]))
+
+    @staticmethod
     def _gather(hid: torch.Tensor, src: torch.Tensor, pairs: RealPairs) -> torch.Tensor:
         """``(B', T', C)`` hidden states of the last target forward -> ``(B, C_max, C)`` per pair (zeros
         at padding)."""
@@ -166,34 +221,67 @@ class FeatureDrafterBase:
             feats = torch.cat([feats, feats.new_zeros(feats.shape[0], C - feats.shape[1], feats.shape[2])], 1)
         return feats * pairs.valid.unsqueeze(-1)
 
-    def propose(self, state: FeatureDraftState, ctx: DraftContext, k: int) -> Proposal:
+    def start(self, state: FeatureDraftState, ctx: DraftContext) -> Start | None:
+        """Feed the step's real pairs (the target's features at the positions it verified last) in
+        one forward: where drafting continues (None when no row has features yet). Records this
+        step's target forward as the next step's source of features."""
         B, L = ctx.lengths.shape[0], ctx.lengths
         hidden = ctx.target_hidden or {}
         ok = all(i in hidden for i in self.hidden_layers)
         have = state.src >= 0 if ok else torch.zeros(B, dtype=torch.bool)
+        begun = self._real_forward(state, ctx, hidden, have) if bool(have.any()) else None
+        state.src, state.prev_L, state.paths = torch.arange(B), L.clone(), [None] * B
+        return begun
+
+    def _real_forward(self, state: FeatureDraftState, ctx: DraftContext, hidden: dict, have) -> Start:
+        B, L = ctx.lengths.shape[0], ctx.lengths
+        hid = {i: self._chain_hidden(state, hidden[i]) for i in self.hidden_layers}  # (B, T', C) each
+        pairs = self._real_pairs(state, L, hid[-1].shape[1], have)
+        rows = torch.arange(B)
+        feats = self._gather(hid[-1], rows, pairs)  # (B, C_max, dim)
+        memory = None
+        if self.layers:  # (B, C_max, M, dim)
+            memory = torch.stack([self._gather(hid[i], rows, pairs) for i in self.layers], 2)
+        tok = ctx.tokens.gather(1, (pairs.positions + 1).clamp(max=ctx.tokens.shape[1] - 1))  # p + 1
+        last = (pairs.count - 1).unsqueeze(1)  # (B, 1) the last real pair
+        logits, f = self._forward(state, self.inputs(feats, tok, memory), pairs.positions, last)
+        if memory is not None:  # drafted pairs read the last real pair's target layers
+            memory = memory.gather(1, last.view(B, 1, 1, 1).expand(-1, 1, *memory.shape[2:]))
+        W = self.local.window if self.local is not None else 1
+        recent = ctx.tokens.gather(1, (L.unsqueeze(1) - W + torch.arange(W)).clamp(min=0))  # (B, W)
+        if self.local is not None:
+            logits = self.local.fuse(logits, recent)
+        return Start(have, logits, f, memory, recent)
+
+    def propose(self, state: FeatureDraftState, ctx: DraftContext, k: int) -> Proposal:
+        B, L = ctx.lengths.shape[0], ctx.lengths
         draft = torch.zeros(B, k, dtype=torch.int64)
-        probs = None
-        if bool(have.any()):
-            pairs = self._real_pairs(state, L, hidden[-1].shape[1], have)
-            feats = self._gather(hidden[-1], state.src, pairs)  # (B, C, dim)
-            memory = None
-            if self.layers:  # (B, C, M, dim)
-                memory = torch.stack([self._gather(hidden[i], state.src, pairs) for i in self.layers], 2)
-            tok = ctx.tokens.gather(1, (pairs.positions + 1).clamp(max=ctx.tokens.shape[1] - 1))  # p + 1
-            last = (pairs.count - 1).unsqueeze(1)  # (B, 1) the last real pair
-            logits, f = self._forward(state, self.inputs(feats, tok, memory), pairs.positions, last)
-            if memory is not None:  # drafted pairs read the last real pair's target layers
-                memory = memory.gather(1, last.view(B, 1, 1, 1).expand(-1, 1, *memory.shape[2:]))
-            W = self.local.window if self.local is not None else 1
-            recent = ctx.tokens.gather(1, (L.unsqueeze(1) - W + torch.arange(W)).clamp(min=0))  # (B, W)
-            for i in range(k):
-                if self.local is not None:
+        begun = self.start(state, ctx)
+        if begun is None:
+            return Proposal(tokens=draft, num_valid=torch.zeros(B, dtype=torch.int64))
+        logits, f, recent, probs = begun.logits, begun.feature, begun.recent, None
+        for i in range(k):
+            probs, _ = take_token(logits, ctx, draft, probs, i)
+            if i + 1 < k:  # pair (f_hat at L-2+i+1, d_i) at position L-1+i
+                x = self.inputs(f.unsqueeze(1), draft[:, i : i + 1], begun.memory)
+                logits, f = self._forward(state, x, (L - 1 + i).unsqueeze(1))
+                if self.local is not None:  # the tokens before draft i + 1
+                    recent = torch.cat([recent[:, 1:], draft[:, i : i + 1]], 1)
                     logits = self.local.fuse(logits, recent)
-                probs, _ = take_token(logits, ctx, draft, probs, i)
-                recent = torch.cat([recent[:, 1:], draft[:, i : i + 1]], 1)  # the tokens before draft i + 1
-                if i + 1 < k:  # pair (f_hat at L-2+i+1, d_i) at position L-1+i
-                    x = self.inputs(f.unsqueeze(1), draft[:, i : i + 1], memory)
-                    logits, f = self._forward(state, x, (L - 1 + i).unsqueeze(1))
-        state.src = torch.arange(B)
-        state.prev_L = L.clone()
-        return Proposal(tokens=draft, probs=probs, num_valid=torch.where(have, k, 0))
+        return Proposal(tokens=draft, probs=probs, num_valid=torch.where(begun.have, k, 0))
+
+
+def accepted_columns(verified: Verified, num_accepted: torch.Tensor) -> list[list[int]]:
+    """Per row, the columns of a token-tree step's target forward ``[root, nodes]`` along the
+    accepted path, root first: from the root, the first child carrying each accepted token (the
+    rule of :mod:`specdraft.tree` never follows a repeated sibling)."""
+    paths = []
+    for b, (fed, parents, committed) in enumerate(zip(verified.inputs, verified.parents, verified.committed)):
+        path = [0]
+        for tok in committed[: int(num_accepted[b])]:
+            nxt = [i for i, (t, p) in enumerate(zip(fed, parents)) if p == path[-1] and t == tok]
+            if not nxt:
+                break
+            path.append(nxt[0])
+        paths.append(path)
+    return paths
