@@ -43,15 +43,34 @@ The default tolerance is 2.0: more than three times the largest measured gap shi
 opposite directions, would be 2 x 1.31 = 2.6 and was never approached). A plain margin of 2.0
 means the top token is about e^2 ~ 7 times likelier than the next: a divergence beyond that is a
 bug, not rounding. In fp32 the tolerance is 0 (:func:`default_tolerance`): any difference is a bug.
+
+The whole Spec-Bench set, every drafter (``benchmarks/check_lossless.py``)
+------------------------------------------------------------------------
+Plain greedy decoding of the target is run once per question (every turn; a later turn is asked
+after the plain answer to the earlier ones, through the bench's chat templating,
+:func:`specdraft.bench.runner.converse`) and stored in ``reference.jsonl``: one line per question
+and turn with the fed prompt ids, the output ids, the top-2 margins and the commit. Then each
+drafter decodes the stored prompt ids speculatively (greedy, batch 1, one policy for the whole
+run, as ``specdraft bench``) and ``checks.jsonl`` gets one line per (drafter, question). A turn is
+fed the reference's prompt ids: while the earlier turns were identical these are the speculative
+run's own conversation; at the first differing turn the question is classified and its later
+turns are not run. Both files are appended a question at a time, so a killed run continues at the
+next unchecked (drafter, question); ``report.json`` / ``report.md`` are rebuilt from ``checks.jsonl``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import os
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
 from specdraft.engine import Engine, Request, decode_requests
+from specdraft.errors import SpecdraftError
 from specdraft.models.runtime import ForwardOutput, Runtime
 
 DEFAULT_TOLERANCE = 2.0
@@ -221,3 +240,379 @@ def logit_drift(runtime: Runtime, prompt_ids: list[int], continuation: list[int]
         max_margin_shift=float(shift),
         argmax_flips=flips,
     )
+
+
+# ------------------------------------------------------------------------------------ whole-set check
+REFERENCE, CHECKS, META = "reference.jsonl", "checks.jsonl", "meta.json"
+REPORT_JSON, REPORT_MD = "report.json", "report.md"
+
+
+@dataclass
+class ReferenceTurn:
+    """Plain greedy decoding of one turn of one question (a line of ``reference.jsonl``).
+
+    Attributes:
+        id: the question id.
+        category: its Spec-Bench category.
+        turn: the turn's index (0-based).
+        prompt_ids: the token ids fed (chat-templated conversation, fitted to the budget).
+        tokens: the plain greedy output.
+        margins: the plain run's top-2 logit margin per output index.
+        commit: the git commit the line was computed at.
+    """
+
+    id: str
+    category: str
+    turn: int
+    prompt_ids: list[int]
+    tokens: list[int]
+    margins: list[float]
+    commit: str
+
+
+@dataclass
+class Check:
+    """One drafter's speculative answers to one question against the reference (a line of
+    ``checks.jsonl``).
+
+    Attributes:
+        drafter: the draft spec.
+        id: the question id.
+        category: its category.
+        verdict: :data:`IDENTICAL`, :data:`TIE_DIVERGENT` or :data:`DIVERGENT`.
+        turn: the first differing turn (None when identical).
+        position: the first differing output index in that turn (None when identical).
+        plain_token: the plain output's token there (None: plain stopped there).
+        spec_token: the speculative output's token there (None: it stopped there).
+        new_tokens: speculative output tokens over the turns run.
+        seconds: their wall seconds, prefill included.
+        steps: target forwards after the prefill.
+        drafted: draft tokens verified in them (0: ``--k auto`` never drafted, nothing was checked).
+        accepted: those accepted (mean accepted length: ``(accepted + steps) / steps``).
+        commit: the git commit the line was computed at.
+    """
+
+    drafter: str
+    id: str
+    category: str
+    verdict: str
+    turn: int | None
+    position: int | None
+    plain_token: int | None
+    spec_token: int | None
+    new_tokens: int
+    seconds: float
+    steps: int
+    drafted: int
+    accepted: int
+    commit: str
+
+
+def git_commit() -> str:
+    """The repository's ``HEAD`` (short hash, ``+dirty`` with uncommitted changes), or ``unknown``."""
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout
+
+    try:
+        head = git("rev-parse", "--short", "HEAD").strip()
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", "specdraft").strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def read_jsonl(path) -> list[dict]:
+    """The lines of a JSONL file ([] when missing); a torn last line (a run killed mid-write) is
+    dropped, a bad line elsewhere is an error."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    lines = path.read_text().splitlines()
+    rows = []
+    for n, line in enumerate(lines, 1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if n < len(lines):
+                raise SpecdraftError(f"{path}:{n}: not a JSON line: remove it to resume") from None
+    return rows
+
+
+def append_jsonl(path, rows: list[dict]) -> None:
+    """Append ``rows`` to a JSONL file and flush them to disk (one question's lines at a time). A
+    torn last line left by a killed run is cut off first."""
+    with open(path, "ab+") as f:
+        end = f.seek(0, os.SEEK_END)
+        if end:
+            f.seek(end - 1)
+            if f.read(1) != b"\n":
+                f.seek(0)
+                f.truncate(f.read().rfind(b"\n") + 1)
+        f.write("".join(json.dumps(r) + "\n" for r in rows).encode())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+@dataclass
+class FullsetOptions:
+    """How the whole-set check decodes.
+
+    Attributes:
+        k: the draft-length policy of every drafter (``auto``: the cost-aware default; one policy
+            per drafter for the whole run, as ``specdraft bench`` keeps one).
+        max_new_tokens: generation budget per turn.
+        long_prompts: ``truncate`` or ``skip`` prompts longer than the budget (as ``specdraft bench``).
+        tolerance: near-tie margin; None: :func:`specdraft.bench.harness.tolerance` (0 on the
+            quantized runtime and in fp32: any difference is divergent).
+        progress: progress bars on stderr.
+    """
+
+    k: str | int = "auto"
+    max_new_tokens: int = 64
+    long_prompts: str = "truncate"
+    tolerance: float | None = None
+    progress: bool = True
+
+
+def _meta(pipe, n_questions: int, options: FullsetOptions) -> dict:
+    """What the stored reference and checks depend on; a resumed run must match it."""
+    from specdraft.bench.harness import runtime_precision, tolerance
+    from specdraft.policy import make_policy
+
+    reserve = Engine(pipe.runtime, None, make_policy(options.k)).reserve
+    return {
+        "target": pipe.target.name,
+        "precision": runtime_precision(pipe.runtime),
+        "max_new_tokens": options.max_new_tokens,
+        "k": str(options.k),
+        "prompt_budget_tokens": pipe.runtime.max_context - options.max_new_tokens - reserve,
+        "long_prompts": options.long_prompts,
+        "tolerance": tolerance(pipe.runtime, options.tolerance),
+        "questions": n_questions,
+    }
+
+
+def _check_meta(out: Path, meta: dict) -> None:
+    """Write ``meta.json`` on the first run; on a resumed one, refuse other settings."""
+    path = out / META
+    if not path.is_file():
+        path.write_text(json.dumps({**meta, "commit": git_commit()}, indent=2) + "\n")
+        return
+    stored = json.loads(path.read_text())
+    changed = [f"{k} {stored.get(k)!r} -> {v!r}" for k, v in meta.items() if stored.get(k) != v]
+    if changed:
+        raise SpecdraftError(
+            f"{out} holds a run with other settings ({'; '.join(changed)}): resume with the same "
+            "ones or use another --out"
+        )
+
+
+def _bar(total: int, desc: str, initial: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, unit="q", disable=not enabled, dynamic_ncols=True)
+
+
+def reference_answers(pipe, prompts, out: Path, options: FullsetOptions) -> dict[str, list[ReferenceTurn]]:
+    """The plain greedy answers to every turn of ``prompts``: those in ``out/reference.jsonl``,
+    the others computed (:func:`plain_question`) and appended to it.
+
+    Returns:
+        The question id -> its turns, in the order of ``prompts`` (a question whose prompt did not
+        fit, with ``long_prompts="skip"``, has none and is left out).
+    """
+    stored: dict[str, list[ReferenceTurn]] = {}
+    for row in read_jsonl(out / REFERENCE):
+        stored.setdefault(row["id"], []).append(ReferenceTurn(**row))
+    budget = _meta(pipe, len(prompts), options)["prompt_budget_tokens"]
+    commit, tokens, seconds = git_commit(), 0, 0.0
+    bar = _bar(len(prompts), "plain", sum(p.id in stored for p in prompts), options.progress)
+    for prompt in (p for p in prompts if p.id not in stored):
+        t0 = time.perf_counter()
+        turns = plain_question(pipe, prompt, budget, options, commit)
+        append_jsonl(out / REFERENCE, [asdict(t) for t in turns])
+        stored[prompt.id] = turns
+        tokens, seconds = tokens + sum(len(t.tokens) for t in turns), seconds + time.perf_counter() - t0
+        bar.set_postfix_str(f"{tokens / seconds:.1f} tok/s", refresh=False)
+        bar.update(1)
+    bar.close()
+    return {p.id: stored[p.id] for p in prompts if stored.get(p.id)}
+
+
+def plain_question(
+    pipe, prompt, budget: int, options: FullsetOptions, commit: str = ""
+) -> list[ReferenceTurn]:
+    """Plain greedy decoding of every turn of one question, with its margins: the bench's
+    conversation and chat templating (:func:`specdraft.bench.runner.converse`)."""
+    from specdraft.bench.harness import Run
+    from specdraft.bench.runner import converse
+
+    margins: list[list[float]] = []
+
+    def decode(ids: list[int]) -> Run:
+        out_ids, m = plain_greedy_margins(pipe.runtime, ids, options.max_new_tokens, pipe.eos_ids)
+        margins.append(m)
+        return Run(out_ids, 0.0)
+
+    run = converse(pipe, prompt, decode, budget, options.long_prompts)
+    return [
+        ReferenceTurn(prompt.id, prompt.category, t, ids, out_ids, m, commit)
+        for t, (ids, out_ids, m) in enumerate(zip(run.prompt_ids, run.turns, margins))
+    ]
+
+
+def check_question(
+    name: str, method, turns: list[ReferenceTurn], max_new_tokens: int, tol: float, commit: str = ""
+) -> Check:
+    """One drafter's speculative answers to one question's turns against the plain ones.
+
+    Args:
+        name: the draft spec (for the record).
+        method: the speculative engine method (:func:`specdraft.bench.harness.engine_method`).
+        turns: the question's reference turns, in order.
+        max_new_tokens: the budget the reference was decoded with.
+        tol: near-tie margin for :func:`classify`.
+        commit: the git commit, for the record.
+    """
+    from specdraft.stats import SpecStats
+
+    stats, new_tokens, seconds = SpecStats(), 0, 0.0
+    verdict, where = IDENTICAL, (None, None, None, None)
+    for ref in turns:
+        run = method.run(ref.prompt_ids, max_new_tokens)
+        new_tokens, seconds = new_tokens + len(run.tokens), seconds + run.seconds
+        stats.merge(run.stats)
+        i = first_difference(run.tokens, ref.tokens)
+        if i is not None:  # later turns would follow another conversation: not run
+            verdict = classify(run.tokens, ref.tokens, ref.margins, tol)
+            where = (ref.turn, i, _token_at(ref.tokens, i), _token_at(run.tokens, i))
+            break
+    q = turns[0]
+    counts = (new_tokens, round(seconds, 4), stats.steps, stats.drafted, stats.accepted)
+    return Check(name, q.id, q.category, verdict, *where, *counts, commit)
+
+
+def _token_at(tokens: list[int], i: int) -> int | None:
+    """``tokens[i]``, or None where that run had stopped."""
+    return tokens[i] if i < len(tokens) else None
+
+
+def check_drafter(
+    name: str,
+    method,
+    reference: dict[str, list[ReferenceTurn]],
+    out: Path,
+    options: FullsetOptions,
+    tol: float,
+) -> None:
+    """Check ``name`` on every reference question not yet in ``out/checks.jsonl``, appending a
+    line per question."""
+    done = {r["id"] for r in read_jsonl(out / CHECKS) if r["drafter"] == name}
+    todo = [q for q in reference if q not in done]
+    commit, tokens, seconds, identical = git_commit(), 0, 0.0, 0
+    bar = _bar(len(reference), name, len(reference) - len(todo), options.progress)
+    for n, qid in enumerate(todo, 1):
+        check = check_question(name, method, reference[qid], options.max_new_tokens, tol, commit)
+        append_jsonl(out / CHECKS, [asdict(check)])
+        tokens, seconds = tokens + check.new_tokens, seconds + check.seconds
+        identical += check.verdict == IDENTICAL
+        bar.set_postfix_str(f"{tokens / seconds:.1f} tok/s, identical {identical}/{n}", refresh=False)
+        bar.update(1)
+    bar.close()
+
+
+SUMS = ("new_tokens", "seconds", "steps", "drafted", "accepted")  # Check fields a report adds up
+
+
+def fullset_report(out: Path, questions: int) -> dict:
+    """Per drafter (in the order first checked): questions checked, identical / tie-divergent /
+    divergent counts, each non-identical question's first difference, tokens/s and mean accepted
+    length, from ``out/checks.jsonl``; ``questions`` is the set's size (a drafter with fewer
+    checked is incomplete)."""
+    drafters: dict[str, dict] = {}
+    for row in read_jsonl(out / CHECKS):
+        d = drafters.setdefault(row["drafter"], _empty_tally())
+        d["checked"] += 1
+        d[row["verdict"].replace("-", "_")] += 1
+        for key in SUMS:
+            d[key] += row[key]
+        d["commits"] = sorted({*d["commits"], row["commit"]})
+        if row["verdict"] != IDENTICAL:
+            keys = ("id", "category", "verdict", "turn", "position", "plain_token", "spec_token")
+            d["differences"].append({k: row[k] for k in keys})
+    for d in drafters.values():
+        d["complete"] = d["checked"] >= questions
+        d["tokens_per_s"] = round(d["new_tokens"] / d["seconds"], 2) if d["seconds"] else None
+        d["mean_accepted_tokens"] = (
+            round((d["accepted"] + d["steps"]) / d["steps"], 3) if d["steps"] else None
+        )
+        d["seconds"] = round(d["seconds"], 1)
+    return {"questions": questions, "drafters": drafters}
+
+
+def _empty_tally() -> dict:
+    classes = {c.replace("-", "_"): 0 for c in (IDENTICAL, TIE_DIVERGENT, DIVERGENT)}
+    return {"checked": 0, **classes, **dict.fromkeys(SUMS, 0), "commits": [], "differences": []}
+
+
+def report_markdown(report: dict) -> str:
+    """:func:`fullset_report` as a markdown table, one row per drafter."""
+    head = ["drafter", "checked", "identical", "tie-divergent", "divergent", "first differences"]
+    head += ["drafted", "accepted/step", "tok/s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, d in report["drafters"].items():
+        diffs = "; ".join(
+            f"q{x['id']} turn {x['turn'] + 1} token {x['position']}: {x['plain_token']} -> {x['spec_token']}"
+            for x in d["differences"][:3]
+        ) + ("; ..." if len(d["differences"]) > 3 else "")
+        checked = f"{d['checked']}/{report['questions']}" + ("" if d["complete"] else " (incomplete)")
+        cells = [f"`{name}`", checked, d["identical"], d["tie_divergent"], d["divergent"], diffs or "-"]
+        cells += [d["drafted"], d["mean_accepted_tokens"], d["tokens_per_s"]]
+        lines.append("| " + " | ".join("-" if c is None else str(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def run_fullset(pipe, drafters: list, prompts, out, options: FullsetOptions | None = None) -> dict:
+    """The whole-set check (module docstring): the plain reference once, then each drafter in order.
+
+    Args:
+        pipe: the target (:class:`specdraft.api.Pipeline`; its own drafter is not used).
+        drafters: ``(name, build)`` pairs, ``build()`` making the drafter (called only when the
+            drafter has questions left), checked in this order.
+        prompts: the questions (:func:`specdraft.bench.prompts.load_prompts`).
+        out: the results directory (created; a run there before is resumed).
+        options: how to decode.
+
+    Returns:
+        :func:`fullset_report`, also written to ``out/report.json`` and ``out/report.md``.
+    """
+    from specdraft.bench.harness import engine_method
+    from specdraft.policy import make_policy
+
+    options = options or FullsetOptions()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = _meta(pipe, len(prompts), options)
+    _check_meta(out, meta)
+    reference = reference_answers(pipe, prompts, out, options)
+    for name, build in drafters:
+        done = {r["id"] for r in read_jsonl(out / CHECKS) if r["drafter"] == name}
+        if all(q in done for q in reference):
+            continue
+        policy = make_policy(options.k)  # one for the drafter's whole run: an adaptive one keeps learning
+        method = engine_method(name, pipe.runtime, build(), policy, eos_ids=pipe.eos_ids)
+        try:
+            check_drafter(name, method, reference, out, options, meta["tolerance"])
+        finally:
+            write_report(out, len(reference))
+    return write_report(out, len(reference))
+
+
+def write_report(out: Path, questions: int) -> dict:
+    """:func:`fullset_report` written to ``out/report.json`` and ``out/report.md``."""
+    report = fullset_report(out, questions)
+    (out / REPORT_JSON).write_text(json.dumps(report, indent=2) + "\n")
+    (out / REPORT_MD).write_text(report_markdown(report))
+    return report

@@ -165,7 +165,7 @@ def _encode_turn(pipe: Pipeline, history: list[dict]) -> list[int]:
     return pipe.encode("\n\n".join(m["content"] for m in history), chat=False)
 
 
-def _converse(
+def converse(
     pipe: Pipeline, prompt: BenchPrompt, decode: Callable[[list[int]], Run], budget: int, mode: str
 ) -> MethodRun:
     """Ask the turns of ``prompt`` in order, each after the method's own previous answers."""
@@ -430,7 +430,7 @@ def _bench_prompt(
     runs: dict[str, MethodRun] = {}
     for method in harness.interleave(methods, i):
         decode = partial(method.run, max_new_tokens=options.max_new_tokens, params=params)
-        runs[method.name] = _converse(pipe, prompt, decode, budget, options.long_prompts)
+        runs[method.name] = converse(pipe, prompt, decode, budget, options.long_prompts)
     return {m.name: runs[m.name] for m in methods}
 
 

@@ -7,7 +7,7 @@ from specdraft import api, cli, lossless
 from specdraft.bench.harness import Run
 from specdraft.bench.hf_baselines import build_hf_baselines, pruned_hf_model
 from specdraft.bench.prompts import BenchPrompt, read_prompts
-from specdraft.bench.runner import BenchOptions, MethodRun, _classify, _converse, markdown_table, run_bench
+from specdraft.bench.runner import BenchOptions, MethodRun, _classify, converse, markdown_table, run_bench
 from specdraft.errors import SpecdraftError
 from specdraft.models.llama import LlamaRuntime
 
@@ -137,7 +137,7 @@ def test_second_turn_follows_the_methods_own_first_answer(pipe):
         seen.append(ids)
         return Run(next(answers), 0.5)
 
-    run = _converse(pipe, prompt, decode, budget=400, mode="truncate")
+    run = converse(pipe, prompt, decode, budget=400, mode="truncate")
     assert run.turns == [[104, 105], [33]] and run.new_tokens == 3 and run.seconds == 1.0
     conversation = [
         {"role": "user", "content": "first question"},
