@@ -38,7 +38,7 @@ import torch
 
 from specdraft import kernels, registry
 from specdraft.drafters.base import Drafter
-from specdraft.dtypes import AUTO_KEEPS_BF16, DTYPES, choices
+from specdraft.dtypes import AUTO_KEEPS_BF16, AUTO_QUANT_DRAFTS, DTYPES, QUANT, choices
 from specdraft.engine import Engine, Request, StepEvent, decode_requests, generate
 from specdraft.errors import SpecdraftError
 from specdraft.kernels import cpu_has_fast_bf16
@@ -74,7 +74,7 @@ def resolve_dtype(name: str | torch.dtype, draft: bool = False, runtime: str = "
     elif name in DTYPES and DTYPES[name].torch is not None:
         dt = DTYPES[name].torch
     else:
-        names = [n for n in choices("draft" if draft else "target") if n != "q"]
+        names = [n for n in choices("draft" if draft else "target") if draft or n != "q"]
         raise SpecdraftError(f"unknown dtype {name!r}: use {', '.join(names)}")
     if dt == torch.qint8 and not draft:
         raise SpecdraftError(
@@ -97,6 +97,53 @@ RUNS_WITHOUT_TRANSFORMERS_MODEL = (
 ``needs`` of :data:`specdraft.dtypes.AUTO_KEEPS_BF16`) a Gemma 3 target on the compact runtime is
 loaded from its weight files alone (:func:`specdraft.models.runtime.compact_from_files`), without
 the float32 transformers model."""
+
+
+QUANT_DRAFT_KINDS = ("self", "prune", "designed", "model", "tree", "ouroboros")
+"""Draft kinds with a model that ``--draft-dtype q`` runs on GGUF blocks beside a quantized target
+(``prune:`` on the target's own, ``designed`` on Q8_0 blocks made at load, a model alias or path on
+its own GGUF; ``tree`` and ``ouroboros`` through the draft they wrap)."""
+
+MODEL_FREE_KINDS = ("none", "lookup", "lookup-tree", "bigram", "suffix")
+"""Draft kinds without a model: the draft precision changes nothing for them."""
+
+
+def model_kind(spec: str | registry.DraftSpec) -> str:
+    """The kind of the model a spec drafts with: a ``tree:`` spec's inner draft's, else its own."""
+    spec = registry.DraftSpec.parse(spec)
+    return (
+        registry.DraftSpec.parse(registry.tree_parts(spec.arg)[2]).kind if spec.kind == "tree" else spec.kind
+    )
+
+
+def draft_precision(name: str | torch.dtype, runtime: Runtime | None, spec) -> torch.dtype | str:
+    """``--draft-dtype`` for a draft spec beside the target's ``runtime``: a torch dtype
+    (:func:`resolve_dtype`), or :data:`specdraft.dtypes.QUANT` (GGUF blocks) for ``q``, and for
+    ``auto`` when the target is quantized and the draft's kind is in
+    :data:`specdraft.dtypes.AUTO_QUANT_DRAFTS`.
+
+    Raises:
+        SpecdraftError: ``q`` beside a target that is not quantized, or for a kind without a
+            quantized path (:data:`QUANT_DRAFT_KINDS`).
+    """
+    from specdraft.models.quant import QuantRuntime
+
+    spec = registry.DraftSpec.parse(spec)
+    quant = isinstance(runtime, QuantRuntime)
+    if name == "auto" and quant and model_kind(spec) in AUTO_QUANT_DRAFTS:
+        return QUANT
+    if name != QUANT:
+        return resolve_dtype(name, draft=True)
+    if not quant:
+        raise SpecdraftError(
+            "--draft-dtype q runs the draft on GGUF blocks beside a quantized target: give a GGUF "
+            "target with --dtype auto or q"
+        )
+    if spec.kind not in MODEL_FREE_KINDS + QUANT_DRAFT_KINDS:
+        raise SpecdraftError(
+            f"--draft-dtype q: {spec.kind} drafts do not run on GGUF blocks; use bf16, fp32 or int8"
+        )
+    return QUANT
 
 
 def set_threads(threads: int | None) -> None:
@@ -262,10 +309,13 @@ class Detokenizer:
 
 
 def make_drafter(
-    spec: str | registry.DraftSpec, target: LoadedModel, runtime: Runtime, dtype: torch.dtype
+    spec: str | registry.DraftSpec, target: LoadedModel, runtime: Runtime, dtype: torch.dtype | str
 ) -> Drafter | None:
     """The drafter for a draft spec (module docstring) over a loaded target and its runtime, at the
-    draft precision ``dtype``; None for ``none``. Parsed and built by :mod:`specdraft.registry`."""
+    draft precision ``dtype`` (a torch dtype, or a ``--draft-dtype`` name: :func:`draft_precision`);
+    None for ``none``. Parsed and built by :mod:`specdraft.registry`."""
+    if isinstance(dtype, str):
+        dtype = draft_precision(dtype, runtime, spec)
     return registry.build_drafter(spec, registry.Target(target, runtime, dtype))
 
 
@@ -289,13 +339,16 @@ def load(
             Q8_0 blocks whatever the run (:class:`specdraft.models.quant.QuantRuntime`).
         runtime: ``auto`` (compact for Llama-family and Gemma 3, else transformers), ``compact`` or ``hf``.
         threads: torch intra-op threads.
-        draft_dtype: the draft's precision: ``auto``, ``bf16``, ``fp32`` or ``int8``.
+        draft_dtype: the draft's precision: ``auto``, ``bf16``, ``fp32``, ``int8`` or ``q`` (GGUF
+            blocks beside a quantized target; :func:`draft_precision`).
         needs: what else the caller runs with the target's transformers model (keys of
             :data:`specdraft.dtypes.AUTO_KEEPS_BF16`, such as ``"hf"`` for the transformers
             baselines): ``auto`` then keeps bf16.
     """
     set_threads(threads)
     spec = registry.DraftSpec.parse(draft)  # a bad spec fails before the target loads
+    if draft_dtype != QUANT:
+        resolve_dtype(draft_dtype, draft=True)  # and so does an unknown draft precision
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     rt = None
     if dtype == "q":  # the GGUF's own quantized blocks (specdraft.models.quant), whatever the run
@@ -305,15 +358,22 @@ def load(
             raise SpecdraftError(f"--dtype q runs the quantized runtime, not {runtime!r}")
         rt = QuantRuntime(gguf_path(target))
     elif dtype == "auto" and runtime in ("auto", "quant"):
-        rt = auto_quant_runtime(target, (spec.kind, *needs))
+        # a prune: draft on GGUF blocks (q, auto) runs the quantized target's own layers
+        quant_draft = draft_dtype == QUANT or (
+            draft_dtype == "auto" and model_kind(spec) in AUTO_QUANT_DRAFTS
+        )
+        rt = auto_quant_runtime(target, (*(() if quant_draft else (model_kind(spec),)), *needs))
     keeps_model = spec.kind not in RUNS_WITHOUT_TRANSFORMERS_MODEL or any(n in AUTO_KEEPS_BF16 for n in needs)
     if rt is None and dtype != "q" and runtime in ("auto", "compact") and not keeps_model:
         rt = compact_from_files(target, resolve_dtype(dtype, runtime="compact"))  # Gemma 3 only
+    draft_dt = draft_precision(draft_dtype, rt, spec)  # q beside a target that is not quantized: refused
     if rt is not None:
         # the tokenizer only, unless the drafter may be built from the target's transformers model
-        # (a designed draft shares its embedding; tree:designed:... wraps one)
+        # (a designed draft shares its embedding, unless it runs on GGUF blocks; tree:designed:...
+        # wraps one)
+        keeps_model = keeps_model and not (draft_dt == QUANT and spec.kind == "designed")
         loaded = load_model(target, torch.float32) if keeps_model else load_tokenizer(target)
-        drafter = make_drafter(draft, loaded, rt, resolve_dtype(draft_dtype, draft=True))
+        drafter = make_drafter(draft, loaded, rt, draft_dt)
         return Pipeline(loaded, rt, drafter, draft)
     if dtype == "auto" and not cpu_has_fast_bf16():
         # the runtime decides (bf16 weights for the compact one, fp32 for transformers'), so load
@@ -325,7 +385,7 @@ def load(
         dt = resolve_dtype(dtype)
         loaded = load_model(target, dt)
     rt = make_runtime(loaded, runtime, dt)
-    drafter = make_drafter(draft, loaded, rt, resolve_dtype(draft_dtype, draft=True))
+    drafter = make_drafter(draft, loaded, rt, draft_dt)
     return Pipeline(loaded, rt, drafter, draft)
 
 

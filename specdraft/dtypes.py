@@ -54,7 +54,8 @@ DTYPES: dict[str, DType] = {
             "(the quantized runtime) unless the run needs the transformers model (prune: drafts, "
             "--baselines hf, attack); else bf16 (without native bf16: bf16 weights with fp32 "
             "arithmetic through the native kernels; fp32 without them or with --runtime hf)",
-            "draft": "bf16 where native or run by the native kernels, else int8",
+            "draft": "q for prune: drafts beside a quantized target, else bf16 where native or run "
+            "by the native kernels, else int8",
             "study-target": "bf16 where native or run by the few-row kernel, else fp32",
         },
     ),
@@ -75,6 +76,8 @@ DTYPES: dict[str, DType] = {
         {
             "target": "a GGUF target's own quantized blocks (Q4_0/Q4_1/Q8_0, the quantized runtime) "
             "whatever the run",
+            "draft": "GGUF blocks beside a quantized target: prune: drafts run the target's own, "
+            "designed drafts Q8_0 blocks made at load, a GGUF draft model its own",
         },
     ),
     "bfloat16": DType(torch.bfloat16),
@@ -82,15 +85,28 @@ DTYPES: dict[str, DType] = {
 }
 
 
+QUANT = "q"
+"""The draft precision ``q`` as :class:`specdraft.registry.Target` carries it (it has no torch dtype):
+the draft runs on GGUF blocks in :class:`specdraft.models.quant.QuantRuntime`."""
+
+AUTO_QUANT_DRAFTS: dict[str, str] = {
+    "prune": "a layer-pruned draft runs the quantized target's own layers (no bf16 copy of them)",
+}
+"""Draft kinds that ``--draft-dtype auto`` runs on GGUF blocks (``q``) beside a quantized target ->
+why. Other kinds keep the ``auto`` of :func:`specdraft.api.resolve_dtype`."""
+
 AUTO_KEEPS_BF16: dict[str, str] = {
-    "prune": "layer-pruned drafts run the target's own layers in the compact runtime",
+    "prune": "a layer-pruned draft at --draft-dtype bf16, fp32 or int8 runs the target's own layers "
+    "in the compact runtime",
     "hf": "the transformers baselines run the target's transformers model",
     "attack": "the attack differentiates the target's transformers model",
     "design": "designing a draft reads and trains from the target's transformers model",
 }
 """What makes ``--dtype auto`` keep bf16 for a quantized GGUF (a draft kind, a bench baseline, a
-command) -> the reason, logged in one line. Designed drafts load the transformers model on demand
-(they share its embedding) and keep the quantized target."""
+command) -> the reason, logged in one line. ``prune`` counts only with a dense ``--draft-dtype``
+(auto and q run the target's own blocks). Designed drafts load the transformers model on demand
+(they share its embedding) and keep the quantized target; at ``--draft-dtype q`` they read the
+GGUF's embedding instead."""
 
 
 def choices(role: str) -> list[str]:

@@ -47,7 +47,7 @@ def test_options_take_choices_and_help_from_the_table(action, role):
 
 def test_roles_accept_what_the_runtimes_can_do():
     assert dtypes.choices("target") == ["auto", "bf16", "fp32", "q"]  # int8 would not be lossless
-    assert dtypes.choices("draft") == ["auto", "bf16", "fp32", "int8"]
+    assert dtypes.choices("draft") == ["auto", "bf16", "fp32", "int8", "q"]  # q: GGUF blocks
     assert dtypes.choices("gen") == ["same", "bf16", "fp32"]
     assert "int8" in dtypes.choices("study-draft") and "q" not in dtypes.choices("study-target")
     with pytest.raises(ValueError, match="unknown dtype role"):

@@ -58,6 +58,7 @@ from specdraft.drafters.dream import CROSS_KEYS, DreamDrafter
 from specdraft.drafters.feature import FeatureDrafter
 from specdraft.drafters.gated import GatedDrafter
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
+from specdraft.dtypes import QUANT
 from specdraft.errors import SpecdraftError
 from specdraft.models.llama import LlamaRuntime
 from specdraft.models.subset_head import SubsetHeadRuntime, draft_weights
@@ -134,15 +135,25 @@ def fingerprint(embed: torch.Tensor) -> list[float]:
     return [float(e.mean()), float(e.std())] + [float(e[r].sum()) for r in rows]
 
 
+def _embedding_facts(target) -> tuple[int, int, Callable[[], list[float]]]:
+    """Vocabulary, hidden size and the embedding's fingerprint (computed on call) of a
+    transformers model or of a GGUF's :class:`~specdraft.models.quant.QuantWeights`."""
+    if hasattr(target, "embedding_fingerprint"):  # QuantWeights: the GGUF's own embedding blocks
+        return target.embed.rows, target.hidden, target.embedding_fingerprint
+    cfg = target.config
+    return cfg.vocab_size, cfg.hidden_size, lambda: fingerprint(target.get_input_embeddings().weight)
+
+
 def check_compatible(meta: DraftMeta, target_model, where: str) -> None:
-    """Raise a clear error when ``target_model`` is not the target this draft was designed for."""
-    cfg = target_model.config
-    if cfg.vocab_size != meta.vocab_size or cfg.hidden_size != meta.hidden_size:
+    """Raise a clear error when ``target_model`` (a transformers model, or the quantized
+    runtime's weights) is not the target this draft was designed for."""
+    vocab, hidden, embedding_fingerprint = _embedding_facts(target_model)
+    if vocab != meta.vocab_size or hidden != meta.hidden_size:
         raise SpecdraftError(
             f"draft {where} was designed for a target with vocabulary {meta.vocab_size} and hidden size "
-            f"{meta.hidden_size} ({meta.target}); this target has {cfg.vocab_size} and {cfg.hidden_size}"
+            f"{meta.hidden_size} ({meta.target}); this target has {vocab} and {hidden}"
         )
-    got = fingerprint(target_model.get_input_embeddings().weight)
+    got = embedding_fingerprint()
     scale = max(abs(x) for x in meta.embed_fingerprint) + 1e-6
     if any(
         not math.isclose(a, b, rel_tol=2e-2, abs_tol=2e-2 * scale)
@@ -352,9 +363,12 @@ def drafter_from_spec(spec, target):
         target: a :class:`~specdraft.registry.Target`: the loaded target (its embedding is shared),
             its runtime (its tensors are shared when it is a compact runtime) and the draft dtype.
     """
-    path = find_draft(spec.arg, target.loaded.model)
+    quant = target.dtype == QUANT  # GGUF blocks: the quantized target's embedding, no transformers model
+    path = find_draft(spec.arg, target.runtime.w if quant else target.loaded.model)
     if path is None:
         return PromptLookupDrafter()
+    if quant:
+        return quant_drafter(path, target)
     if read_meta(path).kind == "flex":
         return flex_drafter(path, target)
     dtype = target.dtype
@@ -370,6 +384,40 @@ def drafter_from_spec(spec, target):
         rt = SubsetHeadRuntime(rt, head, meta.vocab_size)
     if meta.kind in ("feature", "dream", "ctc"):
         return _feature_drafter(meta, extra, rt, w, path)
+    return GatedDrafter(rt, f"designed:{path.name}", target_runtime=target.runtime)
+
+
+def quant_drafter(path: Path, target) -> GatedDrafter:
+    """A token-level (``layers``) designed draft beside a quantized target (``--draft-dtype q``):
+    its matrices as Q8_0 blocks made at load, the target GGUF's embedding rows and head rows
+    (:meth:`specdraft.models.quant.QuantWeights.from_llama`); no transformers model is built.
+
+    Raises:
+        SpecdraftError: another kind of draft, an incompatible target, or corrupted weights.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from specdraft.models.quant import QuantRuntime, QuantWeights
+
+    meta = read_meta(path)
+    if meta.kind != "layers":
+        raise SpecdraftError(
+            f"--draft-dtype q runs token-level designed drafts, not {meta.kind} ones: use bf16"
+        )
+    check_compatible(meta, target.runtime.w, str(path))
+    try:
+        config = json.loads((path / "config.json").read_text())
+        state = load_file(str(path / WEIGHTS_FILE))
+    except (OSError, SafetensorError, ValueError) as e:
+        raise SpecdraftError(f"draft {path} is corrupted or incomplete ({type(e).__name__}: {e})") from None
+    bad = [k for k, t in state.items() if not torch.isfinite(t).all()]
+    if bad:
+        raise SpecdraftError(f"draft {path} is corrupted: non-finite values in {bad[0]}")
+    head = torch.tensor(meta.head_tokens, dtype=torch.int64) if meta.head_tokens else None
+    rt = QuantRuntime(QuantWeights.from_llama(state, config, target.runtime.w, head), target.runtime.variant)
+    if head is not None:
+        rt = SubsetHeadRuntime(rt, head, meta.vocab_size)
     return GatedDrafter(rt, f"designed:{path.name}", target_runtime=target.runtime)
 
 

@@ -248,13 +248,20 @@ def drafter_from_spec(spec, target):
 
 def with_head(drafter, token_ids: torch.Tensor):
     """A layer-pruned ``drafter`` whose LM head scores only ``token_ids`` (``(N,)`` ids): new
-    weights sharing every tensor but the head's N rows, the target's weights unchanged."""
+    weights sharing every tensor but the head's N rows, the target's weights unchanged (on the
+    quantized runtime: the head's N rows of blocks)."""
     from specdraft.drafters.model import ModelDrafter
     from specdraft.models.llama import pack_int8
+    from specdraft.models.quant import QuantRuntime
     from specdraft.models.runtime import compact_runtime
     from specdraft.models.subset_head import SubsetHeadRuntime
 
     rt = drafter.runtime
+    if isinstance(rt, QuantRuntime):
+        w = replace(rt.w, head=rt.w.head.take_rows(token_ids))
+        return ModelDrafter(
+            SubsetHeadRuntime(QuantRuntime(w, rt.variant), token_ids, rt.vocab_size), drafter.name
+        )
     head = rt.w.lm_head[token_ids].contiguous()  # (N, C)
     w = replace(rt.w, lm_head=head, q_head=None if rt.w.q_head is None else pack_int8(head))
     sub = SubsetHeadRuntime(compact_runtime(w, rt.layer_ids), token_ids, rt.vocab_size)

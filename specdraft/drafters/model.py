@@ -15,10 +15,12 @@ from __future__ import annotations
 import torch
 
 from specdraft.drafters.base import DraftContext, DraftState, Proposal, Verified, take_token
+from specdraft.dtypes import QUANT
 from specdraft.errors import SpecdraftError
 from specdraft.kernels import cpu_has_fast_bf16
 from specdraft.models.llama import LLAMA_FAMILY, LlamaRuntime
-from specdraft.models.loading import load_model
+from specdraft.models.loading import load_model, load_tokenizer
+from specdraft.models.quant import QuantRuntime, gguf_path
 from specdraft.models.runtime import Runtime, make_runtime
 
 
@@ -117,10 +119,17 @@ def self_from_spec(spec, target) -> ModelDrafter:
 
 
 def pruned_from_spec(spec, target) -> ModelDrafter:
-    """``prune:0,1,2,29``: the target's own layers at full width, with its embedding and LM head."""
+    """``prune:0,1,2,29``: the target's own layers at full width, with its embedding and LM head;
+    at the draft precision ``q`` the quantized target's own blocks (a :class:`QuantRuntime` over
+    the same matrices, its own cache)."""
     rt = target.runtime
+    if target.dtype == QUANT:
+        return ModelDrafter(QuantRuntime(rt.w.with_layers(spec.layers), rt.variant), str(spec))
     if not isinstance(rt, LlamaRuntime):
-        raise SpecdraftError("layer-pruned drafts need a Llama-family or Gemma 3 target (compact runtime)")
+        raise SpecdraftError(
+            "layer-pruned drafts need a Llama-family or Gemma 3 target (compact runtime), or "
+            "--draft-dtype q (or auto) beside a quantized one"
+        )
     if target.dtype == rt.w.dtype:  # shares the target's tensors; owns only its cache
         return ModelDrafter(type(rt)(rt.w, spec.layers), str(spec))  # the target's runtime class
     return ModelDrafter(type(rt)(rt.w.subset(spec.layers, target.dtype)), str(spec))
@@ -131,16 +140,26 @@ def _same_tokenizer(a, b) -> bool:
 
 
 def model_from_spec(spec, target) -> ModelDrafter:
-    """A model alias or path: an independent draft model, which must share the target's tokenizer."""
+    """A model alias or path: an independent draft model, which must share the target's tokenizer;
+    at the draft precision ``q`` a GGUF draft on its own blocks (tokenizer only, no transformers
+    model)."""
     name, dtype = spec.arg, target.dtype
+    if dtype == QUANT:
+        draft = load_tokenizer(name)
+        _check_tokenizer(draft.tokenizer, target.loaded.tokenizer, name)
+        return ModelDrafter(QuantRuntime(gguf_path(name), target.runtime.variant), name)
     draft = load_model(name, torch.float32 if dtype == torch.qint8 else dtype)
     if draft.model.config.model_type not in LLAMA_FAMILY and (
         dtype == torch.qint8 or (dtype == torch.bfloat16 and not cpu_has_fast_bf16())
     ):
         dtype = torch.float32  # int8 and kernel-run bf16 need the compact runtime; torch would emulate bf16
-    if not _same_tokenizer(draft.tokenizer, target.loaded.tokenizer):
+    _check_tokenizer(draft.tokenizer, target.loaded.tokenizer, name)
+    return ModelDrafter(make_runtime(draft, dtype=dtype), name)
+
+
+def _check_tokenizer(draft, target, name: str) -> None:
+    if not _same_tokenizer(draft, target):
         raise SpecdraftError(
             f"draft {name!r} has a different tokenizer/vocabulary than the target; "
             "speculative decoding needs the same tokenizer"
         )
-    return ModelDrafter(make_runtime(draft, dtype=dtype), name)

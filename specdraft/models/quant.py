@@ -34,7 +34,7 @@ import json
 import os
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -131,6 +131,22 @@ class QuantMatrix:
     def struct(self) -> QMat:
         omap = None if self.omap is None else self.omap.data_ptr()
         return QMat(self.data.ctypes.data, self.type, self.rows, self.cols, self.data.shape[1], omap)
+
+    def take_rows(self, ids: torch.Tensor) -> QuantMatrix:
+        """Rows ``ids`` ``(N,)`` of W, in that order: a copy of their blocks only (each row's blocks
+        are its own, so the product's row n is exactly row ``ids[n]`` of the full one)."""
+        if self.omap is not None:
+            raise SpecdraftError("taking rows of a matrix with an output map is not supported")
+        return QuantMatrix(np.ascontiguousarray(self.data[ids.long().numpy()]), self.type, self.cols)
+
+
+def quantize_matrix(w: torch.Tensor, qtype: int = 8) -> QuantMatrix:
+    """``w (N, K)`` as GGUF blocks of ``qtype`` (default Q8_0), by the ``gguf`` library's reference
+    quantizer (ggml's rounding)."""
+    import gguf
+
+    data = gguf.quants.quantize(w.detach().float().numpy(), gguf.GGMLQuantizationType(qtype))
+    return QuantMatrix(np.ascontiguousarray(data), qtype, w.shape[1])
 
 
 def quant_matmul(
@@ -300,6 +316,23 @@ class _GGUFTensors:
         return QuantMatrix(data.reshape(N, row_bytes), t, K, omap)
 
 
+_HF_MATRICES = {
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+}  # QuantLayer field -> a transformers Llama layer's module
+_HF_NORMS = ("input_layernorm", "post_attention_layernorm")  # attn_norm, ffn_norm
+
+
+def _check_widths(name: str, C: int, F: int, D: int, H: int, G: int) -> None:
+    if D % 16 or C % 32 or F % 32 or H % G or H * D % 32:
+        raise SpecdraftError(f"{name}: widths the quantized kernels do not take (C={C}, F={F}, D={D})")
+
+
 @dataclass
 class QuantWeights:
     """A Llama-family GGUF's weights, in place in the file.
@@ -377,11 +410,7 @@ class QuantWeights:
         inv_freq = 1.0 / (base ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
         if "rope_freqs.weight" in tensors:  # llama3-style per-frequency factors: theta / factor
             inv_freq = inv_freq / vector("rope_freqs.weight")
-        F = layers[0].gate.rows
-        if D % 16 or C % 32 or F % 32 or H % G or H * D % 32:
-            raise SpecdraftError(
-                f"{path.name}: widths the quantized kernels do not take (C={C}, F={F}, D={D})"
-            )
+        _check_widths(path.name, C, layers[0].gate.rows, D, H, G)
         return cls(
             path=path,
             mm=mm,
@@ -393,11 +422,102 @@ class QuantWeights:
             n_kv_heads=G,
             head_dim=D,
             hidden=C,
-            ffn=F,
+            ffn=layers[0].gate.rows,
             eps=float(num("attention.layer_norm_rms_epsilon")),
             inv_freq=inv_freq,
             max_context=int(num("context_length", 2048)),
         )
+
+    @classmethod
+    def from_llama(
+        cls,
+        tensors: dict[str, torch.Tensor],
+        config: dict,
+        target: QuantWeights,
+        head_tokens: torch.Tensor | None = None,
+        qtype: int = 8,
+    ) -> QuantWeights:
+        """A transformers Llama's own tensors (a designed draft's layers and final norm, in
+        transformers' names and half-split q / k row order) as ``qtype`` blocks (default Q8_0) made
+        here, with ``target``'s embedding (shared, not copied) and its head's rows ``head_tokens``
+        (the whole head when None): a designed draft shares the target's embedding and head.
+
+        Args:
+            tensors: the draft's tensors (``model.layers.{i}.*``, ``model.norm.weight``).
+            config: the draft's ``config.json`` as a dict (no transformers model is built).
+
+        Raises:
+            SpecdraftError: a hidden size other than the target's, a tensor missing, biases, RoPE
+                scaling, or widths the kernels do not take.
+        """
+        C, H = int(config["hidden_size"]), int(config["num_attention_heads"])
+        G, D = int(config.get("num_key_value_heads") or H), int(config.get("head_dim") or C // H)
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if C != target.hidden:
+            raise SpecdraftError(f"draft hidden size {C} is not the target's {target.hidden}")
+        if (
+            config.get("attention_bias")
+            or config.get("mlp_bias")
+            or rope.get("rope_type", "default") != "default"
+        ):
+            raise SpecdraftError("the quantized runtime takes Llama drafts without biases or RoPE scaling")
+
+        def tensor(name: str) -> torch.Tensor:
+            if name not in tensors:
+                raise SpecdraftError(f"draft tensor {name} missing")
+            return tensors[name]
+
+        def layer(i: int) -> QuantLayer:
+            p = f"model.layers.{i}."
+            mats = {m: quantize_matrix(tensor(f"{p}{n}.weight"), qtype) for m, n in _HF_MATRICES.items()}
+            norms = [tensor(f"{p}{n}.weight").float().contiguous() for n in _HF_NORMS]
+            return QuantLayer(*norms, **mats)
+
+        layers = [layer(i) for i in range(int(config["num_hidden_layers"]))]
+        _check_widths("draft", C, layers[0].gate.rows, D, H, G)
+        theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+        return cls(
+            path=target.path,
+            mm=target.mm,
+            embed=target.embed,
+            head=target.head if head_tokens is None else target.head.take_rows(head_tokens),
+            norm=tensor("model.norm.weight").float().contiguous(),
+            layers=layers,
+            n_heads=H,
+            n_kv_heads=G,
+            head_dim=D,
+            hidden=C,
+            ffn=layers[0].gate.rows,
+            eps=float(config["rms_norm_eps"]),
+            inv_freq=1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D)),
+            max_context=int(config.get("max_position_embeddings", target.max_context)),
+        )
+
+    def with_layers(self, layer_ids: list[int], head_tokens: torch.Tensor | None = None) -> QuantWeights:
+        """These weights' layers ``layer_ids`` (in that order), the same :class:`QuantMatrix` blocks
+        (nothing copied), and the head's rows ``head_tokens`` (copied: N rows' blocks) when given:
+        a layer-pruned draft of a quantized target."""
+        L = len(self.layers)
+        if not layer_ids or any(not 0 <= i < L for i in layer_ids) or len(set(layer_ids)) != len(layer_ids):
+            raise SpecdraftError(
+                f"layer ids {layer_ids} invalid for a {L}-layer target (distinct, in 0..{L - 1})"
+            )
+        head = self.head if head_tokens is None else self.head.take_rows(head_tokens)
+        return replace(self, layers=[self.layers[i] for i in layer_ids], head=head)
+
+    def embedding_fingerprint(self, block: int = 4096) -> list[float]:
+        """:func:`specdraft.design.artifact.fingerprint` of the de-quantized embedding (mean, std,
+        the sums of 8 fixed rows), ``block`` rows at a time: never the whole fp32 matrix at once."""
+        V, C = self.embed.rows, self.embed.cols
+        total = torch.zeros(2, dtype=torch.float64)  # sum, sum of squares
+        for a in range(0, V, block):
+            e = dequantize_rows(self.embed, torch.arange(a, min(a + block, V))).double()  # (n, C)
+            total += torch.stack([e.sum(), (e * e).sum()])
+        n = V * C
+        mean = total[0] / n
+        std = ((total[1] - n * mean * mean) / (n - 1)).sqrt()
+        rows = dequantize_rows(self.embed, torch.linspace(0, V - 1, 8).long())  # (8, C)
+        return [float(mean), float(std)] + [float(r.sum()) for r in rows]
 
     @property
     def types(self) -> dict[str, int]:
