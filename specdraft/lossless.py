@@ -64,6 +64,7 @@ import json
 import os
 import subprocess
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -596,18 +597,33 @@ def run_fullset(pipe, drafters: list, prompts, out, options: FullsetOptions | No
     out.mkdir(parents=True, exist_ok=True)
     meta = _meta(pipe, len(prompts), options)
     _check_meta(out, meta)
-    reference = reference_answers(pipe, prompts, out, options)
-    for name, build in drafters:
-        done = {r["id"] for r in read_jsonl(out / CHECKS) if r["drafter"] == name}
-        if all(q in done for q in reference):
-            continue
-        policy = make_policy(options.k)  # one for the drafter's whole run: an adaptive one keeps learning
-        method = engine_method(name, pipe.runtime, build(), policy, eos_ids=pipe.eos_ids)
+    with _sole_run(out):
+        reference = reference_answers(pipe, prompts, out, options)
+        for name, build in drafters:
+            done = {r["id"] for r in read_jsonl(out / CHECKS) if r["drafter"] == name}
+            if all(q in done for q in reference):
+                continue
+            policy = make_policy(options.k)  # one for the drafter's whole run: an adaptive one keeps learning
+            method = engine_method(name, pipe.runtime, build(), policy, eos_ids=pipe.eos_ids)
+            try:
+                check_drafter(name, method, reference, out, options, meta["tolerance"])
+            finally:
+                write_report(out, len(reference))
+        return write_report(out, len(reference))
+
+
+@contextmanager
+def _sole_run(out: Path):
+    """Hold a lock on ``out/meta.json`` while checking: two runs on one directory would check the
+    same questions and interleave their lines."""
+    import fcntl
+
+    with open(out / META) as f:
         try:
-            check_drafter(name, method, reference, out, options, meta["tolerance"])
-        finally:
-            write_report(out, len(reference))
-    return write_report(out, len(reference))
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SpecdraftError(f"another check is running on {out}: let it end or stop it first") from None
+        yield
 
 
 def write_report(out: Path, questions: int) -> dict:

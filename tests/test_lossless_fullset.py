@@ -3,6 +3,7 @@ tiny random target: identical drafters, a verification that is not bit-identical
 divergent with its first differing token, resuming after a kill, settings that changed."""
 
 import dataclasses
+import fcntl
 import json
 import sys
 from pathlib import Path
@@ -143,6 +144,11 @@ def test_resuming_with_other_settings_is_refused(pipe, tmp_path):
     other = lossless.FullsetOptions(k=3, max_new_tokens=9, progress=False)
     with pytest.raises(SpecdraftError, match="max_new_tokens 8 -> 9"):
         lossless.run_fullset(pipe, drafters(pipe, ("lookup",)), PROMPTS[1:], tmp_path, other)
+    with open(tmp_path / lossless.META) as held:  # another process checking there
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(SpecdraftError, match="another check is running"):
+            lossless.run_fullset(pipe, drafters(pipe, ("bigram",)), PROMPTS[1:], tmp_path, OPTIONS)
+    assert "bigram" not in lossless.fullset_report(tmp_path, 2)["drafters"]
     with open(tmp_path / lossless.CHECKS, "a") as f:
         f.write("not json\n{}\n")
     with pytest.raises(SpecdraftError, match="not a JSON line"):
