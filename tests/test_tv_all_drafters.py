@@ -13,7 +13,9 @@ bigram drafter (no q), the target drafting for itself, a layer-pruned draft (als
 subset: prune:...,head=N), the gated designed
 draft (best prefix and early stop), the feature draft, the DREAM-style draft, the feature draft
 with a local head fused in, FlexDraft (drafting in the verification forward, and sequentially),
-the block-diffusion drafter (one pass per block, cut by its length head), the Ouroboros and
+the block-diffusion drafter (one pass per block, cut by its length head), the drafts on GGUF
+blocks beside a quantized target (``--draft-dtype q``: prune views, their head subsets, Q8_0
+designed drafts), the Ouroboros and
 suffix drafters' token trees (point masses from a phrase pool / a history), the cost-aware
 policy's per-class trim, its per-row cut of rows whose drafts fail (issue 17) and the
 server's per-row caps. Each case also checks that its cut really happened, and the old gating
@@ -479,6 +481,59 @@ def test_ragged_quantized_steps_follow_the_target_distribution(tmp_path, monkeyp
     assert_within_bound(idx, exact)
     assert 0 < stats.accepted < stats.drafted and target.ragged_steps
     case.check(rec, case.policy)
+
+
+@pytest.fixture(scope="module")
+def quant_target(tmp_path_factory):
+    """A GGUF of this file's vocabulary (Q8_0, head scaled 2) on the quantized runtime, its exact
+    output distribution and its transformers reference (the de-quantized weights)."""
+    from specdraft.models.quant import QuantRuntime
+    from tests.models.test_quant import TYPES, write_tiny_gguf
+
+    path = tmp_path_factory.mktemp("tv-gguf") / "v8.gguf"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECDRAFT_CACHE", str(path.parent / "cache"))  # the GGUF index cache
+        model = write_tiny_gguf(path, TYPES["Q8_0"], head_scale=2.0, vocab_size=V)
+        rt = QuantRuntime(path)
+    return rt, exact_distribution(rt), model
+
+
+QUANT_DRAFTS = ["q-prune", "q-prune-head", "q-designed"]
+
+
+def quant_draft(name: str, rt, model):
+    """The drafts of ``--draft-dtype q`` (issue 15): ``prune:0`` as a view of the target's blocks,
+    with a head subset (``head=N``: its rows of the quantized head), and a designed draft's matrices
+    as Q8_0 blocks made at load (a changed copy of the target's layer 1; head ids 0 1 2 4 6)."""
+    from specdraft.design.prune import depth_prune
+    from specdraft.models.quant import QuantRuntime, QuantWeights
+    from specdraft.models.subset_head import SubsetHeadRuntime
+
+    head = torch.tensor([0, 1, 2, 4, 6])
+    pruned = ModelDrafter(QuantRuntime(rt.w.with_layers([0])), "prune:0")
+    if name == "q-prune":
+        return pruned
+    if name == "q-prune-head":
+        return with_head(pruned, head)
+    draft = depth_prune(model, [1])
+    draft.model.layers[0].mlp.up_proj.weight.data.mul_(1.5)
+    w = QuantWeights.from_llama(draft.state_dict(), draft.config.to_dict(), rt.w, head)
+    return ModelDrafter(SubsetHeadRuntime(QuantRuntime(w), head, V), "designed")
+
+
+@pytest.mark.skipif(not kernels.available(), reason=f"native kernels unavailable ({kernels.status()})")
+@pytest.mark.parametrize("name", QUANT_DRAFTS)
+def test_quantized_drafts_follow_the_target_distribution(quant_target, name):
+    rt, exact, model = quant_target
+    drafter = quant_draft(name, rt, model)
+    idx, _, stats = sample_outputs(rt, Case(drafter, FixedK(2)), N)
+    assert_within_bound(idx, exact)
+    assert 0 < stats.accepted < stats.drafted
+    if name != "q-prune":  # the head subset is in place: q = 0 outside ids 0 1 2 4 6
+        x = torch.tensor([PROMPT])
+        logits = drafter.runtime.forward(drafter.runtime.new_state(1, 8), x, torch.arange(5)[None]).logits
+        assert torch.isinf(logits[..., [3, 5, 7]]).all()
+        assert torch.isfinite(logits[..., [0, 1, 2, 4, 6]]).all()
 
 
 def test_the_old_gating_rule_fails_this_test(target, exact):
