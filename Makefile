@@ -6,7 +6,7 @@ VENV := .venv
 PIP := $(VENV)/bin/python -m pip
 STAMP := $(VENV)/.stamp
 
-.PHONY: venv test demo peers clean-venv
+.PHONY: venv test demo peers llama-bench clean-venv
 
 venv: $(STAMP)
 
@@ -42,6 +42,17 @@ peers: venv
 	CMAKE_ARGS="$(PEERS_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$(PEERS_JOBS) \
 		$(PIP) install --no-binary llama-cpp-python --no-cache-dir llama-cpp-python==$(LLAMA_CPP_PYTHON)
 	$(VENV)/bin/python -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
+
+# llama.cpp's own llama-bench (for `benchmarks/bench_quant.py --sections llama-bench`), built with cmake
+# from the llama.cpp that llama-cpp-python $(LLAMA_CPP_PYTHON) vendors (its sdist), same options as `peers`.
+LLAMA_SRC := peers/llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp
+llama-bench: venv
+	$(PIP) download --no-deps --no-binary :all: -d peers llama-cpp-python==$(LLAMA_CPP_PYTHON)
+	tar xzf peers/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C peers
+	cmake -S $(LLAMA_SRC) -B peers/build $(PEERS_CMAKE_ARGS) -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=ON
+	cmake --build peers/build --target llama-bench -j $(PEERS_JOBS)
+	peers/build/bin/llama-bench --help > /dev/null && echo "llama-bench: peers/build/bin/llama-bench"
 
 clean-venv:
 	rm -rf $(VENV)

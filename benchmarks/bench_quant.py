@@ -15,6 +15,11 @@ In one run, on the same chat-templated token ids and thread count:
   ``eval`` of the same ids on the same GGUF (prefill, then one token at a time, greedy), every
   method in turn per prompt (:mod:`specdraft.bench.llamacpp_baselines`, :class:`StepTimes`); the
   ratios quantized / llama.cpp are the issue's decode (>= 1.5x) and prefill (>= 2x) targets;
+- llama.cpp's own ``llama-bench`` (``--sections llama-bench``, built by ``make llama-bench``): its
+  ``pp256`` and ``tg64`` rates on the same GGUF and threads, each run between two measurements of the
+  quantized runtime's prefill of 256 ids and 64 one-token forwards after them (the same shape), so
+  that the ratios come from one run; llama-bench has no Python between tokens, llama-cpp-python's
+  ``eval`` has;
 - start to first token and peak RSS: a fresh Python process per runtime (warm caches), each
   running ``api.load(..., dtype="bf16" | "q")`` (what ``specdraft generate --dtype ...`` loads:
   for ``q`` the tokenizer only) and one prefill; peak RSS is the process's VmHWM (ru_maxrss
@@ -22,12 +27,14 @@ In one run, on the same chat-templated token ids and thread count:
 
     .venv/bin/python benchmarks/bench_quant.py --threads 2
     .venv/bin/python benchmarks/bench_quant.py --threads 2 --sections llamacpp --new-tokens 128
+    .venv/bin/python benchmarks/bench_quant.py --threads 2 --sections llama-bench
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -65,7 +72,8 @@ hwm = [line for line in open("/proc/self/status") if line.startswith("VmHWM")][0
 print(int(out.logits[0, -1].argmax()), int(hwm.split()[1]) // 1024)
 """
 DTYPE = {"bf16 compact": "bf16", "quantized": "q"}
-SECTIONS = ("decode", "agreement", "steps", "startup", "llamacpp")
+LLAMA_BENCH = Path(__file__).resolve().parents[1] / "peers" / "build" / "bin" / "llama-bench"
+SECTIONS = ("decode", "agreement", "steps", "startup", "llamacpp", "llama-bench")
 
 
 def chat_ids(tok, text: str) -> list[int]:
@@ -173,6 +181,41 @@ def llamacpp_rates(runtimes, prompts, new_tokens: int, threads: int, report: dic
     )
 
 
+def llama_bench_rates(runtime, prompt: list[int], args, report: dict) -> None:
+    """llama-bench's pp256 / tg64 against the quantized runtime's prefill of 256 ids and 64
+    one-token forwards after them, alternating (ours, llama-bench, ours, ...); medians."""
+    ids = (prompt * (256 // len(prompt) + 1))[:256]
+    cmd = [str(args.llama_bench), "-m", str(loading._smollm2_gguf()), "-t", str(args.threads)]
+    cmd += ["-p", "256", "-n", "64", "-r", "3", "-o", "json"]
+    ours, theirs = [], []
+    for _ in range(args.rounds):
+        r = llamacpp_baselines.runtime_step_times(runtime, ids, 64)
+        ours.append((256 / r.prefill_s, len(r.decode_s) / sum(r.decode_s)))
+        rows = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+        theirs.append(tuple(next(x["avg_ts"] for x in rows if x[key]) for key in ("n_prompt", "n_gen")))
+    (op, od), (lp, ld) = (tuple(statistics.median(v) for v in zip(*m)) for m in (ours, theirs))
+    print(
+        f"\nllama-bench ({args.llama_bench}), {args.rounds} rounds alternating, medians, "
+        f"{args.threads} threads"
+    )
+    print(
+        f"  prefill 256 ids: quantized {op:7.1f} tok/s   llama-bench pp256 {lp:7.1f} tok/s   {op / lp:.2f}x"
+    )
+    print(
+        f"  decode 64:       quantized {od:7.1f} tok/s   llama-bench tg64  {ld:7.1f} tok/s   {od / ld:.2f}x"
+    )
+    report.update(
+        {
+            "quantized_prefill256_tokens_per_s": op,
+            "quantized_decode64_tokens_per_s": od,
+            "llama_bench_pp256_tokens_per_s": lp,
+            "llama_bench_tg64_tokens_per_s": ld,
+            "quantized_vs_llama_bench_prefill": op / lp,
+            "quantized_vs_llama_bench_decode": od / ld,
+        }
+    )
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2)
@@ -187,6 +230,9 @@ def main(argv=None) -> int:
         help=f"comma-separated, of {', '.join(SECTIONS)} (llamacpp needs make peers)",
     )
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument(
+        "--llama-bench", type=Path, default=LLAMA_BENCH, help="llama-bench binary (make llama-bench)"
+    )
     args = p.parse_args(argv)
     sections = set(args.sections.split(","))
     if not sections <= set(SECTIONS):
@@ -233,6 +279,10 @@ def main(argv=None) -> int:
                 f"  plain decoding through the engine (quantized, after the first token) / "
                 f"llama.cpp decode-only: {ratio:.2f}x"
             )
+    if "llama-bench" in sections:
+        if not args.llama_bench.is_file():
+            p.error(f"--llama-bench: {args.llama_bench} not found (make llama-bench builds it)")
+        llama_bench_rates(runtimes["quantized"], prompts[0], args, report.setdefault("llama_bench", {}))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 0
