@@ -29,10 +29,21 @@ form a path, they are what a chain draft would have cached, so after verificatio
 their entries as far as the committed tokens agree with that path (:meth:`TopKTreeDrafter.observe`)
 and feeds the rest at its next proposal, as :class:`~specdraft.drafters.model.ModelDrafter` does.
 
-Draft spec: ``tree:[dyn[=W]|static[=BxD],]MODEL_DRAFT`` (default ``dyn=2``), e.g.
-``tree:designed:smollm2-135m-l2`` or ``tree:static=2x2,prune:0,1,2,29``
-(:func:`specdraft.registry.tree_parts`). Feature drafts (EAGLE-style, ``designed`` drafts of kind
-``feature``) are not supported yet.
+Feature drafts (EAGLE-style, :mod:`specdraft.drafters.feature_base`: ``designed`` drafts of kind
+``feature`` or ``dream``, ``local:designed:...``) grow the same trees (:class:`FeatureTreeDrafter`,
+EAGLE-2's own setting): the step's real pairs run first (:meth:`FeatureDrafterBase.start`), then
+each fed candidate's input is the pair (its parent's predicted feature, its token) at the position
+before its own (siblings share it), with the same slots and tree mask over the draft's cache; a
+fused local head reads each candidate's own path. One grow loop (:class:`TreeGrowth`) serves both:
+the drafters differ only in how a frontier becomes the draft's input. After verification the
+feature draft's cache needs no compaction: the next step's real pairs rewrite the accepted
+positions with the target's features, and no query reaches the tree's other slots; the drafter
+only records which of the target's columns hold the accepted path (:func:`accepted_columns`), so
+that those real pairs read the right features.
+
+Draft spec: ``tree:[dyn[=W]|static[=BxD],]DRAFT`` (default ``dyn=2``), e.g.
+``tree:designed:smollm2-135m-l2``, ``tree:static=2x2,prune:0,1,2,29`` or
+``tree:dyn=3,designed:FEATURE_DRAFT`` (:func:`specdraft.registry.tree_parts`).
 """
 
 from __future__ import annotations
@@ -43,6 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from specdraft.drafters.base import DraftContext, Proposal, Verified
+from specdraft.drafters.feature_base import FeatureDrafterBase, FeatureDraftState, accepted_columns
 from specdraft.drafters.model import ModelDrafter, ModelDraftState
 from specdraft.errors import SpecdraftError
 from specdraft.tree import TokenTree, most_probable
@@ -114,67 +126,91 @@ class Grown:
     path_len: torch.Tensor
 
 
-class TopKTreeState(ModelDraftState):
-    """The model draft's state, plus each row's cached path (:attr:`Grown.path`)."""
+@dataclass
+class Root:
+    """Where a tree grows from (the last committed token), per row.
 
-    def __init__(self, runtime, batch_size: int, capacity: int):
-        super().__init__(runtime, batch_size, capacity)
-        self.path = [[] for _ in range(batch_size)]
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        super().select_rows(rows)
-        self.path = [self.path[int(r)] for r in rows]
-
-    def append(self, other: TopKTreeState) -> None:
-        super().append(other)
-        self.path += other.path
-
-
-class TopKTreeDrafter:
-    """Token trees of a model draft's top tokens (module docstring).
-
-    Args:
-        model: the model draft (its runtime drafts; its cache bookkeeping is reused).
-        shape: static or dynamic.
-        name: shown in statistics.
+    Attributes:
+        logits: ``(B, 1, V)`` the draft's logits for depth 1.
+        first: ``(B,)`` position (and cache slot) of depth 1's fed candidates: a model draft feeds
+            a token at its own position (L), a feature draft a pair at the position before (L - 1).
+        lo: ``(B,)`` first cache slot of the context they see (slots ``lo .. first - 1``).
+        have: ``(B,)`` rows that propose a tree (a feature draft: rows with the target's features).
+        carry: what the draft's next feed reads of each frontier node (model: nothing; feature:
+            its predicted feature), indexed ``(B, f, ...)``, the root alone at first.
     """
 
-    proposes_trees = True
-    source = "model"
+    logits: torch.Tensor
+    first: torch.Tensor
+    lo: torch.Tensor
+    have: torch.Tensor
+    carry: tuple = ()
 
-    def __init__(self, model: ModelDrafter, shape: TreeShape, name: str):
-        core = getattr(model.runtime, "runtime", model.runtime)  # under a subset head
+
+@dataclass
+class Placement:
+    """Where a depth's fed candidates ``(B, w)`` go in the draft's cache.
+
+    Attributes:
+        positions: ``(B, w)`` RoPE positions (siblings share one).
+        slots: ``(B, w)`` cache slots: the best at its position's slot, the others past the deepest
+            such slot.
+        mask: ``(B, w, S)`` what each sees: the context, and its fed ancestors and itself.
+    """
+
+    positions: torch.Tensor
+    slots: torch.Tensor
+    mask: torch.Tensor
+
+
+class TreeGrowth:
+    """The grow loop both tree drafters share: they differ in how a frontier becomes the draft's
+    input (:meth:`_feed`) and in where the root comes from."""
+
+    def __init__(self, runtime, shape: TreeShape, name: str):
+        core = getattr(runtime, "runtime", runtime)  # under a subset head
         if shape.width > 1 and "slots" not in inspect.signature(core.forward).parameters:
             raise SpecdraftError(f"{name}: a dynamic tree needs a draft on the compact runtime (tree mask)")
-        self.model, self.shape, self.name = model, shape, name
-        self.runtime, self.vocab_size = model.runtime, model.vocab_size
+        self.shape, self.name, self.runtime = shape, name, runtime
 
-    def new_state(self, batch_size: int, capacity: int) -> TopKTreeState:
-        return TopKTreeState(self.runtime, batch_size, capacity)
-
-    def propose(self, state: TopKTreeState, ctx: DraftContext, k: int) -> Proposal:
-        B, L = ctx.lengths.shape[0], ctx.lengths
-        logits = self.model.catch_up(state, ctx)  # (B, V) after the root
-        grown = self.grow(state, logits.unsqueeze(1), L, self.shape.depth(k))
-        keep = self.shape.keep(grown.scores, k)  # (B, M)
-        trees = [
-            TokenTree.from_candidates(grown.tokens[b], grown.parents[b], keep[b], self.source)
-            for b in range(B)
-        ]
-        state.fed, state.base = L.clone(), L.clone()
-        state.path = [grown.path[b, : int(grown.path_len[b])].tolist() for b in range(B)]
+    def propose(self, state, ctx: DraftContext, k: int) -> Proposal:
+        B = ctx.lengths.shape[0]
+        root = self.root(state, ctx)
+        trees = [None] * B
+        if root is not None:
+            grown = self.grow(state, root, self.shape.depth(k))
+            trees = self._trees(grown, k, root.have)
+            self._grown(state, ctx, grown)
         return Proposal(tokens=torch.zeros(B, 0, dtype=torch.int64), trees=trees)
 
-    def grow(self, state: TopKTreeState, logits: torch.Tensor, L: torch.Tensor, depth: int) -> Grown:
+    def root(self, state, ctx: DraftContext) -> Root | None:
+        """Where this step's tree grows from (None: no row proposes)."""
+        raise NotImplementedError
+
+    def _grown(self, state, ctx: DraftContext, grown: Grown) -> None:
+        """Bookkeeping after a tree was grown (default: none)."""
+
+    def _trees(self, grown: Grown, k: int, rows: torch.Tensor) -> list[TokenTree | None]:
+        """The kept candidates of ``rows (B,)`` (bool) as one tree per row (None elsewhere)."""
+        keep = self.shape.keep(grown.scores, k)  # (B, M)
+        return [
+            TokenTree.from_candidates(grown.tokens[b], grown.parents[b], keep[b], self.source)
+            if rows[b]
+            else None
+            for b in range(keep.shape[0])
+        ]
+
+    def grow(self, state, root: Root, depth: int) -> Grown:
         """Expand the ``width`` best candidates of each depth with their top ``branch`` tokens,
-        ``depth`` levels below the root; ``logits (B, 1, V)`` are the draft's after the root."""
-        B, c, w = L.shape[0], self.shape.branch, self.shape.width
-        F = w * (depth - 1)  # fed candidates; slot L + o holds the one at offset o
+        ``depth`` levels below the root."""
+        B, c, w = root.first.shape[0], self.shape.branch, self.shape.width
+        F = w * (depth - 1)  # fed candidates; slot first + o holds the one at offset o
         if F and hasattr(state.kv, "ensure_capacity"):
-            state.kv.ensure_capacity(int(L.max()) + F + 1)
+            state.kv.ensure_capacity(int(root.first.max()) + F + 1)
         anc = torch.zeros(B, 1, F, dtype=torch.bool)  # (B, f, F) fed ancestors of each frontier node
         front = torch.full((B, 1), -1)  # (B, f) candidate index of each frontier node (the root)
         score = torch.zeros(B, 1)  # (B, f)
+        logits, carry = root.logits, root.carry
         tokens, parents, scores, path = [], [], [], []
         path_len = torch.zeros(B, dtype=torch.int64)
         for d in range(1, depth + 1):
@@ -195,7 +231,7 @@ class TopKTreeDrafter:
             fed = tokens[-1].gather(1, pick)  # (B, w)
             path.append(fed[:, 0])
             anc = self._ancestors(anc, pick // c, d, depth)
-            logits = self._feed(state, fed, L, d, depth, anc)
+            logits, carry = self._feed(state, fed, pick // c, carry, self._place(root, d, depth, anc))
         return Grown(
             torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(scores, 1),
             torch.stack(path, 1) if path else torch.zeros(B, 0, dtype=torch.int64), path_len,
@@ -216,20 +252,76 @@ class TopKTreeDrafter:
         new[:, torch.arange(rows.shape[1]), self._offsets(d, depth)] = True
         return new
 
-    def _feed(
-        self, state, fed: torch.Tensor, L: torch.Tensor, d: int, depth: int, anc: torch.Tensor
-    ) -> torch.Tensor:
-        """Run the draft over depth d's fed candidates ``(B, w)``; their logits ``(B, w, V)``."""
-        pos = (L - 1 + d).unsqueeze(1).expand_as(fed)  # (B, w) siblings share a position
-        if fed.shape[1] == 1:  # a chain: at the slot of its position, causal
-            return self.runtime.forward(state.kv, fed, pos).logits
-        F = anc.shape[2]
-        slots = L.unsqueeze(1) + self._offsets(d, depth)  # (B, w)
-        rel = torch.arange(int(L.max()) + F) - L.unsqueeze(1)  # (B, S) slot offset past the root
-        seen = anc.gather(2, rel.clamp(0, F - 1).unsqueeze(1).expand(-1, fed.shape[1], -1))  # (B, w, S)
+    def _place(self, root: Root, d: int, depth: int, anc: torch.Tensor) -> Placement:
+        """Positions, slots and mask of depth d's fed candidates, whose fed ancestors are ``anc``."""
+        B, w, F = anc.shape
+        pos = (root.first - 1 + d).unsqueeze(1).expand(B, w)  # (B, w) siblings share a position
+        slots = root.first.unsqueeze(1) + self._offsets(d, depth)  # (B, w)
+        S = torch.arange(int(root.first.max()) + F)
+        rel = S - root.first.unsqueeze(1)  # (B, S) slot offset past the context
+        seen = anc.gather(2, rel.clamp(0, F - 1).unsqueeze(1).expand(-1, w, -1))  # (B, w, S)
         inside = ((rel >= 0) & (rel < F)).unsqueeze(1)  # (B, 1, S) this row's tree slots
-        mask = (rel < 0).unsqueeze(1) | (seen & inside)  # context + root, ancestors and self
-        return self.runtime.forward(state.kv, fed, pos, attn_mask=mask, slots=slots).logits
+        context = (rel < 0) & (S >= root.lo.unsqueeze(1))  # (B, S)
+        return Placement(pos, slots, context.unsqueeze(1) | (seen & inside))
+
+    def _feed(self, state, fed: torch.Tensor, rows: torch.Tensor, carry: tuple, where: Placement):
+        """Run the draft over a depth's fed candidates ``fed (B, w)``, children of the previous
+        frontier's ``rows (B, w)``; their logits ``(B, w, V)`` and their carry."""
+        raise NotImplementedError
+
+
+class TopKTreeState(ModelDraftState):
+    """The model draft's state, plus each row's cached path (:attr:`Grown.path`)."""
+
+    def __init__(self, runtime, batch_size: int, capacity: int):
+        super().__init__(runtime, batch_size, capacity)
+        self.path = [[] for _ in range(batch_size)]
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        super().select_rows(rows)
+        self.path = [self.path[int(r)] for r in rows]
+
+    def append(self, other: TopKTreeState) -> None:
+        super().append(other)
+        self.path += other.path
+
+
+class TopKTreeDrafter(TreeGrowth):
+    """Token trees of a model draft's top tokens (module docstring).
+
+    Args:
+        model: the model draft (its runtime drafts; its cache bookkeeping is reused).
+        shape: static or dynamic.
+        name: shown in statistics.
+    """
+
+    proposes_trees = True
+    source = "model"
+
+    def __init__(self, model: ModelDrafter, shape: TreeShape, name: str):
+        super().__init__(model.runtime, shape, name)
+        self.model, self.vocab_size = model, model.vocab_size
+
+    def new_state(self, batch_size: int, capacity: int) -> TopKTreeState:
+        return TopKTreeState(self.runtime, batch_size, capacity)
+
+    def root(self, state: TopKTreeState, ctx: DraftContext) -> Root:
+        """Catch up on the committed tokens; the tree grows below the last one (at ``L - 1``)."""
+        L = ctx.lengths
+        logits = self.model.catch_up(state, ctx).unsqueeze(1)  # (B, 1, V)
+        return Root(logits, L, torch.zeros_like(L), torch.ones_like(L, dtype=torch.bool))
+
+    def _grown(self, state: TopKTreeState, ctx: DraftContext, grown: Grown) -> None:
+        """The draft keeps the best candidates' path as far as the target agrees (:meth:`observe`)."""
+        L = ctx.lengths
+        state.fed, state.base = L.clone(), L.clone()
+        state.path = [grown.path[b, : int(grown.path_len[b])].tolist() for b in range(L.shape[0])]
+
+    def _feed(self, state, fed: torch.Tensor, rows: torch.Tensor, carry: tuple, where: Placement):
+        if fed.shape[1] == 1:  # a chain: at the slot of its position, causal
+            return self.runtime.forward(state.kv, fed, where.positions).logits, carry
+        out = self.runtime.forward(state.kv, fed, where.positions, attn_mask=where.mask, slots=where.slots)
+        return out.logits, carry
 
     def observe(
         self, state: TopKTreeState, num_accepted: torch.Tensor, verified: Verified | None = None
@@ -244,15 +336,74 @@ class TopKTreeDrafter:
             state.fed[b] = state.base[b] + same
 
 
-def from_spec(spec, target) -> TopKTreeDrafter:
-    """The ``tree:[SHAPE,]MODEL_DRAFT`` factory of :data:`specdraft.registry.DRAFTERS`."""
+class FeatureTreeDrafter(TreeGrowth):
+    """Token trees of a feature draft's top tokens (EAGLE-2; module docstring).
+
+    Each fed candidate's input is the pair ``(its parent's predicted feature, its token)``; the root's
+    feature is the one the step's real pairs predict (:meth:`FeatureDrafterBase.start`).
+
+    Args:
+        feature: the feature draft (its runtime drafts; its real pairs and cache are reused).
+        shape: static or dynamic.
+        name: shown in statistics.
+    """
+
+    proposes_trees = True
+    source = "model"
+
+    def __init__(self, feature: FeatureDrafterBase, shape: TreeShape, name: str):
+        super().__init__(feature.runtime, shape, name)
+        self.feature, self.vocab_size = feature, feature.vocab_size
+        self.hidden_layers = feature.hidden_layers
+
+    def new_state(self, batch_size: int, capacity: int) -> FeatureDraftState:
+        return self.feature.new_state(batch_size, capacity)
+
+    def root(self, state: FeatureDraftState, ctx: DraftContext) -> Root | None:
+        """Feed the step's real pairs; depth 1's pairs sit at ``L - 1`` and read the predicted
+        feature there (None: no row has the target's features yet)."""
+        begun = self.feature.start(state, ctx)
+        if begun is None:
+            return None
+        carry = (begun.feature.unsqueeze(1), begun.recent.unsqueeze(1), begun.memory)
+        first, lo = ctx.lengths - 1, state.start.clamp(min=0)
+        return Root(begun.logits.unsqueeze(1), first, lo, begun.have, carry)
+
+    def _feed(self, state, fed: torch.Tensor, rows: torch.Tensor, carry: tuple, where: Placement):
+        f, recent, memory = carry  # (B, f, C), (B, f, W), (B, 1, M, C) or None
+        (B, w), C = fed.shape, f.shape[2]
+        parent = f.gather(1, rows.unsqueeze(-1).expand(-1, -1, C))  # (B, w, C)
+        mem = None if memory is None else memory.expand(-1, w, *memory.shape[2:])
+        x = self.feature.inputs(parent, fed, mem)  # (B, w, C)
+        logits, f = self.feature._run(state, x, where.positions, where.mask, where.slots)
+        recent = recent.gather(1, rows.unsqueeze(-1).expand(-1, -1, recent.shape[2]))  # (B, w, W)
+        recent = torch.cat([recent[..., 1:], fed.unsqueeze(-1)], -1)  # the tokens before each child
+        if self.feature.local is not None:
+            fused = self.feature.local.fuse(logits.flatten(0, 1), recent.flatten(0, 1))
+            logits = fused.view(B, w, -1)
+        return logits, (f, recent, memory)
+
+    def observe(
+        self, state: FeatureDraftState, num_accepted: torch.Tensor, verified: Verified | None = None
+    ) -> None:
+        """Record where the accepted path sits among the target's columns; the draft's cache needs
+        nothing: the next step's real pairs overwrite the accepted positions (module docstring)."""
+        if verified is not None:
+            state.paths = accepted_columns(verified, num_accepted)
+
+
+def from_spec(spec, target) -> TopKTreeDrafter | FeatureTreeDrafter:
+    """The ``tree:[SHAPE,]DRAFT`` factory of :data:`specdraft.registry.DRAFTERS`."""
     from specdraft.registry import build_drafter, tree_parts
 
     shape, nums, inner = tree_parts(spec.arg)
-    model = build_drafter(inner, target)
-    if not isinstance(model, ModelDrafter):
-        raise SpecdraftError(
-            f"draft {spec}: {inner!r} gives a {type(model).__name__}, not a model draft "
-            "(feature drafts cannot grow trees yet; designed:auto without a committed draft is prompt lookup)"
-        )
-    return TopKTreeDrafter(model, TreeShape.parse(shape, nums), str(spec))
+    draft = build_drafter(inner, target)
+    shape = TreeShape.parse(shape, nums)
+    if isinstance(draft, ModelDrafter):
+        return TopKTreeDrafter(draft, shape, str(spec))
+    if isinstance(draft, FeatureDrafterBase) and not getattr(draft, "proposes_trees", False):
+        return FeatureTreeDrafter(draft, shape, str(spec))
+    raise SpecdraftError(
+        f"draft {spec}: {inner!r} gives a {type(draft).__name__}, not a model or feature draft "
+        "(a CTC draft grows its own trees; designed:auto without a committed draft is prompt lookup)"
+    )

@@ -80,7 +80,7 @@ def test_dynamic_tree_keeps_the_k_most_probable_paths_scored_by_the_tree_forward
     prompts = random_prompts([5, 11], seed=4)
     drafter = TopKTreeDrafter(ModelDrafter(tiny.other, "other"), TreeShape(True, 3, 3), "t")
     state, ctx = drafter.new_state(2, 64), context(prompts)
-    grown = drafter.grow(state, drafter.model.catch_up(state, ctx).unsqueeze(1), ctx.lengths, 4)
+    grown = drafter.grow(state, drafter.root(state, ctx), 4)
     assert grown.tokens.shape == (2, 3 + 3 * 9)  # depth 1: 3, then 3 expanded x 3 children
     for b in range(2):
         tree = TokenTree(grown.tokens[b], grown.parents[b])
