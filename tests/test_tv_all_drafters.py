@@ -11,8 +11,9 @@ The statistical test is the one of ``tests/test_sampling.py`` (target: a tiny Ll
 and every path that cuts a proposal: a model draft, prompt lookup (no q), the README's example
 bigram drafter (no q), the target drafting for itself, a layer-pruned draft (also with a head
 subset: prune:...,head=N), the gated designed
-draft (best prefix and early stop), the feature draft, the DREAM-style draft, the feature draft
-with a local head fused in, FlexDraft (drafting in the verification forward, and sequentially),
+draft (best prefix and early stop), the feature draft (also its EAGLE-2 token tree), the
+DREAM-style draft, the feature draft with a local head fused in, FlexDraft (drafting in the
+verification forward, and sequentially),
 the block-diffusion drafter (one pass per block, cut by its length head), the drafts on GGUF
 blocks beside a quantized target (``--draft-dtype q``: prune views, their head subsets, Q8_0
 designed drafts), the Ouroboros and
@@ -49,7 +50,7 @@ from specdraft.drafters.model import ModelDrafter
 from specdraft.drafters.ouroboros import OuroborosDrafter
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.drafters.suffix import SEP, NgramIndex, SuffixDrafter
-from specdraft.drafters.topk_tree import TopKTreeDrafter, TreeShape
+from specdraft.drafters.topk_tree import FeatureTreeDrafter, TopKTreeDrafter, TreeShape
 from specdraft.engine import Engine, Request
 from specdraft.models.llama import LlamaRuntime, LlamaWeights
 from specdraft.models.tiny import tiny_llama
@@ -289,17 +290,18 @@ def make_case(name: str, target: LlamaRuntime, draft=None) -> Case:
     if name == "gated-early-stop":
         gated = GatedDrafter(_distilled(), "gated", cost=VerifyCost([1.0, 1.6, 1.8, 2.4], 0.05))
         return Case(gated, FixedK(3), check=_early_stop)
-    if name == "feature":
+    if name in ("feature", "tree-feature"):
         w = LlamaWeights.from_hf(tiny_llama(vocab_size=V, seed=12), torch.float32)
         w.lm_head = w.lm_head * 12.0
         fc = (
             torch.randn(w.embed.shape[1], 2 * w.embed.shape[1], generator=torch.Generator().manual_seed(0))
             * 0.1
         )
+        feature = FeatureDrafter(LlamaRuntime(w), fc, target.w.embed, "feature")
+        if name == "tree-feature":  # EAGLE-2's tree of the feature draft's top tokens, point masses
+            return Case(FeatureTreeDrafter(feature, TreeShape(True, 2, 2), name), FixedK(4), check=_branching)
         # rows without the target's features yet (the first step) propose nothing
-        return Case(
-            FeatureDrafter(LlamaRuntime(w), fc, target.w.embed, "feature"), FixedK(2), check=_lengths(0, 2)
-        )
+        return Case(feature, FixedK(2), check=_lengths(0, 2))
     if name == "dream":  # cross-attends to the target's layer 0 (a live block: random output projection)
         w = LlamaWeights.from_hf(tiny_llama(vocab_size=V, seed=13), torch.float32)
         w.lm_head = w.lm_head * 12.0
@@ -427,6 +429,7 @@ CASES = [
     "gated-best-prefix",
     "gated-early-stop",
     "feature",
+    "tree-feature",
     "dream",
     "local-fused",
     "flex",
