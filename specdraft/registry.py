@@ -86,8 +86,8 @@ def _ouroboros_options(kind: str, arg: str) -> str:
     return arg
 
 
-TREE_INNER = ("designed", "prune", "self", "model")  # kinds that draft with a model
-TREE_USAGE = "tree:[dyn[=W]|static[=BxD],]MODEL_DRAFT"
+TREE_INNER = ("designed", "local", "prune", "self", "model")  # kinds that draft with a model or features
+TREE_USAGE = "tree:[dyn[=W]|static[=BxD],]DRAFT"
 
 
 def tree_parts(arg: str) -> tuple[str, tuple[int, int], str]:
@@ -113,7 +113,7 @@ def _tree_arg(kind: str, arg: str) -> str:
     spec = DraftSpec.parse(inner) if inner else None
     if spec is None or spec.kind not in TREE_INNER:
         raise SpecdraftError(
-            f"bad draft spec {kind}:{arg}: use {TREE_USAGE} with a model draft "
+            f"bad draft spec {kind}:{arg}: use {TREE_USAGE} with a model or feature draft "
             f"({', '.join(TREE_INNER[:-1])}, or a model alias/path)"
         )
     n = f"{nums[0]}" if shape == "dyn" else f"{nums[0]}x{nums[1]}"

@@ -21,6 +21,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.models.llama import LlamaRuntime
 from specdraft.models.subset_head import SubsetHeadRuntime, draft_weights
 from specdraft.policy import CostAwareK, FixedK
+from specdraft.registry import DraftSpec
 from specdraft.tree import TokenTree, most_probable
 from specdraft.verify import SamplingParams
 from tests.helpers import decode, head_subset, random_prompts
@@ -227,3 +228,6 @@ def test_specs_build_feature_trees_and_the_cost_aware_policy_sizes_them(tiny_pip
     assert [len(s) for s in sampled] == [12, 12, 12]
     with pytest.raises(SpecdraftError, match="not a model or feature draft"):
         api.load("tiny", draft="tree:designed:auto", dtype="fp32")
+    assert str(DraftSpec.parse("tree:static=2x1,local:designed:x")) == "tree:static=2x1,local:designed:x"
+    with pytest.raises(SpecdraftError, match="model or feature draft"):
+        DraftSpec.parse("tree:dyn=2,lookup")
