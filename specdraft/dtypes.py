@@ -51,9 +51,10 @@ DTYPES: dict[str, DType] = {
         None,
         {
             "target": "a quantized GGUF (Q4_0/Q4_1/Q8_0, such as smollm2-135m's) runs on its own blocks "
-            "(the quantized runtime) unless the run needs the transformers model (prune: drafts, "
-            "--baselines hf, attack); else bf16 (without native bf16: bf16 weights with fp32 "
-            "arithmetic through the native kernels; fp32 without them or with --runtime hf)",
+            "(the quantized runtime) unless the run needs the transformers model (prune: drafts "
+            "at --draft-dtype bf16/fp32/int8, --baselines hf, attack); else bf16 (without native "
+            "bf16: bf16 weights with fp32 arithmetic through the native kernels; fp32 without them "
+            "or with --runtime hf)",
             "draft": "q for prune: drafts beside a quantized target, else bf16 where native or run "
             "by the native kernels, else int8",
             "study-target": "bf16 where native or run by the few-row kernel, else fp32",

@@ -320,7 +320,10 @@ class Totals:
 
 
 def runtime_precision(runtime) -> str:
-    """``fp32``, ``bf16`` or ``int8``: what the runtime computes in."""
+    """``fp32``, ``bf16`` or ``int8``: what the runtime computes in (the GGUF block types, such
+    as ``q4_1+q8_0``, on the quantized runtime; a head-subset wrapper's: its inner runtime's)."""
+    if isinstance(getattr(runtime, "runtime", None), Runtime):  # SubsetHeadRuntime
+        return runtime_precision(runtime.runtime)
     weights = getattr(runtime, "w", None)
     if weights is not None and hasattr(weights, "precision"):
         return weights.precision

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from specdraft import api, cli, kernels
+from specdraft.bench import harness
 from specdraft.design import artifact
 from specdraft.design.prune import depth_prune, with_head
 from specdraft.design.vocab import VocabSubset
@@ -132,6 +133,7 @@ def test_designed_draft_runs_q8_0_blocks_without_the_transformers_model(target, 
     assert isinstance(drafter, GatedDrafter) and pipe.target.model is None
     rt = drafter.runtime if head is None else drafter.runtime.runtime
     assert isinstance(rt, QuantRuntime) and rt.w.types == {"Q8_0": 8} and rt.w.embed is pipe.runtime.w.embed
+    assert harness.runtime_precision(drafter.runtime) == "q8_0"  # reports see through the head subset
     # it computes the draft: logits close to the transformers draft's (the same RoPE order, norms)
     x = torch.tensor([random_prompts([10], vocab=90, seed=5)[0]])
     got = drafter.runtime.forward(drafter.runtime.new_state(1, 16), x, torch.arange(10)[None]).logits
