@@ -14,7 +14,9 @@
   its own (:class:`_Row`): a row whose drafts keep being rejected is switched to 0 draft tokens
   while the others keep drafting, probes on the same schedule, and is flagged as collapsed when its
   acceptance is far below the drafter's (:attr:`CostAwareK.collapsed`), the defense against
-  acceleration-collapse inputs (issue 17).
+  acceleration-collapse inputs (issue 17). Whatever its model predicts, it times its steps and
+  falls back to plain decoding when speculation's realised speed is below plain decoding's
+  (:class:`SafeArm`, a bandit with a safe arm: it never loses more than its trials).
 
 A policy sees a step twice: :meth:`KPolicy.choose` before the drafter runs (how many tokens to ask
 for) and :meth:`KPolicy.trim` after (how many of each row's proposal to verify); then
@@ -36,6 +38,8 @@ from __future__ import annotations
 import itertools
 import math
 import operator
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -237,6 +241,143 @@ class _Row:
     pending: list = field(default_factory=list)  # (class, drafted, accepted) not yet taught to the class
 
 
+@dataclass(frozen=True)
+class SafeArm:
+    """How :class:`CostAwareK` checks its realised speed against plain decoding's, whatever its
+    model of ``T(n)`` and acceptance predicts (issue 17): a bandit with a safe arm.
+
+    Each step is timed from :meth:`CostAwareK.choose` to :meth:`CostAwareK.update` (drafting,
+    verification, commit: what the model does not price included; never less than the draft and
+    target times reported). Plain steps (k = 0, which happen anyway while the model says 0) give
+    the time of a plain step at each batch size B, ``T_plain(B)``; a speculative step that commits
+    m tokens over B rows would have cost plain decoding ``m T_plain(B) / B``. Per band of batch
+    sizes (1, 2-3, 4-7, 8-15, ...) the decayed sums of those plain-equivalent seconds (``saved``)
+    and of the seconds spent (``spent``) are kept over the speculative steps; once ``evidence``
+    steps are in, speculation stays on while ``saved >= (1 - margin) spent``. Otherwise the band
+    decodes plainly for ``backoff`` steps, then tries speculation again for another ``evidence``
+    steps (a trial); each trial that still loses doubles the back-off (up to ``backoff_max``), one
+    that pays resets it. A plain step is also taken after ``refresh`` speculative ones (and when B
+    has no plain time yet), so that ``T_plain(B)`` follows the context's growth.
+
+    The guarantee: an always-losing speculation costs at most its trials over plain decoding:
+    ``evidence`` steps at the first verdict and per trial, trials after 16, 32, 64, ... plain steps
+    (about ``evidence * (1 + log2(N / backoff))`` losing steps in N). Its cost on clean traffic is
+    the refresh steps (1 in ``refresh``) and the false verdicts of noisy timings.
+
+    Attributes:
+        evidence: speculative steps a verdict needs (at the start and in each trial).
+        decay: weight of history in the ``saved`` / ``spent`` sums (per speculative step).
+        margin: tolerated shortfall of realised speed against plain's before falling back.
+        backoff: plain steps after the first losing verdict; doubles per losing trial.
+        backoff_max: the longest back-off.
+        refresh: a plain step after this many speculative ones.
+        plain_decay: weight of history in ``T_plain(B)`` (per plain step).
+        clock: seconds, for the step's span (a fake one in tests).
+    """
+
+    evidence: int = 8
+    decay: float = 0.95
+    margin: float = 0.0
+    backoff: int = 16
+    backoff_max: int = 1024
+    refresh: int = 64
+    plain_decay: float = 0.7
+    clock: Callable[[], float] = time.perf_counter
+
+    def __post_init__(self):
+        if not (self.evidence >= 1 and 1 <= self.backoff <= self.backoff_max and self.refresh >= 1) or not (
+            0 < self.decay < 1 and 0 <= self.plain_decay < 1 and 0 <= self.margin < 1
+        ):
+            raise SpecdraftError(
+                "SafeArm: need evidence >= 1, 1 <= backoff <= backoff_max, refresh >= 1, "
+                "0 < decay < 1, 0 <= plain_decay < 1, 0 <= margin < 1"
+            )
+
+
+@dataclass
+class _Band:
+    """One band of batch sizes' record of speculation against plain decoding (:class:`SafeArm`)."""
+
+    backoff: int
+    saved: float = 0.0  # decayed plain-equivalent seconds of the speculative steps
+    spent: float = 0.0  # decayed seconds they took
+    steps: int = 0  # speculative steps since the window (re)started
+    off_for: int = 0  # plain steps left before the next trial
+    trial: bool = False  # the window is a trial after a back-off
+    since_plain: int = 0  # speculative steps since the last plain one
+
+
+class RealisedRate:
+    """The state of a :class:`SafeArm` check: plain step times per batch size, a :class:`_Band` per
+    band; :meth:`allows` before a step, :meth:`observe` after it."""
+
+    def __init__(self, arm: SafeArm):
+        self.arm = arm
+        self.plain: dict[int, float] = {}  # batch size -> seconds per plain step
+        self.bands: dict[int, _Band] = {}
+        self.fallbacks = 0  # losing verdicts (back-offs started)
+        self.forced = 0  # plain steps this check imposed
+        self._start: float | None = None
+        self._chosen = 0
+
+    def _band(self, B: int) -> _Band:
+        return self.bands.setdefault(B.bit_length(), _Band(self.arm.backoff))
+
+    def allows(self, B: int) -> bool:
+        """Start timing a step at batch size B; whether it may speculate."""
+        self._start, self._chosen = self.arm.clock(), 0
+        band = self._band(B)
+        if band.off_for > 0:
+            band.off_for -= 1
+            if band.off_for == 0:  # the back-off is over: the next speculative steps are a trial
+                band.saved = band.spent = 0.0
+                band.steps, band.trial = 0, True
+        elif B in self.plain and band.since_plain < self.arm.refresh:
+            return True
+        self.forced += 1
+        return False
+
+    def chose(self, k: int) -> None:
+        """The k the policy asked for at the step being timed."""
+        self._chosen = k
+
+    def observe(self, k: int, committed: int, B: int, reported: float) -> None:
+        """A step of B rows, k draft tokens proposed (0: none), ``committed`` tokens, ``reported``
+        seconds of drafting and verification; the span since :meth:`allows` is taken if longer."""
+        if self._start is None or B == 0:
+            return
+        seconds = max(self.arm.clock() - self._start, reported)
+        self._start, band = None, self._band(B)
+        if k == 0 and self._chosen == 0:  # a plain step
+            old = self.plain.get(B)
+            d = self.arm.plain_decay
+            self.plain[B] = seconds if old is None else d * old + (1 - d) * seconds
+            band.since_plain = 0
+            return
+        if B not in self.plain:
+            return
+        d = self.arm.decay
+        band.saved = d * band.saved + committed * self.plain[B] / B
+        band.spent = d * band.spent + seconds
+        band.steps += 1
+        band.since_plain += 1
+        if band.steps < self.arm.evidence:
+            return
+        if band.saved >= (1 - self.arm.margin) * band.spent:
+            if band.trial:
+                band.trial, band.backoff = False, self.arm.backoff
+            return
+        self.fallbacks += 1
+        band.off_for = band.backoff
+        band.backoff = min(2 * band.backoff, self.arm.backoff_max)
+        band.steps, band.trial = 0, False
+
+    def speedup(self, B: int) -> float | None:
+        """Realised speed of speculation over plain decoding in B's band (decayed), None before any."""
+        band = self._band(B)
+        return band.saved / band.spent if band.spent > 0 else None
+
+
 def binomial_cdf(h: int, n: int, p: float) -> float:
     """``P(X <= h)`` for ``X ~ Binomial(n, p)``."""
     return sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(h + 1))
@@ -272,6 +413,12 @@ class CostAwareK:
     in the rows' mean tokens fed (:meth:`latency`), and the batch keeps the draft positions with the
     best expected gain instead of cutting every row to one length.
 
+    The model can be wrong (a latency curve read between sizes, a tree's budget read as its depth,
+    work it does not price), so its choice is checked against the clock (:class:`SafeArm`): per
+    band of batch sizes, speculative steps' realised tokens per second against plain steps'; when
+    speculation is slower, the band decodes plainly for a back-off that doubles while trials keep
+    losing. :attr:`rate` holds that record (``fallbacks``, ``forced``, ``speedup(B)``).
+
     Token trees (``Proposal.trees``): k is the node budget ("at most k nodes"). ``T_target(k + 1)``
     is the same latency curve (a forward over a root and k nodes costs what k + 1 chain tokens
     do), and the acceptance curve is learned per depth (``c_j``: the accepted path reaches depth
@@ -287,6 +434,8 @@ class CostAwareK:
         probe_every: at k = 0, try ``probe_k`` once every this many steps at first.
         probe_max: the longest interval between probes (after failed probes doubled it).
         watch: per-row watching (None: one policy for the whole batch, as before issue 17).
+        guard: the check of realised speed against plain decoding (:class:`SafeArm`; None: the
+            model's choice unchecked).
     """
 
     def __init__(
@@ -298,6 +447,7 @@ class CostAwareK:
         probe_k: int = 2,
         probe_max: int = 64,
         watch: RowWatch | None = RowWatch(),
+        guard: SafeArm | None = SafeArm(),
     ):
         if (
             not 1 <= k_start <= k_max
@@ -330,6 +480,8 @@ class CostAwareK:
         # a block drafter (one draft forward per step whatever k; the engine sets it from the
         # drafter's ``drafts_blocks``): T_draft is per step, charged once (analytic.step_time)
         self.per_block = False
+        self.rate = RealisedRate(guard) if guard is not None else None  # the safe arm's record
+        self._batch = 1  # rows at the last update (the batch size when choose() is not told the rows)
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
@@ -413,6 +565,18 @@ class CostAwareK:
 
     def choose(self, rows: list[int] | None = None) -> int:
         states = self._follow(rows) if rows is not None and self.watch is not None else []
+        if self.rate is None:
+            return self._choose(states)
+        if not self.rate.allows(len(rows) if rows is not None else self._batch):
+            self.last_k = 0  # the safe arm: plain decoding (SafeArm)
+            return 0
+        k = self._choose(states)
+        self.rate.chose(k)
+        return k
+
+    def _choose(self, states: list[_Row]) -> int:
+        """The model's k (the row watch's and the probes' included) for rows ``states``, before the
+        safe arm's check."""
         if states and all(s.off for s in states):  # nobody drafts but the rows due for a probe
             self.last_k = self.probe_k if any(s.probing for s in states) else 0
             return self.last_k
@@ -506,6 +670,10 @@ class CostAwareK:
     def update(
         self, k, num_drafted, num_accepted, draft_time, target_time, bucket=None, rows=None, width=None
     ) -> None:
+        self._batch = num_accepted.numel() or self._batch
+        if self.rate is not None:
+            committed = int(num_accepted.sum()) + num_accepted.numel()
+            self.rate.observe(k, committed, num_accepted.numel(), draft_time + target_time)
         drafted = int(num_drafted.max()) if num_drafted.numel() else 0
         # the target scored drafted + 1 tokens per row (fewer than k + 1 when a drafter such as
         # prompt lookup found less to propose or trim() cut it), or a tree's nodes + 1 (width):

@@ -138,8 +138,9 @@ def test_an_always_wrong_drafter_costs_about_plain_decoding(tiny, reference):
 
 def test_the_batch_wide_policy_keeps_paying_for_an_always_wrong_drafter(tiny, reference):
     """Without per-row watching, with a free drafter and a cheap verification the class curve alone
-    does not reach k = 0: the check above measures the defense, not a property of the drafter."""
-    policy = Recording(watch=None)
+    does not reach k = 0: the check above measures the defense, not a property of the drafter (nor
+    the safe arm's realised-rate check, off here too: tests/test_policy_guard.py)."""
+    policy = Recording(watch=None, guard=None)
     drafter = WrongRows(Oracle(PROMPTS, reference), PROMPTS, V)
     engine = Engine(tiny.target, drafter, policy)
     ids, out = run(engine, PROMPTS)

@@ -123,7 +123,8 @@ def test_cost_aware_probes_while_at_zero():
     def flat(n):
         return 0.03
 
-    p = CostAwareK(k_max=8, probe_every=4, probe_k=2, probe_max=4)  # no back-off
+    # the model's own probes (the safe arm, SafeArm, would take over: tests/test_policy_guard.py)
+    p = CostAwareK(k_max=8, probe_every=4, probe_k=2, probe_max=4, guard=None)  # no back-off
     feed(p, alpha=0.1, t_draft=0.03, t_target=flat)
     ks = []
     for _ in range(8):
@@ -183,7 +184,7 @@ def test_cost_aware_files_target_time_under_the_tokens_actually_scored():
 def test_cost_aware_reads_unmeasured_sizes_off_the_latency_curve():
     """Sizes not yet scored are read off the measured ones: flat while one is known, then linear
     between and beyond them; the choice of k uses those times."""
-    p = CostAwareK(k_max=4)
+    p = CostAwareK(k_max=4, guard=None)  # the model's choice (the safe arm wants more plain steps)
     p.update(0, t(0), t(0), 0.0, 0.010)
     assert [p.latency().time(n) for n in (1, 3, 5)] == [0.010] * 3
     p.update(2, t(2), t(2), 0.002, 0.014)  # n = 3

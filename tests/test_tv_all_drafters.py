@@ -18,9 +18,10 @@ the block-diffusion drafter (one pass per block, cut by its length head), the dr
 blocks beside a quantized target (``--draft-dtype q``: prune views, their head subsets, Q8_0
 designed drafts), the Ouroboros and
 suffix drafters' token trees (point masses from a phrase pool / a history), the cost-aware
-policy's per-class trim, its per-row cut of rows whose drafts fail (issue 17) and the
-server's per-row caps. Each case also checks that its cut really happened, and the old gating
-rule is shown to fail the same test.
+policy's per-class trim, its per-row cut of rows whose drafts fail (issue 17), its safe arm's
+plain steps when speculation is measured slower (issue 17) and the server's per-row caps. Each
+case also checks that its cut really happened, and the old gating rule is shown to fail the same
+test.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from specdraft.drafters.topk_tree import FeatureTreeDrafter, TopKTreeDrafter, Tr
 from specdraft.engine import Engine, Request
 from specdraft.models.llama import LlamaRuntime, LlamaWeights
 from specdraft.models.tiny import tiny_llama
-from specdraft.policy import CappedPolicy, CostAwareK, FixedK, RowWatch, VerifyCost, best_prefix
+from specdraft.policy import CappedPolicy, CostAwareK, FixedK, RowWatch, SafeArm, VerifyCost, best_prefix
 from specdraft.stats import SpecStats
 from specdraft.tree import TokenTree
 from specdraft.verify import SamplingParams, logits_to_probs, verify_sampling
@@ -219,6 +220,11 @@ def _trimmed(rec, policy):
     assert policy.cut > 0 and policy.kept > 0, (policy.cut, policy.kept)  # trim cut some rows, not all
 
 
+def _fell_back(rec, policy):
+    rate = policy.inner.rate  # the safe arm judged speculation slower and imposed plain steps
+    assert rate.fallbacks > 0 and rate.forced > 0, (rate.fallbacks, rate.forced)
+
+
 def _branching(rec, policy):
     """Token trees were verified, some of them with several children under one node."""
     assert rec.trees and any(len(kids) > 1 for t in rec.trees for kids in t.children.values())
@@ -363,6 +369,12 @@ def make_case(name: str, target: LlamaRuntime, draft=None) -> Case:
         watch = RowWatch(evidence=0.5, floor=0.5)
         policy = SteadyClock(CostAwareK(k_max=2, k_start=2, probe_every=8, watch=watch))
         return Case(ModelDrafter(peaked(seed=11, scale=12.0), "other"), policy, batch=100, check=_rows_off)
+    if name == "cost-aware-safe-arm":  # steps cut to plain decoding by the realised-rate check (issue 17):
+        # at these latencies a step drafting 2 pays only when rows accept ~0.6 tokens, so the check
+        # falls back and tries again between the engines' steps
+        arm = SafeArm(evidence=1, backoff=1, backoff_max=2)
+        policy = SteadyClock(CostAwareK(k_max=2, k_start=2, watch=None, guard=arm))
+        return Case(ModelDrafter(peaked(seed=11, scale=12.0), "other"), policy, batch=50, check=_fell_back)
     if name in ("server-row-caps", "server-row-caps-tree"):  # the tree variant: trees cut to cap nodes
         inner = ModelDrafter(draft or peaked(seed=11, scale=12.0), "other")
         if name == "server-row-caps-tree":
@@ -438,6 +450,7 @@ CASES = [
     "diffusion",
     "cost-aware-trim",
     "cost-aware-rows",
+    "cost-aware-safe-arm",
     "server-row-caps",
     "server-row-caps-tree",
 ]

@@ -110,13 +110,13 @@ def test_the_cost_aware_policy_charges_one_draft_forward_per_block(tiny_pipe, tr
     """The engine marks the policy for a block drafter: T_draft is a step's draft time (not per
     token), charged once whatever k, so the best k is longer than a per-token charge gives."""
     drafter = DiffusionDrafter(trained.block, "diffusion")
-    policy = CostAwareK(k_max=4, watch=None)
+    policy = CostAwareK(k_max=4, watch=None, guard=None)  # the model's choice, unchecked (SafeArm)
     Engine(tiny_pipe.runtime, drafter, policy, hidden_layers=drafter.hidden_layers)
     assert policy.per_block and not CostAwareK().per_block
     capped = CappedPolicy(CostAwareK(k_max=4))  # the server's wrapper passes it on
     Engine(tiny_pipe.runtime, drafter, capped, hidden_layers=drafter.hidden_layers)
     assert capped.inner.per_block
-    per_token = CostAwareK(k_max=4, watch=None)
+    per_token = CostAwareK(k_max=4, watch=None, guard=None)
     for p in (policy, per_token):
         for i in range(40):  # blocks of 4 drafts, 4 or 2 accepted; T_target(n) = 1 + 0.075 (n - 1)
             p.update(4, torch.tensor([4]), torch.tensor([4 if i % 2 else 2]), 1.2, 1.3)

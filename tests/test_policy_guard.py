@@ -1,0 +1,222 @@
+"""The safe arm (:class:`specdraft.policy.SafeArm`, issue 17): whatever the cost-aware policy's model
+of T(n) and acceptance predicts, speculation whose realised speed falls below plain decoding's is
+switched off for a back-off that doubles, and tried again; it never costs more than its trials.
+
+Steps run against a synthetic world on a fake clock (no model): each draft token survives with
+probability alpha, a step truly costs ``k t_draft + T1 (1 + slope n)`` for n tokens fed per row
+beyond the first, and the policy may be told a different slope (its model fooled). The last test
+runs every drafter kind through an engine whose speculative steps are made slow on the clock."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from specdraft.engine import Engine, Request
+from specdraft.errors import SpecdraftError
+from specdraft.policy import CappedPolicy, CostAwareK, SafeArm
+from specdraft.verify import SamplingParams
+from tests.test_tv_all_drafters import CASES, PROMPT, make_case, peaked
+
+T1 = 0.010  # a plain step's seconds
+T_DRAFT = 0.0005  # one draft token's
+
+
+class Clock:
+    """A fake clock the tests move."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@dataclass
+class World:
+    """B rows drafting with acceptance ``alpha`` per token; verification costs ``slope`` T1 per extra
+    token fed per row, and the policy is told ``told`` (None: the truth) and ``told_draft`` seconds
+    per draft token."""
+
+    B: int
+    alpha: float
+    slope: float
+    told: float | None = None
+    told_draft: float = T_DRAFT
+
+
+@dataclass
+class Run:
+    B: int
+    seconds: float = 0.0
+    tokens: int = 0
+    spec_steps: int = 0  # steps that drafted (the policy asked for k > 0)
+
+    @property
+    def vs_plain(self) -> float:
+        """Speed against plain decoding (B rows, one token each per T1)."""
+        return self.tokens * T1 / self.B / self.seconds
+
+
+def simulate(policy, clock: Clock, world: World, steps: int, seed: int = 0, run: Run | None = None) -> Run:
+    g = torch.Generator().manual_seed(seed)
+    run = run or Run(world.B)
+    rows = list(range(world.B))
+    for _ in range(steps):
+        k = policy.choose(rows)
+        nv = torch.zeros(world.B, dtype=torch.int64)
+        if k:
+            nv = policy.trim(torch.full((world.B,), k), None, rows)
+        n = int(nv.max())
+        survive = (torch.rand(world.B, max(n, 1), generator=g) < world.alpha).to(torch.int64).cumprod(1)
+        accepted = (survive[:, :n] * (torch.arange(n) < nv.unsqueeze(1))).sum(1)  # (B,)
+        told = world.slope if world.told is None else world.told
+        seconds = k * T_DRAFT + T1 * (1 + world.slope * n)
+        clock.t += seconds
+        policy.update(k, nv, accepted, k * world.told_draft, T1 * (1 + told * n), None, rows)
+        run.seconds += seconds
+        run.tokens += int(accepted.sum()) + world.B
+        run.spec_steps += k > 0
+    return run
+
+
+def trials(steps: int, arm: SafeArm) -> int:
+    """Speculative windows (``evidence`` steps each) an always-losing speculation gets in ``steps``:
+    the first, and one after each back-off (doubling) that fits."""
+    n, t, backoff = 1, arm.evidence, arm.backoff
+    while t + backoff < steps:
+        t, n, backoff = t + backoff + arm.evidence, n + 1, min(2 * backoff, arm.backoff_max)
+    return n
+
+
+def guarded(clock: Clock, **kw) -> CostAwareK:
+    return CostAwareK(k_max=8, guard=SafeArm(clock=clock), **kw)
+
+
+@pytest.mark.parametrize("B", [1, 8])
+@pytest.mark.parametrize("watch", [True, False])
+def test_an_always_wrong_drafter_costs_at_most_the_trials(B, watch):
+    """No draft is ever accepted, and the model is told drafting is free and verification nearly
+    so (without the row watch, it keeps drafting): every speculative step is lost, and the safe
+    arm bounds them by its trials; the time over plain decoding is at most those steps' extra cost."""
+    steps = 400
+    clock = Clock()
+    policy = guarded(clock) if watch else guarded(clock, watch=None)
+    world = World(B, alpha=0.0, slope=0.25, told=0.01, told_draft=0.0)
+    run = simulate(policy, clock, world, steps)
+    arm = policy.rate.arm
+    assert run.spec_steps <= trials(steps, arm) * arm.evidence, run.spec_steps
+    worst_extra = 8 * T_DRAFT + T1 * 0.25 * 8  # a lost step at k_max
+    assert run.seconds <= steps * T1 + run.spec_steps * worst_extra + 1e-9
+    assert run.tokens == steps * B and run.vs_plain > 0.9
+    if not watch:  # the check above is the safe arm's: the model alone keeps paying
+        clock = Clock()
+        alone = simulate(CostAwareK(k_max=8, watch=None, guard=None), clock, world, steps)
+        assert alone.spec_steps > steps / 2 and alone.vs_plain < 0.8
+
+
+@pytest.mark.parametrize("B", [1, 8])
+def test_speculation_the_profile_says_pays_but_the_clock_says_loses_is_switched_off(B):
+    """Acceptance 0.6 is real, but verification costs half a step per extra token while the model
+    is told 2%: the model drafts long, the clock shows it slower than plain, the safe arm falls back."""
+    steps = 600
+    world = World(B, alpha=0.6, slope=0.5, told=0.02)
+    clock = Clock()
+    fooled = simulate(CostAwareK(k_max=8, guard=None), clock, world, steps)
+    assert fooled.vs_plain < 0.8  # the model alone loses
+    clock = Clock()
+    policy = guarded(clock)
+    run = simulate(policy, clock, world, steps)
+    assert policy.rate.fallbacks >= 1
+    assert run.vs_plain > 0.9
+
+
+def test_speculation_that_pays_stays_on_and_recovers_after_a_collapse():
+    """Clean traffic (acceptance 0.8, cheap verification) speculates nearly every step, the safe
+    arm's refresh steps aside; a collapse (nothing accepted) switches it off; when acceptance
+    returns, a trial after the back-off pays and speculation resumes."""
+    clock = Clock()
+    policy = guarded(clock, watch=None)
+    clean = World(1, alpha=0.8, slope=0.05)
+    first = simulate(policy, clock, clean, 300)
+    assert first.spec_steps > 0.9 * 300 and first.vs_plain > 2.0 and policy.rate.fallbacks == 0
+    simulate(policy, clock, World(1, alpha=0.0, slope=0.05, told=0.0), 300, seed=1)
+    assert policy.rate.fallbacks >= 1
+    simulate(policy, clock, clean, 300, seed=2)  # recovering
+    late = simulate(policy, clock, clean, 300, seed=3)
+    assert late.spec_steps > 0.9 * 300 and late.vs_plain > 2.0
+
+
+def test_batch_size_bands_are_judged_apart():
+    """Speculation that loses at batch 8 (verification dear there) is switched off at batch 8 only;
+    batch 1, where it pays, keeps drafting."""
+    clock = Clock()
+    policy = guarded(clock, watch=None)
+    simulate(policy, clock, World(8, alpha=0.6, slope=0.5, told=0.02), 200)
+    assert policy.rate.fallbacks >= 1
+    one = simulate(policy, clock, World(1, alpha=0.8, slope=0.05), 100)
+    assert one.spec_steps > 80 and policy.rate.speedup(1) > 1.5
+    assert policy.rate.speedup(8) < 1.0
+
+
+def test_safe_arm_settings_are_checked():
+    for bad in (
+        {"evidence": 0},
+        {"backoff": 0},
+        {"backoff": 8, "backoff_max": 4},
+        {"decay": 1.0},
+        {"margin": 1.0},
+    ):
+        with pytest.raises(SpecdraftError):
+            SafeArm(**bad)
+
+
+class SlowSpeculation(CostAwareK):
+    """The cost-aware policy (no row watch) told that drafting is free and verification flat, so
+    that it keeps drafting, on a fake clock where a plain step takes a second and a step that
+    drafted k_max + 2: slower than plain even when every draft is accepted."""
+
+    def __init__(self, clock: Clock, k_max: int):
+        super().__init__(k_max=k_max, k_start=min(2, k_max), watch=None, guard=SafeArm(clock=clock))
+        self.clock, self.asked = clock, []
+
+    def choose(self, rows=None):
+        k = super().choose(rows)
+        self.asked.append(k)
+        return k
+
+    def update(
+        self, k, num_drafted, num_accepted, draft_time, target_time, bucket=None, rows=None, width=None
+    ):
+        self.clock.t += 1.0 + (self.k_max + 1 if self.asked[-1] > 0 else 0)
+        super().update(k, num_drafted, num_accepted, 0.0, 1.0, bucket, rows, width)
+
+
+# FixedTrees proposes 2 nodes or more whatever k (its case runs at k = 7): not a drafter to ask for k = 1
+@pytest.mark.parametrize("name", [c for c in CASES if c != "tree-branches"])
+def test_every_drafter_kind_goes_through_the_safe_arm(name):
+    """Chains (with and without q, classed, gated), token trees, block and in-forward drafters, and
+    the server's capped wrapper: in each, speculative steps that the clock makes slower than plain
+    ones are cut to the safe arm's trials, and greedy output stays plain decoding's."""
+    target = peaked(seed=10, scale=12.0)
+    case = make_case(name, target)
+    outputs = []
+    for guarded_run in (False, True):
+        policy = SlowSpeculation(Clock(), case.policy.k_max) if guarded_run else None
+        if guarded_run and isinstance(case.policy, CappedPolicy):
+            policy = CappedPolicy(policy)
+        drafter = case.drafter if guarded_run else None
+        engine = Engine(target, drafter, policy, hidden_layers=getattr(drafter, "hidden_layers", ()))
+        reqs = [Request(PROMPT + [i], 40, SamplingParams()) for i in range(4)]
+        engine.add(reqs)
+        out: dict[int, list[int]] = {}
+        while engine.active:
+            for ev in engine.step():
+                out.setdefault(ev.request_id, []).extend(ev.tokens)
+        outputs.append([out[r.id] for r in reqs])
+    p = policy.inner if isinstance(policy, CappedPolicy) else policy
+    assert p.rate.fallbacks >= 1, p.asked
+    assert sum(k > 0 for k in p.asked) <= trials(len(p.asked), p.rate.arm) * p.rate.arm.evidence, p.asked
+    assert outputs[0] == outputs[1]
