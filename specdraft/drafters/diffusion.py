@@ -212,11 +212,13 @@ class BlockDraftState(DraftState):
         T, W = hidden.shape[1], self.feats.shape[1]
         have = (self.src >= 0) & (self.prev_L >= 0)
         c = torch.where(have, L - self.prev_L, torch.zeros_like(L))
-        gap = c > T
-        c = c.clamp(0, T)
+        missed = self.src >= hidden.shape[0]  # plain steps ran after rows left the batch: start over
+        gap = (c > T) | missed
+        c = torch.where(missed, 0, c.clamp(0, T))
         self.count = torch.where(gap, 0, self.count)
         j = torch.arange(T)
-        new = hidden[self.src.clamp(min=0)].to(self.feats.dtype) * (j < c.unsqueeze(1)).unsqueeze(-1)
+        rows = self.src.clamp(0, hidden.shape[0] - 1)
+        new = hidden[rows].to(self.feats.dtype) * (j < c.unsqueeze(1)).unsqueeze(-1)
         both = torch.cat([self.feats, new], 1)  # (B, W + T, C): row b's window ends at W + c_b
         idx = c.unsqueeze(1) + torch.arange(W)  # (B, W)
         self.feats = both.gather(1, idx.unsqueeze(-1).expand(-1, -1, both.shape[2]))
