@@ -199,14 +199,22 @@ class FeatureDrafterBase:
         return RealPairs(have, c, (L - 1 - c).unsqueeze(1) + j, j < c.unsqueeze(1))
 
     @staticmethod
-    def _chain_hidden(state: FeatureDraftState, hid: torch.Tensor) -> torch.Tensor:
+    def _chain_hidden(state: FeatureDraftState, hid: torch.Tensor, L: torch.Tensor) -> torch.Tensor:
         """The last target forward's ``hid (B', T', C)`` -> ``(B, T', C)`` per row (via ``state.src``),
-        the accepted path's columns first (chain order) after a token-tree step (``state.paths``)."""
+        the accepted path's columns first (chain order) after a token-tree step (``state.paths``).
+
+        A path describes the last target forward only while the row committed exactly its tokens
+        since (``L - prev_L``): a step without drafts (k = 0, which the drafter never observes) ran
+        another forward, a chain one, whose columns are already in order."""
         rows = hid[state.src.clamp(min=0)]
-        if all(path is None for path in state.paths):
+        fresh = [
+            p if p is not None and len(p) == n else None
+            for p, n in zip(state.paths, (L - state.prev_L).tolist())
+        ]
+        if all(path is None for path in fresh):
             return rows
-        cols = torch.arange(hid.shape[1]).repeat(len(state.paths), 1)  # (B, T')
-        for b, path in enumerate(state.paths):
+        cols = torch.arange(hid.shape[1]).repeat(len(fresh), 1)  # (B, T')
+        for b, path in enumerate(fresh):
             if path is not None:
                 cols[b, : len(path)] = torch.tensor(path)
         return rows.gather(1, cols.unsqueeze(-1).expand(-1, -1, hid.shape[2]))
@@ -235,7 +243,7 @@ class FeatureDrafterBase:
 
     def _real_forward(self, state: FeatureDraftState, ctx: DraftContext, hidden: dict, have) -> Start:
         B, L = ctx.lengths.shape[0], ctx.lengths
-        hid = {i: self._chain_hidden(state, hidden[i]) for i in self.hidden_layers}  # (B, T', C) each
+        hid = {i: self._chain_hidden(state, hidden[i], L) for i in self.hidden_layers}  # (B, T', C) each
         pairs = self._real_pairs(state, L, hid[-1].shape[1], have)
         rows = torch.arange(B)
         feats = self._gather(hid[-1], rows, pairs)  # (B, C_max, dim)

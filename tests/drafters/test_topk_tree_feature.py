@@ -153,25 +153,40 @@ class Recording(FeatureTreeDrafter):
         self.paths += state.paths
 
 
+class EveryOther(FixedK):
+    """Drafts at every other step only: the steps between run a one-token forward the drafter never
+    observes."""
+
+    def __init__(self, k: int):
+        super().__init__(k)
+        self.steps = 0
+
+    def choose(self, rows=None) -> int:
+        self.steps += 1
+        return self.k if self.steps % 2 else 0
+
+
+@pytest.mark.parametrize("policy", [FixedK, EveryOther], ids=["every-step", "every-other-step"])
 @pytest.mark.parametrize("shape", [DYN, STATIC], ids=["dyn", "static"])
-def test_each_step_grows_the_tree_a_fresh_drafter_grows_from_the_whole_context(tiny_pipe, shape):
-    """The next step's real pairs read the target's columns along the accepted path, and the draft's
-    cache holds nothing stale: each tree equals a fresh drafter's on the same committed context."""
+def test_each_step_grows_the_tree_a_fresh_drafter_grows_from_the_whole_context(tiny_pipe, shape, policy):
+    """The next step's real pairs read the target's columns along the accepted path (or, after a step
+    without drafts, that step's), and the draft's cache holds nothing stale: each tree equals a fresh
+    drafter's on the same committed context."""
     prompts = random_prompts([6, 10, 4], seed=4)
     plain = decode(Engine(tiny_pipe.runtime), prompts, 20)
     refs = [p + o for p, o in zip(prompts, plain)]
     oracle = _feature(tiny_pipe, cls=Oracle, references=refs)
     drafter = Recording(oracle, shape, "t")
-    engine = Engine(tiny_pipe.runtime, drafter, FixedK(8), hidden_layers=drafter.hidden_layers)
+    engine = Engine(tiny_pipe.runtime, drafter, policy(8), hidden_layers=drafter.hidden_layers)
     assert decode(engine, prompts, 20) == plain
-    assert engine.stats.accepted > engine.stats.steps  # more than one token per step on average
+    assert engine.stats.accepted > engine.stats.steps / 2  # most drafting steps accept several tokens
     assert any(p != list(range(len(p))) for p in drafter.paths)  # accepted nodes off the first branch
     fresh = FeatureTreeDrafter(oracle, shape, "fresh")
     for tokens, start, k, tree in drafter.steps:
         state, ctx = _fresh(fresh, tiny_pipe.runtime, tokens, start)
         want = fresh.propose(state, ctx, k).trees[0]
         assert (tree.tokens.tolist(), tree.parents.tolist()) == (want.tokens.tolist(), want.parents.tolist())
-    assert len(drafter.steps) > 10
+    assert len(drafter.steps) >= 6
 
 
 @pytest.mark.parametrize("shape", [DYN, TreeShape(True, 3, 3), STATIC])
