@@ -50,11 +50,19 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+def draft_items(args) -> list[tuple[str, str, str]]:
+    """``(item, spec, k)`` per ``spec@k`` of ``--drafts`` (k: ``auto`` when absent)."""
+    items = []
+    for item in filter(None, (s.strip() for s in args.drafts.split(";"))):
+        spec, _, k = item.rpartition("@") if "@" in item else (item, "", "auto")
+        items.append((item, spec, k))
+    return items
+
+
 def build_methods(args, pipe) -> list[harness.Method]:
     """Plain decoding and one engine method per ``spec@k`` (one policy each for the whole run)."""
     methods = [harness.engine_method("plain", pipe.runtime, None, None, eos_ids=pipe.eos_ids)]
-    for item in filter(None, (s.strip() for s in args.drafts.split(";"))):
-        spec, _, k = item.rpartition("@") if "@" in item else (item, "", "auto")
+    for item, spec, k in draft_items(args):
         drafter = api.make_drafter(spec, pipe.target, pipe.runtime, api.resolve_dtype("auto", draft=True))
         methods.append(
             harness.engine_method(item, pipe.runtime, drafter, make_policy(k), eos_ids=pipe.eos_ids)
@@ -129,7 +137,13 @@ def plot(result: dict, path: Path) -> None:
 def main() -> int:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    pipe = api.load(args.target, None, dtype=args.dtype, threads=args.threads)
+    # a quantized target loads its transformers model only for a draft built from it (designed, tree:)
+    needs_model = [
+        s for _, s, _ in draft_items(args) if api.model_kind(s) not in api.RUNS_WITHOUT_TRANSFORMERS_MODEL
+    ]
+    pipe = api.load(
+        args.target, needs_model[0] if needs_model else None, dtype=args.dtype, threads=args.threads
+    )
     methods = build_methods(args, pipe)
     prompts = load_prompts(None, parse_categories(args.categories), args.limit)
     cpu = cpu_name()
