@@ -94,7 +94,8 @@ def test_prune_head_takes_the_quantized_heads_rows(target):
 
 def test_a_dense_draft_dtype_keeps_bf16_for_a_prune_draft(target, monkeypatch):
     """``prune:`` at bf16 / fp32 / int8 runs the target's layers in the compact runtime (so the
-    target is bf16); at auto and q the quantized target stays (``tree:prune:...`` alike)."""
+    target is bf16), and so does ``tree:prune:...`` at auto; ``prune:`` at auto and q keeps the
+    quantized target."""
     seen = []
 
     def record(target, needs=()):
@@ -104,9 +105,9 @@ def test_a_dense_draft_dtype_keeps_bf16_for_a_prune_draft(target, monkeypatch):
     monkeypatch.setattr(api, "auto_quant_runtime", record)
     for draft, dt in (
         ("prune:0", "fp32"),
-        ("tree:prune:0", "bf16"),
+        ("tree:prune:0", "auto"),
         ("prune:0", "auto"),
-        ("tree:prune:0", "q"),
+        ("prune:0", "q"),
     ):
         with pytest.raises(SpecdraftError, match="stop"):
             api.load(str(target[0]), draft, threads=1, draft_dtype=dt)
@@ -184,10 +185,11 @@ def test_bad_draft_dtypes_get_one_line(target, capsys):
     with pytest.raises(SpecdraftError, match="unknown dtype 'q8'"):
         api.load(path, "prune:0", threads=1, draft_dtype="q8")
     rt = QuantRuntime(path)
-    for spec in ("flex", "local:designed:x", "diffusion:x"):
+    for spec in ("flex", "local:designed:x", "diffusion:x", "tree:prune:0"):
         with pytest.raises(SpecdraftError, match="do not run on GGUF blocks"):
             api.draft_precision("q", rt, spec)
-    assert api.draft_precision("auto", rt, "tree:prune:0") == QUANT
+    assert api.draft_precision("auto", rt, "prune:0") == QUANT
+    assert api.draft_precision("auto", rt, "tree:prune:0") == api.resolve_dtype("auto", draft=True)
     assert api.draft_precision("auto", rt, "designed:auto") == api.resolve_dtype("auto", draft=True)
     assert capsys.readouterr().err == ""  # refused before the target loaded
     argv = ["generate", "--target", "tiny", "--dtype", "fp32", "--draft", "prune:0", "--draft-dtype", "q"]
