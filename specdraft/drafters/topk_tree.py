@@ -257,11 +257,11 @@ class TreeGrowth:
         B, w, F = anc.shape
         pos = (root.first - 1 + d).unsqueeze(1).expand(B, w)  # (B, w) siblings share a position
         slots = root.first.unsqueeze(1) + self._offsets(d, depth)  # (B, w)
-        S = torch.arange(int(root.first.max()) + F)
-        rel = S - root.first.unsqueeze(1)  # (B, S) slot offset past the context
+        slot = torch.arange(int(root.first.max()) + F)  # (S,)
+        rel = slot - root.first.unsqueeze(1)  # (B, S) slot offset past the context
         seen = anc.gather(2, rel.clamp(0, F - 1).unsqueeze(1).expand(-1, w, -1))  # (B, w, S)
         inside = ((rel >= 0) & (rel < F)).unsqueeze(1)  # (B, 1, S) this row's tree slots
-        context = (rel < 0) & (S >= root.lo.unsqueeze(1))  # (B, S)
+        context = (rel < 0) & (slot >= root.lo.unsqueeze(1))  # (B, S)
         return Placement(pos, slots, context.unsqueeze(1) | (seen & inside))
 
     def _feed(self, state, fed: torch.Tensor, rows: torch.Tensor, carry: tuple, where: Placement):
