@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specdraft import api
+from specdraft import api, dtypes
 from specdraft.bench import harness
 from specdraft.bench.profile import cpu_name
 from specdraft.bench.prompts import fit_context, load_prompts, parse_categories
@@ -40,6 +40,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--dtype", default="auto", help="the target's precision (auto: quantized for a GGUF)")
     p.add_argument("--drafts", default="lookup@auto;lookup-tree@auto", help="'spec@k' items, ';'-separated")
+    p.add_argument(
+        "--draft-dtype", default="auto", choices=dtypes.choices("draft"), help=dtypes.help_text("draft")
+    )
     p.add_argument("--limit", type=int, default=2, help="prompts per Spec-Bench category")
     p.add_argument("--categories", default=None)
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -63,7 +66,7 @@ def build_methods(args, pipe) -> list[harness.Method]:
     """Plain decoding and one engine method per ``spec@k`` (one policy each for the whole run)."""
     methods = [harness.engine_method("plain", pipe.runtime, None, None, eos_ids=pipe.eos_ids)]
     for item, spec, k in draft_items(args):
-        drafter = api.make_drafter(spec, pipe.target, pipe.runtime, api.resolve_dtype("auto", draft=True))
+        drafter = api.make_drafter(spec, pipe.target, pipe.runtime, args.draft_dtype)
         methods.append(
             harness.engine_method(item, pipe.runtime, drafter, make_policy(k), eos_ids=pipe.eos_ids)
         )
@@ -141,8 +144,16 @@ def main() -> int:
     needs_model = [
         s for _, s, _ in draft_items(args) if api.model_kind(s) not in api.RUNS_WITHOUT_TRANSFORMERS_MODEL
     ]
+    # prune: drafts at a dense --draft-dtype run the target's layers in bf16: the target too
+    dense = args.draft_dtype not in ("auto", "q")
+    prune = dense and any(api.model_kind(s) == "prune" for _, s, _ in draft_items(args))
     pipe = api.load(
-        args.target, needs_model[0] if needs_model else None, dtype=args.dtype, threads=args.threads
+        args.target,
+        needs_model[0] if needs_model else None,
+        dtype=args.dtype,
+        threads=args.threads,
+        draft_dtype=args.draft_dtype,
+        needs=("prune",) if prune else (),
     )
     methods = build_methods(args, pipe)
     prompts = load_prompts(None, parse_categories(args.categories), args.limit)
