@@ -13,6 +13,7 @@ from specdraft.design.feature import FeatureDraftLM
 from specdraft.design.prune import depth_prune
 from specdraft.design.vocab import VocabSubset
 from specdraft.drafters.base import DraftContext
+from specdraft.drafters.dream import DreamDrafter, cross_weights
 from specdraft.drafters.feature import FeatureDrafter
 from specdraft.drafters.local import LocalHead
 from specdraft.drafters.topk_tree import FeatureTreeDrafter, TreeShape
@@ -198,6 +199,25 @@ def test_greedy_output_identical_to_plain(tiny_pipe, shape):
         engine = Engine(tiny_pipe.runtime, drafter, FixedK(6), hidden_layers=drafter.hidden_layers)
         assert decode(engine, prompts, 24) == plain
         assert engine.stats.drafted > 0
+
+
+def test_a_dream_draft_grows_trees_reading_the_target_layers(tiny_pipe):
+    """A DREAM-style draft (cross-attention to the target's layer 0) in a tree: each fed candidate
+    reads the last real pair's target layers; the output stays the target's."""
+    model = _model(tiny_pipe)
+    w = draft_weights(model.draft, tiny_pipe.runtime.w, None, torch.float32)
+    cross = {
+        **cross_weights(64, 1),
+        "o": torch.randn(64, 64, generator=torch.Generator().manual_seed(1)) * 0.2,
+    }
+    embed = tiny_pipe.runtime.w.embed
+    dream = DreamDrafter(LlamaRuntime(w), model.fc.weight.detach(), cross, embed, "dream", (0,), 4)
+    drafter = FeatureTreeDrafter(dream, DYN, "t")
+    assert drafter.hidden_layers == (-1, 0)
+    prompts = random_prompts([5, 8], seed=10)
+    engine = Engine(tiny_pipe.runtime, drafter, FixedK(5), hidden_layers=drafter.hidden_layers)
+    assert decode(engine, prompts, 16) == decode(Engine(tiny_pipe.runtime), prompts, 16)
+    assert engine.stats.drafted > 0
 
 
 def test_a_fused_local_head_reads_each_candidates_own_path(tiny_pipe):
