@@ -2,8 +2,10 @@
 
 One drafter (prompt lookup by default), several policies (``--policies auto,2,4,heuristic``: the
 cost-aware policy, fixed k, transformers' heuristic; ``auto-batch`` without its per-row watch,
-``auto-padded`` on the runtime without ragged steps), Spec-Bench first turns, greedy, batch 1 (or
-``--batch N``: the prompts decoded N rows at a time, overall figures only).
+``auto-padded`` on the runtime without ragged steps, ``auto-unguarded`` without its safe arm, the
+check of realised speed against plain decoding: ``auto`` against it is that check's cost or gain),
+Spec-Bench first turns, greedy, batch 1 (or ``--batch N``: the prompts decoded N rows at a time,
+overall figures only).
 After an untimed warm-up of every method, each prompt runs every method once in a rotating order
 (A B C, then B C A, ...: :mod:`specdraft.bench.harness`), so slow phases of a shared machine hit
 all methods alike. Each method
@@ -55,8 +57,13 @@ class Padded:
 
 # name -> policy factory; a name not here goes to make_policy ("auto", "heuristic", "4").
 # auto-batch: the cost-aware policy without its per-row watch (one acceptance record for the batch);
-# auto-padded: the cost-aware policy on the runtime without ragged steps (Padded)
-POLICIES: dict = {"auto-batch": lambda: CostAwareK(watch=None), "auto-padded": CostAwareK}
+# auto-padded: the cost-aware policy on the runtime without ragged steps (Padded); auto-unguarded:
+# without the safe arm (SafeArm: the model's choice unchecked by the clock)
+POLICIES: dict = {
+    "auto-batch": lambda: CostAwareK(watch=None),
+    "auto-padded": CostAwareK,
+    "auto-unguarded": lambda: CostAwareK(guard=None),
+}
 RUNTIMES: dict = {"auto-padded": Padded}  # name -> the runtime a method decodes with
 
 
@@ -144,6 +151,12 @@ def main(argv=None) -> int:
             f"k {n}: {overall[n].tokens / forwards[n]:.2f} tokens per target forward, "
             f"{mismatches[n]} of {len(ids)} outputs differ from plain"
         )
+        rate_check = getattr(policies[n], "rate", None)
+        if rate_check is not None:  # the safe arm's record (SafeArm)
+            print(
+                f"k {n}: safe arm: {rate_check.fallbacks} fall-backs to plain, {rate_check.forced} plain "
+                f"steps imposed, realised speedup at batch {B} {rate_check.speedup(B) or 0:.2f}x"
+            )
     if args.json:
         per_forward = {n: overall[n].tokens / forwards[n] for n in names[1:]}
         doc = {

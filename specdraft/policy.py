@@ -38,6 +38,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -257,7 +258,8 @@ class SafeArm:
     decodes plainly for ``backoff`` steps, then tries speculation again for another ``evidence``
     steps (a trial); each trial that still loses doubles the back-off (up to ``backoff_max``), one
     that pays resets it. A plain step is also taken after ``refresh`` speculative ones (and when B
-    has no plain time yet), so that ``T_plain(B)`` follows the context's growth.
+    has no plain time yet, measured or between two measured sizes), so that ``T_plain(B)`` follows
+    the context's growth.
 
     The guarantee: an always-losing speculation costs at most its trials over plain decoding:
     ``evidence`` steps at the first verdict and per trial, trials after 16, 32, 64, ... plain steps
@@ -271,7 +273,8 @@ class SafeArm:
         backoff: plain steps after the first losing verdict; doubles per losing trial.
         backoff_max: the longest back-off.
         refresh: a plain step after this many speculative ones.
-        plain_decay: weight of history in ``T_plain(B)`` (per plain step).
+        plain_window: ``T_plain(B)`` is the median of this many last plain steps at B (one slow
+            step on a loaded machine does not make speculation look good until the next refresh).
         clock: seconds, for the step's span (a fake one in tests).
     """
 
@@ -281,16 +284,16 @@ class SafeArm:
     backoff: int = 16
     backoff_max: int = 1024
     refresh: int = 64
-    plain_decay: float = 0.7
+    plain_window: int = 5
     clock: Callable[[], float] = time.perf_counter
 
     def __post_init__(self):
         if not (self.evidence >= 1 and 1 <= self.backoff <= self.backoff_max and self.refresh >= 1) or not (
-            0 < self.decay < 1 and 0 <= self.plain_decay < 1 and 0 <= self.margin < 1
+            0 < self.decay < 1 and self.plain_window >= 1 and 0 <= self.margin < 1
         ):
             raise SpecdraftError(
                 "SafeArm: need evidence >= 1, 1 <= backoff <= backoff_max, refresh >= 1, "
-                "0 < decay < 1, 0 <= plain_decay < 1, 0 <= margin < 1"
+                "0 < decay < 1, plain_window >= 1, 0 <= margin < 1"
             )
 
 
@@ -313,7 +316,8 @@ class RealisedRate:
 
     def __init__(self, arm: SafeArm):
         self.arm = arm
-        self.plain: dict[int, float] = {}  # batch size -> seconds per plain step
+        self.samples: dict[int, list[float]] = {}  # batch size -> seconds of its last plain steps
+        self.plain: dict[int, float] = {}  # batch size -> T_plain(B), their median
         self.bands: dict[int, _Band] = {}
         self.fallbacks = 0  # losing verdicts (back-offs started)
         self.forced = 0  # plain steps this check imposed
@@ -332,7 +336,7 @@ class RealisedRate:
             if band.off_for == 0:  # the back-off is over: the next speculative steps are a trial
                 band.saved = band.spent = 0.0
                 band.steps, band.trial = 0, True
-        elif B in self.plain and band.since_plain < self.arm.refresh:
+        elif self.plain_time(B) is not None and band.since_plain < self.arm.refresh:
             return True
         self.forced += 1
         return False
@@ -349,15 +353,15 @@ class RealisedRate:
         seconds = max(self.arm.clock() - self._start, reported)
         self._start, band = None, self._band(B)
         if k == 0 and self._chosen == 0:  # a plain step
-            old = self.plain.get(B)
-            d = self.arm.plain_decay
-            self.plain[B] = seconds if old is None else d * old + (1 - d) * seconds
+            last = [*self.samples.get(B, []), seconds][-self.arm.plain_window :]
+            self.samples[B], self.plain[B] = last, statistics.median(last)
             band.since_plain = 0
             return
-        if B not in self.plain:
+        plain = self.plain_time(B)
+        if plain is None:
             return
         d = self.arm.decay
-        band.saved = d * band.saved + committed * self.plain[B] / B
+        band.saved = d * band.saved + committed * plain / B
         band.spent = d * band.spent + seconds
         band.steps += 1
         band.since_plain += 1
@@ -371,6 +375,19 @@ class RealisedRate:
         band.off_for = band.backoff
         band.backoff = min(2 * band.backoff, self.arm.backoff_max)
         band.steps, band.trial = 0, False
+
+    def plain_time(self, B: int) -> float | None:
+        """Seconds of a plain step at batch size B: measured, or read on the line between the nearest
+        measured sizes around it (rows that leave a batch need no new plain step); None when B is
+        outside the sizes measured."""
+        if B in self.plain:
+            return self.plain[B]
+        below = max((b for b in self.plain if b < B), default=None)
+        above = min((b for b in self.plain if b > B), default=None)
+        if below is None or above is None:
+            return None
+        w = (B - below) / (above - below)
+        return (1 - w) * self.plain[below] + w * self.plain[above]
 
     def speedup(self, B: int) -> float | None:
         """Realised speed of speculation over plain decoding in B's band (decayed), None before any."""

@@ -161,6 +161,23 @@ def test_batch_size_bands_are_judged_apart():
     assert policy.rate.speedup(8) < 1.0
 
 
+def test_plain_step_times_are_read_between_measured_batch_sizes():
+    """Rows leaving a batch need no new plain step: a size between two measured ones is read on the
+    line between them; a size outside them is measured first (a plain step)."""
+    clock = Clock()
+    policy = guarded(clock, watch=None)
+    for B, seconds in ((1, 0.010), (8, 0.024)):
+        assert policy.choose(list(range(B))) == 0  # no plain time at B yet: a plain step
+        clock.t += seconds
+        policy.update(0, torch.zeros(B, dtype=torch.int64), torch.zeros(B, dtype=torch.int64), 0.0, seconds)
+    assert policy.rate.plain_time(4) == pytest.approx(0.016)
+    forced = policy.rate.forced
+    policy.choose(list(range(4)))
+    assert policy.rate.forced == forced  # no step imposed at 4
+    assert policy.rate.plain_time(9) is None
+    assert policy.choose(list(range(9))) == 0 and policy.rate.forced == forced + 1
+
+
 def test_safe_arm_settings_are_checked():
     for bad in (
         {"evidence": 0},
