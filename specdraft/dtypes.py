@@ -94,7 +94,11 @@ AUTO_QUANT_DRAFTS: dict[str, str] = {
     "prune": "a layer-pruned draft runs the quantized target's own layers (no bf16 copy of them)",
 }
 """Draft kinds that ``--draft-dtype auto`` runs on GGUF blocks (``q``) beside a quantized target ->
-why. Other kinds keep the ``auto`` of :func:`specdraft.api.resolve_dtype`."""
+why. Other kinds keep the ``auto`` of :func:`specdraft.api.resolve_dtype`. Designed drafts are not
+in: on a loaded 2-core Zen 3, their Q8_0 and bf16 steps did not separate (6.18 against 6.17 ms in
+one run, 5.01 against 2.39 in another; the prune draft: 6.65 against 8.55 and 6.47 against 11.50),
+``results/quant-draft-2026-12-02/`` (``benchmarks/bench_quant_draft.py``). Adding them would also
+need feature / dream / ctc designed drafts (no quantized path) to fall back to bf16."""
 
 AUTO_KEEPS_BF16: dict[str, str] = {
     "prune": "a layer-pruned draft at --draft-dtype bf16, fp32 or int8 runs the target's own layers "
