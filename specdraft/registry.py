@@ -150,7 +150,8 @@ class Target:
     Attributes:
         loaded: the target's :class:`~specdraft.models.loading.LoadedModel` (model, tokenizer).
         runtime: the target's runtime.
-        dtype: the draft's precision (``torch.dtype``; ``torch.qint8`` for int8).
+        dtype: the draft's precision (``torch.dtype``; ``torch.qint8`` for int8; the string
+            :data:`specdraft.dtypes.QUANT` for GGUF blocks beside a quantized target).
     """
 
     loaded: object

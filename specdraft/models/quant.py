@@ -17,6 +17,11 @@ its tokens only, not for every row padded to the longest.
 Not supported (refused with a clear error): biases (Qwen2), other block types (K-quants, F16
 matrices).
 
+Drafts run on it too (``--draft-dtype q``): a layer-pruned draft is a runtime over
+:meth:`QuantWeights.with_layers` (the target's own :class:`QuantMatrix` blocks, nothing copied; a
+smaller head takes the head's rows, :meth:`QuantMatrix.take_rows`), a designed draft's matrices
+are quantized to Q8_0 at load beside the target's embedding (:meth:`QuantWeights.from_llama`).
+
 The GGUF's tensor table is read with the ``gguf`` library once and kept as a small JSON index in
 the cache (``<cache>/quant/<key>.json``, keyed by the file's path, size and mtime): parsing the
 file's 49k-entry vocabulary with ``gguf.GGUFReader`` takes 15-30 s on this project's machine,
