@@ -5,8 +5,9 @@ after an untimed warm-up. tokens/s is new tokens / wall time, prefill included; 
 is the engine's mean accepted length (accepted drafts + the target's own token per target forward;
 for a token tree, per tree step). Every output is checked against plain decoding
 (:func:`specdraft.bench.harness.equality`); the script exits 1 if any differs. Per category: each
-drafter's tok/s over plain's on the same prompts. ``--drafts`` takes ``spec@k`` items separated by
-``;`` (a spec may hold commas: ``ouroboros:lookup,chain@auto``).
+drafter's tok/s over plain's on the same prompts. First acc.: of the steps that drafted, the share
+whose first draft token (a tree: a depth-1 node) was accepted. ``--drafts`` takes ``spec@k``
+items separated by ``;`` (a spec may hold commas: ``ouroboros:lookup,chain@auto``).
 
     .venv/bin/python benchmarks/bench_drafters.py --dtype bf16 --limit 2 --max-new-tokens 128 \
         --drafts "lookup@auto;lookup-tree@auto;suffix@auto;ouroboros:lookup@auto" \
@@ -109,6 +110,7 @@ def summary(methods, totals, stats, categories) -> dict:
                 "speedup": round(t.tokens_per_s / p.tokens_per_s, 3),
                 "decode_speedup": round(t.decode_tokens_per_s / p.decode_tokens_per_s, 3),
                 "tokens_per_forward": round(stats[m.name][c].mean_accepted_length, 3),
+                "first_acceptance": round(next(iter(stats[m.name][c].per_position_acceptance()), 0.0), 3),
                 "mismatches": t.mismatches,
             }
         out[m.name] = rows
@@ -163,12 +165,13 @@ def main() -> int:
     totals, stats = run(args, pipe, methods, prompts)
     categories = sorted({p.category for p in prompts})
     result = summary(methods, totals, stats, categories)
-    print("\ndrafter                       speedup  tokens/forward  worst category   mismatches")
+    print("\ndrafter                       speedup  tokens/forward  first acc.  worst category   mismatches")
     for name, rows in result.items():
         worst = min(categories, key=lambda c: rows[c]["speedup"])
         a = rows["all"]
         print(
             f"{name:<29} {a['speedup']:6.2f}x  {a['tokens_per_forward']:13.2f}  "
+            f"{a['first_acceptance']:10.2f}  "
             f"{worst} {rows[worst]['speedup']:.2f}x  {a['mismatches']}"
         )
     print(f"plain decoding: {totals['plain', 'all'].tokens_per_s:.1f} tok/s")
