@@ -99,11 +99,10 @@ loaded from its weight files alone (:func:`specdraft.models.runtime.compact_from
 the float32 transformers model."""
 
 
-QUANT_DRAFT_KINDS = ("self", "prune", "designed", "model", "ouroboros")
+QUANT_DRAFT_KINDS = ("self", "prune", "designed", "model", "tree", "ouroboros")
 """Draft kinds with a model that ``--draft-dtype q`` runs on GGUF blocks beside a quantized target
 (``prune:`` on the target's own, ``designed`` on Q8_0 blocks made at load, a model alias or path on
-its own GGUF; ``ouroboros`` through the designed draft it wraps). Not ``tree:``: its draft-side tree
-steps after a rejection give masks the quantized runtime refuses (chain-shaped trees only)."""
+its own GGUF; ``tree`` and ``ouroboros`` through the draft they wrap)."""
 
 MODEL_FREE_KINDS = ("none", "lookup", "lookup-tree", "bigram", "suffix")
 """Draft kinds without a model: the draft precision changes nothing for them."""
@@ -120,7 +119,7 @@ def model_kind(spec: str | registry.DraftSpec) -> str:
 def draft_precision(name: str | torch.dtype, runtime: Runtime | None, spec) -> torch.dtype | str:
     """``--draft-dtype`` for a draft spec beside the target's ``runtime``: a torch dtype
     (:func:`resolve_dtype`), or :data:`specdraft.dtypes.QUANT` (GGUF blocks) for ``q``, and for
-    ``auto`` when the target is quantized and the spec's kind is in
+    ``auto`` when the target is quantized and the draft's model kind (:func:`model_kind`) is in
     :data:`specdraft.dtypes.AUTO_QUANT_DRAFTS`.
 
     Raises:
@@ -131,7 +130,7 @@ def draft_precision(name: str | torch.dtype, runtime: Runtime | None, spec) -> t
 
     spec = registry.DraftSpec.parse(spec)
     quant = isinstance(runtime, QuantRuntime)
-    if name == "auto" and quant and spec.kind in AUTO_QUANT_DRAFTS:
+    if name == "auto" and quant and model_kind(spec) in AUTO_QUANT_DRAFTS:
         return QUANT
     if name != QUANT:
         return resolve_dtype(name, draft=True)
@@ -360,7 +359,9 @@ def load(
         rt = QuantRuntime(gguf_path(target))
     elif dtype == "auto" and runtime in ("auto", "quant"):
         # a prune: draft on GGUF blocks (q, auto) runs the quantized target's own layers
-        quant_draft = draft_dtype == QUANT or (draft_dtype == "auto" and spec.kind in AUTO_QUANT_DRAFTS)
+        quant_draft = draft_dtype == QUANT or (
+            draft_dtype == "auto" and model_kind(spec) in AUTO_QUANT_DRAFTS
+        )
         rt = auto_quant_runtime(target, (*(() if quant_draft else (model_kind(spec),)), *needs))
     keeps_model = spec.kind not in RUNS_WITHOUT_TRANSFORMERS_MODEL or any(n in AUTO_KEEPS_BF16 for n in needs)
     if rt is None and dtype != "q" and runtime in ("auto", "compact") and not keeps_model:

@@ -550,15 +550,18 @@ def _floats(addr: int, n: int) -> torch.Tensor:
 def _tree_plan(positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> tuple[list, list]:
     """Each query's prefix in chain form: ``(ctx, visible)`` per query ``b T + t``.
 
-    A query at position p must see the cache's slots ``0 .. c - 1`` (its context, c = ``ctx``) and new
-    tokens at positions ``c .. p``, one each, itself at p: what a chain step over that prefix sees.
-    ``visible`` lists ``(position, flat index)`` of the other new tokens it sees.
+    A query at position p must see the cache's slots ``0 .. c - 1`` (its context, c = ``ctx``) and
+    one token at each position ``c .. p``, itself at p: what a chain step over that prefix sees.
+    Those tokens are new ones (at their positions) and, first, cached ancestors at slots beyond
+    the context (a tree grown over several forwards, such as a draft's), taken in slot order for
+    positions c, c + 1, ...; their keys were rotated when written, so the order only sets how the
+    attention sums. ``visible`` lists ``(position, cache row, slot)`` of the tokens it sees other
+    than itself beyond the context.
 
     Raises:
         SpecdraftError: a mask that is not such a tree (a query would not equal a chain step).
     """
     B, T = positions.shape
-    S = mask.shape[-1]
     ctx, visible = [], []
     for b in range(B):
         sees_new = mask[b][:, slots[b]]  # (T, T): query t sees new token j
@@ -567,21 +570,22 @@ def _tree_plan(positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor)
         for t in range(T):
             p = int(positions[b, t])
             seen = sees_new[t].nonzero().squeeze(1)
-            c = p + 1 - seen.numel()
+            cached = old[t].nonzero().squeeze(1)  # ascending slots
+            c = int((cached == torch.arange(cached.numel())).sum())  # the context: slots 0 .. c - 1
             order = positions[b, seen].sort()
             if not (
                 bool(sees_new[t, t])
-                and torch.equal(order.values, torch.arange(c, p + 1))
-                and torch.equal(old[t], torch.arange(S) < c)
+                and torch.equal(cached[:c], torch.arange(c))
+                and torch.equal(order.values, torch.arange(cached.numel(), p + 1))
             ):
                 raise SpecdraftError(
                     "the quantized runtime takes tree masks only: each query sees the slots before "
-                    "its context length and one new token per position up to its own"
+                    "its context length and one token per position up to its own"
                 )
             ctx.append(c)
-            visible.append(
-                [(int(q), b * T + int(j)) for q, j in zip(order.values, seen[order.indices]) if j != t]
-            )
+            anc = [(c + i, b, int(s)) for i, s in enumerate(cached[c:].tolist())]
+            news = zip(order.values.tolist(), seen[order.indices].tolist())
+            visible.append(anc + [(q, b, int(slots[b, j])) for q, j in news if j != t])
     return ctx, visible
 
 
@@ -593,9 +597,9 @@ class _Level:
         queries: ``(n,)`` their flat indices ``b T + t``; rows, slots: ``(n,)`` their cache rows and slots.
         pos: ``(n,)`` int64, p for each (the array ``rope_attend`` reads).
         ctx: how many context slots to copy from the cache (the largest c of the level: <= p).
-        anc: ``(A, 4)`` each (query, visible new token) pair: the query's scratch row, the token's
-            position (its slot in the scratch row), cache row and slot (where an earlier level
-            wrote its key and value).
+        anc: ``(A, 4)`` each (query, visible ancestor) pair: the query's scratch row, the token's
+            position (its slot in the scratch row), cache row and slot (where an earlier level or
+            an earlier forward wrote its key and value).
     """
 
     queries: torch.Tensor
@@ -637,11 +641,7 @@ class TreeAttention:
         self.levels = []
         for p in pos.unique().tolist():  # ascending: ancestors first
             queries = (pos == p).nonzero().squeeze(1)
-            anc = [
-                (i, q, int(rows[j]), int(slots[j]))
-                for i, r in enumerate(queries.tolist())
-                for q, j in visible[r]
-            ]
+            anc = [(i, q, row, slot) for i, r in enumerate(queries.tolist()) for q, row, slot in visible[r]]
             self.levels.append(
                 _Level(
                     queries,

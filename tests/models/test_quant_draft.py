@@ -76,6 +76,37 @@ def test_prune_draft_is_a_view_of_the_targets_blocks(target, draft_dtype):
     same_as_plain(pipe)
 
 
+def test_token_trees_grow_from_quantized_drafts(target, tmp_path):
+    """``tree:prune:...`` (auto: the view) and ``tree:designed:...`` at q: the draft's tree steps
+    read ancestors its earlier forwards left at slots beyond the context."""
+    path, model = target
+    d, _ = designed_draft(tmp_path, model, HEAD)
+    for spec, dt in (("tree:prune:1", "auto"), (f"tree:designed:{d}", "q")):
+        pipe = api.load(str(path), spec, threads=1, draft_dtype=dt)
+        runtime = pipe.drafter.model.runtime
+        assert isinstance(getattr(runtime, "runtime", runtime), QuantRuntime) and pipe.target.model is None
+        same_as_plain(pipe)
+
+
+def test_a_tree_step_over_cached_ancestors_is_a_chain_step(target):
+    """Tokens 10 and 11 fed one tree step each at slots 13 and 14 (after a 10-token context) give
+    token 11 the logits of a chain step, bit for bit."""
+    rt = QuantRuntime(target[0])
+    x = torch.tensor([random_prompts([12], vocab=90, seed=7)[0]])
+    chain = rt.new_state(1, 16)
+    rt.forward(chain, x[:, :11], torch.arange(11)[None])
+    want = rt.forward(chain, x[:, 11:], torch.tensor([[11]])).logits
+    tree = rt.new_state(1, 16)
+    rt.forward(tree, x[:, :10], torch.arange(10)[None])
+    mask = torch.zeros(1, 1, 16, dtype=torch.bool)
+    mask[..., :10] = True
+    for i, slot in ((10, 13), (11, 14)):
+        mask[..., slot] = True
+        pos, slots = torch.tensor([[i]]), torch.tensor([[slot]])
+        got = rt.forward(tree, x[:, i : i + 1], pos, attn_mask=mask, slots=slots).logits
+    assert torch.equal(got, want)
+
+
 def test_prune_head_takes_the_quantized_heads_rows(target):
     pipe = api.load(str(target[0]), "prune:0", threads=1)
     ids = torch.tensor([EOS, 2, 5, 6, 7, 8, 40])
@@ -94,8 +125,7 @@ def test_prune_head_takes_the_quantized_heads_rows(target):
 
 def test_a_dense_draft_dtype_keeps_bf16_for_a_prune_draft(target, monkeypatch):
     """``prune:`` at bf16 / fp32 / int8 runs the target's layers in the compact runtime (so the
-    target is bf16), and so does ``tree:prune:...`` at auto; ``prune:`` at auto and q keeps the
-    quantized target."""
+    target is bf16); at auto and q the quantized target stays (``tree:prune:...`` alike)."""
     seen = []
 
     def record(target, needs=()):
@@ -105,8 +135,8 @@ def test_a_dense_draft_dtype_keeps_bf16_for_a_prune_draft(target, monkeypatch):
     monkeypatch.setattr(api, "auto_quant_runtime", record)
     for draft, dt in (
         ("prune:0", "fp32"),
+        ("tree:prune:0", "bf16"),
         ("tree:prune:0", "auto"),
-        ("prune:0", "auto"),
         ("prune:0", "q"),
     ):
         with pytest.raises(SpecdraftError, match="stop"):
@@ -185,11 +215,12 @@ def test_bad_draft_dtypes_get_one_line(target, capsys):
     with pytest.raises(SpecdraftError, match="unknown dtype 'q8'"):
         api.load(path, "prune:0", threads=1, draft_dtype="q8")
     rt = QuantRuntime(path)
-    for spec in ("flex", "local:designed:x", "diffusion:x", "tree:prune:0"):
+    for spec in ("flex", "local:designed:x", "diffusion:x"):
         with pytest.raises(SpecdraftError, match="do not run on GGUF blocks"):
             api.draft_precision("q", rt, spec)
-    assert api.draft_precision("auto", rt, "prune:0") == QUANT
-    assert api.draft_precision("auto", rt, "tree:prune:0") == api.resolve_dtype("auto", draft=True)
+    assert (
+        api.draft_precision("auto", rt, "prune:0") == api.draft_precision("auto", rt, "tree:prune:0") == QUANT
+    )
     assert api.draft_precision("auto", rt, "designed:auto") == api.resolve_dtype("auto", draft=True)
     assert capsys.readouterr().err == ""  # refused before the target loaded
     argv = ["generate", "--target", "tiny", "--dtype", "fp32", "--draft", "prune:0", "--draft-dtype", "q"]
