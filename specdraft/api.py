@@ -116,6 +116,13 @@ def model_kind(spec: str | registry.DraftSpec) -> str:
     )
 
 
+def is_quantized(runtime: Runtime | None) -> bool:
+    """Whether ``runtime`` runs a GGUF's own blocks (:class:`specdraft.models.quant.QuantRuntime`)."""
+    from specdraft.models.quant import QuantRuntime
+
+    return isinstance(runtime, QuantRuntime)
+
+
 def draft_precision(name: str | torch.dtype, runtime: Runtime | None, spec) -> torch.dtype | str:
     """``--draft-dtype`` for a draft spec beside the target's ``runtime``: a torch dtype
     (:func:`resolve_dtype`), or :data:`specdraft.dtypes.QUANT` (GGUF blocks) for ``q``, and for
@@ -126,10 +133,8 @@ def draft_precision(name: str | torch.dtype, runtime: Runtime | None, spec) -> t
         SpecdraftError: ``q`` beside a target that is not quantized, or for a kind without a
             quantized path (:data:`QUANT_DRAFT_KINDS`).
     """
-    from specdraft.models.quant import QuantRuntime
-
     spec = registry.DraftSpec.parse(spec)
-    quant = isinstance(runtime, QuantRuntime)
+    quant = is_quantized(runtime)
     if name == "auto" and quant and model_kind(spec) in AUTO_QUANT_DRAFTS:
         return QUANT
     if name != QUANT:

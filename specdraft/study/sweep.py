@@ -242,7 +242,9 @@ def build_drafter(pipe, spec: str, draft_dtype: str = "same"):
     key = (pipe.target.name, spec, draft_dtype)
     if key not in _LOADED:
         weights = getattr(pipe.runtime, "w", None)  # compact runtime: share the target's weight dtype
-        same = weights.dtype if weights is not None else pipe.runtime.dtype
+        same = getattr(weights, "dtype", pipe.runtime.dtype)
+        if api.is_quantized(pipe.runtime):  # its own GGUF blocks (a prune: draft is a view of them)
+            same = dtypes.QUANT
         dtype = same if draft_dtype == "same" else dtypes.torch_dtype(draft_dtype)
         drafter = api.make_drafter(spec, pipe.target, pipe.runtime, dtype)
         if drafter is None:

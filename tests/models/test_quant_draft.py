@@ -208,6 +208,16 @@ def test_a_gguf_draft_model_runs_its_own_blocks(target, tmp_path):
     same_as_plain(pipe)
 
 
+def test_the_studys_same_draft_dtype_is_the_quantized_targets_blocks(target):
+    from specdraft.study import sweep
+
+    pipe = api.load(str(target[0]), "none", threads=1)
+    drafter = sweep.build_drafter(pipe, "prune:1", "same")
+    assert (
+        isinstance(drafter.runtime, QuantRuntime) and drafter.runtime.w.layers[0] is pipe.runtime.w.layers[1]
+    )
+
+
 def test_bad_draft_dtypes_get_one_line(target, capsys):
     path = str(target[0])
     with pytest.raises(SpecdraftError, match="beside a quantized target"):
