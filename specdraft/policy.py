@@ -257,9 +257,9 @@ class SafeArm:
     steps are in, speculation stays on while ``saved >= (1 - margin) spent``. Otherwise the band
     decodes plainly for ``backoff`` steps, then tries speculation again for another ``evidence``
     steps (a trial); each trial that still loses doubles the back-off (up to ``backoff_max``), one
-    that pays resets it. A plain step is also taken after ``refresh`` speculative ones (and when B
-    has no plain time yet, measured or between two measured sizes), so that ``T_plain(B)`` follows
-    the context's growth.
+    that pays resets it. A plain step is also taken after ``refresh`` speculative ones (and before
+    the first), so that ``T_plain(B)`` follows the context's growth; a size not measured yet is
+    read off the measured ones on the side that favours plain decoding (:meth:`RealisedRate.plain_time`).
 
     The guarantee: an always-losing speculation costs at most its trials over plain decoding:
     ``evidence`` steps at the first verdict and per trial, trials after 16, 32, 64, ... plain steps
@@ -377,15 +377,18 @@ class RealisedRate:
         band.steps, band.trial = 0, False
 
     def plain_time(self, B: int) -> float | None:
-        """Seconds of a plain step at batch size B: measured, or read on the line between the nearest
-        measured sizes around it (rows that leave a batch need no new plain step); None when B is
-        outside the sizes measured."""
-        if B in self.plain:
-            return self.plain[B]
+        """Seconds of a plain step at batch size B: measured, else estimated on the safe side (never
+        above the truth for a step time that grows with B while its time per row falls): on the
+        line between the nearest measured sizes, flat above the largest, proportional to B below
+        the smallest. None before any plain step. Rows that leave a batch need no new plain step."""
+        if B in self.plain or not self.plain:
+            return self.plain.get(B)
         below = max((b for b in self.plain if b < B), default=None)
         above = min((b for b in self.plain if b > B), default=None)
-        if below is None or above is None:
-            return None
+        if below is None:
+            return self.plain[above] * B / above
+        if above is None:
+            return self.plain[below]
         w = (B - below) / (above - below)
         return (1 - w) * self.plain[below] + w * self.plain[above]
 
