@@ -16,7 +16,7 @@ import torch
 
 from specdraft.engine import Engine, Request
 from specdraft.errors import SpecdraftError
-from specdraft.policy import CappedPolicy, CostAwareK, SafeArm
+from specdraft.policy import CappedPolicy, CostAwareK, FixedK, SafeArm
 from specdraft.verify import SamplingParams
 from tests.test_tv_all_drafters import CASES, PROMPT, make_case, peaked
 
@@ -222,7 +222,7 @@ def test_every_drafter_kind_goes_through_the_safe_arm(name):
     """Chains (with and without q, classed, gated), token trees, block and in-forward drafters, and
     the server's capped wrapper: in each, speculative steps that the clock makes slower than plain
     ones are cut to the safe arm's trials (per band of batch sizes), and greedy output stays plain
-    decoding's."""
+    decoding's, with rows leaving the batch at different steps."""
     target = peaked(seed=10, scale=12.0)
     case = make_case(name, target)
     outputs = []
@@ -232,7 +232,8 @@ def test_every_drafter_kind_goes_through_the_safe_arm(name):
             policy = CappedPolicy(policy)
         drafter = case.drafter if guarded_run else None
         engine = Engine(target, drafter, policy, hidden_layers=getattr(drafter, "hidden_layers", ()))
-        reqs = [Request(PROMPT + [i], 40, SamplingParams()) for i in range(4)]
+        # rows of different lengths: rows leave the batch between plain and speculative steps
+        reqs = [Request(PROMPT + [i], 48 - 6 * i, SamplingParams()) for i in range(4)]
         engine.add(reqs)
         out: dict[int, list[int]] = {}
         while engine.active:
@@ -244,4 +245,38 @@ def test_every_drafter_kind_goes_through_the_safe_arm(name):
     # the trials of each band of batch sizes the batch went through (rows finish at different steps)
     bound = len(p.rate.bands) * trials(len(p.asked), p.rate.arm) * p.rate.arm.evidence
     assert sum(k > 0 for k in p.asked) <= bound, p.asked
+    assert outputs[0] == outputs[1]
+
+
+class PlainAfterLeaving(FixedK):
+    """k, but a plain step right after rows left the batch (as any adaptive policy may choose 0)."""
+
+    def __init__(self, k: int):
+        super().__init__(k)
+        self.rows: int | None = None
+
+    def choose(self, rows=None):
+        shrank = self.rows is not None and len(rows) < self.rows
+        self.rows = len(rows)
+        return 0 if shrank else self.k
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_every_drafter_kind_survives_plain_steps_after_rows_leave(name):
+    """The first row leaves, the next step is plain, then drafting resumes: a drafter that reads the
+    target's features must not index them by rows of an earlier forward (an IndexError before);
+    greedy output stays plain decoding's."""
+    target = peaked(seed=10, scale=12.0)
+    case = make_case(name, target)
+    drafter, policy = case.drafter, PlainAfterLeaving(case.policy.k_max)
+    outputs = []
+    hidden = getattr(drafter, "hidden_layers", ())
+    for engine in (Engine(target), Engine(target, drafter, policy, hidden_layers=hidden)):
+        reqs = [Request(PROMPT + [i], 12 + 9 * i, SamplingParams()) for i in range(4)]
+        engine.add(reqs)
+        out: dict[int, list[int]] = {}
+        while engine.active:
+            for ev in engine.step():
+                out.setdefault(ev.request_id, []).extend(ev.tokens)
+        outputs.append([out[r.id] for r in reqs])
     assert outputs[0] == outputs[1]

@@ -236,6 +236,10 @@ class FeatureDrafterBase:
         B, L = ctx.lengths.shape[0], ctx.lengths
         hidden = ctx.target_hidden or {}
         ok = all(i in hidden for i in self.hidden_layers)
+        if ok:  # a source row past the last forward's rows: plain steps ran after rows left the
+            # batch, and the row starts over as a new one (instead of an IndexError)
+            rows = hidden[self.hidden_layers[0]].shape[0]
+            state.src = torch.where(state.src < rows, state.src, -1)
         have = state.src >= 0 if ok else torch.zeros(B, dtype=torch.bool)
         begun = self._real_forward(state, ctx, hidden, have) if bool(have.any()) else None
         state.src, state.prev_L, state.paths = torch.arange(B), L.clone(), [None] * B
