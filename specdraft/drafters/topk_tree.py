@@ -178,7 +178,7 @@ class TreeGrowth:
         root = self.root(state, ctx)
         trees = [None] * B
         if root is not None:
-            grown = self.grow(state, root, self.shape.depth(k))
+            grown = self.grow(state, root, self.shape.depth(k), k if self.shape.dynamic else None)
             trees = self._trees(grown, k, root.have)
             self._grown(state, ctx, grown)
         return Proposal(tokens=torch.zeros(B, 0, dtype=torch.int64), trees=trees)
@@ -200,9 +200,14 @@ class TreeGrowth:
             for b in range(keep.shape[0])
         ]
 
-    def grow(self, state, root: Root, depth: int) -> Grown:
+    def grow(self, state, root: Root, depth: int, budget: int | None = None) -> Grown:
         """Expand the ``width`` best candidates of each depth with their top ``branch`` tokens,
-        ``depth`` levels below the root."""
+        ``depth`` levels below the root.
+
+        ``budget`` (the dynamic shape's k): stop early once every row has ``budget`` candidates
+        scoring at least its best unexpanded one. A descendant never scores above its ancestor and
+        loses ties to earlier candidates, so none could enter the ``budget`` most probable
+        (:func:`~specdraft.tree.most_probable`): the kept tree is the same, for fewer draft forwards."""
         B, c, w = root.first.shape[0], self.shape.branch, self.shape.width
         F = w * (depth - 1)  # fed candidates; slot first + o holds the one at offset o
         if F and hasattr(state.kv, "ensure_capacity"):
@@ -223,6 +228,8 @@ class TreeGrowth:
             if d == depth:
                 break
             pick = new_score.argsort(dim=1, descending=True, stable=True)[:, :w]  # (B, w) best first
+            if budget is not None and self._settled(scores, new_score.gather(1, pick[:, :1]), budget):
+                break
             if d > 1:  # the best of depth d continues the path while its parent was the best of d - 1
                 path_len += (path_len == d - 1) & (pick[:, 0] // c == 0)
             else:
@@ -236,6 +243,12 @@ class TreeGrowth:
             torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(scores, 1),
             torch.stack(path, 1) if path else torch.zeros(B, 0, dtype=torch.int64), path_len,
         )  # fmt: skip
+
+    @staticmethod
+    def _settled(scores: list[torch.Tensor], best: torch.Tensor, budget: int) -> bool:
+        """Whether every row has ``budget`` candidates scoring at least ``best (B, 1)``, its best
+        candidate to expand (:meth:`grow`)."""
+        return bool(((torch.cat(scores, 1) >= best).sum(1) >= budget).all())
 
     def _offsets(self, d: int, depth: int) -> torch.Tensor:
         """``(w,)`` slot offsets of depth d's fed candidates: the best at its position's slot

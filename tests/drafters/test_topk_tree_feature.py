@@ -4,6 +4,8 @@ chain; in the engine, each step's tree is the one a fresh drafter grows from the
 of the whole context (so the next real pairs follow the accepted path and no stale tree entry is
 read); greedy output equals plain decoding; specs build it; the cost-aware policy sizes it."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -16,7 +18,8 @@ from specdraft.drafters.base import DraftContext
 from specdraft.drafters.dream import DreamDrafter, cross_weights
 from specdraft.drafters.feature import FeatureDrafter
 from specdraft.drafters.local import LocalHead
-from specdraft.drafters.topk_tree import FeatureTreeDrafter, TreeShape
+from specdraft.drafters.model import ModelDrafter
+from specdraft.drafters.topk_tree import FeatureTreeDrafter, TopKTreeDrafter, TreeShape
 from specdraft.engine import Engine
 from specdraft.errors import SpecdraftError
 from specdraft.models.llama import LlamaRuntime
@@ -37,9 +40,11 @@ def _model(tiny_pipe, head=None, seed=0) -> FeatureDraftLM:
     )
 
 
-def _feature(tiny_pipe, head=None, cls=FeatureDrafter, **kw) -> FeatureDrafter:
+def _feature(tiny_pipe, head=None, cls=FeatureDrafter, sharp=1.0, **kw) -> FeatureDrafter:
+    """An untrained feature draft (``sharp``: its head scaled, a more confident draft)."""
     model = _model(tiny_pipe, head)
     w = draft_weights(model.draft, tiny_pipe.runtime.w, head, torch.float32)
+    w.lm_head = w.lm_head * sharp
     rt = SubsetHeadRuntime(LlamaRuntime(w), head, 256) if head is not None else LlamaRuntime(w)
     return cls(rt, model.fc.weight.detach(), tiny_pipe.runtime.w.embed, "feature", **kw)
 
@@ -58,7 +63,8 @@ def _fresh(drafter, runtime, tokens: list[int], start: int, capacity: int = 96):
     target's features from a full forward (as after a prefill)."""
     L = len(tokens)
     state = drafter.new_state(1, capacity)
-    state.src[:] = 0  # prev_L unknown: every column handed out is a real pair
+    if hasattr(state, "src"):  # a feature draft's: prev_L unknown, every column handed out is a real pair
+        state.src[:] = 0
     hidden = {-1: _full_hidden(runtime, tokens)[:, start : L - 1]}
     buf = torch.zeros(1, capacity, dtype=torch.int64)
     buf[0, :L] = torch.tensor(tokens)
@@ -100,6 +106,34 @@ def test_tree_scores_are_the_chain_path_log_probs_and_the_top_k_are_kept(tiny_pi
     keep = most_probable(grown.scores, 6)[0]
     assert prop.trees[0].tokens.tolist() == grown.tokens[0][keep].tolist()
     assert int(prop.trees[0].depth.max()) >= 2  # the rerank went below depth 1
+
+
+@pytest.mark.parametrize("kind", ["feature", "model"])
+def test_growth_stops_once_no_deeper_candidate_can_be_kept(tiny_pipe, kind):
+    """With a budget, the dynamic tree stops growing when every row already has k candidates at
+    least as probable as any it could expand: the same tree, fewer draft forwards."""
+    if kind == "feature":  # its head scaled: some steps sure, some unsure
+        drafter = FeatureTreeDrafter(_feature(tiny_pipe, sharp=12.0), DYN, "t")
+    else:
+        w = dataclasses.replace(tiny_pipe.runtime.w, lm_head=tiny_pipe.runtime.w.lm_head * 12.0)
+        drafter = TopKTreeDrafter(ModelDrafter(LlamaRuntime(w, [0]), "prune:0"), DYN, "t")
+    feeds, feed = [], drafter._feed
+    drafter._feed = lambda *a: feeds.append(1) or feed(*a)
+    saved = 0
+    for tokens in random_prompts([9, 14, 6], seed=11):
+        for k in range(2, 9):
+            runs = []
+            for budget in (None, k):
+                feeds.clear()
+                state, ctx = _fresh(drafter, tiny_pipe.runtime, tokens, 0)
+                grown = drafter.grow(state, drafter.root(state, ctx), k, budget)
+                keep = most_probable(grown.scores, k)[0]
+                runs.append((grown.tokens[0][keep].tolist(), grown.parents[0][keep].tolist(), len(feeds)))
+            (tok, par, full), (tok_b, par_b, fewer) = runs
+            assert (tok, par) == (tok_b, par_b)  # candidates are numbered alike: the early list is a prefix
+            assert full == k - 1 and fewer <= full
+            saved += full - fewer
+    assert saved > 10  # where the draft is unsure, the kept tree stays shallow
 
 
 class Oracle(FeatureDrafter):
