@@ -20,7 +20,7 @@ from specdraft.drafters.feature import FeatureDrafter
 from specdraft.drafters.local import LocalHead
 from specdraft.drafters.model import ModelDrafter
 from specdraft.drafters.topk_tree import FeatureTreeDrafter, TopKTreeDrafter, TreeShape
-from specdraft.engine import Engine
+from specdraft.engine import Engine, Request
 from specdraft.errors import SpecdraftError
 from specdraft.models.llama import LlamaRuntime
 from specdraft.models.subset_head import SubsetHeadRuntime, draft_weights
@@ -300,3 +300,25 @@ def test_specs_build_feature_trees_and_the_cost_aware_policy_sizes_them(tiny_pip
     assert str(DraftSpec.parse("tree:static=2x1,local:designed:x")) == "tree:static=2x1,local:designed:x"
     with pytest.raises(SpecdraftError, match="model or feature draft"):
         DraftSpec.parse("tree:dyn=2,lookup")
+
+
+def test_rows_that_join_and_leave_mid_run_keep_their_own_features(tiny_pipe):
+    """A server's batch: rows of different lengths leave, a new row joins between steps (it has no
+    features until the target has run it once); every row's output is the target's."""
+    prompts = random_prompts([6, 9, 4], seed=12)
+    budgets = [10, 22, 16]
+    plain = [decode(Engine(tiny_pipe.runtime), [p], n)[0] for p, n in zip(prompts, budgets)]
+    oracle = _feature(tiny_pipe, cls=Oracle, references=[p + o for p, o in zip(prompts, plain)])
+    drafter = FeatureTreeDrafter(oracle, DYN, "t")
+    engine = Engine(tiny_pipe.runtime, drafter, FixedK(6), hidden_layers=drafter.hidden_layers)
+    ids = engine.add([Request(p, n) for p, n in zip(prompts[:2], budgets[:2])])
+    out: dict[int, list[int]] = {}
+    for step in range(60):
+        if step == 3:
+            ids += engine.add([Request(prompts[2], budgets[2])])
+        if not engine.active:
+            break
+        for ev in engine.step():
+            out.setdefault(ev.request_id, []).extend(ev.tokens)
+    assert [out[i] for i in ids] == plain
+    assert engine.stats.accepted > 10
