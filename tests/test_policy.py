@@ -14,6 +14,13 @@ def t(*xs):
     return torch.tensor(xs)
 
 
+def model(**kw) -> CostAwareK:
+    """The cost-aware policy's model alone. These tests feed it synthetic times; its safe arm
+    (SafeArm, tests/test_policy_guard.py) times steps by the clock, which in a test loop reads this
+    machine's scheduling, and would take over the choices (its own probes too)."""
+    return CostAwareK(guard=None, **kw)
+
+
 def test_fixed_k():
     p = FixedK(4)
     p.update(4, t(4), t(0), 0.1, 0.1)
@@ -58,7 +65,7 @@ def test_cost_aware_speculates_when_it_pays_and_not_when_it_does_not():
     def flat(n):  # a forward over n tokens costs barely more than over one
         return 0.030 + 0.001 * n
 
-    p = CostAwareK(k_max=8)
+    p = model(k_max=8)
     good = feed(p, alpha=0.8, t_draft=0.002, t_target=flat)
     assert good >= 3
     best = analytic.best_k(0.8, 0.002, flat, 8)
@@ -66,7 +73,7 @@ def test_cost_aware_speculates_when_it_pays_and_not_when_it_does_not():
     assert analytic.throughput(0.8, good, 0.002, flat) >= 0.95 * analytic.throughput(0.8, best, 0.002, flat)
     assert p.rates()[:4] == pytest.approx([0.8] * 4, abs=0.25)
     # a draft as slow as the target with a poor acceptance: plain decoding wins
-    assert feed(CostAwareK(k_max=8), alpha=0.2, t_draft=0.03, t_target=flat) == 0
+    assert feed(model(k_max=8), alpha=0.2, t_draft=0.03, t_target=flat) == 0
 
 
 def test_per_position_curve_beats_one_alpha_on_bursty_acceptance():
@@ -77,7 +84,7 @@ def test_per_position_curve_beats_one_alpha_on_bursty_acceptance():
     def flat(n):
         return 0.030 + 0.0005 * n
 
-    p = CostAwareK(k_max=8)
+    p = model(k_max=8)
     g = torch.Generator().manual_seed(1)
     for _ in range(300):
         k = p.choose()
@@ -90,7 +97,7 @@ def test_per_position_curve_beats_one_alpha_on_bursty_acceptance():
 def two_class_policy(step_t) -> CostAwareK:
     """A policy fed 400 steps of prompt lookup's two kinds of proposal, alternating: class 3
     (long matches, accepted 0.9 per token) and class 1 (short, 0.05), verified in ``step_t(n)``."""
-    p = CostAwareK(k_max=8)
+    p = model(k_max=8)
     g = torch.Generator().manual_seed(2)
     alphas = {3: 0.9, 1: 0.05}
     for i in range(400):
@@ -123,8 +130,7 @@ def test_cost_aware_probes_while_at_zero():
     def flat(n):
         return 0.03
 
-    # the model's own probes (the safe arm, SafeArm, would take over: tests/test_policy_guard.py)
-    p = CostAwareK(k_max=8, probe_every=4, probe_k=2, probe_max=4, guard=None)  # no back-off
+    p = model(k_max=8, probe_every=4, probe_k=2, probe_max=4)  # no back-off
     feed(p, alpha=0.1, t_draft=0.03, t_target=flat)
     ks = []
     for _ in range(8):
@@ -138,7 +144,7 @@ def test_failed_probes_back_off_and_a_paying_probe_resets():
     def flat(n):
         return 0.03
 
-    p = CostAwareK(k_max=8, probe_every=4, probe_k=2, probe_max=16)
+    p = model(k_max=8, probe_every=4, probe_k=2, probe_max=16)
     feed(p, alpha=0.1, t_draft=0.03, t_target=flat)
     probes = []
     for step in range(120):  # every probe accepts nothing: the gaps between probes grow, then cap
@@ -173,7 +179,7 @@ def test_make_policy():
 def test_cost_aware_files_target_time_under_the_tokens_actually_scored():
     """A drafter that proposes fewer than k tokens (prompt lookup) makes a shorter target
     forward; its time must not pass for T_target(k + 1)."""
-    p = CostAwareK()
+    p = model()
     p.update(4, torch.tensor([1]), torch.tensor([0]), 1e-4, 0.021)
     assert set(p.t_target) == {2} and p.t_target[2] == pytest.approx(0.021)
     p.update(4, torch.tensor([0]), torch.tensor([0]), 1e-4, 0.020)
@@ -184,7 +190,7 @@ def test_cost_aware_files_target_time_under_the_tokens_actually_scored():
 def test_cost_aware_reads_unmeasured_sizes_off_the_latency_curve():
     """Sizes not yet scored are read off the measured ones: flat while one is known, then linear
     between and beyond them; the choice of k uses those times."""
-    p = CostAwareK(k_max=4, guard=None)  # the model's choice (the safe arm wants more plain steps)
+    p = model(k_max=4)
     p.update(0, t(0), t(0), 0.0, 0.010)
     assert [p.latency().time(n) for n in (1, 3, 5)] == [0.010] * 3
     p.update(2, t(2), t(2), 0.002, 0.014)  # n = 3
@@ -206,7 +212,7 @@ def test_cost_aware_drafts_less_on_a_steeper_verification_curve():
         return 0.0067 * (1 + 0.42 * (n - 1))
 
     def usual_k(curve) -> int:  # the k chosen most often once the curves are learned
-        p, g, ks = CostAwareK(k_max=8), torch.Generator().manual_seed(0), []
+        p, g, ks = model(k_max=8), torch.Generator().manual_seed(0), []
         for _ in range(500):
             k = p.choose()
             ks.append(k)
@@ -268,7 +274,7 @@ def test_ragged_steps_keep_each_rows_paying_positions():
 def test_ragged_step_time_is_a_line_in_the_rows_mean_tokens():
     """A ragged step's time is filed by the rows' mean draft tokens (not the longest row's) and
     read as T(1) + s (n - 1), s the least-squares slope through T(1); flat until one is seen."""
-    p = CostAwareK(k_max=4)
+    p = model(k_max=4)
     p.ragged = True
     p.update(0, t(0, 0, 0, 0), t(0, 0, 0, 0), 0.0, 0.010)
     assert p.latency().time(5) == pytest.approx(0.010)
