@@ -68,7 +68,11 @@ def _setup_fewrows(lib: ctypes.CDLL) -> None:
     )
     lib.rope_attend_window.restype = None
     lib.rope_attend_tree.argtypes = (
-        [ctypes.c_void_p] * 10 + [ctypes.c_int] * 6 + [ctypes.c_int, ctypes.c_float, ctypes.c_int]
+        [ctypes.c_void_p] * 5
+        + [ctypes.c_int]
+        + [ctypes.c_void_p] * 5
+        + [ctypes.c_int] * 6
+        + [ctypes.c_int, ctypes.c_float, ctypes.c_int]
     )
     lib.rope_attend_tree.restype = None
     lib.rmsnorm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_float]
@@ -83,7 +87,7 @@ def _setup_fewrows(lib: ctypes.CDLL) -> None:
     lib.decode_layers.restype = None
     lib.decode_layers_tree.argtypes = (
         [ctypes.c_void_p] * 5
-        + [ctypes.c_int] * 8
+        + [ctypes.c_int] * 9
         + [ctypes.c_float, ctypes.c_int]
         + [ctypes.c_void_p] * 10
         + [ctypes.c_int]
@@ -241,15 +245,17 @@ class TreeLayout:
     Attributes:
         slot: ``(B, T)`` int64 cache slot of each new token's key and value.
         lo: ``(B,)`` int64 first slot of each row that is read through the map.
-        vmap: ``(B, T, T)`` int64 the slots each query sees from ``lo`` on.
+        vmap: ``(B, T, W)`` int64 contiguous, the slots each query sees from ``lo`` on (W: at least
+            the most any query sees; T for a tree below a root at ``lo - 1``).
     """
 
     slot: torch.Tensor
     lo: torch.Tensor
     vmap: torch.Tensor
 
-    def pointers(self) -> tuple[int, int, int]:
-        return self.slot.data_ptr(), self.lo.data_ptr(), self.vmap.data_ptr()
+    def pointers(self) -> tuple[int, int, int, int]:
+        """The kernels' tree arguments: slot, lo and vmap pointers and the map's row width W."""
+        return self.slot.data_ptr(), self.lo.data_ptr(), self.vmap.data_ptr(), self.vmap.shape[-1]
 
 
 def tree_layout(attn_mask: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> TreeLayout | None:

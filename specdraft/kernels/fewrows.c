@@ -347,13 +347,13 @@ static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4
 /* Token trees (tree.py): the new tokens of row b are a root at slot lo[b] - 1 and nodes at their own
  * slots (slot[b T + t]), each at position p = root + depth. A node sees the committed slots, the
  * root and its ancestors: the same p + 1 keys a chain step over its path sees, with the "virtual"
- * slots lo[b] + i (i < depth) read from slot vmap[(b T + t) T + i] (its ancestor at depth i + 1).
- * Keys past lo[b] are gathered into a scratch block in virtual order and values are read through
+ * slots lo[b] + i (i < depth) read from slot vmap[(b T + t) W + i] (its ancestor at depth i + 1; W
+ * the map's row width, at least the most virtual slots a query reads). Keys past lo[b] are gathered into a scratch block in virtual order and values are read through
  * the map, so a node's operations are exactly a chain step's over its path (bit-identical). */
 static inline long vslot(long s, long lo, const int64_t *m) { return s < lo ? s : m[s - lo]; }
 
 static void attend(const float *qkv, const int64_t *pos, const int64_t *slot, const int64_t *lo_row,
-                   const int64_t *vmap, const float *cosT, const float *sinT, float *kc, float *vc, float *out, int B,
+                   const int64_t *vmap, int W, const float *cosT, const float *sinT, float *kc, float *vc, float *out, int B,
                    int T, int H, int G, int D, int cap, int window, float scale, int threads) {
     const long row = (long)(H + 2 * G) * D;
     /* keys and values of every new token first: a query may see the other new tokens */
@@ -406,7 +406,7 @@ static void attend(const float *qkv, const int64_t *pos, const int64_t *slot, co
                 nmax = p + 1 > nmax ? p + 1 : nmax;
                 rope(qkv + bt * row + (long)h * D, cosT + p * D, sinT + p * D, q + (long)j * D, D);
                 oq[j] = out + bt * (long)H * D + (long)h * D;
-                mq[j] = vmap ? vmap + bt * T : NULL;
+                mq[j] = vmap ? vmap + bt * W : NULL;
             }
             /* scores: each is one FMA chain over D and a fixed horizontal sum */
             for (long s0 = 0; s0 < nmax; s0 += SB)
@@ -518,15 +518,15 @@ static void attend(const float *qkv, const int64_t *pos, const int64_t *slot, co
 void rope_attend_window(const float *qkv, const int64_t *pos, const float *cosT, const float *sinT, float *kc,
                         float *vc, float *out, int B, int T, int H, int G, int D, int cap, int window, float scale,
                         int threads) {
-    attend(qkv, pos, NULL, NULL, NULL, cosT, sinT, kc, vc, out, B, T, H, G, D, cap, window, scale, threads);
+    attend(qkv, pos, NULL, NULL, NULL, 0, cosT, sinT, kc, vc, out, B, T, H, G, D, cap, window, scale, threads);
 }
 
 /* rope_attend_window over a token tree step (see attend): slot (B, T) where each new token's key and
- * value go, lo (B,) and vmap (B, T, T) the virtual slots of each query past the committed ones. */
+ * value go, lo (B,) and vmap (B, T, W) the virtual slots of each query past the committed ones. */
 void rope_attend_tree(const float *qkv, const int64_t *pos, const int64_t *slot, const int64_t *lo,
-                      const int64_t *vmap, const float *cosT, const float *sinT, float *kc, float *vc, float *out,
-                      int B, int T, int H, int G, int D, int cap, int window, float scale, int threads) {
-    attend(qkv, pos, slot, lo, vmap, cosT, sinT, kc, vc, out, B, T, H, G, D, cap, window, scale, threads);
+                      const int64_t *vmap, int W, const float *cosT, const float *sinT, float *kc, float *vc,
+                      float *out, int B, int T, int H, int G, int D, int cap, int window, float scale, int threads) {
+    attend(qkv, pos, slot, lo, vmap, W, cosT, sinT, kc, vc, out, B, T, H, G, D, cap, window, scale, threads);
 }
 
 void rope_attend(const float *qkv, const int64_t *pos, const float *cosT, const float *sinT, float *kc, float *vc,
@@ -549,7 +549,7 @@ void rope_attend(const float *qkv, const int64_t *pos, const float *cosT, const 
  * so rows stay independent of each other as in the kernels it calls. silu(g) = g / (1 + e^-g) with
  * exp256 above. */
 void decode_layers_tree(float *x, const int64_t *pos, const int64_t *slot, const int64_t *lo, const int64_t *vmap,
-                        int B, int T, int C, int H, int G, int D, int F, int cap, float eps, int L,
+                        int W, int B, int T, int C, int H, int G, int D, int F, int cap, float eps, int L,
                         const float *const *attn_norm, const uint16_t *const *wqkv, const uint16_t *const *wo,
                         const float *const *mlp_norm, const uint16_t *const *wgu, const uint16_t *const *wdown,
                         float *const *kc, float *const *vc, const float *cosT, const float *sinT, int threads) {
@@ -562,7 +562,7 @@ void decode_layers_tree(float *x, const int64_t *pos, const int64_t *slot, const
     for (int l = 0; l < L; l++) {
         rmsnorm_f32(x, attn_norm[l], h, M, C, eps);
         packed_bf16(h, wqkv[l], qkv, M, C, Q, threads);
-        attend(qkv, pos, slot, lo, vmap, cosT, sinT, kc[l], vc[l], att, B, T, H, G, D, cap, 0, 1.0f / sqrtf((float)D),
+        attend(qkv, pos, slot, lo, vmap, W, cosT, sinT, kc[l], vc[l], att, B, T, H, G, D, cap, 0, 1.0f / sqrtf((float)D),
                threads);
         packed_bf16(att, wo[l], y, M, H * D, C, threads);
         for (long i = 0; i < (long)M * C; i += 8)
@@ -590,6 +590,6 @@ void decode_layers(float *x, const int64_t *pos, int B, int T, int C, int H, int
                    int L, const float *const *attn_norm, const uint16_t *const *wqkv, const uint16_t *const *wo,
                    const float *const *mlp_norm, const uint16_t *const *wgu, const uint16_t *const *wdown,
                    float *const *kc, float *const *vc, const float *cosT, const float *sinT, int threads) {
-    decode_layers_tree(x, pos, NULL, NULL, NULL, B, T, C, H, G, D, F, cap, eps, L, attn_norm, wqkv, wo, mlp_norm, wgu,
+    decode_layers_tree(x, pos, NULL, NULL, NULL, 0, B, T, C, H, G, D, F, cap, eps, L, attn_norm, wqkv, wo, mlp_norm, wgu,
                        wdown, kc, vc, cosT, sinT, threads);
 }

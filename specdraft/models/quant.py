@@ -542,27 +542,24 @@ class QuantWeights:
 ATTEND_FN = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 7, *[ctypes.c_int] * 7)
 
 
-def _floats(addr: int, n: int) -> torch.Tensor:
-    """The ``n`` floats at ``addr`` (a buffer of the C caller) as a tensor, without a copy."""
-    return torch.frombuffer((ctypes.c_float * n).from_address(addr), dtype=torch.float32)
+def _tree_plan(positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> kernels.TreeLayout:
+    """Where each query of a tree step reads its keys: its prefix in chain form, as the native
+    attention takes it (:class:`specdraft.kernels.TreeLayout`).
 
-
-def _tree_plan(positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> tuple[list, list]:
-    """Each query's prefix in chain form: ``(ctx, visible)`` per query ``b T + t``.
-
-    A query at position p must see the cache's slots ``0 .. c - 1`` (its context, c = ``ctx``) and
-    one token at each position ``c .. p``, itself at p: what a chain step over that prefix sees.
-    Those tokens are new ones (at their positions) and, first, cached ancestors at slots beyond
-    the context (a tree grown over several forwards, such as a draft's), taken in slot order for
-    positions c, c + 1, ...; their keys were rotated when written, so the order only sets how the
-    attention sums. ``visible`` lists ``(position, cache row, slot)`` of the tokens it sees other
-    than itself beyond the context.
+    A query at position p must see the cache's slots ``0 .. c - 1`` (its context) and one token at
+    each position ``c .. p``, itself at p: what a chain step over that prefix sees. Those tokens are
+    new ones (at their positions) and, first, cached ancestors at slots beyond the context (a tree
+    grown over several forwards, such as a draft's), taken in slot order for positions c, c + 1,
+    ...; their keys were rotated when written, so the order only sets how the attention sums. Row
+    b's map starts at ``lo[b]``, the shortest context among its queries; a query with a longer one
+    reads the slots from there to its own ``c`` in place.
 
     Raises:
         SpecdraftError: a mask that is not such a tree (a query would not equal a chain step).
     """
     B, T = positions.shape
-    ctx, visible = [], []
+    ctx = torch.zeros(B, T, dtype=torch.int64)
+    past = {}  # (b, t): the slots of positions c .. p, in that order
     for b in range(B):
         sees_new = mask[b][:, slots[b]]  # (T, T): query t sees new token j
         old = mask[b].clone()
@@ -582,114 +579,45 @@ def _tree_plan(positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor)
                     "the quantized runtime takes tree masks only: each query sees the slots before "
                     "its context length and one token per position up to its own"
                 )
-            ctx.append(c)
-            anc = [(c + i, b, int(s)) for i, s in enumerate(cached[c:].tolist())]
-            news = zip(order.values.tolist(), seen[order.indices].tolist())
-            visible.append(anc + [(q, b, int(slots[b, j])) for q, j in news if j != t])
-    return ctx, visible
-
-
-@dataclass
-class _Level:
-    """The queries of a tree step at one position p, attended in one ``rope_attend`` call.
-
-    Attributes:
-        queries: ``(n,)`` their flat indices ``b T + t``; rows, slots: ``(n,)`` their cache rows and slots.
-        pos: ``(n,)`` int64, p for each (the array ``rope_attend`` reads).
-        ctx: how many context slots to copy from the cache (the largest c of the level: <= p).
-        anc: ``(A, 4)`` each (query, visible ancestor) pair: the query's scratch row, the token's
-            position (its slot in the scratch row), cache row and slot (where an earlier level or
-            an earlier forward wrote its key and value).
-    """
-
-    queries: torch.Tensor
-    rows: torch.Tensor
-    slots: torch.Tensor
-    pos: torch.Tensor
-    ctx: int
-    anc: torch.Tensor
+            ctx[b, t] = c
+            past[b, t] = torch.cat([cached[c:], slots[b, seen[order.indices]].to(torch.int64)])
+    lo = ctx.amin(1)  # (B,)
+    vmap = torch.zeros(B, T, int((positions + 1 - lo.unsqueeze(1)).max()), dtype=torch.int64)
+    for (b, t), row in past.items():
+        c, lo_b = int(ctx[b, t]), int(lo[b])
+        vmap[b, t, : c - lo_b] = torch.arange(lo_b, c)  # context slots read in place
+        vmap[b, t, c - lo_b : c - lo_b + len(row)] = row
+    return kernels.TreeLayout(slots.to(torch.int64).contiguous(), lo, vmap)
 
 
 class TreeAttention:
     """The attention block of a token-tree step (:mod:`specdraft.tree`), bit for bit a chain step's.
 
-    ``rope_attend`` (fewrows.c) attends a query at position p over cache slots 0..p in slot order;
-    a tree node's keys are elsewhere (its context, then its ancestors at their own slots). So each
-    query gets a row of a scratch cache laid out as a chain over its prefix would leave it: the
-    context copied from the cache, each ancestor's key and value at its position; ``rope_attend``
-    over these rows (one token each) writes the query's own key at its position and attends over
-    0..p with a chain step's exact operations, and the new keys and values go to the cache at their
-    slots. Keys are rotated by ``rope_attend`` only (its float operations are the compiler's), so
-    the queries go by position, one call per position (a tree's depth): an ancestor's key is in the
-    cache before a descendant needs it. The cost beyond a chain step is the copy of each query's
-    context and a few torch ops per position, per layer (a kernel reading slot lists would avoid
-    both).
+    ``rope_attend_tree`` (fewrows.c) writes each new token's key and value at its slot and attends
+    each query over its :func:`_tree_plan` slots: the context in place, then its ancestors through
+    a slot map, in a chain step's order and with a chain step's exact operations (``rope_attend``
+    is the same kernel without the map). So a tree step of n tokens costs what a chain step of n
+    tokens costs, plus the plan.
 
     quant_layers calls it through :attr:`pointer` once per layer (ctypes takes the GIL back for it).
 
     Args:
-        rt: the runtime; state: its cache; positions, slots: ``(B, T)``; attn_mask: ``(B, T, S)``.
+        head_dim: D; positions, slots: ``(B, T)``; attn_mask: ``(B, T, S)``.
     """
 
-    def __init__(self, rt: QuantRuntime, state: LlamaKV, positions, slots, attn_mask):
-        self.w = w = rt.w
-        B, T = positions.shape
-        ctx, visible = _tree_plan(positions, slots, attn_mask)
-        pos = positions.reshape(-1).to(torch.int64)
-        rows = torch.arange(B).repeat_interleave(T)  # (B T,) cache row of each query
-        slots = slots.reshape(-1).to(torch.int64)
-        self.levels = []
-        for p in pos.unique().tolist():  # ascending: ancestors first
-            queries = (pos == p).nonzero().squeeze(1)
-            anc = [(i, q, row, slot) for i, r in enumerate(queries.tolist()) for q, row, slot in visible[r]]
-            self.levels.append(
-                _Level(
-                    queries,
-                    rows[queries],
-                    slots[queries],
-                    pos[queries].contiguous(),
-                    max(ctx[r] for r in queries.tolist()),
-                    torch.tensor(anc, dtype=torch.int64).reshape(-1, 4),
-                )
-            )
-        n = max(len(lv.queries) for lv in self.levels)
-        shape = (n, w.n_kv_heads, int(pos.max()) + 1, w.head_dim)
-        self.k, self.v = torch.empty(shape), torch.empty(shape)  # scratch caches: (n, G, cap, D)
-        self.cos, self.sin = rt._rope_tables(shape[2])
-        self.caches = {k.data_ptr(): (k, v) for k, v in zip(state.k, state.v)}
-        self.M, self.B = B * T, B
-        self.fn = kernels._load().rope_attend
+    def __init__(self, head_dim: int, positions, slots, attn_mask):
+        self.layout = _tree_plan(positions, slots, attn_mask)  # kept alive: the kernel reads it
+        self.args = self.layout.pointers()
+        self.scale = float(1.0 / torch.tensor(float(head_dim)).sqrt())  # rope_attend's 1.0f / sqrtf(D)
+        self.fn = kernels._load().rope_attend_tree
         self.error: Exception | None = None
         self.pointer = ATTEND_FN(self._attend)  # kept alive with self
 
     def _attend(self, qkv, pos, cos, sin, kc, vc, out, B, T, H, G, D, cap, threads) -> None:
         try:
-            w = self.w
-            width = (w.n_heads + 2 * w.n_kv_heads) * w.head_dim
-            qkv_t = _floats(qkv, self.M * width).view(self.M, width)
-            out_t = _floats(out, self.M * w.n_heads * w.head_dim).view(self.M, -1)
-            for level in self.levels:
-                self._level(level, qkv_t, *self.caches[kc], out_t, threads)
+            self.fn(qkv, pos, *self.args, cos, sin, kc, vc, out, B, T, H, G, D, cap, 0, self.scale, threads)
         except Exception as e:  # noqa: BLE001 (cannot cross the C frames: raised again by forward)
             self.error = self.error or e
-
-    def _level(self, lv: _Level, qkv, k_cache, v_cache, out, threads: int) -> None:
-        """One position's queries: scratch rows, ``rope_attend``, their keys and values to the cache."""
-        w, n, c = self.w, len(lv.queries), lv.ctx
-        for scratch, cache in ((self.k, k_cache), (self.v, v_cache)):
-            ctx = cache[:, :, :c]  # (B, G, c, D)
-            scratch[:n, :, :c] = ctx.expand(n, -1, -1, -1) if self.B == 1 else ctx[lv.rows]
-            i, q, b, s = lv.anc.unbind(1)
-            scratch[i, :, q] = cache[b, :, s]  # (A, G, D): the ancestors, written by earlier levels
-        x = qkv[lv.queries].contiguous()  # (n, (H + 2G) D)
-        att = torch.empty(n, w.n_heads * w.head_dim)
-        ptrs = (x, lv.pos, self.cos, self.sin, self.k, self.v, att)
-        G, D, cap = w.n_kv_heads, w.head_dim, self.k.shape[2]
-        self.fn(*(t.data_ptr() for t in ptrs), n, 1, w.n_heads, G, D, cap, threads)
-        out[lv.queries] = att
-        own = torch.arange(n)
-        k_cache[lv.rows, :, lv.slots] = self.k[own, :, lv.pos]  # (n, G, D) at their slots
-        v_cache[lv.rows, :, lv.slots] = self.v[own, :, lv.pos]
 
 
 class QuantRuntime:
@@ -851,7 +779,7 @@ class QuantRuntime:
         off = None if keep is None else torch.cat([torch.zeros(1), lengths.cumsum(0)]).to(torch.int64)
         tree = None
         if attn_mask is not None:
-            tree = TreeAttention(self, state, pos, positions if slots is None else slots, attn_mask)
+            tree = TreeAttention(w.head_dim, pos, positions if slots is None else slots, attn_mask)
         attend = self._attend if tree is None else ctypes.cast(tree.pointer, ctypes.c_void_p).value
         hidden = self._run_layers(x, pos, off, B, T, state, attend, tree, hidden_layers)
         normed = torch.empty_like(x)

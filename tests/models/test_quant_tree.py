@@ -10,6 +10,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.models import quant
 from specdraft.models.quant import QuantRuntime
 from specdraft.tree import TokenTree
+from tests.helpers import random_prompts
 from tests.models.test_quant import TYPES, write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(
@@ -109,3 +110,29 @@ def test_masks_other_than_trees_are_refused(rt):
     # a causal mask is a tree (a chain): the same logits as the causal step
     masked = rt.forward(rt.new_state(1, 8), tokens, pos, attn_mask=causal).logits
     assert torch.equal(masked, rt.forward(rt.new_state(1, 8), tokens, pos).logits)
+
+
+def test_queries_of_one_step_with_different_contexts_and_cached_ancestors(rt):
+    """One step whose queries read different things past the shortest context (slot map rows of
+    different widths: a query whose context runs on in place, another through a cached ancestor at
+    a slot beyond the context), each bit for bit its own chain step."""
+    x = torch.tensor([random_prompts([13], vocab=90, seed=5)[0]])
+    z, w = 41, 42
+    state = rt.new_state(1, 16)
+    rt.forward(state, x[:, :12], torch.arange(12)[None])  # slots 0..11
+    branch = torch.zeros(1, 1, 16, dtype=torch.bool)
+    branch[..., list(range(10)) + [13]] = True  # z at position 10, slot 13, after x[:10]
+    rt.forward(state, torch.tensor([[z]]), torch.tensor([[10]]), attn_mask=branch, slots=torch.tensor([[13]]))
+    mask = torch.zeros(1, 2, 16, dtype=torch.bool)
+    mask[0, 0, list(range(12)) + [14]] = True  # x[12] at position 12, slot 14: context 0..11
+    mask[0, 1, list(range(10)) + [13, 15]] = True  # w at position 11, slot 15: context 0..9, then z
+    got = rt.forward(
+        state,
+        torch.tensor([[int(x[0, 12]), w]]),
+        torch.tensor([[12, 11]]),
+        attn_mask=mask,
+        slots=torch.tensor([[14, 15]]),
+    ).logits[0]
+    assert torch.equal(got[0], _chain_logits(rt, x[0, :12].tolist(), [int(x[0, 12])])[-1])
+    assert torch.equal(got[1], _chain_logits(rt, x[0, :10].tolist(), [z, w])[-1])
+    assert not torch.equal(got[1], _chain_logits(rt, x[0, :10].tolist(), [int(x[0, 10]), w])[-1])
