@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdraft.drafters.base import DraftContext, Drafter, Proposal, Verified
+from specdraft.drafters.base import DraftContext, Drafter, Proposal, TargetFeatures, Verified
 from specdraft.errors import SpecdraftError
 from specdraft.models.runtime import Runtime
 from specdraft.policy import FixedK, KPolicy
@@ -135,6 +135,7 @@ class Engine:
         self.kv = None
         self.draft_state = None
         self.target_hidden: dict = {}
+        self.features: TargetFeatures | None = None  # every committed position's, for feature drafters
         self.collapsed: set[int] = set()  # request ids the policy flagged (rows that left included)
 
     # ------------------------------------------------------------------ batch membership
@@ -192,6 +193,8 @@ class Engine:
             if draft_state is not None:
                 self.draft_state.append(draft_state)
             self.tokens = torch.cat([self.tokens, tokens])
+            if self.features is not None:
+                self._add_feature_rows(lengths)
         self.requests += requests
         self.lengths = torch.cat([self.lengths, lengths])
         self.generated = torch.cat([self.generated, torch.zeros(n, dtype=torch.int64)])
@@ -219,8 +222,11 @@ class Engine:
             self.kv.select_rows(rows)
             if self.draft_state is not None:
                 self.draft_state.select_rows(rows)
+            if self.features is not None:
+                self.features.hidden = {i: h[rows] for i, h in self.features.hidden.items()}
+                self.features.first = self.features.first[rows]
         else:
-            self.kv = self.draft_state = None
+            self.kv = self.draft_state = self.features = None
             self.tokens = torch.zeros(0, 0, dtype=torch.int64)
 
     def cancel(self, request_id: int) -> StepEvent | None:
@@ -245,7 +251,7 @@ class Engine:
         prop = None
         if k > 0:
             ctx = DraftContext(
-                self.tokens, self.lengths, params, self.generators, self.target_hidden, self.kv
+                self.tokens, self.lengths, params, self.generators, self.target_hidden, self.kv, self.features
             )
             prop = self.drafter.propose(self.draft_state, ctx, k)
         t1 = time.perf_counter()
@@ -260,6 +266,8 @@ class Engine:
 
         # 4. commit: truncate at EOS and max_new_tokens, write into the token buffer
         events, finished, emitted = self._commit(out)
+        if self.drafter is not None and self.hidden_layers:  # k = 0 steps too
+            self._write_features(out.columns, emitted)
         if out.proposed > 0:  # the drafter proposed, even if trim() left nothing to verify
             self.drafter.observe(self.draft_state, out.num_accepted, out.verified)
         t3 = time.perf_counter()
@@ -282,6 +290,38 @@ class Engine:
             self._keep([b for b in range(self.active) if b not in finished])
         self.stats.total_time += t3 - t0
         return events
+
+    def _write_features(self, columns: torch.Tensor | None, emitted: torch.Tensor) -> None:
+        """Keep the target's hidden states at the positions this step committed (a chain's columns
+        ``0 .. emitted - 1``; a tree's accepted path, ``columns (B, T)``) in :attr:`features`, so that
+        a feature drafter's context is exact whatever steps ran since it last proposed."""
+        hidden = {i: self.target_hidden[i] for i in self.hidden_layers if i in self.target_hidden}
+        if not hidden:
+            return
+        B, S = self.active, self.tokens.shape[1]
+        first = self.lengths - emitted - 1  # (B,) the position of column 0
+        if self.features is None:  # every row is fresh: the prefill handed out none
+            self.features = TargetFeatures(
+                {i: h.new_zeros(B, S, h.shape[2]) for i, h in hidden.items()}, first
+            )
+        T = next(iter(hidden.values())).shape[1]
+        cols = torch.arange(T).expand(B, T) if columns is None else columns  # (B, T)
+        committed = torch.arange(T) < emitted.unsqueeze(1)  # (B, T)
+        rows = torch.arange(B).unsqueeze(1).expand(B, T)[committed]
+        pos = (first.unsqueeze(1) + torch.arange(T))[committed]
+        for i, h in hidden.items():
+            picked = h.gather(1, cols.unsqueeze(-1).expand(-1, -1, h.shape[2]))  # (B, T, C) in position order
+            self.features.hidden[i][rows, pos] = picked[committed].to(self.features.hidden[i].dtype)
+
+    def _add_feature_rows(self, lengths: torch.Tensor) -> None:
+        """Rows that joined get empty feature rows (their first: the last prompt position)."""
+        S, n = self.tokens.shape[1], lengths.shape[0]
+        grown = {}
+        for i, h in self.features.hidden.items():
+            pad = h.new_zeros(h.shape[0], S - h.shape[1], h.shape[2])
+            grown[i] = torch.cat([torch.cat([h, pad], 1), h.new_zeros(n, S, h.shape[2])])
+        self.features.hidden = grown
+        self.features.first = torch.cat([self.features.first, lengths - 1])
 
     def _chain_step(
         self, prop: Proposal | None, k: int, params: list, ids: list[int], forward=None
@@ -379,9 +419,11 @@ class Engine:
         self.target_hidden = out.hidden
         target_time = time.perf_counter() - t1
         tokens, sources, n = [], [], torch.zeros(B, dtype=torch.int64)
+        columns = torch.arange(N + 1).repeat(B, 1)  # (B, N + 1) the accepted path's, root first
         for b, tree in enumerate(trees):
             verdict = verify_tree(tree, out.logits[b, : tree.num_nodes + 1], params[b], self.generators[b])
             n[b] = verdict.num_accepted
+            columns[b, 1 : 1 + int(n[b])] = 1 + verdict.nodes
             if n[b] and not bool((verdict.nodes == torch.arange(int(n[b]))).all()):
                 self.kv.move_slots(b, slots[b, 1 + verdict.nodes], root_pos[b] + 1)
             tokens.append(verdict.tokens.tolist())
@@ -392,7 +434,9 @@ class Engine:
         verified = _verified(fed, parents, out.logits, tokens)
         num_valid = torch.tensor([t.num_nodes for t in trees])
         depth = torch.tensor([int(t.depth.max()) if t.num_nodes else 0 for t in trees])
-        return _Outcome(tokens, n, sources, verified, num_valid, proposed, None, target_time, depth, N + 1)
+        return _Outcome(
+            tokens, n, sources, verified, num_valid, proposed, None, target_time, depth, N + 1, columns
+        )
 
     def _commit(self, out: _Outcome) -> tuple[list[StepEvent], list[int], torch.Tensor]:
         """Append each row's verified tokens, cut at EOS and max_new_tokens; returns the events, the
@@ -439,6 +483,8 @@ class _Outcome:
         target_time: seconds of the target forward.
         depth: ``(B,)`` tree depth per row, for per-depth statistics (None: a chain).
         width: tokens each row fed the target (a tree step: the most nodes + 1).
+        columns: ``(B, T)`` per row, the target forward's columns of the committed positions in
+            order (a tree step: the accepted path, root first); None: a chain's ``0, 1, ..``.
     """
 
     tokens: list[list[int]]
@@ -451,6 +497,7 @@ class _Outcome:
     target_time: float
     depth: torch.Tensor | None = None
     width: int = 0
+    columns: torch.Tensor | None = None
 
 
 def _pad(tree: TokenTree, n: int) -> TokenTree:

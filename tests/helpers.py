@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from specdraft.drafters.base import TargetFeatures
 from specdraft.engine import Engine, Request, decode_requests
 from specdraft.models.llama import LlamaRuntime, LlamaWeights
 from specdraft.verify import SamplingParams
@@ -74,3 +75,30 @@ def target_answers(
         hidden_layer=-1 if hidden else None,
         progress=False,
     )
+
+
+def kept_features(hidden: dict, first: list[int], capacity: int) -> TargetFeatures:
+    """What the engine keeps for feature drafters (:class:`TargetFeatures`): row b of each
+    ``hidden[i] (B, T, C)`` written at positions ``first[b] .. first[b] + T - 1``."""
+    kept = {}
+    for i, h in hidden.items():
+        buf = h.new_zeros(h.shape[0], capacity, h.shape[2])
+        for b, p in enumerate(first):
+            buf[b, p : p + h.shape[1]] = h[b]
+        kept[i] = buf
+    return TargetFeatures(kept, torch.tensor(first))
+
+
+def accepted_columns(verified, num_accepted: torch.Tensor) -> list[list[int]]:
+    """Per row, the columns of a token-tree step's target forward ``[root, nodes]`` along the
+    accepted path, root first (from the root, the first child carrying each accepted token)."""
+    paths = []
+    for b, (fed, parents, committed) in enumerate(zip(verified.inputs, verified.parents, verified.committed)):
+        path = [0]
+        for tok in committed[: int(num_accepted[b])]:
+            nxt = [i for i, (t, p) in enumerate(zip(fed, parents)) if p == path[-1] and t == tok]
+            if not nxt:
+                break
+            path.append(nxt[0])
+        paths.append(path)
+    return paths

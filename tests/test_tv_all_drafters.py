@@ -11,7 +11,8 @@ The statistical test is the one of ``tests/test_sampling.py`` (target: a tiny Ll
 and every path that cuts a proposal: a model draft, prompt lookup (no q), the README's example
 bigram drafter (no q), the target drafting for itself, a layer-pruned draft (also with a head
 subset: prune:...,head=N), the gated designed
-draft (best prefix and early stop), the feature draft (also its EAGLE-2 token tree), the
+draft (best prefix and early stop), the feature draft (also its EAGLE-2 token tree, and both
+drafting from the features of plain steps they never saw), the
 DREAM-style draft, the feature draft with a local head fused in, FlexDraft (drafting in the
 verification forward, and sequentially),
 the block-diffusion drafter (one pass per block, cut by its length head), the drafts on GGUF
@@ -230,6 +231,19 @@ def _branching(rec, policy):
     assert rec.trees and any(len(kids) > 1 for t in rec.trees for kids in t.children.values())
 
 
+class PlainEveryOther(FixedK):
+    """k = 0 at every other step, starting with the first (a feature drafter never sees those steps,
+    yet their features must reach it: issue 18)."""
+
+    def __init__(self, k: int):
+        super().__init__(k)
+        self.steps = 0
+
+    def choose(self, rows=None) -> int:
+        self.steps += 1
+        return 0 if self.steps % 2 else self.k
+
+
 class FixedTrees:
     """Proposes the same point-mass tree for every row: 0 -> {1, 6}, 2 -> 3 -> 4, 5 (7 nodes)."""
 
@@ -308,6 +322,11 @@ def make_case(name: str, target: LlamaRuntime, draft=None) -> Case:
             return Case(FeatureTreeDrafter(feature, TreeShape(True, 2, 2), name), FixedK(4), check=_branching)
         # rows without the target's features yet (the first step) propose nothing
         return Case(feature, FixedK(2), check=_lengths(0, 2))
+    if name in ("feature-after-plain", "tree-feature-after-plain"):  # its first step plain: it proposes
+        # from the features of a step it never saw (it proposed nothing there before issue 18's fix)
+        inner = make_case(name.removesuffix("-after-plain"), target)
+        check = _branching if name.startswith("tree") else _lengths(2)
+        return Case(inner.drafter, PlainEveryOther(inner.policy.k_max), check=check)
     if name == "dream":  # cross-attends to the target's layer 0 (a live block: random output projection)
         w = LlamaWeights.from_hf(tiny_llama(vocab_size=V, seed=13), torch.float32)
         w.lm_head = w.lm_head * 12.0
@@ -442,6 +461,8 @@ CASES = [
     "gated-early-stop",
     "feature",
     "tree-feature",
+    "feature-after-plain",
+    "tree-feature-after-plain",
     "dream",
     "local-fused",
     "flex",

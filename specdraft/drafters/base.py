@@ -68,6 +68,23 @@ class Verified:
 
 
 @dataclass
+class TargetFeatures:
+    """The target's hidden states at every committed position its forwards computed, whatever the
+    steps were (steps without drafts included), position-indexed like the token buffer: the engine
+    writes each step's committed positions (a tree step: the accepted path's columns) after
+    verification, so a feature drafter can feed the pairs it has not fed yet, exactly.
+
+    Attributes:
+        hidden: ``{layer: (B, S, C)}`` position p's hidden state at ``[:, p]`` (zeros where none).
+        first: ``(B,)`` each row's first position with features (its prompt length - 1: the
+            prefill hands none out); positions ``first .. lengths - 2`` hold them.
+    """
+
+    hidden: dict
+    first: torch.Tensor
+
+
+@dataclass
 class DraftContext:
     """What the engine tells a drafter about the batch before it proposes.
 
@@ -80,6 +97,8 @@ class DraftContext:
             (``{layer: (B, T, C)}``), for feature-level drafters; empty otherwise.
         target_state: the target's cache (its keys/values up to each row's ``lengths - 2``), for a
             drafter that reads them (FlexDraft's sequential mode, :mod:`specdraft.drafters.flex`).
+        features: the target's hidden states at every committed position (:class:`TargetFeatures`),
+            kept by the engine for drafters that declare ``hidden_layers``; None otherwise.
     """
 
     tokens: torch.Tensor
@@ -88,6 +107,7 @@ class DraftContext:
     generators: list[torch.Generator | None]
     target_hidden: dict | None = None
     target_state: object = None
+    features: TargetFeatures | None = None
 
     @property
     def all_greedy(self) -> bool:

@@ -25,9 +25,8 @@ through ``fc`` and its own decoder layer(s), with its own KV cache, on the share
 Every node is a point mass (no q): the candidates are chosen deterministically from the draft's
 distributions, and the tree rule for point masses (accept a child with probability p(x), remove
 x from p) keeps sampling exactly the target's (:mod:`specdraft.tree`), as greedy verification
-keeps greedy output identical. The drafter tracks which of the target's tree columns hold the
-accepted path (:meth:`CTCDrafter.observe`), so the next step's real pairs read the right
-features.
+keeps greedy output identical. The engine keeps the target's features along the accepted path
+(:class:`~specdraft.drafters.base.TargetFeatures`), which the next step's real pairs read.
 
 Training (``specdraft design build --kind ctc``, :mod:`specdraft.design.ctc`): SmoothL1 on the
 pairs' features + 0.1 soft cross-entropy + 0.01 CTC loss of the slots against the target's next
@@ -39,9 +38,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specdraft.drafters.base import DraftContext, Proposal, Verified
+from specdraft.drafters.base import DraftContext, Proposal
 from specdraft.drafters.feature import FeatureDrafter
-from specdraft.drafters.feature_base import FeatureDraftState, accepted_columns
+from specdraft.drafters.feature_base import FeatureDraftState
 from specdraft.errors import SpecdraftError
 from specdraft.tree import TokenTree
 
@@ -170,11 +169,3 @@ class CTCDrafter(FeatureDrafter):
             V = self.vocab_size
             trees = [candidate_tree(alignments[b], V, k) if begun.have[b] else None for b in range(B)]
         return Proposal(tokens=torch.zeros(B, 0, dtype=torch.int64), trees=trees)
-
-    def observe(
-        self, state: FeatureDraftState, num_accepted: torch.Tensor, verified: Verified | None = None
-    ) -> None:
-        """Record, per row, the target's columns along the accepted path (a tree step feeds
-        ``[root, nodes]``), which the next step's real pairs read."""
-        if verified is not None:
-            state.paths = accepted_columns(verified, num_accepted)

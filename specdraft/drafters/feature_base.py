@@ -2,10 +2,11 @@
 
 Such a drafter runs a few decoder layers of its own (a compact runtime, with its own position-indexed
 KV cache) over *pairs* ``(f_p, token p + 1)``: ``f_p`` is the target's final hidden state at position
-p (after the final norm), handed out by the engine from the target's last forward
-(``DraftContext.target_hidden``). Its last hidden state is a predicted ``f_{p+1}``, which the target's
-frozen LM head (or a subset of its rows, :class:`~specdraft.models.subset_head.SubsetHeadRuntime`)
-turns into the next token; drafting further, the drafter feeds back its own predicted features.
+p (after the final norm), kept by the engine for every position its forwards committed
+(``DraftContext.features``, :class:`~specdraft.drafters.base.TargetFeatures`). Its last hidden
+state is a predicted ``f_{p+1}``, which the target's frozen LM head (or a subset of its rows,
+:class:`~specdraft.models.subset_head.SubsetHeadRuntime`) turns into the next token; drafting
+further, the drafter feeds back its own predicted features.
 
 What the base owns, so that each drafter kind only says how a pair becomes the draft's input
 (:meth:`FeatureDrafterBase.inputs`):
@@ -13,8 +14,11 @@ What the base owns, so that each drafter kind only says how a pair becomes the d
 - which target layers it reads: :attr:`~FeatureDrafterBase.hidden_layers` is ``(-1, *layers)``; the
   engine asks the target for them (``Engine(..., hidden_layers=drafter.hidden_layers)``;
   ``Pipeline.engine`` and the bench harness do it). ``memory`` below holds the extra ``layers``;
-- the bookkeeping of which pairs are real: each step it feeds the pairs whose features the target
-  computed at its last forward (the positions it verified), then drafts on its own features;
+- the bookkeeping of which pairs are real: each proposal first feeds every pair it has not fed yet
+  (positions ``fed .. L - 2``, in one draft forward), then drafts on its own features. Steps without
+  drafts (k = 0: ``--k auto``, the policy's plain probes) never reach the drafter, but their
+  features are kept by the engine all the same, so the draft's context is the same whatever steps
+  ran in between: every pair from the row's first decoded position on;
 - rollback: the draft's cache is position-indexed, so rolling back to the accepted length is a length
   change. The next proposal writes the first pair after the committed prefix over whatever rejected
   drafts left there, and the attention mask never reaches past the current position, so
@@ -24,8 +28,9 @@ What the base owns, so that each drafter kind only says how a pair becomes the d
   :mod:`specdraft.drafters.local`).
 
 Rows without features yet (the first step after the prompt: the engine's prefill hands none out)
-propose nothing that step. Wrong or missing features can only cost acceptance: verification is
-unchanged, so every drafter built on this base is lossless.
+propose nothing that step; their context starts at the last prompt position. Wrong or missing
+features can only cost acceptance: verification is unchanged, so every drafter built on this base
+is lossless.
 """
 
 from __future__ import annotations
@@ -40,57 +45,53 @@ from specdraft.models.subset_head import SubsetHeadRuntime
 
 
 class FeatureDraftState(DraftState):
-    """The feature draft's cache, and where each row's target features are.
+    """The feature draft's cache, and which pairs it holds.
 
     Attributes:
-        src: ``(B,)`` row of the last target forward's hidden states that belongs to each row
-            (-1: a row that joined since, or none yet).
-        prev_L: ``(B,)`` committed length when that forward ran (-1: unknown).
-        start: ``(B,)`` first position of the draft's context; cache slots before it are masked
-            (-1: no context yet).
-        paths: per row, the columns of the last target forward's hidden states along the accepted
-            path (root first) after a token-tree step, or None where they are a chain's ``0, 1, ..``
-            (:func:`accepted_columns`).
+        fed: ``(B,)`` first position whose real pair the cache does not hold yet (-1: a row that
+            has not proposed yet); pairs ``start .. fed - 1`` are in it.
+        start: ``(B,)`` first position of the draft's context (the row's first with target
+            features); cache slots before it are masked (-1: no context yet).
     """
 
     def __init__(self, runtime, batch_size: int, capacity: int):
         super().__init__(batch_size)
         self.kv = runtime.new_state(batch_size, capacity)
-        self.src = torch.full((batch_size,), -1, dtype=torch.int64)
-        self.prev_L = torch.full((batch_size,), -1, dtype=torch.int64)
+        self.fed = torch.full((batch_size,), -1, dtype=torch.int64)
         self.start = torch.full((batch_size,), -1, dtype=torch.int64)
-        self.paths: list[list[int] | None] = [None] * batch_size
 
     def select_rows(self, rows: torch.Tensor) -> None:
         super().select_rows(rows)
         self.kv.select_rows(rows)
-        self.src, self.prev_L, self.start = self.src[rows], self.prev_L[rows], self.start[rows]
-        self.paths = [self.paths[i] for i in rows.tolist()]
+        self.fed, self.start = self.fed[rows], self.start[rows]
 
     def append(self, other: FeatureDraftState) -> None:
         super().append(other)
         self.kv.append(other.kv)
-        self.src = torch.cat([self.src, torch.full_like(other.src, -1)])
-        self.prev_L = torch.cat([self.prev_L, other.prev_L])
+        self.fed = torch.cat([self.fed, other.fed])
         self.start = torch.cat([self.start, other.start])
-        self.paths = self.paths + [None] * other.batch_size
 
 
 @dataclass
 class RealPairs:
-    """The pairs with real target features a step feeds first (right-padded per row).
+    """The pairs with real target features a proposal feeds first (right-padded per row).
 
     Attributes:
-        have: ``(B,)`` rows that have features (the others propose nothing).
-        count: ``(B,)`` real pairs per row (1 for rows without features: a padding pair).
-        positions: ``(B, C)`` their positions ``L-1-count .. L-2``, padding continuing after.
-        valid: ``(B, C)`` which columns are real pairs.
+        have: ``(B,)`` rows with pairs to feed (the others propose nothing).
+        count: ``(B,)`` real pairs per row (1 for rows without: a padding pair).
+        positions: ``(B, P)`` their positions ``fed .. L - 2``, padding continuing after.
+        valid: ``(B, P)`` which columns are real pairs.
+        feats: ``(B, P, C)`` the target's final hidden state at each (zeros at padding).
+        memory: ``(B, P, M, C)`` the target's :attr:`~FeatureDrafterBase.layers` at each (None
+            without layers).
     """
 
     have: torch.Tensor
     count: torch.Tensor
     positions: torch.Tensor
     valid: torch.Tensor
+    feats: torch.Tensor
+    memory: torch.Tensor | None
 
 
 @dataclass
@@ -188,82 +189,51 @@ class FeatureDrafterBase:
         logits, f = self._run(state, x, positions, mask, index=index)
         return logits[:, 0], f[:, 0]
 
-    def _real_pairs(self, state: FeatureDraftState, L: torch.Tensor, T_prev: int, have) -> RealPairs:
-        """Which pairs have real features this step; moves ``state.start`` where the context restarts."""
-        known = state.prev_L >= 0
-        c = torch.where(known, L - state.prev_L, torch.full_like(L, T_prev)).clamp(1, T_prev)
-        c = torch.where(have, c, torch.ones_like(c))
-        gap = ~known | (L - state.prev_L > T_prev) | (state.start < 0)
-        state.start = torch.where(have & gap, L - 1 - c, state.start)
-        j = torch.arange(int(c.max()))
-        return RealPairs(have, c, (L - 1 - c).unsqueeze(1) + j, j < c.unsqueeze(1))
+    def _real_pairs(self, state: FeatureDraftState, ctx: DraftContext) -> RealPairs | None:
+        """The pairs the draft's cache lacks: positions ``state.fed .. L - 2`` (from the row's first
+        position with features at its first proposal), however many steps ran since; None when the
+        engine keeps none of the target layers this drafter reads."""
+        kept = ctx.features
+        if kept is None or not all(i in kept.hidden for i in self.hidden_layers):
+            return None
+        L, new = ctx.lengths, state.fed < 0
+        state.start = torch.where(new, kept.first, state.start)
+        state.fed = torch.where(new, kept.first, state.fed)
+        count = L - 1 - state.fed  # (B,)
+        have = count > 0
+        count = torch.where(have, count, torch.ones_like(count))
+        j = torch.arange(int(count.max()))
+        valid = j < count.unsqueeze(1)  # (B, P)
+        top = min(kept.hidden[-1].shape[1], state.kv.capacity) - 1  # padding stays inside the cache
+        positions = (state.fed.unsqueeze(1) + j).clamp(max=top)  # (B, P)
 
-    @staticmethod
-    def _chain_hidden(state: FeatureDraftState, hid: torch.Tensor, L: torch.Tensor) -> torch.Tensor:
-        """The last target forward's ``hid (B', T', C)`` -> ``(B, T', C)`` per row (via ``state.src``),
-        the accepted path's columns first (chain order) after a token-tree step (``state.paths``).
+        def at(i: int) -> torch.Tensor:  # (B, P, C) layer i at the pairs' positions, zeros at padding
+            h = kept.hidden[i]
+            return h.gather(1, positions.unsqueeze(-1).expand(-1, -1, h.shape[2])) * valid.unsqueeze(-1)
 
-        A path describes the last target forward only while the row committed exactly its tokens
-        since (``L - prev_L``): a step without drafts (k = 0, which the drafter never observes) ran
-        another forward, a chain one, whose columns are already in order."""
-        rows = hid[state.src.clamp(min=0)]
-        fresh = [
-            p if p is not None and len(p) == n else None
-            for p, n in zip(state.paths, (L - state.prev_L).tolist())
-        ]
-        if all(path is None for path in fresh):
-            return rows
-        cols = torch.arange(hid.shape[1]).repeat(len(fresh), 1)  # (B, T')
-        for b, path in enumerate(fresh):
-            if path is not None:
-                cols[b, : len(path)] = torch.tensor(path)
-        return rows.gather(1, cols.unsqueeze(-1).expand(-1, -1, hid.shape[2]))
-
-    @staticmethod
-    def _gather(hid: torch.Tensor, src: torch.Tensor, pairs: RealPairs) -> torch.Tensor:
-        """``(B', T', C)`` hidden states of the last target forward -> ``(B, C_max, C)`` per pair (zeros
-        at padding)."""
-        C = pairs.positions.shape[1]
-        feats = hid[src.clamp(min=0)][:, :C]
-        if feats.shape[1] < C:
-            feats = torch.cat([feats, feats.new_zeros(feats.shape[0], C - feats.shape[1], feats.shape[2])], 1)
-        return feats * pairs.valid.unsqueeze(-1)
+        memory = torch.stack([at(i) for i in self.layers], 2) if self.layers else None
+        return RealPairs(have, count, positions, valid, at(-1), memory)
 
     def start(self, state: FeatureDraftState, ctx: DraftContext) -> Start | None:
-        """Feed the step's real pairs (the target's features at the positions it verified last) in
-        one forward: where drafting continues (None when no row has features yet). Records this
-        step's target forward as the next step's source of features."""
+        """Feed the pairs not fed yet (:meth:`_real_pairs`) in one forward: where drafting continues
+        (None when no row has features yet)."""
+        pairs = self._real_pairs(state, ctx)
+        if pairs is None or not bool(pairs.have.any()):
+            return None
         B, L = ctx.lengths.shape[0], ctx.lengths
-        hidden = ctx.target_hidden or {}
-        ok = all(i in hidden for i in self.hidden_layers)
-        if ok:  # a source row past the last forward's rows: plain steps ran after rows left the
-            # batch, and the row starts over as a new one (instead of an IndexError)
-            rows = hidden[self.hidden_layers[0]].shape[0]
-            state.src = torch.where(state.src < rows, state.src, -1)
-        have = state.src >= 0 if ok else torch.zeros(B, dtype=torch.bool)
-        begun = self._real_forward(state, ctx, hidden, have) if bool(have.any()) else None
-        state.src, state.prev_L, state.paths = torch.arange(B), L.clone(), [None] * B
-        return begun
-
-    def _real_forward(self, state: FeatureDraftState, ctx: DraftContext, hidden: dict, have) -> Start:
-        B, L = ctx.lengths.shape[0], ctx.lengths
-        hid = {i: self._chain_hidden(state, hidden[i], L) for i in self.hidden_layers}  # (B, T', C) each
-        pairs = self._real_pairs(state, L, hid[-1].shape[1], have)
-        rows = torch.arange(B)
-        feats = self._gather(hid[-1], rows, pairs)  # (B, C_max, dim)
-        memory = None
-        if self.layers:  # (B, C_max, M, dim)
-            memory = torch.stack([self._gather(hid[i], rows, pairs) for i in self.layers], 2)
         tok = ctx.tokens.gather(1, (pairs.positions + 1).clamp(max=ctx.tokens.shape[1] - 1))  # p + 1
         last = (pairs.count - 1).unsqueeze(1)  # (B, 1) the last real pair
-        logits, f = self._forward(state, self.inputs(feats, tok, memory), pairs.positions, last)
+        x = self.inputs(pairs.feats, tok, pairs.memory)
+        logits, f = self._forward(state, x, pairs.positions, last)
+        state.fed = torch.where(pairs.have, L - 1, state.fed)
+        memory = pairs.memory
         if memory is not None:  # drafted pairs read the last real pair's target layers
             memory = memory.gather(1, last.view(B, 1, 1, 1).expand(-1, 1, *memory.shape[2:]))
         W = self.local.window if self.local is not None else 1
         recent = ctx.tokens.gather(1, (L.unsqueeze(1) - W + torch.arange(W)).clamp(min=0))  # (B, W)
         if self.local is not None:
             logits = self.local.fuse(logits, recent)
-        return Start(have, logits, f, memory, recent)
+        return Start(pairs.have, logits, f, memory, recent)
 
     def propose(self, state: FeatureDraftState, ctx: DraftContext, k: int) -> Proposal:
         B, L = ctx.lengths.shape[0], ctx.lengths
@@ -281,19 +251,3 @@ class FeatureDrafterBase:
                     recent = torch.cat([recent[:, 1:], draft[:, i : i + 1]], 1)
                     logits = self.local.fuse(logits, recent)
         return Proposal(tokens=draft, probs=probs, num_valid=torch.where(begun.have, k, 0))
-
-
-def accepted_columns(verified: Verified, num_accepted: torch.Tensor) -> list[list[int]]:
-    """Per row, the columns of a token-tree step's target forward ``[root, nodes]`` along the
-    accepted path, root first: from the root, the first child carrying each accepted token (the
-    rule of :mod:`specdraft.tree` never follows a repeated sibling)."""
-    paths = []
-    for b, (fed, parents, committed) in enumerate(zip(verified.inputs, verified.parents, verified.committed)):
-        path = [0]
-        for tok in committed[: int(num_accepted[b])]:
-            nxt = [i for i, (t, p) in enumerate(zip(fed, parents)) if p == path[-1] and t == tok]
-            if not nxt:
-                break
-            path.append(nxt[0])
-        paths.append(path)
-    return paths

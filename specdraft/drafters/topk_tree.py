@@ -37,9 +37,8 @@ before its own (siblings share it), with the same slots and tree mask over the d
 fused local head reads each candidate's own path. One grow loop (:class:`TreeGrowth`) serves both:
 the drafters differ only in how a frontier becomes the draft's input. After verification the
 feature draft's cache needs no compaction: the next step's real pairs rewrite the accepted
-positions with the target's features, and no query reaches the tree's other slots; the drafter
-only records which of the target's columns hold the accepted path (:func:`accepted_columns`), so
-that those real pairs read the right features.
+positions with the target's features (the engine keeps those of the accepted path's columns,
+:class:`~specdraft.drafters.base.TargetFeatures`), and no query reaches the tree's other slots.
 
 Draft spec: ``tree:[dyn[=W]|static[=BxD],]DRAFT`` (default ``dyn=2``), e.g.
 ``tree:designed:smollm2-135m-l2``, ``tree:static=2x2,prune:0,1,2,29`` or
@@ -54,7 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from specdraft.drafters.base import DraftContext, Proposal, Verified
-from specdraft.drafters.feature_base import FeatureDrafterBase, FeatureDraftState, accepted_columns
+from specdraft.drafters.feature_base import FeatureDrafterBase, FeatureDraftState
 from specdraft.drafters.model import ModelDrafter, ModelDraftState
 from specdraft.errors import SpecdraftError
 from specdraft.tree import TokenTree, most_probable
@@ -399,10 +398,8 @@ class FeatureTreeDrafter(TreeGrowth):
     def observe(
         self, state: FeatureDraftState, num_accepted: torch.Tensor, verified: Verified | None = None
     ) -> None:
-        """Record where the accepted path sits among the target's columns; the draft's cache needs
-        nothing: the next step's real pairs overwrite the accepted positions (module docstring)."""
-        if verified is not None:
-            state.paths = accepted_columns(verified, num_accepted)
+        """Nothing to do: the next proposal's real pairs overwrite the accepted positions, with the
+        features the engine kept along the accepted path (module docstring)."""
 
 
 def from_spec(spec, target) -> TopKTreeDrafter | FeatureTreeDrafter:

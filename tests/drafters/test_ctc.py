@@ -18,7 +18,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.models.llama import LlamaRuntime
 from specdraft.models.subset_head import SubsetHeadRuntime, draft_weights
 from specdraft.policy import FixedK
-from tests.helpers import decode, head_subset, random_prompts, target_answers
+from tests.helpers import accepted_columns, decode, head_subset, random_prompts, target_answers
 
 BLANK = 9
 
@@ -157,12 +157,14 @@ class OracleSlots(CTCDrafter):
 
     def observe(self, state, num_accepted, verified=None):
         super().observe(state, num_accepted, verified)
-        self.paths += [p for p in state.paths if p is not None]
+        if verified is not None:
+            self.paths += accepted_columns(verified, num_accepted)
 
-    def _gather(self, hid, src, pairs):
-        feats = super()._gather(hid, src, pairs)
-        self.seen.append((feats, pairs, self.ctx.tokens.clone(), self.ctx.lengths.clone()))
-        return feats
+    def _real_pairs(self, state, ctx):
+        pairs = super()._real_pairs(state, ctx)
+        if pairs is not None:
+            self.seen.append((pairs.feats, pairs, ctx.tokens.clone(), ctx.lengths.clone()))
+        return pairs
 
     def slot_logprobs(self, state, g, L):
         B, S, V = g.shape[0], self.slots.shape[0], self.vocab_size

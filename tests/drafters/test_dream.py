@@ -16,7 +16,7 @@ from specdraft.engine import Engine
 from specdraft.models.llama import LlamaRuntime
 from specdraft.models.subset_head import SubsetHeadRuntime, draft_weights
 from specdraft.verify import SamplingParams
-from tests.helpers import decode, head_subset, random_prompts, target_answers
+from tests.helpers import decode, head_subset, kept_features, random_prompts, target_answers
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +58,9 @@ def test_drafter_matches_the_training_model(tiny_pipe, data, subset):
     )
     mem = memory[:, P - 1 : P - 1 + c]  # (1, c, M, C)
     state = drafter.new_state(1, 64)
-    state.src[:] = 0
-    state.prev_L[:] = P
     hidden = {-1: hid[:c].unsqueeze(0), **{li: mem[:, :, j] for j, li in enumerate(model.layers)}}
-    ctx = DraftContext(tokens.unsqueeze(0), torch.tensor([P + c]), [SamplingParams()], [None], hidden)
+    kept = kept_features(hidden, [P - 1], 64)
+    ctx = DraftContext(tokens.unsqueeze(0), torch.tensor([P + c]), [SamplingParams()], [None], features=kept)
     prop = drafter.propose(state, ctx, 3)
     with torch.no_grad():
         pos = torch.arange(P - 1, P - 1 + c).unsqueeze(0)
@@ -82,13 +81,12 @@ def test_drafter_matches_the_training_model(tiny_pipe, data, subset):
 def test_missing_layers_mean_no_proposal(tiny_pipe, data):
     drafter = _drafter(tiny_pipe, _model(tiny_pipe, None).eval(), None)
     state = drafter.new_state(1, 32)
-    state.src[:] = 0
     ctx = DraftContext(
         data.tokens[0][:10].unsqueeze(0),
         torch.tensor([8]),
         [SamplingParams()],
         [None],
-        {-1: torch.zeros(1, 2, 64)},
+        features=kept_features({-1: torch.zeros(1, 2, 64)}, [5], 32),
     )
     assert drafter.propose(state, ctx, 3).num_valid.tolist() == [0]  # the engine handed out no layer 0
 

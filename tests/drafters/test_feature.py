@@ -16,7 +16,7 @@ from specdraft.engine import Engine
 from specdraft.models.llama import LlamaRuntime
 from specdraft.models.subset_head import SubsetHeadRuntime, draft_weights
 from specdraft.verify import SamplingParams
-from tests.helpers import decode, head_subset, random_prompts, target_answers
+from tests.helpers import decode, head_subset, kept_features, random_prompts, target_answers
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +47,8 @@ def test_drafter_matches_the_training_model(tiny_pipe, data, subset):
     tokens = data.tokens[i]
     L = P + c  # committed: prompt + c answer tokens; real features at positions P-1 .. P+c-2
     state = drafter.new_state(1, 64)
-    state.src[:] = 0
-    state.prev_L[:] = P
-    ctx = DraftContext(
-        tokens.unsqueeze(0), torch.tensor([L]), [SamplingParams()], [None], {-1: hid[:c].unsqueeze(0)}
-    )
+    kept = kept_features({-1: hid[:c].unsqueeze(0)}, [P - 1], 64)
+    ctx = DraftContext(tokens.unsqueeze(0), torch.tensor([L]), [SamplingParams()], [None], features=kept)
     prop = drafter.propose(state, ctx, 3)
     with torch.no_grad():
         f = model.features(

@@ -28,7 +28,7 @@ from specdraft.policy import CostAwareK, FixedK
 from specdraft.registry import DraftSpec
 from specdraft.tree import TokenTree, most_probable
 from specdraft.verify import SamplingParams
-from tests.helpers import decode, head_subset, random_prompts
+from tests.helpers import accepted_columns, decode, head_subset, kept_features, random_prompts
 
 DYN, STATIC = TreeShape(True, 2, 2), TreeShape(False, 3, 1, 2)
 
@@ -63,12 +63,10 @@ def _fresh(drafter, runtime, tokens: list[int], start: int, capacity: int = 96):
     target's features from a full forward (as after a prefill)."""
     L = len(tokens)
     state = drafter.new_state(1, capacity)
-    if hasattr(state, "src"):  # a feature draft's: prev_L unknown, every column handed out is a real pair
-        state.src[:] = 0
-    hidden = {-1: _full_hidden(runtime, tokens)[:, start : L - 1]}
+    kept = kept_features({-1: _full_hidden(runtime, tokens)[:, start : L - 1]}, [start], capacity)
     buf = torch.zeros(1, capacity, dtype=torch.int64)
     buf[0, :L] = torch.tensor(tokens)
-    return state, DraftContext(buf, torch.tensor([L]), [SamplingParams()], [None], hidden)
+    return state, DraftContext(buf, torch.tensor([L]), [SamplingParams()], [None], features=kept)
 
 
 def _chain_logprob(feature, runtime, tokens: list[int], path: list[int]) -> float:
@@ -185,7 +183,7 @@ class Recording(FeatureTreeDrafter):
 
     def observe(self, state, num_accepted, verified=None):
         super().observe(state, num_accepted, verified)
-        self.paths += state.paths
+        self.paths += accepted_columns(verified, num_accepted)
 
 
 class EveryOther(FixedK):

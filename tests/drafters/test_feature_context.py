@@ -1,0 +1,141 @@
+"""Feature drafters keep their context across steps without drafts (issue 18).
+
+A step with k = 0 (``--k auto``, the safe arm's plain probes) never reaches the drafter, yet the
+target's features of the positions it commits must: the engine keeps every committed position's
+(:class:`~specdraft.drafters.base.TargetFeatures`) and the drafter feeds what it has not fed at its
+next proposal. So, whatever steps ran in between (k = 0 alternating with drafting, runs of several
+k = 0 steps, rows leaving and a row joining), every proposal of every feature kind (EAGLE-style,
+its EAGLE-2 tree, DREAM-style, with a local head fused in, CTC) is the one a fresh draft makes
+when fed every pair of the row's context at once from one full target forward; and it is not the
+one of a draft that started over from the last forward's pair (what happened before), so the test
+can fail. Greedy output stays plain decoding's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdraft.drafters.base import DraftContext
+from specdraft.engine import Engine, Request
+from specdraft.policy import FixedK
+from specdraft.verify import SamplingParams
+from tests.helpers import kept_features
+from tests.test_tv_all_drafters import PROMPT, make_case, peaked
+
+KINDS = ["feature", "tree-feature", "dream", "local-fused", "ctc"]
+
+
+class Pattern(FixedK):
+    """k at the steps ``pattern`` marks 1, none (k = 0) at those it marks 0, cyclically."""
+
+    def __init__(self, k: int, pattern: tuple[int, ...]):
+        super().__init__(k)
+        self.pattern, self.steps = pattern, 0
+
+    def choose(self, rows=None) -> int:
+        self.steps += 1
+        return self.k if self.pattern[(self.steps - 1) % len(self.pattern)] else 0
+
+
+def _rows(prop, b: int):
+    """Row b's proposal: a tree's (tokens, parents), a chain's valid tokens (None: nothing)."""
+    if prop.trees is not None:
+        tree = prop.trees[b]
+        return None if tree is None else (tree.tokens.tolist(), tree.parents.tolist())
+    n = int(prop.num_valid[b]) if prop.num_valid is not None else prop.tokens.shape[1]
+    return prop.tokens[b, :n].tolist() or None
+
+
+class Recording:
+    """Wraps a drafter; keeps, per proposing row, its committed tokens, first position with
+    features, k, the draft cache's capacity, what it proposed and the draft's logits for the first
+    draft token (after the real pairs: :meth:`FeatureDrafterBase.start`)."""
+
+    def __init__(self, inner):
+        self.inner, self.seen, self.begun = inner, [], None
+        self.name, self.vocab_size = inner.name, inner.vocab_size
+        self.hidden_layers = inner.hidden_layers
+        self.proposes_trees = getattr(inner, "proposes_trees", False)
+        base = getattr(inner, "feature", inner)  # a tree drafter's feature draft
+        start = base.start
+
+        def recorded(state, ctx):
+            self.begun = start(state, ctx)
+            return self.begun
+
+        base.start = recorded
+
+    def new_state(self, batch_size, capacity):
+        return self.inner.new_state(batch_size, capacity)
+
+    def propose(self, state, ctx, k):
+        prop = self.inner.propose(state, ctx, k)
+        for b, L in enumerate(ctx.lengths.tolist()):
+            if _rows(prop, b) is not None:
+                first = int(ctx.features.first[b])
+                row = (ctx.tokens[b, :L].tolist(), first, k, state.kv.capacity, _rows(prop, b))
+                self.seen.append((*row, self.begun.logits[b]))
+        return prop
+
+    def observe(self, state, num_accepted, verified=None):
+        self.inner.observe(state, num_accepted, verified)
+
+
+def fed_at_once(rec: Recording, target, tokens: list[int], start: int, k: int, capacity: int):
+    """What a fresh draft proposes after ``tokens`` when fed the pairs ``start .. L - 2`` at once,
+    with the target's features from one forward over the whole context; and its first logits."""
+    drafter = rec.inner
+    L = len(tokens)
+    out = target.forward(
+        target.new_state(1, L + 1),
+        torch.tensor([tokens]),
+        torch.arange(L).unsqueeze(0),
+        hidden_layers=drafter.hidden_layers,
+    )
+    kept = kept_features({i: h[:, start : L - 1] for i, h in out.hidden.items()}, [start], capacity)
+    buf = torch.zeros(1, capacity, dtype=torch.int64)
+    buf[0, :L] = torch.tensor(tokens)
+    ctx = DraftContext(buf, torch.tensor([L]), [SamplingParams()], [None], features=kept)
+    prop = drafter.propose(drafter.new_state(1, capacity), ctx, k)
+    return _rows(prop, 0), rec.begun.logits[0]
+
+
+def run(engine: Engine, prompts: list[list[int]], lengths: list[int], join_after: int) -> list[list[int]]:
+    """Decode; the last prompt joins the batch after ``join_after`` steps (rows leave as they end)."""
+    reqs = [Request(p, n) for p, n in zip(prompts, lengths)]
+    engine.add(reqs[:-1])
+    out: dict[int, list[int]] = {}
+    steps = 0
+    while engine.active:
+        for ev in engine.step():
+            out.setdefault(ev.request_id, []).extend(ev.tokens)
+        steps += 1
+        if steps == join_after:
+            engine.add(reqs[-1:])
+    return [out[r.id] for r in reqs]
+
+
+@pytest.mark.parametrize("pattern", [(1, 0), (1, 0, 0, 0, 1, 1, 0, 0, 0)], ids=["alternate", "runs"])
+@pytest.mark.parametrize("name", KINDS)
+def test_proposals_after_plain_steps_are_a_draft_fed_every_pair(name, pattern):
+    target = peaked(seed=10, scale=12.0)
+    case = make_case(name, target)
+    rec = Recording(case.drafter)
+    prompts = [PROMPT + [i] * (1 + 2 * i) for i in range(4)]
+    lengths = [30, 12, 22, 16]
+    engine = Engine(target, rec, Pattern(case.policy.k_max, pattern), hidden_layers=rec.hidden_layers)
+    assert run(engine, prompts, lengths, 4) == run(Engine(target), prompts, lengths, 4)
+    assert len(rec.seen) >= 12
+    joined = [s for s in rec.seen if s[1] == len(prompts[-1]) - 1]
+    assert joined  # the row that joined proposed too
+    restarted = 0
+    for tokens, first, k, capacity, prop, logits in rec.seen:
+        assert first == next(len(p) for p in prompts if p == tokens[: len(p)]) - 1
+        want, want_logits = fed_at_once(rec, target, tokens, first, k, capacity)
+        assert prop == want
+        assert torch.allclose(logits, want_logits, atol=1e-4)
+        _, over = fed_at_once(rec, target, tokens, len(tokens) - 2, k, capacity)
+        restarted += not torch.allclose(logits, over, atol=1e-3)
+    # a draft that starts over from the last forward's pair (as before) drafts from other logits
+    assert restarted > len(rec.seen) / 2
