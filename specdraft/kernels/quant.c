@@ -5,7 +5,8 @@
  *   quant_dequant    chosen rows of W back to fp32 (the embedding lookup)
  *   quant_layers     the decoder layers of a Llama-family step in one call (quantized matmuls,
  *                    fewrows.c's rope_attend and rmsnorm_f32 passed in as function pointers);
- *                    a ragged step packs each row's own tokens, with no padding (attend_step)
+ *                    a ragged step packs each row's own tokens, with no padding (attend_step);
+ *                    a token-tree step attends through fewrows.c's rope_attend_tree (tree_attend)
  *
  * ---- block layouts, exactly as ggml stores them in a GGUF file (QK = 32 weights per block) -----
  *
@@ -641,6 +642,18 @@ typedef void (*rope_attend_fn)(const float *, const int64_t *, const float *, co
                                float *, int, int, int, int, int, int, int);
 typedef void (*rmsnorm_fn)(const float *, const float *, float *, int, int, float);
 
+/* A token-tree step's attention: fewrows.c's rope_attend_tree and its arguments (each new token's
+ * slot, and per row the first slot read through the per-query slot map vmap of row width W; see
+ * TreeAttention in quant.py). Each query's operations are rope_attend's over a chain's slots. */
+typedef void (*rope_attend_tree_fn)(const float *, const int64_t *, const int64_t *, const int64_t *,
+                                    const int64_t *, int, const float *, const float *, float *, float *,
+                                    float *, int, int, int, int, int, int, int, float, int);
+typedef struct {
+    void *fn;
+    const int64_t *slot, *lo, *vmap;
+    int W;
+} tree_attend;
+
 /* e^x for x in [-88, 88] (Cephes' expf polynomial, ~1 ulp), 8 lanes: as exp256 in fewrows.c. */
 static inline __m256 exp256(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
@@ -689,15 +702,21 @@ static void silu_mul(const float *gu, float *h, int M, int F, int j0, int j1) {
     }
 }
 
-/* A step's attention: all B rows of T tokens in one call, or for a ragged step (off non-NULL: row
- * b's tokens are packed rows off[b] .. off[b + 1] - 1 of qkv and att) one call per row over its own
- * tokens, positions and cache row (rope_attend with one row). A query's operations are the same
+/* A step's attention: all B rows of T tokens in one call (a token-tree step, tree non-NULL, through
+ * its kernel; a tree step is never ragged), or for a ragged step (off non-NULL: row b's tokens are
+ * packed rows off[b] .. off[b + 1] - 1 of qkv and att) one call per row over its own tokens,
+ * positions and cache row (rope_attend with one row). A query's operations are the same
  * either way (rope_attend's contract), so a ragged step's rows are bit for bit one-token steps.
  * With at least two rows per thread the rows share one parallel region, a row per thread at a time
  * (rope_attend then runs on that thread alone), instead of opening one region per row. */
-static void attend_step(rope_attend_fn attend, const int64_t *off, const float *qkv, const int64_t *pos,
-                        const float *cosT, const float *sinT, float *kc, float *vc, float *att, int B, int T,
-                        int H, int G, int D, int cap, int nt) {
+static void attend_step(rope_attend_fn attend, const tree_attend *tree, const int64_t *off, const float *qkv,
+                        const int64_t *pos, const float *cosT, const float *sinT, float *kc, float *vc, float *att,
+                        int B, int T, int H, int G, int D, int cap, int nt) {
+    if (tree) {
+        ((rope_attend_tree_fn)tree->fn)(qkv, pos, tree->slot, tree->lo, tree->vmap, tree->W, cosT, sinT, kc, vc,
+                                        att, B, T, H, G, D, cap, 0, 1.0f / sqrtf((float)D), nt);
+        return;
+    }
     if (!off) {
         attend(qkv, pos, cosT, sinT, kc, vc, att, B, T, H, G, D, cap, nt);
         return;
@@ -722,8 +741,8 @@ static void attend_step(rope_attend_fn attend, const int64_t *off, const float *
  * are split by the gate/up share (columns j of g and u go to the same thread). */
 void quant_layers(float *x, const int64_t *pos, const int64_t *off, int B, int T, int C, int H, int G, int D,
                   int F, int cap, float eps, int L, const qlayer *layers, float *const *kc, float *const *vc,
-                  const float *cosT, const float *sinT, void *rope_attend, void *rmsnorm, int variant,
-                  int threads) {
+                  const float *cosT, const float *sinT, void *rope_attend, const tree_attend *tree,
+                  void *rmsnorm, int variant, int threads) {
     const rope_attend_fn attend = (rope_attend_fn)rope_attend;
     const rmsnorm_fn norm = (rmsnorm_fn)rmsnorm;
     const int M = off ? (int)off[B] : B * T, HD = H * D, GD = G * D, Q = HD + 2 * GD, nt = threads > 1 ? threads : 1;
@@ -773,7 +792,8 @@ void quant_layers(float *x, const int64_t *pos, const int64_t *off, int B, int T
                 matmul_cols(qkv3, 3, a, M, qkv, Q, lo, hi, 0, variant);
             }
         }
-        if (l + 1 < L) attend_step(attend, off, qkv, pos, cosT, sinT, kc[l + 1], vc[l + 1], att, B, T, H, G, D, cap, nt);
+        if (l + 1 < L)
+            attend_step(attend, tree, off, qkv, pos, cosT, sinT, kc[l + 1], vc[l + 1], att, B, T, H, G, D, cap, nt);
     }
     free(hs), free(as), free(af), free(qkv), free(att), free(gu), free(hf);
 }

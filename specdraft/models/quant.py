@@ -10,7 +10,8 @@ only and a (k + 1)-token verification gives bit-identical logits to k + 1 one-to
 What it shares with the compact runtime: the position-indexed cache (:class:`LlamaKV`, fp32) and
 the fused RoPE + cache write + attention and RMSNorm kernels of ``fewrows.c`` (passed to the
 quantized layer loop as function pointers). A token-tree step (``attn_mask`` and ``slots``) runs
-the same layer loop with :class:`TreeAttention` as its attention block, bit-identical to chain steps.
+the same layer loop with fewrows.c's tree attention (:class:`TreeAttention`), each node's row bit
+for bit a chain step's, at a chain step's cost.
 A ragged step (``lengths``) packs each row's own tokens into one block for the matmuls and attends
 per row (``attend_step`` in quant.c): a batch whose rows verify different draft lengths pays for
 its tokens only, not for every row padded to the longest.
@@ -96,7 +97,7 @@ def lib() -> ctypes.CDLL:
         so.quant_quantize.argtypes = [vp, vp, i, i]
         so.quant_matmul.argtypes = [vp, vp, vp, i, ctypes.c_long, i, i]
         so.quant_dequant.argtypes = [vp, vp, i, vp]
-        so.quant_layers.argtypes = [vp, vp, vp] + [i] * 8 + [f, i] + [vp] * 7 + [i, i]
+        so.quant_layers.argtypes = [vp, vp, vp] + [i] * 8 + [f, i] + [vp] * 8 + [i, i]
         for fn in (so.quant_quantize, so.quant_matmul, so.quant_dequant, so.quant_layers):
             fn.restype = None
 
@@ -538,10 +539,6 @@ class QuantWeights:
         return "+".join(sorted(t.lower() for t in self.types))
 
 
-# the attention block quant_layers calls per layer (fewrows.c's rope_attend signature)
-ATTEND_FN = ctypes.CFUNCTYPE(None, *[ctypes.c_void_p] * 7, *[ctypes.c_int] * 7)
-
-
 def _tree_plan(positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> kernels.TreeLayout:
     """Where each query of a tree step reads its keys: its prefix in chain form, as the native
     attention takes it (:class:`specdraft.kernels.TreeLayout`).
@@ -558,66 +555,65 @@ def _tree_plan(positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor)
         SpecdraftError: a mask that is not such a tree (a query would not equal a chain step).
     """
     B, T = positions.shape
-    ctx = torch.zeros(B, T, dtype=torch.int64)
-    past = {}  # (b, t): the slots of positions c .. p, in that order
-    for b in range(B):
-        sees_new = mask[b][:, slots[b]]  # (T, T): query t sees new token j
-        old = mask[b].clone()
-        old[:, slots[b]] = False  # (T, S): the cache slots written before this step
-        for t in range(T):
-            p = int(positions[b, t])
-            seen = sees_new[t].nonzero().squeeze(1)
-            cached = old[t].nonzero().squeeze(1)  # ascending slots
-            c = int((cached == torch.arange(cached.numel())).sum())  # the context: slots 0 .. c - 1
-            order = positions[b, seen].sort()
-            if not (
-                bool(sees_new[t, t])
-                and torch.equal(cached[:c], torch.arange(c))
-                and torch.equal(order.values, torch.arange(cached.numel(), p + 1))
-            ):
-                raise SpecdraftError(
-                    "the quantized runtime takes tree masks only: each query sees the slots before "
-                    "its context length and one token per position up to its own"
-                )
-            ctx[b, t] = c
-            past[b, t] = torch.cat([cached[c:], slots[b, seen[order.indices]].to(torch.int64)])
+    S = mask.shape[-1]
+    pos, slots = positions.to(torch.int64), slots.to(torch.int64)
+    sees_new = mask.gather(2, slots.unsqueeze(1).expand(B, T, T))  # (B, T, T): query t sees new token j
+    old = mask.clone()
+    old[torch.arange(B).unsqueeze(1), :, slots] = False  # (B, T, S): slots written before this step
+    ctx = old.to(torch.int64).cumprod(2).sum(2)  # (B, T) c: the leading run of slots 0 .. c - 1
+    n_old = old.sum(2)  # (B, T): positions 0 .. n_old - 1 are the cached slots, in slot order
+    # ... and positions n_old .. p the new tokens it sees, one at each
+    b, t, j = sees_new.nonzero(as_tuple=True)
+    top = int(pos.max()) + 1
+    count = torch.zeros(B, T, top, dtype=torch.int64)
+    count.index_put_((b, t, pos[b, j]), torch.ones_like(b), accumulate=True)
+    at = torch.zeros(B, T, top, dtype=torch.int64)  # the slot of the new token it sees at each position
+    at[b, t, pos[b, j]] = slots[b, j]
+    q = torch.arange(top)
+    if not (
+        bool(sees_new.diagonal(dim1=1, dim2=2).all())
+        and torch.equal(count, ((q >= n_old.unsqueeze(2)) & (q <= pos.unsqueeze(2))).to(torch.int64))
+    ):
+        raise SpecdraftError(
+            "the quantized runtime takes tree masks only: each query sees the slots before "
+            "its context length and one token per position up to its own"
+        )
     lo = ctx.amin(1)  # (B,)
-    vmap = torch.zeros(B, T, int((positions + 1 - lo.unsqueeze(1)).max()), dtype=torch.int64)
-    for (b, t), row in past.items():
-        c, lo_b = int(ctx[b, t]), int(lo[b])
-        vmap[b, t, : c - lo_b] = torch.arange(lo_b, c)  # context slots read in place
-        vmap[b, t, c - lo_b : c - lo_b + len(row)] = row
-    return kernels.TreeLayout(slots.to(torch.int64).contiguous(), lo, vmap)
+    c0 = int(lo.min())  # every query's context covers 0 .. c0 - 1
+    # (B, T, S - c0): each query's cached slots from c0 on, ascending, then the others
+    ranked = torch.sort((~old[..., c0:]).to(torch.int8), dim=2, stable=True).indices + c0
+    W = int((pos + 1 - lo.unsqueeze(1)).max())  # the most slots a query reads through the map
+    v = (lo.view(B, 1, 1) + torch.arange(W)).expand(B, T, W)  # the positions lo .. lo + W - 1
+    cached = ranked.gather(2, (v - c0).clamp(max=S - c0 - 1))
+    new = at.gather(2, v.clamp(max=top - 1))
+    vmap = torch.where(v < n_old.unsqueeze(2), cached, torch.where(v <= pos.unsqueeze(2), new, 0))
+    return kernels.TreeLayout(slots.contiguous(), lo, vmap.contiguous())
 
 
-class TreeAttention:
-    """The attention block of a token-tree step (:mod:`specdraft.tree`), bit for bit a chain step's.
+class TreeAttention(ctypes.Structure):
+    """``tree_attend`` in quant.c: the attention of a token-tree step (:mod:`specdraft.tree`), bit
+    for bit a chain step's.
 
-    ``rope_attend_tree`` (fewrows.c) writes each new token's key and value at its slot and attends
-    each query over its :func:`_tree_plan` slots: the context in place, then its ancestors through
-    a slot map, in a chain step's order and with a chain step's exact operations (``rope_attend``
-    is the same kernel without the map). So a tree step of n tokens costs what a chain step of n
-    tokens costs, plus the plan.
-
-    quant_layers calls it through :attr:`pointer` once per layer (ctypes takes the GIL back for it).
+    quant_layers calls ``rope_attend_tree`` (fewrows.c) in place of ``rope_attend`` once per layer:
+    it writes each new token's key and value at its slot and attends each query over its
+    :func:`_tree_plan` slots (the context in place, then its ancestors through a slot map) in a
+    chain step's order, with a chain step's exact operations (``rope_attend`` is the same kernel
+    without the map). So a tree step of n tokens costs a chain step of n tokens plus the plan.
 
     Args:
-        head_dim: D; positions, slots: ``(B, T)``; attn_mask: ``(B, T, S)``.
+        positions, slots: ``(B, T)``; attn_mask: ``(B, T, S)``.
     """
 
-    def __init__(self, head_dim: int, positions, slots, attn_mask):
-        self.layout = _tree_plan(positions, slots, attn_mask)  # kept alive: the kernel reads it
-        self.args = self.layout.pointers()
-        self.scale = float(1.0 / torch.tensor(float(head_dim)).sqrt())  # rope_attend's 1.0f / sqrtf(D)
-        self.fn = kernels._load().rope_attend_tree
-        self.error: Exception | None = None
-        self.pointer = ATTEND_FN(self._attend)  # kept alive with self
+    _fields_ = [
+        ("fn", ctypes.c_void_p),
+        *[(n, ctypes.c_void_p) for n in ("slot", "lo", "vmap")],
+        ("W", ctypes.c_int),
+    ]
 
-    def _attend(self, qkv, pos, cos, sin, kc, vc, out, B, T, H, G, D, cap, threads) -> None:
-        try:
-            self.fn(qkv, pos, *self.args, cos, sin, kc, vc, out, B, T, H, G, D, cap, 0, self.scale, threads)
-        except Exception as e:  # noqa: BLE001 (cannot cross the C frames: raised again by forward)
-            self.error = self.error or e
+    def __init__(self, positions: torch.Tensor, slots: torch.Tensor, attn_mask: torch.Tensor):
+        self.layout = _tree_plan(positions, slots, attn_mask)  # kept alive: the kernel reads it
+        fn = ctypes.cast(kernels._load().rope_attend_tree, ctypes.c_void_p).value
+        super().__init__(fn, *self.layout.pointers())
 
 
 class QuantRuntime:
@@ -687,7 +683,7 @@ class QuantRuntime:
             self._caches = (key, (ctypes.c_void_p * n)(*key[:n]), (ctypes.c_void_p * n)(*key[n:]))
         return self._caches[1], self._caches[2]
 
-    def _layers_call(self, x, pos, off, B, T, cap, first, last, kc, vc, cos, sin, attend):
+    def _layers_call(self, x, pos, off, B, T, cap, first, last, kc, vc, cos, sin, tree):
         w = self.w
         L = last - first
         layers = ctypes.byref(self._layers, first * ctypes.sizeof(QLayer))
@@ -714,13 +710,14 @@ class QuantRuntime:
             vcs,
             cos.data_ptr(),
             sin.data_ptr(),
-            attend,
+            self._attend,
+            None if tree is None else ctypes.byref(tree),
             self._rmsnorm,
             VARIANTS[self.variant],
             torch.get_num_threads(),
         )
 
-    def _run_layers(self, x, pos, off, B, T, state, attend, tree, hidden_layers) -> dict[int, torch.Tensor]:
+    def _run_layers(self, x, pos, off, B, T, state, tree, hidden_layers) -> dict[int, torch.Tensor]:
         """The decoder layers over ``x`` in place, split where ``hidden_layers`` are read; returns them."""
         w = self.w
         cos, sin = self._rope_tables(int(pos.max()) + 1)
@@ -731,10 +728,8 @@ class QuantRuntime:
             if li >= len(w.layers):
                 raise SpecdraftError(f"hidden layer {li} beyond the model's {len(w.layers)} layers")
             if li + 1 > first:
-                self._layers_call(x, pos, off, B, T, state.capacity, first, li + 1, kc, vc, cos, sin, attend)
+                self._layers_call(x, pos, off, B, T, state.capacity, first, li + 1, kc, vc, cos, sin, tree)
                 first = li + 1
-                if tree is not None and tree.error is not None:
-                    raise tree.error
             if li in hidden_layers:
                 hidden[li] = x.clone()
         return hidden
@@ -777,11 +772,12 @@ class QuantRuntime:
         pos = (positions if keep is None else positions[keep]).to(torch.int64).contiguous()
         x = dequantize_rows(w.embed, tokens if keep is None else tokens[keep])  # (B, T, C) or (N, C)
         off = None if keep is None else torch.cat([torch.zeros(1), lengths.cumsum(0)]).to(torch.int64)
-        tree = None
-        if attn_mask is not None:
-            tree = TreeAttention(w.head_dim, pos, positions if slots is None else slots, attn_mask)
-        attend = self._attend if tree is None else ctypes.cast(tree.pointer, ctypes.c_void_p).value
-        hidden = self._run_layers(x, pos, off, B, T, state, attend, tree, hidden_layers)
+        tree = (
+            None
+            if attn_mask is None
+            else TreeAttention(pos, positions if slots is None else slots, attn_mask)
+        )
+        hidden = self._run_layers(x, pos, off, B, T, state, tree, hidden_layers)
         normed = torch.empty_like(x)
         kernels._call(
             "specdraft::rms_norm",
