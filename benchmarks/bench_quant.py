@@ -7,7 +7,9 @@ In one run, on the same chat-templated token ids and thread count:
   after the first (prefill excluded), and end to end;
 - T(n) / T(1), n = 1..9: one forward of n new tokens at a ``--context``-token cache, rounds
   alternating between the runtimes, medians; the verification cost T(k + 1) / T(1), k = 1..8,
-  is the curve ``--k auto`` measures online (:meth:`specdraft.policy.CostAwareK.latency`);
+  is the curve ``--k auto`` measures online (:meth:`specdraft.policy.CostAwareK.latency`); beside
+  it, in the same rounds, a token-tree step of the same n tokens (the root and n - 1 nodes, a
+  binary tree) against the chain step: what tree verification costs over a chain of n;
 - greedy agreement: the fraction of prompts whose outputs are identical, the mean common prefix,
   and the position-wise token agreement;
 - prefill and decode-only rates beside llama.cpp's (``--sections llamacpp``, needs ``make peers``):
@@ -303,7 +305,7 @@ def verification_cost(runtimes: dict, args, report: dict) -> None:
         f"\nT(n) / T(1) at a {args.context}-token context "
         f"(medians of {args.rounds} rounds, runtimes alternating)"
     )
-    times = profile.compare_forwards(runtimes, range(1, 10), args.context, args.rounds)
+    times = profile.compare_forwards(runtimes, range(1, 10), args.context, args.rounds, trees=True)
     report["step_ms"] = {}
     print("  n  " + "".join(f"{n:>26s}" for n in names))
     for k in range(1, 10):
@@ -320,6 +322,20 @@ def verification_cost(runtimes: dict, args, report: dict) -> None:
     }
     for n in names:
         print(f"  T(k + 1) / T(1), k = 1..8, {n}: " + " ".join(f"{cost[n][k]:.2f}" for k in range(1, 9)))
+    tree_steps(times, names, report)
+
+
+def tree_steps(times: dict, names: list[str], report: dict) -> None:
+    """A token-tree step of n tokens against the chain step of n, timed in the same rounds."""
+    print("\n  token-tree step of n tokens (root + n - 1 nodes, binary) vs the chain step of n")
+    print("  n  " + "".join(f"{n + ': chain, tree, ratio':>40s}" for n in names))
+    report["tree_step_ms"] = {n: {k: times[f"{n} tree"][k] * 1e3 for k in range(2, 10)} for n in names}
+    for k in range(2, 10):
+        cells = []
+        for n in names:
+            chain, tree = times[n][k], times[f"{n} tree"][k]
+            cells.append(f"{chain * 1e3:8.2f} {tree * 1e3:8.2f} ms {tree / chain:5.2f}x")
+        print(f"  {k}  " + "".join(f"{c:>40s}" for c in cells))
 
 
 def startup_section(names: list[str], args, report: dict) -> None:

@@ -68,6 +68,7 @@ from specdraft.drafters.base import DraftContext
 from specdraft.errors import SpecdraftError
 from specdraft.models.llama import LlamaRuntime
 from specdraft.models.runtime import Runtime
+from specdraft.tree import TokenTree
 from specdraft.verify import SamplingParams
 
 BUCKETS = ("overhead", "embedding", "attention", "mlp", "lm_head", "python")
@@ -231,14 +232,32 @@ def _round_robin(jobs: list[tuple[tuple, object]], repeats: int, warmup: int) ->
     return {key: statistics.median(ts) for key, ts in samples.items()}
 
 
-def _target_jobs(target: Runtime, batch: int, context: int, new_tokens: list[int]) -> list[tuple]:
-    """``(("target", batch, n), fn)`` for each n: one target forward over n new tokens per row."""
-    state = _prefilled(target, batch, context, context + max(new_tokens) + 1)
+def _tree_step(n: int, batch: int, context: int, capacity: int) -> tuple[torch.Tensor, dict]:
+    """A token-tree step of n tokens per row after ``context`` tokens, as :meth:`Runtime.forward`'s
+    positions and keyword arguments: the root and n - 1 nodes, two children per node, filled level
+    by level."""
+    tree = TokenTree(torch.zeros(n - 1, dtype=torch.int64), torch.arange(n - 1) // 2 - 1)
+    mask = tree.step_mask(context, capacity).expand(batch, n, capacity)  # (batch, n, capacity)
+    slots = tree.slots(context).expand(batch, n)
+    return tree.positions(context).expand(batch, n), {"attn_mask": mask, "slots": slots}
+
+
+def _target_jobs(
+    target: Runtime, batch: int, context: int, new_tokens: list[int], tree: bool = False
+) -> list[tuple]:
+    """``(("target", batch, n), fn)`` for each n: one target forward over n new tokens per row;
+    ``tree``: ``(("tree", batch, n), fn)``, a token-tree step of n tokens (:func:`_tree_step`)."""
+    capacity = context + max(new_tokens) + 1
+    state = _prefilled(target, batch, context, capacity)
     jobs = []
     for n in new_tokens:
         tokens = torch.zeros(batch, n, dtype=torch.int64)
-        positions = context + torch.arange(n).expand(batch, n)
-        jobs.append((("target", batch, n), lambda s=state, t=tokens, p=positions: target.forward(s, t, p)))
+        if tree:
+            positions, kw = _tree_step(n, batch, context, capacity)
+        else:
+            positions, kw = context + torch.arange(n).expand(batch, n), {}
+        key = ("tree" if tree else "target", batch, n)
+        jobs.append((key, lambda s=state, t=tokens, p=positions, kw=kw: target.forward(s, t, p, **kw)))
     return jobs
 
 
@@ -419,19 +438,31 @@ def measure_latency(
 
 @torch.inference_mode()
 def compare_forwards(
-    runtimes: dict[str, Runtime], new_tokens: Iterable[int], context: int, reps: int
+    runtimes: dict[str, Runtime], new_tokens: Iterable[int], context: int, reps: int, trees: bool = False
 ) -> dict[str, dict[int, float]]:
     """Median seconds of one batch-1 forward of n new tokens at a ``context``-token cache, for
     several runtimes of one model: ``{name: {n: seconds}}``. Each round times every n in turn and,
     for each n, every runtime (A B, A B, ...), so a slow phase of the machine hits all of them.
+    ``trees``: in the same rounds, right after each chain step, a token-tree step of n tokens
+    (:func:`_tree_step`) on the same runtime, as ``"<name> tree"``.
     """
     ns = sorted(set(new_tokens))
     for runtime in runtimes.values():
         _check(runtime, [1], ns, context, reps, 0)
-    jobs = {name: dict(_target_jobs(rt, 1, context, ns)) for name, rt in runtimes.items()}
-    order = [((name, n), jobs[name]["target", 1, n]) for n in ns for name in runtimes]
+    kinds = ("target", "tree") if trees else ("target",)
+    jobs = {
+        (name, kind): dict(_target_jobs(rt, 1, context, ns, kind == "tree"))
+        for name, rt in runtimes.items()
+        for kind in kinds
+    }
+    order = [
+        ((name, kind, n), jobs[name, kind][kind, 1, n]) for n in ns for name in runtimes for kind in kinds
+    ]
     medians = _round_robin(order, reps, warmup=0)
-    return {name: {n: medians[name, n] for n in ns} for name in runtimes}
+    label = {"target": "", "tree": " tree"}
+    return {
+        name + label[kind]: {n: medians[name, kind, n] for n in ns} for name in runtimes for kind in kinds
+    }
 
 
 # ------------------------------------------------------------------------------------ breakdown

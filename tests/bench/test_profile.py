@@ -199,3 +199,21 @@ def test_compare_forwards_times_each_size_on_every_runtime_in_turn(pipe):
     assert log == [("a", 24), ("b", 24)] + [("a", 1), ("b", 1), ("a", 2), ("b", 2)] * 2
     with pytest.raises(SpecdraftError):
         compare_forwards(runtimes, (1,), context=pipe.runtime.max_context, reps=1)
+
+
+def test_compare_forwards_times_a_tree_step_after_each_chain_step(pipe):
+    """``trees``: per n, the chain step then a token-tree step of n tokens (a mask over the cache
+    slots, siblings at one position) on the same runtime, reported as ``"<name> tree"``."""
+    from specdraft.bench.profile import compare_forwards
+
+    rt = _Counting(pipe.runtime)
+    seen = []
+    forward = rt.forward
+    rt.forward = lambda s, t, p, **kw: (
+        seen.append((p[0].tolist(), "attn_mask" in kw)) or forward(s, t, p, **kw)
+    )
+    times = compare_forwards({"a": rt}, (4, 1), context=24, reps=2, trees=True)
+    assert {n: sorted(t) for n, t in times.items()} == {"a": [1, 4], "a tree": [1, 4]}
+    assert all(t > 0 for per in times.values() for t in per.values())
+    chain, tree = ([24, 25, 26, 27], False), ([24, 25, 25, 26], True)  # root, 2 children, a grandchild
+    assert seen[-4:] == [([24], False), ([24], True), chain, tree]
