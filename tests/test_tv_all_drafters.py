@@ -17,7 +17,7 @@ DREAM-style draft, the feature draft with a local head fused in, FlexDraft (draf
 verification forward, and sequentially),
 the block-diffusion drafter (one pass per block, cut by its length head), the drafts on GGUF
 blocks beside a quantized target (``--draft-dtype q``: prune views, their head subsets, Q8_0
-designed drafts), the Ouroboros and
+designed drafts; token trees verified on the quantized target's tree attention), the Ouroboros and
 suffix drafters' token trees (point masses from a phrase pool / a history), the cost-aware
 policy's per-class trim, its per-row cut of rows whose drafts fail (issue 17), its safe arm's
 plain steps when speculation is measured slower (issue 17) and the server's per-row caps. Each
@@ -571,6 +571,18 @@ def test_quantized_drafts_follow_the_target_distribution(quant_target, name):
         logits = drafter.runtime.forward(drafter.runtime.new_state(1, 8), x, torch.arange(5)[None]).logits
         assert torch.isinf(logits[..., [3, 5, 7]]).all()
         assert torch.isfinite(logits[..., [0, 1, 2, 4, 6]]).all()
+
+
+@pytest.mark.skipif(not kernels.available(), reason=f"native kernels unavailable ({kernels.status()})")
+@pytest.mark.parametrize("name", ["tree-branches", "tree-dyn"])
+def test_token_trees_on_the_quantized_target_follow_its_distribution(quant_target, name):
+    """Token-tree verification on the quantized runtime (its native tree attention: each node's
+    row a chain step's over its path): the sampled output is the target's own distribution."""
+    rt, exact, _ = quant_target
+    case = make_case(name, rt)
+    idx, rec, _ = sample_outputs(rt, case, N)
+    assert_within_bound(idx, exact)
+    case.check(rec, case.policy)
 
 
 def test_the_old_gating_rule_fails_this_test(target, exact):
