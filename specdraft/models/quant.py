@@ -562,30 +562,33 @@ def _tree_plan(positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor)
     old[torch.arange(B).unsqueeze(1), :, slots] = False  # (B, T, S): slots written before this step
     ctx = old.to(torch.int64).cumprod(2).sum(2)  # (B, T) c: the leading run of slots 0 .. c - 1
     n_old = old.sum(2)  # (B, T): positions 0 .. n_old - 1 are the cached slots, in slot order
-    # ... and positions n_old .. p the new tokens it sees, one at each
+    # ... and positions n_old .. p the new tokens it sees, one at each (counted from c0 on: every
+    # query's context covers 0 .. c0 - 1)
+    lo = ctx.amin(1)  # (B,)
+    c0 = int(lo.min())
     b, t, j = sees_new.nonzero(as_tuple=True)
-    top = int(pos.max()) + 1
-    count = torch.zeros(B, T, top, dtype=torch.int64)
-    count.index_put_((b, t, pos[b, j]), torch.ones_like(b), accumulate=True)
-    at = torch.zeros(B, T, top, dtype=torch.int64)  # the slot of the new token it sees at each position
-    at[b, t, pos[b, j]] = slots[b, j]
-    q = torch.arange(top)
-    if not (
-        bool(sees_new.diagonal(dim1=1, dim2=2).all())
-        and torch.equal(count, ((q >= n_old.unsqueeze(2)) & (q <= pos.unsqueeze(2))).to(torch.int64))
-    ):
+    rel = pos[b, j] - c0
+    ok = bool(sees_new.diagonal(dim1=1, dim2=2).all()) and bool((rel >= 0).all())
+    if ok:
+        top = int(pos.max()) + 1 - c0
+        count = torch.zeros(B, T, top, dtype=torch.int64).index_put_(
+            (b, t, rel), torch.ones_like(b), accumulate=True
+        )
+        at = torch.zeros(B, T, top, dtype=torch.int64)  # the slot of the new token it sees at each position
+        at[b, t, rel] = slots[b, j]
+        q = c0 + torch.arange(top)
+        ok = torch.equal(count, ((q >= n_old.unsqueeze(2)) & (q <= pos.unsqueeze(2))).to(torch.int64))
+    if not ok:
         raise SpecdraftError(
             "the quantized runtime takes tree masks only: each query sees the slots before "
             "its context length and one token per position up to its own"
         )
-    lo = ctx.amin(1)  # (B,)
-    c0 = int(lo.min())  # every query's context covers 0 .. c0 - 1
     # (B, T, S - c0): each query's cached slots from c0 on, ascending, then the others
     ranked = torch.sort((~old[..., c0:]).to(torch.int8), dim=2, stable=True).indices + c0
     W = int((pos + 1 - lo.unsqueeze(1)).max())  # the most slots a query reads through the map
     v = (lo.view(B, 1, 1) + torch.arange(W)).expand(B, T, W)  # the positions lo .. lo + W - 1
     cached = ranked.gather(2, (v - c0).clamp(max=S - c0 - 1))
-    new = at.gather(2, v.clamp(max=top - 1))
+    new = at.gather(2, (v - c0).clamp(max=top - 1))
     vmap = torch.where(v < n_old.unsqueeze(2), cached, torch.where(v <= pos.unsqueeze(2), new, 0))
     return kernels.TreeLayout(slots.contiguous(), lo, vmap.contiguous())
 

@@ -107,6 +107,11 @@ def test_masks_other_than_trees_are_refused(rt):
     hole[0, 1, 0] = False  # token 1 does not see slot 0
     with pytest.raises(SpecdraftError, match="tree masks"):
         rt.forward(state, tokens, pos, attn_mask=hole)
+    past = torch.arange(8) < 7  # a token at position 2, slot 6, that sees slots 0..5 too
+    with pytest.raises(SpecdraftError, match="tree masks"):
+        rt.forward(
+            state, tokens[:, :1], torch.tensor([[2]]), attn_mask=past.view(1, 1, 8), slots=torch.tensor([[6]])
+        )
     # a causal mask is a tree (a chain): the same logits as the causal step
     masked = rt.forward(rt.new_state(1, 8), tokens, pos, attn_mask=causal).logits
     assert torch.equal(masked, rt.forward(rt.new_state(1, 8), tokens, pos).logits)
