@@ -123,6 +123,20 @@ def is_quantized(runtime: Runtime | None) -> bool:
     return isinstance(runtime, QuantRuntime)
 
 
+def _auto_runs_quantized(spec: registry.DraftSpec, runtime: Runtime) -> bool:
+    """Whether ``--draft-dtype auto`` runs ``spec``'s draft on GGUF blocks beside the quantized
+    ``runtime``: its model kind is in :data:`specdraft.dtypes.AUTO_QUANT_DRAFTS`, and a designed
+    draft is a token-level one (``designed:auto`` without a committed draft for this target: no)."""
+    kind = model_kind(spec)
+    if kind != "designed":
+        return kind in AUTO_QUANT_DRAFTS
+    from specdraft.design.artifact import find_draft, read_meta
+
+    inner = registry.DraftSpec.parse(registry.tree_parts(spec.arg)[2]) if spec.kind == "tree" else spec
+    path = find_draft(inner.arg, runtime.w)
+    return path is not None and read_meta(path).kind == "layers"
+
+
 def draft_precision(name: str | torch.dtype, runtime: Runtime | None, spec) -> torch.dtype | str:
     """``--draft-dtype`` for a draft spec beside the target's ``runtime``: a torch dtype
     (:func:`resolve_dtype`), or :data:`specdraft.dtypes.QUANT` (GGUF blocks) for ``q``, and for
@@ -135,7 +149,7 @@ def draft_precision(name: str | torch.dtype, runtime: Runtime | None, spec) -> t
     """
     spec = registry.DraftSpec.parse(spec)
     quant = is_quantized(runtime)
-    if name == "auto" and quant and model_kind(spec) in AUTO_QUANT_DRAFTS:
+    if name == "auto" and quant and _auto_runs_quantized(spec, runtime):
         return QUANT
     if name != QUANT:
         return resolve_dtype(name, draft=True)

@@ -92,13 +92,16 @@ the draft runs on GGUF blocks in :class:`specdraft.models.quant.QuantRuntime`.""
 
 AUTO_QUANT_DRAFTS: dict[str, str] = {
     "prune": "a layer-pruned draft runs the quantized target's own layers (no bf16 copy of them)",
+    "designed": "a token-level designed draft runs as Q8_0 blocks made at load (feature, dream, ctc, "
+    "diffusion and flex drafts have no quantized path and keep bf16)",
 }
 """Draft kinds that ``--draft-dtype auto`` runs on GGUF blocks (``q``) beside a quantized target ->
-why. Other kinds keep the ``auto`` of :func:`specdraft.api.resolve_dtype`. Designed drafts are not
-in: on a loaded 2-core Zen 3, their Q8_0 and bf16 steps did not separate (6.18 against 6.17 ms in
-one run, 5.01 against 2.39 in another; the prune draft: 6.65 against 8.55 and 6.47 against 11.50),
-``results/quant-draft-2026-12-02/`` (``benchmarks/bench_quant_draft.py``). Adding them would also
-need feature / dream / ctc designed drafts (no quantized path) to fall back to bf16."""
+why (:func:`specdraft.api.draft_precision`). Other kinds keep the ``auto`` of
+:func:`specdraft.api.resolve_dtype`. Measured on a quiet 2-core Zen 3, 2 threads, one process, in
+turn (``results/quant-draft-2026-12-02/quant_draft_t2.txt``, ``benchmarks/bench_quant_draft.py``): draft
+step 1.41 ms on Q8_0 blocks against 1.67 ms in bf16 for ``designed:smollm2-135m-l2``, 1.50 against
+2.37 ms for ``prune:0,1,2,29,head=8192`` (target step 7.14 ms); peak RSS of ``specdraft generate``
+413 against 737 MB and 382 against 1546 MB (``rss_t2.txt``)."""
 
 AUTO_KEEPS_BF16: dict[str, str] = {
     "prune": "a layer-pruned draft at --draft-dtype bf16, fp32 or int8 runs the target's own layers "

@@ -248,3 +248,20 @@ def test_engine_with_a_quantized_view_draft_matches_plain_on_every_variant(targe
         assert decode(Engine(rt, draft, FixedK(2)), PROMPTS, 10) == reference, variant
     with pytest.raises(SpecdraftError, match="invalid"):
         rt.w.with_layers([0, 2])
+
+
+def test_auto_runs_token_level_designed_drafts_on_q8_0_blocks_and_keeps_bf16_for_feature_ones(
+    target, tmp_path
+):
+    """``--draft-dtype auto`` beside a quantized target: a token-level designed draft (and a tree of
+    it) runs on GGUF blocks; a feature draft, which has no quantized path, keeps the dense auto."""
+    path, model = target
+    d, _ = designed_draft(tmp_path, model, None)
+    rt = QuantRuntime(path)
+    assert api.draft_precision("auto", rt, f"designed:{d}") == QUANT
+    assert api.draft_precision("auto", rt, f"tree:designed:{d}") == QUANT
+    pipe = api.load(str(path), f"designed:{d}", threads=1)
+    assert harness.runtime_precision(pipe.drafter.runtime) == "q8_0" and pipe.target.model is None
+    meta = json.loads((d / artifact.META_FILE).read_text())
+    (d / artifact.META_FILE).write_text(json.dumps({**meta, "kind": "feature"}))
+    assert api.draft_precision("auto", rt, f"designed:{d}") == api.resolve_dtype("auto", draft=True)
