@@ -21,6 +21,16 @@ def pytest_configure(config):
     torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module whose tests may change it (``pytestmark =
+    pytest.mark.usefixtures("one_thread")``), the count restored after it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @dataclass
 class Tiny:
     """Tiny random models (vocab 256, 2 layers, fp32) for equality tests.

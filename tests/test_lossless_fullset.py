@@ -23,12 +23,7 @@ PROMPTS = [
 OPTIONS = lossless.FullsetOptions(k=3, max_new_tokens=8, progress=False)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,7 @@ from specdraft.bench.profile import BUCKETS, LatencyProfile, profile_latency, pr
 from specdraft.commands.profile import int_list
 from specdraft.errors import SpecdraftError
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

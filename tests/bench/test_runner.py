@@ -23,12 +23,7 @@ CONTRACT = [
 HF = ["hf_plain_tokens_per_s", "hf_assisted_tokens_per_s", "hf_prompt_lookup_tokens_per_s"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
