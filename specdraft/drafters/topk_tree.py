@@ -166,6 +166,9 @@ class TreeGrowth:
     """The grow loop both tree drafters share: they differ in how a frontier becomes the draft's
     input (:meth:`_feed`) and in where the root comes from."""
 
+    proposes_trees = True
+    source = "model"
+
     def __init__(self, runtime, shape: TreeShape, name: str):
         core = getattr(runtime, "runtime", runtime)  # under a subset head
         if shape.width > 1 and "slots" not in inspect.signature(core.forward).parameters:
@@ -307,9 +310,6 @@ class TopKTreeDrafter(TreeGrowth):
         name: shown in statistics.
     """
 
-    proposes_trees = True
-    source = "model"
-
     def __init__(self, model: ModelDrafter, shape: TreeShape, name: str):
         super().__init__(model.runtime, shape, name)
         self.model, self.vocab_size = model, model.vocab_size
@@ -359,9 +359,6 @@ class FeatureTreeDrafter(TreeGrowth):
         shape: static or dynamic.
         name: shown in statistics.
     """
-
-    proposes_trees = True
-    source = "model"
 
     def __init__(self, feature: FeatureDrafterBase, shape: TreeShape, name: str):
         super().__init__(feature.runtime, shape, name)
