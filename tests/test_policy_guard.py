@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from specdraft.engine import Engine, Request
+from specdraft.engine import Engine, Request, decode_requests
 from specdraft.errors import SpecdraftError
 from specdraft.policy import CappedPolicy, CostAwareK, FixedK, SafeArm
 from specdraft.verify import SamplingParams
@@ -233,13 +233,9 @@ def test_every_drafter_kind_goes_through_the_safe_arm(name):
         drafter = case.drafter if guarded_run else None
         engine = Engine(target, drafter, policy, hidden_layers=getattr(drafter, "hidden_layers", ()))
         # rows of different lengths: rows leave the batch between plain and speculative steps
-        reqs = [Request(PROMPT + [i], 48 - 6 * i, SamplingParams()) for i in range(4)]
-        engine.add(reqs)
-        out: dict[int, list[int]] = {}
-        while engine.active:
-            for ev in engine.step():
-                out.setdefault(ev.request_id, []).extend(ev.tokens)
-        outputs.append([out[r.id] for r in reqs])
+        outputs.append(
+            decode_requests(engine, [Request(PROMPT + [i], 48 - 6 * i, SamplingParams()) for i in range(4)])
+        )
     p = policy.inner if isinstance(policy, CappedPolicy) else policy
     assert p.rate.fallbacks >= 1, p.asked
     # the trials of each band of batch sizes the batch went through (rows finish at different steps)
@@ -272,11 +268,7 @@ def test_every_drafter_kind_survives_plain_steps_after_rows_leave(name):
     outputs = []
     hidden = getattr(drafter, "hidden_layers", ())
     for engine in (Engine(target), Engine(target, drafter, policy, hidden_layers=hidden)):
-        reqs = [Request(PROMPT + [i], 12 + 9 * i, SamplingParams()) for i in range(4)]
-        engine.add(reqs)
-        out: dict[int, list[int]] = {}
-        while engine.active:
-            for ev in engine.step():
-                out.setdefault(ev.request_id, []).extend(ev.tokens)
-        outputs.append([out[r.id] for r in reqs])
+        outputs.append(
+            decode_requests(engine, [Request(PROMPT + [i], 12 + 9 * i, SamplingParams()) for i in range(4)])
+        )
     assert outputs[0] == outputs[1]
