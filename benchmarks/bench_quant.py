@@ -22,6 +22,10 @@ In one run, on the same chat-templated token ids and thread count:
   quantized runtime's prefill of 256 ids and 64 one-token forwards after them (the same shape), so
   that the ratios come from one run; llama-bench has no Python between tokens, llama-cpp-python's
   ``eval`` has;
+- kernel variants (``--sections variants``): the quantized runtime's forward of n new tokens
+  (n = 1, 2, 5, 9 and a 64-token prefill chunk) with each kernel variant this CPU runs (avx2, and
+  avxvnni / avx512vnni where it has them: the same bits, the integer products by ``vpdpbusd``),
+  rounds alternating between the variants, medians, and each one's time over avx2's;
 - start to first token and peak RSS: a fresh Python process per runtime (warm caches), each
   running ``api.load(..., dtype="bf16" | "q")`` (what ``specdraft generate --dtype ...`` loads:
   for ``q`` the tokenizer only) and one prefill; peak RSS is the process's VmHWM (ru_maxrss
@@ -30,6 +34,7 @@ In one run, on the same chat-templated token ids and thread count:
     .venv/bin/python benchmarks/bench_quant.py --threads 2
     .venv/bin/python benchmarks/bench_quant.py --threads 2 --sections llamacpp --new-tokens 128
     .venv/bin/python benchmarks/bench_quant.py --threads 2 --sections llama-bench
+    .venv/bin/python benchmarks/bench_quant.py --threads 2 --sections variants
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specdraft.bench import harness, llamacpp_baselines, profile
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.engine import Engine
-from specdraft.models import loading
+from specdraft.models import loading, quant
 from specdraft.models.llama import LlamaRuntime, LlamaWeights
 from specdraft.models.quant import QuantRuntime
 from specdraft.policy import make_policy
@@ -75,7 +80,8 @@ print(int(out.logits[0, -1].argmax()), int(hwm.split()[1]) // 1024)
 """
 DTYPE = {"bf16 compact": "bf16", "quantized": "q"}
 LLAMA_BENCH = Path(__file__).resolve().parents[1] / "peers" / "build" / "bin" / "llama-bench"
-SECTIONS = ("decode", "agreement", "steps", "startup", "llamacpp", "llama-bench")
+SECTIONS = ("decode", "agreement", "steps", "startup", "llamacpp", "llama-bench", "variants")
+VARIANT_STEPS = (1, 2, 5, 9, 64)  # new tokens per forward in the variants section
 
 
 def chat_ids(tok, text: str) -> list[int]:
@@ -228,7 +234,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the prompts")
     p.add_argument(
         "--sections",
-        default=",".join(s for s in SECTIONS if s != "llamacpp"),
+        default=",".join(s for s in SECTIONS if s not in ("llamacpp", "llama-bench")),
         help=f"comma-separated, of {', '.join(SECTIONS)} (llamacpp needs make peers)",
     )
     p.add_argument("--json", type=Path, default=None)
@@ -268,6 +274,8 @@ def main(argv=None) -> int:
         agreement(outs["plain"], report, args.new_tokens)
     if "steps" in sections:
         verification_cost(runtimes, args, report)
+    if "variants" in sections:
+        kernel_variants(gguf, args, report)
     if "startup" in sections:
         startup_section(list(runtimes), args, report)
     if "llamacpp" in sections:
@@ -323,6 +331,22 @@ def verification_cost(runtimes: dict, args, report: dict) -> None:
     for n in names:
         print(f"  T(k + 1) / T(1), k = 1..8, {n}: " + " ".join(f"{cost[n][k]:.2f}" for k in range(1, 9)))
     tree_steps(times, names, report)
+
+
+def kernel_variants(gguf: Path, args, report: dict) -> None:
+    """Each kernel variant's forward time over avx2's, in the same rounds (A B C, A B C, ...)."""
+    names = [v for v in quant.variants() if v != "ref"]
+    print(
+        f"\nkernel variants at a {args.context}-token context (medians of {args.rounds} rounds, alternating)"
+    )
+    times = profile.compare_forwards(
+        {v: QuantRuntime(gguf, v) for v in names}, VARIANT_STEPS, args.context, args.rounds
+    )
+    report["variant_step_ms"] = {v: {n: times[v][n] * 1e3 for n in VARIANT_STEPS} for v in names}
+    print("  n  " + "".join(f"{v:>24s}" for v in names))
+    for n in VARIANT_STEPS:
+        cells = [f"{times[v][n] * 1e3:8.2f} ms {times[v][n] / times['avx2'][n]:5.2f}x" for v in names]
+        print(f"  {n:<3d}" + "".join(f"{c:>24s}" for c in cells))
 
 
 def tree_steps(times: dict, names: list[str], report: dict) -> None:

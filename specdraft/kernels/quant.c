@@ -1,4 +1,4 @@
-/* Quantized matmuls over GGUF weight blocks, for a few rows of activations (AVX2, run-time chosen):
+/* Quantized matmuls over GGUF weight blocks, for a few rows of activations (AVX2 or VNNI, run-time chosen):
  *
  *   quant_quantize   fp32 rows -> 8-bit activation blocks of 32 (one fp32 scale per block, per row)
  *   quant_matmul     y = x W^T with W in GGUF blocks (Q4_0, Q4_1, Q8_0), x as activation blocks
@@ -41,6 +41,11 @@
  * Tiles (AVX2): 4 weight rows x up to 3 activation rows; each unpacked weight block serves every
  * row; see "the AVX2 tiles".
  *
+ * Variants (run-time choice, quant.py's variants()): ref (the scalar dot_ref), avx2, and where the
+ * CPU has them avxvnni / avx512vnni: the AVX2 tiles with the integer products summed by one vpdpbusd
+ * instead of vpmaddubsw + vpmaddwd + adds (see dpbusd). The integer sums are exact either way and the
+ * float chain is the same, so every variant gives the same bits.
+ *
  * Why hand-written: BLAS and oneDNN int8 GEMMs (and llama.cpp's own llamafile / repacked GEMMs)
  * choose their blocking, and so their float summation order, by the number of rows, so a row's
  * result changes with the batch it is in; no library offers a per-row-deterministic product of
@@ -60,7 +65,7 @@
 
 #define QK 32
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8 }; /* ggml type ids */
-enum { V_REF = 0, V_AVX2 = 1 };              /* kernel variants */
+enum { V_REF = 0, V_AVX2 = 1, V_AVXVNNI = 2, V_AVX512VNNI = 3 }; /* kernel variants (`isa` below) */
 #define MR 3                                 /* activation rows per tile, at most */
 #define PF 2048                              /* prefetch distance in bytes */
 #define KT 768 /* rows up to KT wide take the lane-transposed tiles (their activations stay in L1) */
@@ -223,12 +228,33 @@ static inline __m256 scales4(int type, const uint8_t *p, long rs, __m128 *m4) {
 
 #define AI __attribute__((always_inline))
 
+/* acc + per int32 lane the sum of its 4 byte products u s (u unsigned, s signed): vpdpbusd with VNNI
+ * (VEX-encoded for AVX-VNNI, EVEX for AVX512-VNNI + VL, on the same 256-bit registers), else AVX2's
+ * vpmaddubsw, vpmaddwd with ones and vpaddd. Every use here has |u| <= 127 and |s| <= 127, so
+ * vpmaddubsw's 16-bit pair sums (<= 2 127 127 < 2^15) never saturate and both forms give the same
+ * exact integers: a VNNI variant computes bit for bit what the AVX2 one does, in fewer instructions.
+ * Inline assembly because this file is compiled for AVX2 only (the VNNI intrinsics would need their
+ * target on every function they are inlined into, and the compiler could then emit VNNI in the AVX2
+ * variant); which form runs is the caller's `isa`, chosen at run time (quant.py's variants()). */
+static inline AI __m256i dpbusd(int isa, __m256i acc, __m256i u, __m256i s) {
+    if (isa == V_AVXVNNI)
+        __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
+    else if (isa == V_AVX512VNNI)
+        __asm__("%{evex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
+    else
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+    return acc;
+}
+
 /* The half sums [lo(c0) .. lo(c3) | hi(c0) .. hi(c3)] of 4 columns from their pair products p[c]
  * (vpmaddubsw: 16-bit lanes 0-7 elements 0..15, lanes 8-15 elements 16..31). Q4 weights: horizontal
  * adds in 16 bits (|w a + w' a'| <= 2 15 127, eight of them < 2^15), then pairs widened to 32 bits;
- * Q8_0: widened first, then 32-bit horizontal adds. */
-static inline AI __m256i halves4(int type, const __m256i *p) {
+ * Q8_0: widened first, then 32-bit horizontal adds. VNNI: p[c] are dpbusd's sums of 4 products
+ * (lanes 0-3 elements 0..15, 4-7 16..31), added horizontally in 32 bits. */
+static inline AI __m256i halves4(int isa, int type, const __m256i *p) {
     const __m256i ones = _mm256_set1_epi16(1);
+    if (isa != V_AVX2) /* p[c]: the 4-product sums already (dpbusd) */
+        return _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
     if (type != T_Q8_0)
         return _mm256_madd_epi16(
             _mm256_hadd_epi16(_mm256_hadd_epi16(p[0], p[1]), _mm256_hadd_epi16(p[2], p[3])), ones);
@@ -240,7 +266,7 @@ static inline AI __m256i halves4(int type, const __m256i *p) {
 
 /* Block b of R activation rows against 4 columns' integer weights wq (aw: |wq|, or wq for Q4_1)
  * with scales dw (as scales4) and Q4_1 mins m4: acc[r] and mins[r] advanced by one block. */
-static inline AI void block_cols(int type, const __m256i *wq, const __m256i *aw, __m256 dw, __m128 m4,
+static inline AI void block_cols(int isa, int type, const __m256i *wq, const __m256i *aw, __m256 dw, __m128 m4,
                                  const block_a8 *a, long as, int b, int R, __m256 *acc, __m128 *mins) {
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
@@ -248,10 +274,12 @@ static inline AI void block_cols(int type, const __m256i *wq, const __m256i *aw,
         const __m256i av = _mm256_loadu_si256((const __m256i *)ab->qs);
         __m256i p[NC];
 #pragma GCC unroll 4
-        for (int c = 0; c < NC; c++) /* a sign(w): |w| a sign(w) = w a (Q4_1: w >= 0 already) */
-            p[c] = _mm256_maddubs_epi16(aw[c], type == T_Q4_1 ? av : _mm256_sign_epi8(av, wq[c]));
+        for (int c = 0; c < NC; c++) { /* a sign(w): |w| a sign(w) = w a (Q4_1: w >= 0 already) */
+            const __m256i sa = type == T_Q4_1 ? av : _mm256_sign_epi8(av, wq[c]);
+            p[c] = isa == V_AVX2 ? _mm256_maddubs_epi16(aw[c], sa) : dpbusd(isa, _mm256_setzero_si256(), aw[c], sa);
+        }
         const __m256 sc = _mm256_mul_ps(dw, _mm256_broadcast_ss(&ab->d));
-        acc[r] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(halves4(type, p)), acc[r]);
+        acc[r] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(halves4(isa, type, p)), acc[r]);
         if (type == T_Q4_1) mins[r] = _mm_fmadd_ps(m4, _mm_broadcast_ss(&ab->s), mins[r]);
     }
 }
@@ -330,26 +358,28 @@ static void acts_transposed(const block_a8 *a, int M, int nb, int8_t *a4) {
 /* Block b of R activation rows (a4: their transposed bytes) against 4 columns' transposed weights
  * aw[k] (|w|, or w for Q4_1) with signs sg[k] (Q4_0, Q8_0), scales dw (as scales4) and Q4_1 mins
  * m4: acc[r] and mins[r] advanced by one block. The 4 pair-product vectors add up in 16 bits for Q4
- * weights (|w a + w' a'| <= 3810, four of them < 2^15), in 32 bits for Q8_0. */
-static inline AI void block_rows(int type, const __m256i *aw, const __m256i *sg, __m256 dw, __m128 m4,
+ * weights (|w a + w' a'| <= 3810, four of them < 2^15), in 32 bits for Q8_0; with VNNI, 4 dpbusd. */
+static inline AI void block_rows(int isa, int type, const __m256i *aw, const __m256i *sg, __m256 dw, __m128 m4,
                                  const block_a8 *a, const int8_t *a4, long as, int b, int R, __m256 *acc,
                                  __m128 *mins) {
     const __m256i ones = _mm256_set1_epi16(1);
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
         const block_a8 *ab = a + r * as + b;
-        __m256i p[4];
+        __m256i p[4], v = _mm256_setzero_si256();
 #pragma GCC unroll 4
         for (int k = 0; k < 4; k++) {
             __m256i av = _mm256_load_si256((const __m256i *)(a4 + ((r * as + b) * 4 + k) * QK));
             if (type != T_Q4_1) av = _mm256_sign_epi8(av, sg[k]);
-            p[k] = _mm256_maddubs_epi16(aw[k], av);
-            if (type == T_Q8_0) p[k] = _mm256_madd_epi16(p[k], ones);
+            if (isa != V_AVX2) /* VNNI: lane k's 4 products of each column straight into the sums */
+                v = dpbusd(isa, v, aw[k], av);
+            else
+                p[k] = _mm256_maddubs_epi16(aw[k], av);
         }
-        __m256i v;
-        if (type == T_Q8_0)
-            v = _mm256_add_epi32(_mm256_add_epi32(p[0], p[1]), _mm256_add_epi32(p[2], p[3]));
-        else
+        if (isa == V_AVX2 && type == T_Q8_0)
+            v = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(p[0], ones), _mm256_madd_epi16(p[1], ones)),
+                                 _mm256_add_epi32(_mm256_madd_epi16(p[2], ones), _mm256_madd_epi16(p[3], ones)));
+        else if (isa == V_AVX2)
             v = _mm256_madd_epi16(
                 _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])), ones);
         const __m256 sc = _mm256_mul_ps(dw, _mm256_broadcast_ss(&ab->d));
@@ -359,7 +389,7 @@ static inline AI void block_rows(int type, const __m256i *aw, const __m256i *sg,
 }
 
 /* R activation rows against a transposed unpacked tile: out[r * NC + c], dot_ref's operations. */
-static inline AI void tile_rows(int type, const unpacked *u, const block_a8 *a, const int8_t *a4, long as,
+static inline AI void tile_rows(int isa, int type, const unpacked *u, const block_a8 *a, const int8_t *a4, long as,
                                 int nb, int R, float *out) {
     __m256 acc[MR];
     __m128 mins[MR];
@@ -373,7 +403,7 @@ static inline AI void tile_rows(int type, const unpacked *u, const block_a8 *a, 
             if (type != T_Q4_1) sg[k] = _mm256_load_si256((const __m256i *)(u->s + (b * 4 + k) * QK));
         }
         const __m256 dw = _mm256_load_ps(u->d + 8 * b);
-        block_rows(type, aw, sg, dw, _mm_load_ps(u->m + 4 * b), a, a4, as, b, R, acc, mins);
+        block_rows(isa, type, aw, sg, dw, _mm_load_ps(u->m + 4 * b), a, a4, as, b, R, acc, mins);
     }
     finish4(acc, mins, R, out);
 }
@@ -383,7 +413,7 @@ static inline AI void tile_rows(int type, const unpacked *u, const block_a8 *a, 
  * registers (block_rows), else their half sums come by horizontal adds (block_cols): in a 1-thread
  * A/B the first is 0.85x for 2 rows of Q4 weights, 1.04-1.07x for 1 row and for Q8_0 (direct_a4).
  * The weights PF bytes ahead are prefetched as the tile streams its own. */
-static inline AI void tile_direct(int type, const uint8_t *w, long rs, const block_a8 *a, const int8_t *a4,
+static inline AI void tile_direct(int isa, int type, const uint8_t *w, long rs, const block_a8 *a, const int8_t *a4,
                                   long as, int nb, int R, float *out) {
     __m256 acc[MR];
     __m128 mins[MR];
@@ -403,12 +433,12 @@ static inline AI void tile_direct(int type, const uint8_t *w, long rs, const blo
             aw[c] = type == T_Q4_1 ? sg[c] : _mm256_sign_epi8(sg[c], sg[c]);
         }
         if (!a4) {
-            block_cols(type, sg, aw, dw, m4, a, as, b, R, acc, mins);
+            block_cols(isa, type, sg, aw, dw, m4, a, as, b, R, acc, mins);
             continue;
         }
         transpose4(aw);
         if (type != T_Q4_1) transpose4(sg);
-        block_rows(type, aw, sg, dw, m4, a, a4, as, b, R, acc, mins);
+        block_rows(isa, type, aw, sg, dw, m4, a, a4, as, b, R, acc, mins);
     }
     finish4(acc, mins, R, out);
 }
@@ -425,7 +455,7 @@ static inline AI void tile_unpack_cols(int type, const uint8_t *w, long rs, int 
 }
 
 /* R activation rows against a by-column unpacked tile: out[r * NC + c], dot_ref's operations. */
-static inline AI void tile_rows_cols(int type, const unpacked *u, const block_a8 *a, long as, int nb, int R,
+static inline AI void tile_rows_cols(int isa, int type, const unpacked *u, const block_a8 *a, long as, int nb, int R,
                                      float *out) {
     __m256 acc[MR];
     __m128 mins[MR];
@@ -439,14 +469,14 @@ static inline AI void tile_rows_cols(int type, const unpacked *u, const block_a8
             aw[c] = type == T_Q4_1 ? wq[c] : _mm256_sign_epi8(wq[c], wq[c]);
         }
         const __m256 dw = _mm256_load_ps(u->d + 8 * b);
-        block_cols(type, wq, aw, dw, _mm_load_ps(u->m + 4 * b), a, as, b, R, acc, mins);
+        block_cols(isa, type, wq, aw, dw, _mm_load_ps(u->m + 4 * b), a, as, b, R, acc, mins);
     }
     finish4(acc, mins, R, out);
 }
 
 /* One weight row at a time (the rows left over from the 4-row tiles): dot_ref's operations, the
  * half sums reduced from the vector lanes. */
-static inline AI void dot_avx2(int type, const uint8_t *row, const block_a8 *a, long as, int nb, int R,
+static inline AI void dot_avx2(int isa, int type, const uint8_t *row, const block_a8 *a, long as, int nb, int R,
                                float *out) {
     float lo[MR], hi[MR], mins[MR];
 #pragma GCC unroll 4
@@ -463,7 +493,8 @@ static inline AI void dot_avx2(int type, const uint8_t *row, const block_a8 *a, 
             const block_a8 *ab = a + r * as + b;
             __m256i av = _mm256_loadu_si256((const __m256i *)ab->qs);
             if (type != T_Q4_1) av = _mm256_sign_epi8(av, wq);
-            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, av), ones);
+            __m256i p = isa == V_AVX2 ? _mm256_madd_epi16(_mm256_maddubs_epi16(aw, av), ones)
+                                      : dpbusd(isa, _mm256_setzero_si256(), aw, av);
             p = _mm256_hadd_epi32(p, p);
             p = _mm256_hadd_epi32(p, p); /* lane 0: elements 0..15, lane 4: 16..31 */
             const float scale = d * ab->d;
@@ -498,27 +529,27 @@ static inline int direct_a4(int type, int M) { return M == 2 && type != T_Q8_0; 
 
 /* R rows (R <= 3) of a tile: tile_direct from w, or tile_rows / tile_rows_cols from the unpacked
  * copy u (a4: the transposed activations, NULL for the by-column copy). */
-static inline AI void tile_group(int type, int direct, const uint8_t *w, long rs, const unpacked *u,
+static inline AI void tile_group(int isa, int type, int direct, const uint8_t *w, long rs, const unpacked *u,
                                  const block_a8 *a, const int8_t *a4, int nb, int R, float *out) {
     if (direct && R == 3)
-        tile_direct(type, w, rs, a, a4, nb, nb, 3, out);
+        tile_direct(isa, type, w, rs, a, a4, nb, nb, 3, out);
     else if (direct && R == 2)
-        tile_direct(type, w, rs, a, a4, nb, nb, 2, out);
+        tile_direct(isa, type, w, rs, a, a4, nb, nb, 2, out);
     else if (direct)
-        tile_direct(type, w, rs, a, a4, nb, nb, 1, out);
+        tile_direct(isa, type, w, rs, a, a4, nb, nb, 1, out);
     else if (!a4 && R == 3) /* unpacked: M >= 3 rows, so balanced groups of 2 or 3 */
-        tile_rows_cols(type, u, a, nb, nb, 3, out);
+        tile_rows_cols(isa, type, u, a, nb, nb, 3, out);
     else if (!a4)
-        tile_rows_cols(type, u, a, nb, nb, 2, out);
+        tile_rows_cols(isa, type, u, a, nb, nb, 2, out);
     else if (R == 3)
-        tile_rows(type, u, a, a4, nb, nb, 3, out);
+        tile_rows(isa, type, u, a, a4, nb, nb, 3, out);
     else
-        tile_rows(type, u, a, a4, nb, nb, 2, out);
+        tile_rows(isa, type, u, a, a4, nb, nb, 2, out);
 }
 
 /* All M rows against weight rows [n0, n1): 4-row tiles, direct or unpacked once (use_direct), each
  * run in balanced groups of <= 3 rows (8 rows as 3 + 3 + 2), then the rows left over one at a time. */
-static inline AI void range_avx2(int type, const qmat *W, const block_a8 *a, int M, float *y, long ldy,
+static inline AI void range_avx2(int isa, int type, const qmat *W, const block_a8 *a, int M, float *y, long ldy,
                                  int n0, int n1, int add, const unpacked *u, const int8_t *a4) {
     const int nb = W->cols / QK, groups = (M + MR - 1) / MR, direct = use_direct(type, M);
     const long rs = W->row_bytes;
@@ -533,7 +564,7 @@ static inline AI void range_avx2(int type, const qmat *W, const block_a8 *a, int
         for (int g = 0, m0 = 0; g < groups; g++) {
             const int R = (M - m0 + groups - g - 1) / (groups - g);
             const int8_t *a4m = a4 ? a4 + (long)m0 * nb * 4 * QK : NULL;
-            tile_group(type, direct, w, rs, u, a + (long)m0 * nb, a4m, nb, R, out);
+            tile_group(isa, type, direct, w, rs, u, a + (long)m0 * nb, a4m, nb, R, out);
             store_out(W, out, R, n, NC, y + (long)m0 * ldy, ldy, add);
             m0 += R;
         }
@@ -542,11 +573,22 @@ static inline AI void range_avx2(int type, const qmat *W, const block_a8 *a, int
         for (int m0 = 0; m0 < M; m0 += 2) {
             const int R = M - m0 < 2 ? M - m0 : 2;
             if (R == 2)
-                dot_avx2(type, W->w + n * rs, a + (long)m0 * nb, nb, nb, 2, out);
+                dot_avx2(isa, type, W->w + n * rs, a + (long)m0 * nb, nb, nb, 2, out);
             else
-                dot_avx2(type, W->w + n * rs, a + (long)m0 * nb, nb, nb, 1, out);
+                dot_avx2(isa, type, W->w + n * rs, a + (long)m0 * nb, nb, nb, 1, out);
             store_out(W, out, R, n, 1, y + (long)m0 * ldy, ldy, add);
         }
+}
+
+/* range_avx2 for W's type, each (isa, type) pair compiled on its own (constants inlined). */
+static inline AI void range_types(int isa, const qmat *W, const block_a8 *a, int M, float *y, long ldy, int n0,
+                                  int n1, int add, const unpacked *u, const int8_t *a4) {
+    if (W->type == T_Q4_0)
+        range_avx2(isa, T_Q4_0, W, a, M, y, ldy, n0, n1, add, u, a4);
+    else if (W->type == T_Q4_1)
+        range_avx2(isa, T_Q4_1, W, a, M, y, ldy, n0, n1, add, u, a4);
+    else
+        range_avx2(isa, T_Q8_0, W, a, M, y, ldy, n0, n1, add, u, a4);
 }
 
 /* Weight rows [n0, n1) of y = x W^T (add: y += x W^T) for all M rows. */
@@ -575,12 +617,12 @@ static void matmul_range(const qmat *W, const block_a8 *a, int M, float *y, long
         }
         if (acts) a4 = u.q + tile, acts_transposed(a, M, nb, a4);
     }
-    if (W->type == T_Q4_0)
-        range_avx2(T_Q4_0, W, a, M, y, ldy, n0, n1, add, &u, a4);
-    else if (W->type == T_Q4_1)
-        range_avx2(T_Q4_1, W, a, M, y, ldy, n0, n1, add, &u, a4);
+    if (variant == V_AVXVNNI)
+        range_types(V_AVXVNNI, W, a, M, y, ldy, n0, n1, add, &u, a4);
+    else if (variant == V_AVX512VNNI)
+        range_types(V_AVX512VNNI, W, a, M, y, ldy, n0, n1, add, &u, a4);
     else
-        range_avx2(T_Q8_0, W, a, M, y, ldy, n0, n1, add, &u, a4);
+        range_types(V_AVX2, W, a, M, y, ldy, n0, n1, add, &u, a4);
     free(u.q);
 }
 

@@ -55,7 +55,9 @@ from specdraft.models.runtime import ForwardOutput
 QTYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}  # ggml type id -> name: the matmul types quant.c takes
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # bytes per 32 weights
 F32 = 0
-VARIANTS = {"ref": 0, "avx2": 1}  # kernel variants; "ref" is the scalar reference
+VARIANTS = {"ref": 0, "avx2": 1, "avxvnni": 2, "avx512vnni": 3}  # kernel variants; "ref": scalar
+# the VNNI variants and the /proc/cpuinfo flags each needs, the fastest last
+VNNI_FLAGS = {"avx512vnni": {"avx512_vnni", "avx512vl"}, "avxvnni": {"avx_vnni"}}
 SOURCE = Path(kernels.__file__).with_name("quant.c")
 _INDEX_FORMAT = 1
 
@@ -109,9 +111,13 @@ def lib() -> ctypes.CDLL:
 
 
 def variants() -> list[str]:
-    """The kernel variants this CPU runs (the fastest last)."""
+    """The kernel variants this CPU runs (the fastest last): the VNNI ones are the AVX2 tiles with
+    one ``vpdpbusd`` for their integer products (quant.c, ``dpbusd``), the same bits as ``avx2``."""
     flags = build.cpu_flags()
-    return ["ref"] + (["avx2"] if "avx2" in flags and "fma" in flags and "f16c" in flags else [])
+    if not {"avx2", "fma", "f16c"} <= flags:
+        return ["ref"]
+    vnni = [v for v, need in VNNI_FLAGS.items() if need <= flags]
+    return ["ref", "avx2", *vnni]
 
 
 @dataclass

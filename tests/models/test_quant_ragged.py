@@ -77,7 +77,7 @@ def _ragged_step(rt, state, new: list[list[int]], lengths: list[int], starts: li
 @pytest.mark.parametrize(
     "first, second", [([1, 4, 2, 3], [3, 1, 2, 1]), ([4, 1, 1, 1], [1, 1, 3, 2]), ([2, 1, 4], [1, 3, 1])]
 )
-@pytest.mark.parametrize("variant", ["avx2", "ref"])
+@pytest.mark.parametrize("variant", quant.variants())
 def test_ragged_rows_equal_their_own_one_token_steps(gguf_path, variant, first, second):
     """Two ragged steps (the second from each row's own length): every row's logits equal its own
     one-token steps bit for bit, so the first step wrote exactly the row's cache entries. Four rows
