@@ -254,7 +254,10 @@ class SafeArm:
     m tokens over B rows would have cost plain decoding ``m T_plain(B) / B``. Per band of batch
     sizes (1, 2-3, 4-7, 8-15, ...) the decayed sums of those plain-equivalent seconds (``saved``)
     and of the seconds spent (``spent``) are kept over the speculative steps; once ``evidence``
-    steps are in, speculation stays on while ``saved >= (1 - margin) spent``. Otherwise the band
+    steps are in, or as soon as they have lost more than ``max_loss`` plain steps' time
+    (``spent - saved > max_loss T_plain(B)``: a few very slow steps, such as a model draft catching up
+    on the many tokens plain steps committed since it last ran, need no more evidence), speculation
+    stays on while ``saved >= (1 - margin) spent``. Otherwise the band
     decodes plainly for ``backoff`` steps, then tries speculation again for another ``evidence``
     steps (a trial); each trial that still loses doubles the back-off (up to ``backoff_max``), one
     that pays resets it. A plain step is also taken after ``refresh`` speculative ones (and before
@@ -262,13 +265,15 @@ class SafeArm:
     read off the measured ones on the side that favours plain decoding (:meth:`RealisedRate.plain_time`).
 
     The guarantee: an always-losing speculation costs at most its trials over plain decoding, per
-    band: ``evidence`` steps at the first verdict and per trial, trials after 16, 32, 64, ... plain
-    steps (about ``evidence * (1 + log2(N / backoff))`` losing steps in N). Its cost on clean
+    band: ``evidence`` steps (and at most ``max_loss`` plain steps' time lost, plus one step) at the
+    first verdict and per trial, trials after 16, 32, 64, ... plain steps (about
+    ``evidence * (1 + log2(N / backoff))`` losing steps in N). Its cost on clean
     traffic is the refresh steps (1 in ``refresh``) and the false verdicts of noisy timings
     (``benchmarks/bench_policy.py --policies auto,auto-unguarded`` measures it).
 
     Attributes:
         evidence: speculative steps a verdict needs (at the start and in each trial).
+        max_loss: plain steps' time speculation may lose before a verdict, with fewer steps.
         decay: weight of history in the ``saved`` / ``spent`` sums (per speculative step).
         margin: tolerated shortfall of realised speed against plain's before falling back.
         backoff: plain steps after the first losing verdict; doubles per losing trial.
@@ -280,6 +285,7 @@ class SafeArm:
     """
 
     evidence: int = 8
+    max_loss: float = 4.0
     decay: float = 0.95
     margin: float = 0.0
     backoff: int = 16
@@ -290,11 +296,11 @@ class SafeArm:
 
     def __post_init__(self):
         if not (self.evidence >= 1 and 1 <= self.backoff <= self.backoff_max and self.refresh >= 1) or not (
-            0 < self.decay < 1 and self.plain_window >= 1 and 0 <= self.margin < 1
+            0 < self.decay < 1 and self.plain_window >= 1 and 0 <= self.margin < 1 and self.max_loss > 0
         ):
             raise SpecdraftError(
                 "SafeArm: need evidence >= 1, 1 <= backoff <= backoff_max, refresh >= 1, "
-                "0 < decay < 1, plain_window >= 1, 0 <= margin < 1"
+                "0 < decay < 1, plain_window >= 1, 0 <= margin < 1, max_loss > 0"
             )
 
 
@@ -366,7 +372,7 @@ class RealisedRate:
         band.spent = d * band.spent + seconds
         band.steps += 1
         band.since_plain += 1
-        if band.steps < self.arm.evidence:
+        if band.steps < self.arm.evidence and band.spent - band.saved <= self.arm.max_loss * plain:
             return
         if band.saved >= (1 - self.arm.margin) * band.spent:
             if band.trial:

@@ -38,13 +38,15 @@ class Clock:
 class World:
     """B rows drafting with acceptance ``alpha`` per token; verification costs ``slope`` T1 per extra
     token fed per row, and the policy is told ``told`` (None: the truth) and ``told_draft`` seconds
-    per draft token."""
+    per draft token; a speculative step also takes ``extra`` seconds the policy is not told of (as a
+    model draft's catch-up on the tokens plain steps committed)."""
 
     B: int
     alpha: float
     slope: float
     told: float | None = None
     told_draft: float = T_DRAFT
+    extra: float = 0.0
 
 
 @dataclass
@@ -73,7 +75,7 @@ def simulate(policy, clock: Clock, world: World, steps: int, seed: int = 0, run:
         survive = (torch.rand(world.B, max(n, 1), generator=g) < world.alpha).to(torch.int64).cumprod(1)
         accepted = (survive[:, :n] * (torch.arange(n) < nv.unsqueeze(1))).sum(1)  # (B,)
         told = world.slope if world.told is None else world.told
-        seconds = k * T_DRAFT + T1 * (1 + world.slope * n)
+        seconds = k * T_DRAFT + T1 * (1 + world.slope * n) + (world.extra if k else 0.0)
         clock.t += seconds
         policy.update(k, nv, accepted, k * world.told_draft, T1 * (1 + told * n), None, rows)
         run.seconds += seconds
@@ -133,6 +135,24 @@ def test_speculation_the_profile_says_pays_but_the_clock_says_loses_is_switched_
     assert run.vs_plain > 0.9
 
 
+@pytest.mark.parametrize("B", [1, 8])
+def test_a_few_very_slow_steps_are_a_verdict_without_more_evidence(B):
+    """Each speculative step also takes 10 plain steps' time the model does not see (a draft
+    catching up): the first such step loses more than max_loss plain steps, so each window ends after
+    one step instead of evidence = 8. In 400 steps: windows at 0, then after back-offs of 16, 32, 64
+    and 128 plain steps, one step each."""
+    steps = 400
+    world = World(B, alpha=0.6, slope=0.05, extra=10 * T1)
+    clock = Clock()
+    policy = guarded(clock, watch=None)
+    run = simulate(policy, clock, world, steps)
+    assert policy.rate.arm.evidence == 8 and policy.rate.fallbacks == run.spec_steps == 5
+    assert run.vs_plain > 0.85
+    clock = Clock()  # without the loss bound: 8 such steps per window
+    patient = CostAwareK(k_max=8, watch=None, guard=SafeArm(clock=clock, max_loss=1e9))
+    assert simulate(patient, clock, world, steps).vs_plain < 0.7
+
+
 def test_speculation_that_pays_stays_on_and_recovers_after_a_collapse():
     """Clean traffic (acceptance 0.8, cheap verification) speculates nearly every step, the safe
     arm's refresh steps aside; a collapse (nothing accepted) switches it off; when acceptance
@@ -190,6 +210,7 @@ def test_safe_arm_settings_are_checked():
         {"backoff": 8, "backoff_max": 4},
         {"decay": 1.0},
         {"margin": 1.0},
+        {"max_loss": 0.0},
     ):
         with pytest.raises(SpecdraftError):
             SafeArm(**bad)
