@@ -37,6 +37,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
+import mmap
 import os
 import subprocess
 import tempfile
@@ -74,6 +75,7 @@ class QMat(ctypes.Structure):
         ("cols", ctypes.c_int),
         ("row_bytes", ctypes.c_long),
         ("omap", ctypes.c_void_p),
+        ("x8", ctypes.c_int),
     ]
 
 
@@ -100,7 +102,9 @@ def lib() -> ctypes.CDLL:
         so.quant_matmul.argtypes = [vp, vp, vp, i, ctypes.c_long, i, i]
         so.quant_dequant.argtypes = [vp, vp, i, vp]
         so.quant_layers.argtypes = [vp, vp, vp] + [i] * 8 + [f, i] + [vp] * 8 + [i, i]
-        for fn in (so.quant_quantize, so.quant_matmul, so.quant_dequant, so.quant_layers):
+        so.quant_repack.argtypes = [vp, vp]
+        so.quant_file_rows.argtypes = [vp, vp, i, vp]
+        for fn in (so.quant_quantize, so.quant_matmul, so.quant_dequant, so.quant_layers, so.quant_repack):
             fn.restype = None
 
     try:  # checked and rebuilt when damaged, as fewrows.c is (kernels.build.open_library)
@@ -122,19 +126,21 @@ def variants() -> list[str]:
 
 @dataclass
 class QuantMatrix:
-    """One weight matrix as the file stores it.
+    """One weight matrix in GGUF blocks: as the file stores it, or its rows repacked in groups of 8.
 
     Attributes:
-        data: ``(N, row_bytes)`` uint8, the blocks (a view of the memory-mapped file).
+        data: ``(N, row_bytes)`` uint8, the blocks (a view of the memory-mapped file, or its x8 copy).
         type: ggml type id (see :data:`QTYPES`).
         cols: K, the input width (a multiple of 32).
         omap: optional ``(N,)`` int32: output column n is written at ``omap[n]``.
+        x8: the first ``8 (N // 8)`` rows are in the x8 layout (:meth:`repacked`; quant.c).
     """
 
     data: np.ndarray
     type: int
     cols: int
     omap: torch.Tensor | None = None
+    x8: bool = False
 
     @property
     def rows(self) -> int:
@@ -142,14 +148,30 @@ class QuantMatrix:
 
     def struct(self) -> QMat:
         omap = None if self.omap is None else self.omap.data_ptr()
-        return QMat(self.data.ctypes.data, self.type, self.rows, self.cols, self.data.shape[1], omap)
+        return QMat(self.data.ctypes.data, self.type, self.rows, self.cols, self.data.shape[1], omap, self.x8)
+
+    def repacked(self) -> QuantMatrix:
+        """The same matrix with its rows in groups of 8 interleaved (the x8 layout of quant.c, which
+        its kernels read without transposing anything): a copy of the same size, bit-identical
+        products. The last ``N % 8`` rows stay as they are."""
+        if self.x8 or self.rows < 8:
+            return self
+        out = np.empty_like(self.data, order="C")
+        out[self.rows // 8 * 8 :] = self.data[self.rows // 8 * 8 :]
+        s = self.struct()
+        lib().quant_repack(ctypes.byref(s), out.ctypes.data)
+        return QuantMatrix(out, self.type, self.cols, self.omap, x8=True)
 
     def take_rows(self, ids: torch.Tensor) -> QuantMatrix:
-        """Rows ``ids`` ``(N,)`` of W, in that order: a copy of their blocks only (each row's blocks
-        are its own, so the product's row n is exactly row ``ids[n]`` of the full one)."""
+        """Rows ``ids`` ``(N,)`` of W, in that order, in the file's layout: a copy of their blocks only
+        (each row's blocks are its own, so the product's row n is exactly row ``ids[n]`` of the full one)."""
         if self.omap is not None:
             raise SpecdraftError("taking rows of a matrix with an output map is not supported")
-        return QuantMatrix(np.ascontiguousarray(self.data[ids.long().numpy()]), self.type, self.cols)
+        ids64 = ids.to(torch.int64).contiguous()
+        out = np.empty((ids64.numel(), self.data.shape[1]), dtype=np.uint8)
+        s = self.struct()
+        lib().quant_file_rows(ctypes.byref(s), ids64.data_ptr(), ids64.numel(), out.ctypes.data)
+        return QuantMatrix(out, self.type, self.cols)
 
 
 def quantize_matrix(w: torch.Tensor, qtype: int = 8) -> QuantMatrix:
@@ -192,6 +214,15 @@ def dequantize_rows(w: QuantMatrix, ids: torch.Tensor) -> torch.Tensor:
     s = w.struct()
     lib().quant_dequant(ctypes.byref(s), ids64.data_ptr(), ids64.numel(), out.data_ptr())
     return out
+
+
+def _drop_pages(mm: np.ndarray) -> None:
+    """Let the kernel drop this process's resident pages of a read-only file map (``MADV_DONTNEED``:
+    they are read again from the file if touched), so the file's bytes are not counted twice
+    beside their repacked copies."""
+    m = getattr(mm, "_mmap", None)
+    if m is not None and hasattr(m, "madvise"):
+        m.madvise(mmap.MADV_DONTNEED)
 
 
 def llama_rope_map(n_heads: int, head_dim: int) -> torch.Tensor:
@@ -423,7 +454,7 @@ class QuantWeights:
         if "rope_freqs.weight" in tensors:  # llama3-style per-frequency factors: theta / factor
             inv_freq = inv_freq / vector("rope_freqs.weight")
         _check_widths(path.name, C, layers[0].gate.rows, D, H, G)
-        return cls(
+        weights = cls(
             path=path,
             mm=mm,
             embed=embed,
@@ -438,7 +469,9 @@ class QuantWeights:
             eps=float(num("attention.layer_norm_rms_epsilon")),
             inv_freq=inv_freq,
             max_context=int(num("context_length", 2048)),
-        )
+        ).repacked()
+        _drop_pages(mm)  # read once to repack: the x8 copies are what the kernels read
+        return weights
 
     @classmethod
     def from_llama(
@@ -481,7 +514,10 @@ class QuantWeights:
 
         def layer(i: int) -> QuantLayer:
             p = f"model.layers.{i}."
-            mats = {m: quantize_matrix(tensor(f"{p}{n}.weight"), qtype) for m, n in _HF_MATRICES.items()}
+            mats = {
+                m: quantize_matrix(tensor(f"{p}{n}.weight"), qtype).repacked()
+                for m, n in _HF_MATRICES.items()
+            }
             norms = [tensor(f"{p}{n}.weight").float().contiguous() for n in _HF_NORMS]
             return QuantLayer(*norms, **mats)
 
@@ -492,7 +528,7 @@ class QuantWeights:
             path=target.path,
             mm=target.mm,
             embed=target.embed,
-            head=target.head if head_tokens is None else target.head.take_rows(head_tokens),
+            head=target.head if head_tokens is None else target.head.take_rows(head_tokens).repacked(),
             norm=tensor("model.norm.weight").float().contiguous(),
             layers=layers,
             n_heads=H,
@@ -514,8 +550,16 @@ class QuantWeights:
             raise SpecdraftError(
                 f"layer ids {layer_ids} invalid for a {L}-layer target (distinct, in 0..{L - 1})"
             )
-        head = self.head if head_tokens is None else self.head.take_rows(head_tokens)
+        head = self.head if head_tokens is None else self.head.take_rows(head_tokens).repacked()
         return replace(self, layers=[self.layers[i] for i in layer_ids], head=head)
+
+    def repacked(self) -> QuantWeights:
+        """These weights with every matrix in the x8 layout (:meth:`QuantMatrix.repacked`): what the
+        runtime multiplies by. A tied embedding and head stay one matrix."""
+        head = self.head.repacked()
+        embed = head if self.embed is self.head else self.embed.repacked()
+        layers = [replace(ly, **{n: getattr(ly, n).repacked() for n in MATRICES}) for ly in self.layers]
+        return replace(self, embed=embed, head=head, layers=layers)
 
     def embedding_fingerprint(self, block: int = 4096) -> list[float]:
         """:func:`specdraft.design.artifact.fingerprint` of the de-quantized embedding (mean, std,

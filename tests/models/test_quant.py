@@ -48,19 +48,20 @@ def dequantized(m: QuantMatrix) -> torch.Tensor:
 @pytest.mark.parametrize("K", [32, 160, 1024])
 @pytest.mark.parametrize("name", TYPES)
 def test_kernel_variants_agree_and_rows_are_independent(name, K):
-    """Every variant gives bit-identical outputs; row i of an M-row product equals the 1-row
-    product of row i alone, for M = 1..64, on 1 and 2 threads."""
+    """Every variant, on the file's layout and on the x8 one, gives bit-identical outputs; row i of
+    an M-row product equals the 1-row product of row i alone, for M = 1..64, on 1 and 2 threads."""
     g = torch.Generator().manual_seed(K)
     N = 37  # not a multiple of anything the kernels tile by
     w = quantized((torch.randn(N, K, generator=g) * 0.1).numpy(), TYPES[name])
     x = torch.randn(64, K, generator=g) * 3
     x[5] = 0.0  # an all-zero row (scale 0)
     single = torch.cat([quant_matmul(w, x[i : i + 1], "ref", 1) for i in range(64)])
-    for variant in VARIANTS:
-        for threads in (1, 2):
-            for M in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 64):
-                y = quant_matmul(w, x[:M], variant, threads)
-                assert torch.equal(y, single[:M]), (variant, threads, M)
+    for layout in (w, w.repacked()):  # N = 37: 4 groups of 8 rows, 5 rows left as they are
+        for variant in VARIANTS:
+            for threads in (1, 2):
+                for M in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 64):
+                    y = quant_matmul(layout, x[:M], variant, threads)
+                    assert torch.equal(y, single[:M]), (layout.x8, variant, threads, M)
     # and it computes the product: close to the de-quantized weights times x
     ref = x @ dequantized(w).T
     err = (single - ref).abs().max() / ref.abs().max()
@@ -81,10 +82,24 @@ def test_extreme_blocks_sum_without_overflow(name, K):
     m = quantized(w.numpy(), TYPES[name])
     x = -torch.ones(9, K) if name != "Q4_1" else torch.ones(9, K)  # all products >= 0, a = +-127
     ref = (x.double() @ dequantized(m).double().T).float()
-    for variant in VARIANTS:
-        for M in (1, 2, 3, 5, 9):
-            y = quant_matmul(m, x[:M], variant, 1)
-            torch.testing.assert_close(y, ref[:M], rtol=1e-5, atol=0)
+    for layout in (m, m.repacked()):
+        for variant in VARIANTS:
+            for M in (1, 2, 3, 5, 9):
+                y = quant_matmul(layout, x[:M], variant, 1)
+                torch.testing.assert_close(y, ref[:M], rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_repacked_rows_read_back_as_the_file_has_them(name):
+    """The x8 copy holds the same blocks: its rows taken back (take_rows) are the file's bytes, and
+    its de-quantized rows the file's values, in the groups of 8 and in the rows left after them."""
+    g = torch.Generator().manual_seed(2)
+    w = quantized(torch.randn(21, 96, generator=g).numpy(), TYPES[name])
+    x8 = w.repacked()
+    ids = torch.tensor([0, 7, 8, 15, 16, 20, 3])
+    assert x8.x8 and x8.data.shape == w.data.shape and not np.array_equal(x8.data, w.data)
+    assert np.array_equal(x8.take_rows(ids).data, w.data[ids.numpy()])
+    assert torch.equal(dequantize_rows(x8, ids), dequantize_rows(w, ids))
 
 
 @pytest.mark.parametrize("name", TYPES)
