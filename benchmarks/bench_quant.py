@@ -22,10 +22,11 @@ In one run, on the same chat-templated token ids and thread count:
   quantized runtime's prefill of 256 ids and 64 one-token forwards after them (the same shape), so
   that the ratios come from one run; llama-bench has no Python between tokens, llama-cpp-python's
   ``eval`` has;
-- kernel variants (``--sections variants``): the quantized runtime's forward of n new tokens
-  (n = 1, 2, 5, 9 and a 64-token prefill chunk) with each kernel variant this CPU runs (avx2, and
-  avxvnni / avx512vnni where it has them: the same bits, the integer products by ``vpdpbusd``),
-  rounds alternating between the variants, medians, and each one's time over avx2's;
+- kernel variants and weight layouts (``--sections variants``): the quantized runtime's forward of
+  n new tokens (n = 1, 2, 5, 9 and a 64-token prefill chunk) with each kernel variant this CPU runs
+  (avx2, and avxvnni / avx512vnni where it has them: the same bits, the integer products by
+  ``vpdpbusd``) on the x8 layout the runtime loads, and with avx2 and the fastest variant on the
+  file's own blocks, rounds alternating, medians, each over avx2 on the file's blocks;
 - start to first token and peak RSS: a fresh Python process per runtime (warm caches), each
   running ``api.load(..., dtype="bf16" | "q")`` (what ``specdraft generate --dtype ...`` loads:
   for ``q`` the tokenizer only) and one prefill; peak RSS is the process's VmHWM (ru_maxrss
@@ -56,7 +57,7 @@ from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.engine import Engine
 from specdraft.models import loading, quant
 from specdraft.models.llama import LlamaRuntime, LlamaWeights
-from specdraft.models.quant import QuantRuntime
+from specdraft.models.quant import QuantRuntime, QuantWeights
 from specdraft.policy import make_policy
 
 PROMPTS = [
@@ -334,19 +335,22 @@ def verification_cost(runtimes: dict, args, report: dict) -> None:
 
 
 def kernel_variants(gguf: Path, args, report: dict) -> None:
-    """Each kernel variant's forward time over avx2's, in the same rounds (A B C, A B C, ...)."""
-    names = [v for v in quant.variants() if v != "ref"]
+    """Each kernel variant's forward time (x8 layout, as the runtime loads it) and avx2's and the
+    fastest variant's on the file's own layout, over avx2 on the file layout, in the same rounds."""
+    variants = [v for v in quant.variants() if v != "ref"]
+    x8, file = QuantWeights.from_gguf(gguf), QuantWeights.from_gguf(gguf, repack=False)
+    runtimes = {f"{v} file": QuantRuntime(file, v) for v in dict.fromkeys(["avx2", variants[-1]])}
+    runtimes |= {f"{v} x8": QuantRuntime(x8, v) for v in variants}
     print(
-        f"\nkernel variants at a {args.context}-token context (medians of {args.rounds} rounds, alternating)"
+        f"\nkernel variants and weight layouts at a {args.context}-token context "
+        f"(medians of {args.rounds} rounds, alternating); ratio: time over avx2 on the file layout"
     )
-    times = profile.compare_forwards(
-        {v: QuantRuntime(gguf, v) for v in names}, VARIANT_STEPS, args.context, args.rounds
-    )
-    report["variant_step_ms"] = {v: {n: times[v][n] * 1e3 for n in VARIANT_STEPS} for v in names}
-    print("  n  " + "".join(f"{v:>24s}" for v in names))
+    times = profile.compare_forwards(runtimes, VARIANT_STEPS, args.context, args.rounds)
+    report["variant_step_ms"] = {r: {n: times[r][n] * 1e3 for n in VARIANT_STEPS} for r in runtimes}
+    print("  n  " + "".join(f"{r:>22s}" for r in runtimes))
     for n in VARIANT_STEPS:
-        cells = [f"{times[v][n] * 1e3:8.2f} ms {times[v][n] / times['avx2'][n]:5.2f}x" for v in names]
-        print(f"  {n:<3d}" + "".join(f"{c:>24s}" for c in cells))
+        cells = [f"{times[r][n] * 1e3:7.2f} ms {times[r][n] / times['avx2 file'][n]:5.2f}x" for r in runtimes]
+        print(f"  {n:<3d}" + "".join(f"{c:>22s}" for c in cells))
 
 
 def tree_steps(times: dict, names: list[str], report: dict) -> None:

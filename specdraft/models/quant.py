@@ -402,8 +402,10 @@ class QuantWeights:
     max_context: int
 
     @classmethod
-    def from_gguf(cls, path: str | Path) -> QuantWeights:
-        """Map a GGUF file's Llama-family weights (Q4_0 / Q4_1 / Q8_0 matrices, F32 norms).
+    def from_gguf(cls, path: str | Path, repack: bool = True) -> QuantWeights:
+        """Map a GGUF file's Llama-family weights (Q4_0 / Q4_1 / Q8_0 matrices, F32 norms), repacked
+        into the x8 layout the kernels multiply fastest (``repack=False``: the file's blocks in place,
+        for comparisons).
 
         Raises:
             SpecdraftError: not a GGUF, an architecture other than llama, biases, or block types
@@ -469,7 +471,10 @@ class QuantWeights:
             eps=float(num("attention.layer_norm_rms_epsilon")),
             inv_freq=inv_freq,
             max_context=int(num("context_length", 2048)),
-        ).repacked()
+        )
+        if not repack:
+            return weights
+        weights = weights.repacked()
         _drop_pages(mm)  # read once to repack: the x8 copies are what the kernels read
         return weights
 
