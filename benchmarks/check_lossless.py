@@ -42,6 +42,9 @@ DRAFTERS = (
     "tree:dyn,designed:smollm2-135m-l2",
     "self",
     "lookup",
+    "designed:smollm2-135m-feature",
+    "tree:dyn,designed:smollm2-135m-feature",
+    "prune:0,1,2,29",
 )
 
 
