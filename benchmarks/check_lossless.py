@@ -69,8 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def builders(pipe: api.Pipeline, specs: list[str], draft_dtype: str) -> list[tuple[str, object]]:
     """``(spec, build)`` per draft spec; a drafter that needs the target's transformers model gets it
-    (loaded once, on first use)."""
-    dtype = api.resolve_dtype(draft_dtype, draft=True)
+    (loaded once, on first use). ``draft_dtype`` is resolved per drafter, as ``specdraft bench`` does
+    (``auto``: GGUF blocks for a pruned view or a token-level designed draft beside a quantized target)."""
 
     @cache
     def with_model():
@@ -78,7 +78,7 @@ def builders(pipe: api.Pipeline, specs: list[str], draft_dtype: str) -> list[tup
 
     def build(spec: str):
         needs_model = registry.DraftSpec.parse(spec).kind not in api.RUNS_WITHOUT_TRANSFORMERS_MODEL
-        return api.make_drafter(spec, with_model() if needs_model else pipe.target, pipe.runtime, dtype)
+        return api.make_drafter(spec, with_model() if needs_model else pipe.target, pipe.runtime, draft_dtype)
 
     return [(str(registry.DraftSpec.parse(s)), lambda s=s: build(s)) for s in specs]
 
