@@ -85,6 +85,8 @@ def test_logit_drift_fp32_is_rounding_and_bf16_is_larger(tiny):
     d = lossless.logit_drift(tiny.target, prompt, cont, k=3)
     assert d.k == 3 and d.positions == 11 and d.argmax_flips == 0
     assert d.max_abs < 1e-4 and d.max_margin_shift < 1e-4
+    if kernels.cpu_has_fast_bf16():  # seen on an AVX512-BF16 Xeon: both ways give the same logits here
+        pytest.skip("native bf16 (oneDNN) computes this tiny model's chunks and single tokens alike")
     bf16 = LlamaRuntime(LlamaWeights.from_hf(tiny.model, torch.bfloat16, compute=torch.bfloat16))
     d16 = lossless.logit_drift(bf16, prompt, cont, k=3)
     assert d16.max_abs > 10 * d.max_abs
