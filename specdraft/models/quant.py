@@ -216,13 +216,18 @@ def dequantize_rows(w: QuantMatrix, ids: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _drop_pages(mm: np.ndarray) -> None:
-    """Let the kernel drop this process's resident pages of a read-only file map (``MADV_DONTNEED``:
-    they are read again from the file if touched), so the file's bytes are not counted twice
-    beside their repacked copies."""
+def _drop_pages(mm: np.memmap, view: np.ndarray) -> None:
+    """Let the kernel drop this process's resident pages of ``view``, a part of the read-only file
+    map ``mm`` (``MADV_DONTNEED``: read again from the file if touched), so that a matrix's file
+    bytes and its repacked copy are not resident at once (the whole pages inside it)."""
     m = getattr(mm, "_mmap", None)
-    if m is not None and hasattr(m, "madvise"):
-        m.madvise(mmap.MADV_DONTNEED)
+    if m is None or not hasattr(m, "madvise"):
+        return
+    offset = view.ctypes.data - mm.ctypes.data
+    start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (offset + view.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > start:
+        m.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def llama_rope_map(n_heads: int, head_dim: int) -> torch.Tensor:
@@ -432,7 +437,15 @@ class QuantWeights:
         D = int(num("attention.key_length", C // H))
         mm = np.memmap(path, dtype=np.uint8, mode="r")
         file = _GGUFTensors(path, mm, tensors)
-        vector, matrix = file.vector, file.matrix
+        vector = file.vector
+
+        def matrix(name: str, omap: torch.Tensor | None = None) -> QuantMatrix:
+            m = file.matrix(name, omap)
+            if not repack:
+                return m
+            x8 = m.repacked()  # what the kernels multiply by; the file's pages, read once, are let go
+            _drop_pages(mm, m.data)
+            return x8
 
         qmap, kmap = llama_rope_map(H, D), llama_rope_map(G, D)
         layers = [
@@ -456,7 +469,7 @@ class QuantWeights:
         if "rope_freqs.weight" in tensors:  # llama3-style per-frequency factors: theta / factor
             inv_freq = inv_freq / vector("rope_freqs.weight")
         _check_widths(path.name, C, layers[0].gate.rows, D, H, G)
-        weights = cls(
+        return cls(
             path=path,
             mm=mm,
             embed=embed,
@@ -472,11 +485,6 @@ class QuantWeights:
             inv_freq=inv_freq,
             max_context=int(num("context_length", 2048)),
         )
-        if not repack:
-            return weights
-        weights = weights.repacked()
-        _drop_pages(mm)  # read once to repack: the x8 copies are what the kernels read
-        return weights
 
     @classmethod
     def from_llama(
