@@ -42,8 +42,9 @@
  *
  * Tiles (AVX2): 4 weight rows x up to 3 activation rows; each unpacked weight block serves every
  * row; see "the AVX2 tiles". An x8 matrix: 8 weight rows x up to 2 activation rows, no unpacking
- * beyond the nibble split (group_rows): in one in-model A/B, quiet, 2 threads, Xeon (AVX512-VNNI),
- * a 1-token step 0.91x (avx2) / 0.92x (avxvnni) the file layout's time, a 64-token one 0.95x / 0.78x.
+ * beyond the nibble split (group_rows): on a Xeon (AVX512-VNNI), 2 threads, a 1-token step took 0.86x
+ * (avx2) and 0.76x (avxvnni) the time of avx2 on the file layout, a 64-token one 0.95x and 0.69x
+ * (results/quant-2026-12-03/variants.txt).
  *
  * Variants (run-time choice, quant.py's variants()): ref (the scalar dot_ref), avx2, and where the
  * CPU has them avxvnni / avx512vnni: the AVX2 tiles with the integer products summed by one vpdpbusd
