@@ -45,6 +45,8 @@ peers: venv
 
 # llama.cpp's own llama-bench (for `benchmarks/bench_quant.py --sections llama-bench`), built with cmake
 # from the llama.cpp that llama-cpp-python $(LLAMA_CPP_PYTHON) vendors (its sdist), same options as `peers`.
+# A VM whose CPU lists AMX without granting it (SIGILL in tinygemm_kernel_amx) needs GGML_NATIVE=OFF and
+# the CPU's AVX512 flags in PEERS_CMAKE_ARGS, as in results/quant-2026-12-03/README.md.
 LLAMA_SRC := peers/llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp
 llama-bench: venv
 	$(PIP) download --no-deps --no-binary :all: -d peers llama-cpp-python==$(LLAMA_CPP_PYTHON)
