@@ -591,6 +591,7 @@ static inline AI void group_rows(int isa, int type, const uint8_t *g, const bloc
         const uint8_t *blk = g + (long)b * gb;
         for (int o = 0; o < gb; o += 64) _mm_prefetch((const char *)(blk + PF + o), _MM_HINT_T0);
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 mw = type == T_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))) : dw;
         __m256i sl[2], sh[2], pl[2][4], ph[2][4];
 #pragma GCC unroll 2
         for (int r = 0; r < R; r++) sl[r] = sh[r] = _mm256_setzero_si256();
@@ -637,9 +638,7 @@ static inline AI void group_rows(int isa, int type, const uint8_t *g, const bloc
             const __m256 sc = _mm256_mul_ps(dw, _mm256_broadcast_ss(&ab->d));
             lo[r] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(sl[r]), lo[r]);
             hi[r] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(sh[r]), hi[r]);
-            if (type == T_Q4_1)
-                mins[r] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))),
-                                          _mm256_broadcast_ss(&ab->s), mins[r]);
+            if (type == T_Q4_1) mins[r] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(&ab->s), mins[r]);
         }
     }
 #pragma GCC unroll 2

@@ -566,14 +566,6 @@ class QuantWeights:
         head = self.head if head_tokens is None else self.head.take_rows(head_tokens).repacked()
         return replace(self, layers=[self.layers[i] for i in layer_ids], head=head)
 
-    def repacked(self) -> QuantWeights:
-        """These weights with every matrix in the x8 layout (:meth:`QuantMatrix.repacked`): what the
-        runtime multiplies by. A tied embedding and head stay one matrix."""
-        head = self.head.repacked()
-        embed = head if self.embed is self.head else self.embed.repacked()
-        layers = [replace(ly, **{n: getattr(ly, n).repacked() for n in MATRICES}) for ly in self.layers]
-        return replace(self, embed=embed, head=head, layers=layers)
-
     def embedding_fingerprint(self, block: int = 4096) -> list[float]:
         """:func:`specdraft.design.artifact.fingerprint` of the de-quantized embedding (mean, std,
         the sums of 8 fixed rows), ``block`` rows at a time: never the whole fp32 matrix at once."""
