@@ -244,7 +244,7 @@ class Engine:
             return []
         params = [r.params for r in self.requests]
         ids = [r.id for r in self.requests]
-        k = self.policy.choose(ids) if self.drafter is not None else 0
+        k = self.policy.choose(ids, self.draft_state.lag(self.lengths)) if self.drafter is not None else 0
 
         # 1. propose
         t0 = time.perf_counter()

@@ -58,8 +58,10 @@ class KPolicy(Protocol):
     collapsed: set[int]
     """Request ids flagged as collapsed (drafts far less accepted than the drafter's average)."""
 
-    def choose(self, rows: list[int] | None = None) -> int:
-        """Draft length to ask the drafter for (0: plain decoding); ``rows``: the batch's request ids."""
+    def choose(self, rows: list[int] | None = None, lag: torch.Tensor | None = None) -> int:
+        """Draft length to ask the drafter for (0: plain decoding); ``rows``: the batch's request ids;
+        ``lag``: ``(B,)`` committed tokens the drafter would feed before drafting
+        (:meth:`specdraft.drafters.base.DraftState.lag`), None when it does not say."""
         ...
 
     def trim(
@@ -112,7 +114,7 @@ class FixedK(_Fixed):
     def k_max(self) -> int:
         return self.k
 
-    def choose(self, rows=None) -> int:
+    def choose(self, rows=None, lag=None) -> int:
         return self.k
 
     def update(
@@ -131,7 +133,7 @@ class HeuristicK(_Fixed):
         self.k = k_start
         self.k_max = k_max
 
-    def choose(self, rows=None) -> int:
+    def choose(self, rows=None, lag=None) -> int:
         return self.k
 
     def update(
@@ -162,6 +164,34 @@ class _Curve:
     probe_interval: int = 8
     probing: bool = False
     rates: list[float] | None = None  # cached c_j, None: recompute
+
+
+@dataclass
+class _Fit2:
+    """``y ~ b1 x1 + b2 x2`` by least squares over observations whose weight decays by ``decay`` per
+    observation. When the data cannot tell the two terms apart (one was never seen apart from the
+    other), or gives one a negative share, the term ``alone`` takes all of y (its ratio) and the
+    other gets 0: callers choose the reading that is safe for them."""
+
+    decay: float
+    alone: int
+    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # x1 x1, x1 x2, x2 x2, x1 y, x2 y
+
+    def add(self, x1: float, x2: float, y: float) -> None:
+        new = (x1 * x1, x1 * x2, x2 * x2, x1 * y, x2 * y)
+        self.sums = [self.decay * s + v for s, v in zip(self.sums, new)]
+
+    def solve(self) -> tuple[float, float] | None:
+        """``(b1, b2)``; None until the term ``alone`` has been seen."""
+        a, b, c, p, q = self.sums
+        det = a * c - b * b
+        if det > 1e-6 * a * c:
+            b1, b2 = (c * p - b * q) / det, (a * q - b * p) / det
+            if b1 >= 0 and b2 >= 0:
+                return b1, b2
+        if self.alone == 0:
+            return (p / a, 0.0) if a > 0 else None
+        return (0.0, q / c) if c > 0 else None
 
 
 @dataclass(frozen=True)
@@ -437,8 +467,15 @@ class CostAwareK:
     the one length that maximises their summed expected tokens per padded step time
     (:meth:`_batch_cap`; rows due for a probe keep theirs). On a runtime with ragged steps
     (:attr:`ragged`, set by the engine) each row feeds only its own tokens: a step's time is a line
-    in the rows' mean tokens fed (:meth:`latency`), and the batch keeps the draft positions with the
-    best expected gain instead of cutting every row to one length.
+    in the tokens the whole batch fed, plain steps included (:meth:`latency`), and the batch keeps
+    the draft positions with the best expected gain instead of cutting every row to one length.
+
+    A draft model that was off catches up on the tokens committed meanwhile before it drafts (its
+    cache lags; after a long prompt, the whole prompt): the engine passes each row's ``lag`` to
+    :meth:`choose`, the draft time is fitted as ``T_draft k + T_lag x`` (x: the catch-up tokens
+    beyond a steady step's, :attr:`t_lag`), so ``T_draft`` is not inflated by catch-ups, and a
+    probe waits ``probe_interval`` times its cost in plain steps (catch-up included) when that
+    exceeds one step, so that probing never spends more than ``1 / probe_interval`` of the time.
 
     The model can be wrong (a latency curve read between sizes, a tree's budget read as its depth,
     work it does not price), so its choice is checked against the clock (:class:`SafeArm`): per
@@ -489,6 +526,11 @@ class CostAwareK:
         self.k_max, self.k_start, self.decay = k_max, k_start, decay
         self.probe_every, self.probe_k, self.probe_max = probe_every, probe_k, probe_max
         self.t_draft: float | None = None  # seconds per draft token
+        self.t_lag = 0.0  # seconds per catch-up token (ModelDrafter.catch_up beyond a steady step)
+        # draft time ~ t_draft u + t_lag x (u: draft tokens, 1 per step for a block drafter; x:
+        # catch-up tokens, _catch); unseparated, all of it is t_draft (the pessimistic reading)
+        self.draft_fit = _Fit2(decay, alone=0)
+        self._catch = 0  # catch-up tokens of the step being chosen (from choose's lag)
         self.t_target: dict[int, float] = {}  # tokens fed -> seconds
         self.curves: dict[int | None, _Curve] = {}  # class -> acceptance (None: a drafter without classes)
         self.classes: bool | None = (
@@ -501,9 +543,10 @@ class CostAwareK:
         self.collapsed: set[int] = set()  # request ids flagged (of the rows still in the batch)
         self.average = [0.0, 0.0]  # the drafter's first-token (reached, accepted), rows that are on
         # ragged chain steps (each row feeds only its own 1 + k_b tokens; the engine sets it from
-        # the runtime): decayed sums of x^2 and x y, x = mean k_b, y = step time - T_target(1)
+        # the runtime): step time ~ a + b M, M the tokens the batch fed; unseparated (one M seen),
+        # a = 0 (every extra token costs a plain step's average: the reading safe for plain decoding)
         self.ragged = False
-        self.fit = [0.0, 0.0]
+        self.step_fit = _Fit2(decay, alone=1)
         # a block drafter (one draft forward per step whatever k; the engine sets it from the
         # drafter's ``drafts_blocks``): T_draft is per step, charged once (analytic.step_time)
         self.per_block = False
@@ -513,17 +556,26 @@ class CostAwareK:
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
 
-    def latency(self) -> analytic.LatencyCurve:
+    def latency(self, B: int | None = None) -> analytic.LatencyCurve:
         """T_target(n) as measured so far (at the batch size being decoded), read through
         :class:`specdraft.analytic.LatencyCurve`: linear between and beyond the measured n, flat
         while only one n is measured (optimistic until the next size is measured).
 
-        Ragged steps: ``T(n) = T(1) + s (n - 1)`` at n mean tokens per row, s the least-squares slope
-        through T(1) of the steps seen (``fit``), flat until one is seen."""
-        if self.ragged and self.fit[0] > 0 and 1 in self.t_target:
-            t1 = self.t_target[1]
-            return analytic.LatencyCurve({1: {1: t1, 2: t1 + max(self.fit[1] / self.fit[0], 0.0)}})
-        return analytic.LatencyCurve({1: self.t_target})
+        Ragged steps: ``T(n) = a + b B n`` at n mean tokens per row over B rows (default: the last
+        step's), the line fitted to the steps seen (``step_fit``)."""
+        line = self.step_fit.solve() if self.ragged else None
+        if line is None:
+            return analytic.LatencyCurve({1: self.t_target})
+        a, b = line
+        B = B or self._batch
+        return analytic.LatencyCurve({1: {1: a + b * B, 2: a + 2 * b * B}})
+
+    def _step_times(self) -> list[float]:
+        """``T_target(1 .. k_max + 1)`` at the current batch size, cached until the next update."""
+        if self._times is None:
+            curve = self.latency()
+            self._times = [curve.time(n) for n in range(1, self.k_max + 2)]
+        return self._times
 
     def _curve(self, bucket: int | None) -> _Curve:
         if bucket not in self.curves:
@@ -547,10 +599,7 @@ class CostAwareK:
 
     def _best(self, bucket: int | None, t_draft: float) -> int:
         """The k in 0..k_max with the highest E[tokens | k] / T_step(k) for a class."""
-        if self._times is None:
-            curve = self.latency()
-            self._times = [curve.time(n) for n in range(1, self.k_max + 2)]
-        times, rates = self._times, self.rates(bucket)
+        times, rates = self._step_times(), self.rates(bucket)
         return max(
             range(self.k_max + 1),
             key=lambda k: (
@@ -561,12 +610,23 @@ class CostAwareK:
             ),
         )
 
+    def _probe_steps(self) -> float:
+        """What a probe costs, in plain steps, at least 1: its draft tokens, the draft's catch-up
+        (:attr:`t_lag` per token of ``_catch``) and the wider verification, over ``T_target(1)``."""
+        if self.t_draft is None or 1 not in self.t_target:
+            return 1.0
+        times = self._step_times()
+        drafts = 1 if self.per_block else self.probe_k
+        extra = drafts * self.t_draft + self.t_lag * self._catch + times[self.probe_k] - times[0]
+        return max(1.0, extra / times[0]) if times[0] > 0 else 1.0
+
     def _probe(self, cur: _Curve, best: int) -> int:
-        """``best``, or ``probe_k`` when a class at 0 is due for a probe."""
+        """``best``, or ``probe_k`` when a class at 0 is due for a probe (after ``probe_interval``
+        times the probe's cost in plain steps)."""
         if best > 0:
             return best
         cur.since_probe += 1
-        if cur.since_probe < cur.probe_interval:
+        if cur.since_probe < cur.probe_interval * self._probe_steps():
             return 0
         cur.since_probe, cur.probing = 0, True
         return self.probe_k
@@ -585,12 +645,15 @@ class CostAwareK:
             row = self.row_state[r]
             if row.off and not row.probing:
                 row.since_probe += 1
-                if row.since_probe >= row.probe_interval:
+                if row.since_probe >= row.probe_interval * self._probe_steps():
                     row.since_probe, row.probing = 0, True
             out.append(row)
         return out
 
-    def choose(self, rows: list[int] | None = None) -> int:
+    def choose(self, rows: list[int] | None = None, lag: torch.Tensor | None = None) -> int:
+        if rows is not None and len(rows) != self._batch:
+            self._batch, self._times = len(rows), None
+        self._catch = 0 if lag is None or lag.numel() == 0 else lag.numel() * max(int(lag.max()) - 1, 0)
         states = self._follow(rows) if rows is not None and self.watch is not None else []
         if self.rate is None:
             return self._choose(states)
@@ -658,7 +721,7 @@ class CostAwareK:
         longest = int(caps.max()) if caps.numel() else 0
         if caps.numel() < 2 or longest == 0 or 1 not in self.t_target:
             return caps
-        curve = self.latency()
+        curve = self.latency(caps.numel())
         classes = bucket.tolist() if bucket is not None else [None] * caps.numel()
         if self.ragged:
             return self._ragged_cap(caps, classes, probing, curve)
@@ -672,10 +735,11 @@ class CostAwareK:
         return torch.where(keep, caps, caps.clamp(max=K))
 
     def _ragged_cap(self, caps: torch.Tensor, classes: list, probing: list[bool], curve) -> torch.Tensor:
-        """A ragged step costs ``T(1 + n / B)`` for n draft tokens over B rows, whichever rows feed
-        them; draft position j of a row gains ``P_j = c_1 ... c_j`` expected tokens (non-increasing
-        in j). So the n positions kept are the n best gains of the batch (a prefix of each row),
-        n maximising ``(B + sum of their gains) / T(1 + n / B)``. Rows due for a probe keep theirs."""
+        """A ragged step costs ``T(1 + n / B) = a + b (B + n)`` for n draft tokens over B rows,
+        whichever rows feed them; draft position j of a row gains ``P_j = c_1 ... c_j`` expected
+        tokens (non-increasing in j). So the n positions kept are the n best gains of the batch (a
+        prefix of each row), n maximising ``(B + sum of their gains) / T(1 + n / B)``. Rows due for a
+        probe keep theirs."""
         B = caps.numel()
         out = [c if p else 0 for c, p in zip(caps.tolist(), probing)]
         gains = sorted(
@@ -706,14 +770,19 @@ class CostAwareK:
         # prompt lookup found less to propose or trim() cut it), or a tree's nodes + 1 (width):
         # that is the size this time belongs to
         fed = drafted + 1 if width is None else width
-        if self.ragged and fed > 1:  # rows fed 1 + num_drafted[b] each (a tree: width each)
-            self._fit(fed - 1 if width is not None else float(num_drafted.float().mean()), target_time)
-        else:
+        if self.ragged:  # rows fed 1 + num_drafted[b] each (a tree: width each)
+            B = num_accepted.numel()
+            self.step_fit.add(
+                1.0, B * width if width is not None else B + int(num_drafted.sum()), target_time
+            )
+        if not self.ragged or fed == 1:
             self.t_target[fed] = self._ema(self.t_target.get(fed), target_time)
         self._times = None
+        if k > 0:  # the drafter ran, whatever trim() kept
+            self.draft_fit.add(1 if self.per_block else k, self._catch, draft_time)
+            self.t_draft, self.t_lag = self.draft_fit.solve()
         if k == 0 or drafted == 0:
             return
-        self.t_draft = self._ema(self.t_draft, draft_time / (1 if self.per_block else k))
         if self.classes is None:
             self.classes = bucket is not None
         classes = bucket.tolist() if bucket is not None else [None] * num_drafted.numel()
@@ -733,12 +802,6 @@ class CostAwareK:
                     self._learn(*pending)
                 row.pending = []
             self._learn(b, d, a)
-
-    def _fit(self, x: float, seconds: float) -> None:
-        """A ragged step's time, x extra tokens per row on average, into the slope's decayed sums."""
-        if 1 in self.t_target:
-            y = seconds - self.t_target[1]
-            self.fit = [self.decay * f + (1 - self.decay) * v for f, v in zip(self.fit, (x * x, x * y))]
 
     def _learn(self, b: int | None, d: int, a: int) -> None:
         """Add one row's proposal of class b (d drafts verified, a accepted) to the class's curve."""
@@ -852,8 +915,8 @@ class CappedPolicy:
     ragged = _inner_flag("ragged")
     per_block = _inner_flag("per_block")
 
-    def choose(self, rows: list[int] | None = None) -> int:
-        k = self.inner.choose(rows)
+    def choose(self, rows: list[int] | None = None, lag: torch.Tensor | None = None) -> int:
+        k = self.inner.choose(rows, lag)
         return k if self.cap is None else min(k, self.cap)
 
     def trim(

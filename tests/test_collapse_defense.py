@@ -63,7 +63,7 @@ class Recording(CostAwareK):
         super().__init__(**kw)
         self.verified: dict[int, list[int]] = {}
 
-    def choose(self, rows=None):
+    def choose(self, rows=None, lag=None):
         for r in rows:
             self.verified.setdefault(r, []).append(0)
         return super().choose(rows)

@@ -145,24 +145,52 @@ def test_failed_probes_back_off_and_a_paying_probe_resets():
         return 0.03
 
     p = model(k_max=8, probe_every=4, probe_k=2, probe_max=16)
-    feed(p, alpha=0.1, t_draft=0.03, t_target=flat)
+    feed(p, alpha=0.1, t_draft=0.01, t_target=flat)  # a probe costs less than a plain step
     probes = []
     for step in range(120):  # every probe accepts nothing: the gaps between probes grow, then cap
         k = p.choose()
         if k:
             probes.append(step)
-        p.update(k, t(k), t(0), k * 0.03, 0.03)
+        p.update(k, t(k), t(0), k * 0.01, 0.03)
     gaps = [b - a for a, b in pairwise(probes)]
     assert gaps == sorted(gaps) and gaps[-2:] == [16, 16] and p.probe_interval == 16, gaps
     # a probe after which speculation pays (a fast, well-accepted draft) resets the interval
     while p.choose() == 0:
         p.update(0, t(0), t(0), 0.0, 0.03)
     p.curves.clear()  # forget the failures (a fresh curve: prior 0.5) and make the draft fast
-    p.t_draft = 0.0001
+    p.draft_fit.sums = [0.0] * 5
     p.curves[None] = p._curve(None)
     p.curves[None].probing = True
     p.update(2, t(2), t(2), 2 * 0.0001, 0.03)
     assert p.probe_interval == 4
+
+
+def probe_gaps(p: CostAwareK, lag: int, steps: int, t_draft: float) -> list[int]:
+    """Gaps between the probes of a policy at k = 0 whose draft lags ``lag`` tokens before each
+    step (it catches up at t_lag = t_draft / 10 per token) and accepts nothing."""
+    probes = []
+    for step in range(steps):
+        k = p.choose([0], t(lag))
+        if k:
+            probes.append(step)
+        p.update(k, t(k), t(0), k * t_draft + (lag - 1) * t_draft / 10 * (k > 0), 0.03, rows=[0])
+    return [b - a for a, b in pairwise(probes)]
+
+
+def test_a_probe_waits_its_cost_in_plain_steps_times_the_interval():
+    """A draft that must first catch up on many committed tokens (a model draft after plain steps)
+    probes less often, in proportion to what the probe costs in plain steps; its draft time per
+    token is fitted apart from the catch-up, not inflated by it."""
+    p = model(k_max=8, probe_every=4, probe_k=2, probe_max=4, watch=None)  # no back-off
+    assert p.choose([0], t(10)) == 3  # the first step measures, catching up on 10 tokens
+    p.update(3, t(3), t(0), 3 * 0.003 + 9 * 0.0003, 0.03, rows=[0])
+    assert p.t_draft > 0.003  # one step cannot separate the two: the whole time is T_draft's
+    p.update(p.choose([0], t(1)), t(0), t(0), 0.0, 0.03, rows=[0])
+    assert probe_gaps(p, 2, 40, 0.003)[-2:] == [4, 4]  # a probe costs less than a plain step
+    assert p.t_draft == pytest.approx(0.003) and p.t_lag == pytest.approx(0.0003)
+    # 301 tokens behind: 2 draft tokens, 300 catch-up tokens, 0.096 s = 3.2 plain steps
+    assert probe_gaps(p, 301, 80, 0.003)[-2:] == [13, 13]
+    assert p.t_draft == pytest.approx(0.003) and p.t_lag == pytest.approx(0.0003)
 
 
 def test_make_policy():
@@ -271,15 +299,17 @@ def test_ragged_steps_keep_each_rows_paying_positions():
     assert rate(kept.tolist()) == pytest.approx(rate(best))
 
 
-def test_ragged_step_time_is_a_line_in_the_rows_mean_tokens():
-    """A ragged step's time is filed by the rows' mean draft tokens (not the longest row's) and
-    read as T(1) + s (n - 1), s the least-squares slope through T(1); flat until one is seen."""
+def test_ragged_step_time_is_a_line_in_the_tokens_the_batch_fed():
+    """A ragged step's time is a line a + b M in the tokens M the whole batch fed, plain steps
+    included, read at the batch size; while one M only is seen, a = 0 (every extra token costs a
+    plain step's average: the reading that never favours speculation)."""
     p = model(k_max=4)
     p.ragged = True
-    p.update(0, t(0, 0, 0, 0), t(0, 0, 0, 0), 0.0, 0.010)
-    assert p.latency().time(5) == pytest.approx(0.010)
-    p.update(2, t(2, 0, 0, 0), t(1, 0, 0, 0), 0.001, 0.012)  # mean 0.5 extra tokens: s = 0.004
+    p.update(0, t(0, 0, 0, 0), t(0, 0, 0, 0), 0.0, 0.010)  # M = 4
+    assert p.latency().time(2) == pytest.approx(0.020)
+    p.update(2, t(2, 0, 0, 0), t(1, 0, 0, 0), 0.001, 0.012)  # M = 6: a = 0.006, b = 0.001
     assert set(p.t_target) == {1}
-    assert p.latency().time(3) == pytest.approx(0.018)
-    p.update(2, t(2, 2, 2, 2), t(1, 1, 1, 1), 0.001, 0.018)  # mean 2: on the same line
+    assert p.latency().time(3) == pytest.approx(0.006 + 0.001 * 12)
+    p.update(2, t(2, 2, 2, 2), t(1, 1, 1, 1), 0.001, 0.018)  # M = 12: on the same line
     assert p.latency().time(5) == pytest.approx(0.026)
+    assert p.latency(8).time(1) == pytest.approx(0.014)  # 8 rows of one token each

@@ -225,7 +225,7 @@ class SlowSpeculation(CostAwareK):
         super().__init__(k_max=k_max, k_start=min(2, k_max), watch=None, guard=SafeArm(clock=clock))
         self.clock, self.asked = clock, []
 
-    def choose(self, rows=None):
+    def choose(self, rows=None, lag=None):
         k = super().choose(rows)
         self.asked.append(k)
         return k
@@ -272,7 +272,7 @@ class PlainAfterLeaving(FixedK):
         super().__init__(k)
         self.rows: int | None = None
 
-    def choose(self, rows=None):
+    def choose(self, rows=None, lag=None):
         shrank = self.rows is not None and len(rows) < self.rows
         self.rows = len(rows)
         return 0 if shrank else self.k

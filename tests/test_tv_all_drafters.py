@@ -152,7 +152,7 @@ class SteadyClock:
     def collapsed(self):
         return self.inner.collapsed
 
-    def choose(self, rows=None):
+    def choose(self, rows=None, lag=None):
         k = self.inner.choose(rows)
         self.off += sum(self.inner.row_state[r].off for r in rows if r in self.inner.row_state)
         return k
@@ -239,7 +239,7 @@ class PlainEveryOther(FixedK):
         super().__init__(k)
         self.steps = 0
 
-    def choose(self, rows=None) -> int:
+    def choose(self, rows=None, lag=None) -> int:
         self.steps += 1
         return 0 if self.steps % 2 else self.k
 

@@ -126,6 +126,11 @@ class DraftState:
     def append(self, other: DraftState) -> None:
         self.batch_size += other.batch_size
 
+    def lag(self, lengths: torch.Tensor) -> torch.Tensor:
+        """``(B,)`` committed tokens each row would feed its draft before drafting (its catch-up),
+        of ``lengths`` committed; what a policy prices before it probes (0: nothing to feed)."""
+        return torch.zeros_like(lengths)
+
 
 class Drafter(Protocol):
     """Proposes draft tokens. ``name`` is shown in statistics and reports.

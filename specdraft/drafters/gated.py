@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from specdraft.drafters.base import DraftContext, Proposal, take_token
-from specdraft.drafters.model import ModelDrafter
+from specdraft.drafters.model import ModelDrafter, ModelDraftState
 from specdraft.errors import SpecdraftError
 from specdraft.policy import VerifyCost, best_prefix, worth_continuing
 
@@ -50,8 +50,8 @@ class GatedDrafter(ModelDrafter):
     """A model drafter that proposes only the prefix of its k tokens that is expected to pay
     (module docstring), and stops drafting as soon as no longer prefix can pay for any row.
     Greedy rows choose the prefix after drafting; sampling rows choose it position by position,
-    before each token is drawn, which keeps rejection sampling exact. ``cost`` is measured on the
-    first proposal unless given.
+    before each token is drawn, which keeps rejection sampling exact. ``cost`` is measured when
+    the first batch starts (:meth:`new_state`) unless given.
 
     Args:
         runtime: the draft's runtime.
@@ -68,11 +68,16 @@ class GatedDrafter(ModelDrafter):
         self.target_runtime = target_runtime
         self.cost = cost
 
-    def propose(self, state, ctx: DraftContext, k: int) -> Proposal:
+    def new_state(self, batch_size: int, capacity: int) -> ModelDraftState:
+        """The draft's state; the cost model is measured here the first time (when the first
+        request joins), so that no proposal's draft time, which policies learn from, carries it."""
         if self.cost is None:
             if self.target_runtime is None:
                 raise SpecdraftError("GatedDrafter needs a target runtime or a cost model")
             self.cost = VerifyCost.measure(self.target_runtime, self.runtime)
+        return super().new_state(batch_size, capacity)
+
+    def propose(self, state, ctx: DraftContext, k: int) -> Proposal:
         B, L = ctx.lengths.shape[0], ctx.lengths
         logits = self.catch_up(state, ctx)  # committed tokens the draft has not seen, as ModelDrafter does
 

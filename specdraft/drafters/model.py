@@ -56,6 +56,9 @@ class ModelDraftState(DraftState):
         self.fed = torch.cat([self.fed, other.fed])
         self.base = torch.cat([self.base, other.base])
 
+    def lag(self, lengths: torch.Tensor) -> torch.Tensor:
+        return lengths - self.fed
+
 
 class ModelDrafter:
     """A draft model driven through the runtime protocol.

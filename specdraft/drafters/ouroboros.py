@@ -70,6 +70,9 @@ class OuroborosState(DraftState):
         self.base_state.append(other.base_state)
         super().append(other)
 
+    def lag(self, lengths: torch.Tensor) -> torch.Tensor:
+        return self.base_state.lag(lengths)
+
 
 @dataclass
 class Chain:

@@ -87,7 +87,7 @@ def test_engine_method_decodes_like_plain_greedy_and_keeps_its_policy(pipe):
 class FlagsSecondRow(FixedK):
     """Fixed k, flagging the second row it sees as collapsed (as a watching policy would)."""
 
-    def choose(self, rows=None) -> int:
+    def choose(self, rows=None, lag=None) -> int:
         if len(rows) > 1 and not self.collapsed:
             self.collapsed = frozenset(rows[1:2])
         return self.k

@@ -33,7 +33,7 @@ class Pattern(FixedK):
         super().__init__(k)
         self.pattern, self.steps = pattern, 0
 
-    def choose(self, rows=None) -> int:
+    def choose(self, rows=None, lag=None) -> int:
         self.steps += 1
         return self.k if self.pattern[(self.steps - 1) % len(self.pattern)] else 0
 

@@ -194,7 +194,7 @@ class EveryOther(FixedK):
         super().__init__(k)
         self.steps = 0
 
-    def choose(self, rows=None) -> int:
+    def choose(self, rows=None, lag=None) -> int:
         self.steps += 1
         return self.k if self.steps % 2 else 0
 
