@@ -169,12 +169,10 @@ class _Curve:
 @dataclass
 class _Fit2:
     """``y ~ b1 x1 + b2 x2`` by least squares over observations whose weight decays by ``decay`` per
-    observation. When the data cannot tell the two terms apart (one was never seen apart from the
-    other), or gives one a negative share, the term ``alone`` takes all of y (its ratio) and the
-    other gets 0: callers choose the reading that is safe for them."""
+    observation. When the data cannot tell the two terms apart (x2 never seen apart from x1), or
+    gives one a negative share, x1 takes all of y (its ratio) and b2 = 0."""
 
     decay: float
-    alone: int
     sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # x1 x1, x1 x2, x2 x2, x1 y, x2 y
 
     def add(self, x1: float, x2: float, y: float) -> None:
@@ -182,16 +180,30 @@ class _Fit2:
         self.sums = [self.decay * s + v for s, v in zip(self.sums, new)]
 
     def solve(self) -> tuple[float, float] | None:
-        """``(b1, b2)``; None until the term ``alone`` has been seen."""
+        """``(b1, b2)``; None until x1 has been seen."""
         a, b, c, p, q = self.sums
         det = a * c - b * b
         if det > 1e-6 * a * c:
             b1, b2 = (c * p - b * q) / det, (a * q - b * p) / det
             if b1 >= 0 and b2 >= 0:
                 return b1, b2
-        if self.alone == 0:
-            return (p / a, 0.0) if a > 0 else None
-        return (0.0, q / c) if c > 0 else None
+        return (p / a, 0.0) if a > 0 else None
+
+
+@dataclass
+class _StepLine:
+    """A ragged step's time at one batch size B, ``T = t_plain + s x`` for x draft tokens over the
+    batch: ``t_plain`` the running average of plain steps, s the least-squares slope through it of
+    the speculative steps (decayed sums of x^2 and x (T - t_plain), kept however many plain steps
+    follow). Until one is seen, s = t_plain / B, what a token costs in a plain step: the reading
+    that never favours speculation."""
+
+    t_plain: float | None = None
+    xx: float = 0.0
+    xy: float = 0.0
+
+    def slope(self, B: int) -> float:
+        return max(self.xy / self.xx, 0.0) if self.xx > 0 else self.t_plain / B
 
 
 @dataclass(frozen=True)
@@ -467,7 +479,9 @@ class CostAwareK:
     the one length that maximises their summed expected tokens per padded step time
     (:meth:`_batch_cap`; rows due for a probe keep theirs). On a runtime with ragged steps
     (:attr:`ragged`, set by the engine) each row feeds only its own tokens: a step's time is a line
-    in the tokens the whole batch fed, plain steps included (:meth:`latency`), and the batch keeps
+    in the draft tokens the batch fed, one line per batch size (:meth:`latency`; where a draft
+    token costs about what a token of a plain step does, as in this CPU's batch-8 steps, only
+    near-certain drafts pay), and the batch keeps
     the draft positions with the best expected gain instead of cutting every row to one length.
 
     A draft model that was off catches up on the tokens committed meanwhile before it drafts (its
@@ -529,7 +543,7 @@ class CostAwareK:
         self.t_lag = 0.0  # seconds per catch-up token (ModelDrafter.catch_up beyond a steady step)
         # draft time ~ t_draft u + t_lag x (u: draft tokens, 1 per step for a block drafter; x:
         # catch-up tokens, _catch); unseparated, all of it is t_draft (the pessimistic reading)
-        self.draft_fit = _Fit2(decay, alone=0)
+        self.draft_fit = _Fit2(decay)
         self._catch = 0  # catch-up tokens of the step being chosen (from choose's lag)
         self.t_target: dict[int, float] = {}  # tokens fed -> seconds
         self.curves: dict[int | None, _Curve] = {}  # class -> acceptance (None: a drafter without classes)
@@ -543,10 +557,9 @@ class CostAwareK:
         self.collapsed: set[int] = set()  # request ids flagged (of the rows still in the batch)
         self.average = [0.0, 0.0]  # the drafter's first-token (reached, accepted), rows that are on
         # ragged chain steps (each row feeds only its own 1 + k_b tokens; the engine sets it from
-        # the runtime): step time ~ a + b M, M the tokens the batch fed; unseparated (one M seen),
-        # a = 0 (every extra token costs a plain step's average: the reading safe for plain decoding)
+        # the runtime): a line per batch size B in the draft tokens the batch fed (_StepLine)
         self.ragged = False
-        self.step_fit = _Fit2(decay, alone=1)
+        self.step_lines: dict[int, _StepLine] = {}
         # a block drafter (one draft forward per step whatever k; the engine sets it from the
         # drafter's ``drafts_blocks``): T_draft is per step, charged once (analytic.step_time)
         self.per_block = False
@@ -561,14 +574,14 @@ class CostAwareK:
         :class:`specdraft.analytic.LatencyCurve`: linear between and beyond the measured n, flat
         while only one n is measured (optimistic until the next size is measured).
 
-        Ragged steps: ``T(n) = a + b B n`` at n mean tokens per row over B rows (default: the last
-        step's), the line fitted to the steps seen (``step_fit``)."""
-        line = self.step_fit.solve() if self.ragged else None
-        if line is None:
-            return analytic.LatencyCurve({1: self.t_target})
-        a, b = line
+        Ragged steps: ``T(n) = t_plain + s B (n - 1)`` at n mean tokens per row over B rows (default:
+        the last step's), the line of the steps seen at B (:class:`_StepLine`); the table above
+        while no plain step at B is seen."""
         B = B or self._batch
-        return analytic.LatencyCurve({1: {1: a + b * B, 2: a + 2 * b * B}})
+        line = self.step_lines.get(B) if self.ragged else None
+        if line is None or line.t_plain is None:
+            return analytic.LatencyCurve({1: self.t_target})
+        return analytic.LatencyCurve({1: {1: line.t_plain, 2: line.t_plain + line.slope(B) * B}})
 
     def _step_times(self) -> list[float]:
         """``T_target(1 .. k_max + 1)`` at the current batch size, cached until the next update."""
@@ -771,10 +784,7 @@ class CostAwareK:
         # that is the size this time belongs to
         fed = drafted + 1 if width is None else width
         if self.ragged:  # rows fed 1 + num_drafted[b] each (a tree: width each)
-            B = num_accepted.numel()
-            self.step_fit.add(
-                1.0, B * width if width is not None else B + int(num_drafted.sum()), target_time
-            )
+            self._line(num_accepted.numel(), num_drafted, width, target_time)
         if not self.ragged or fed == 1:
             self.t_target[fed] = self._ema(self.t_target.get(fed), target_time)
         self._times = None
@@ -802,6 +812,17 @@ class CostAwareK:
                     self._learn(*pending)
                 row.pending = []
             self._learn(b, d, a)
+
+    def _line(self, B: int, num_drafted: torch.Tensor, width: int | None, seconds: float) -> None:
+        """A ragged step into the line of its batch size (:class:`_StepLine`)."""
+        line = self.step_lines.setdefault(B, _StepLine())
+        x = B * (width - 1) if width is not None else int(num_drafted.sum())
+        if x == 0:
+            line.t_plain = self._ema(line.t_plain, seconds)
+        elif line.t_plain is not None:
+            y = seconds - line.t_plain
+            line.xx = self.decay * line.xx + x * x
+            line.xy = self.decay * line.xy + x * y
 
     def _learn(self, b: int | None, d: int, a: int) -> None:
         """Add one row's proposal of class b (d drafts verified, a accepted) to the class's curve."""

@@ -299,17 +299,22 @@ def test_ragged_steps_keep_each_rows_paying_positions():
     assert rate(kept.tolist()) == pytest.approx(rate(best))
 
 
-def test_ragged_step_time_is_a_line_in_the_tokens_the_batch_fed():
-    """A ragged step's time is a line a + b M in the tokens M the whole batch fed, plain steps
-    included, read at the batch size; while one M only is seen, a = 0 (every extra token costs a
-    plain step's average: the reading that never favours speculation)."""
+def test_ragged_step_time_is_a_line_in_the_draft_tokens_the_batch_fed():
+    """A ragged step's time is a line per batch size in the draft tokens the batch fed, through
+    the plain steps' time; until a speculative step is seen, a draft token costs what a token of a
+    plain step does (the reading that never favours speculation)."""
     p = model(k_max=4)
     p.ragged = True
-    p.update(0, t(0, 0, 0, 0), t(0, 0, 0, 0), 0.0, 0.010)  # M = 4
+    p.update(0, t(0, 0, 0, 0), t(0, 0, 0, 0), 0.0, 0.010)
     assert p.latency().time(2) == pytest.approx(0.020)
-    p.update(2, t(2, 0, 0, 0), t(1, 0, 0, 0), 0.001, 0.012)  # M = 6: a = 0.006, b = 0.001
+    p.update(2, t(2, 0, 0, 0), t(1, 0, 0, 0), 0.001, 0.012)  # 2 draft tokens: 0.001 s each
     assert set(p.t_target) == {1}
     assert p.latency().time(3) == pytest.approx(0.006 + 0.001 * 12)
-    p.update(2, t(2, 2, 2, 2), t(1, 1, 1, 1), 0.001, 0.018)  # M = 12: on the same line
+    p.update(2, t(2, 2, 2, 2), t(1, 1, 1, 1), 0.001, 0.018)  # 8: on the same line
     assert p.latency().time(5) == pytest.approx(0.026)
-    assert p.latency(8).time(1) == pytest.approx(0.014)  # 8 rows of one token each
+    assert p.latency(8).time(1) == pytest.approx(0.010)  # no step at 8 rows yet: T(1) as measured
+    p.update(0, t(*[0] * 8), t(*[0] * 8), 0.0, 0.016)  # 8 rows have a line of their own
+    assert p.latency(8).time(2) == pytest.approx(0.032) and p.latency(4).time(5) == pytest.approx(0.026)
+    for _ in range(100):  # plain steps move the line's anchor, not its slope
+        p.update(0, t(0, 0, 0, 0), t(0, 0, 0, 0), 0.0, 0.012)  # the anchor: an average, 0.9 per step
+    assert p.latency(4).time(5) == pytest.approx(0.028, rel=1e-4)  # 0.012 + 0.001 * 4 * 4
