@@ -583,6 +583,13 @@ class CostAwareK:
             return analytic.LatencyCurve({1: self.t_target})
         return analytic.LatencyCurve({1: {1: line.t_plain, 2: line.t_plain + line.slope(B) * B}})
 
+    def _plain_timed(self, B: int | None = None) -> bool:
+        """Whether plain steps have been timed (ragged: at B rows, default the batch's size)."""
+        if not self.ragged:
+            return 1 in self.t_target
+        line = self.step_lines.get(B or self._batch)
+        return line is not None and line.t_plain is not None
+
     def _step_times(self) -> list[float]:
         """``T_target(1 .. k_max + 1)`` at the current batch size, cached until the next update."""
         if self._times is None:
@@ -626,7 +633,7 @@ class CostAwareK:
     def _probe_steps(self) -> float:
         """What a probe costs, in plain steps, at least 1: its draft tokens, the draft's catch-up
         (:attr:`t_lag` per token of ``_catch``) and the wider verification, over ``T_target(1)``."""
-        if self.t_draft is None or 1 not in self.t_target:
+        if self.t_draft is None or not self._plain_timed():
             return 1.0
         times = self._step_times()
         drafts = 1 if self.per_block else self.probe_k
@@ -680,12 +687,12 @@ class CostAwareK:
     def _choose(self, states: list[_Row]) -> int:
         """The model's k (the row watch's and the probes' included) for rows ``states``, before the
         safe arm's check."""
-        if states and all(s.off for s in states):  # nobody drafts but the rows due for a probe
-            self.last_k = self.probe_k if any(s.probing for s in states) else 0
-            return self.last_k
-        if self.t_draft is None or 1 not in self.t_target:
-            # measure: a speculative step first, then one plain step for T_target(1)
+        if self.t_draft is None or not self._plain_timed():
+            # measure: a speculative step first, then one plain step (at each new batch size when
+            # steps are ragged) for T_target(1)
             k = self.k_start if self.t_draft is None else 0
+        elif states and all(s.off for s in states):  # nobody drafts but the rows due for a probe
+            k = self.probe_k if any(s.probing for s in states) else 0
         elif not self.classes:  # a drafter without classes: decide here
             k = self._probe(self._curve(None), self._best(None, self.t_draft))
         else:  # ask for what the most promising class seen would use; trim() cuts each row
@@ -701,7 +708,7 @@ class CostAwareK:
         self, num_valid: torch.Tensor, bucket: torch.Tensor | None, rows: list[int] | None = None
     ) -> torch.Tensor:
         out = num_valid
-        if bucket is not None and self.t_draft is not None and 1 in self.t_target:
+        if bucket is not None and self.t_draft is not None and self._plain_timed():
             best: dict[int, int] = {}
             caps = []
             for b in bucket.tolist():
@@ -732,7 +739,7 @@ class CostAwareK:
         earlier steps taught and the rows' classes, as the per-row cut does. Ragged steps:
         :meth:`_ragged_cap`."""
         longest = int(caps.max()) if caps.numel() else 0
-        if caps.numel() < 2 or longest == 0 or 1 not in self.t_target:
+        if caps.numel() < 2 or longest == 0 or not self._plain_timed(caps.numel()):
             return caps
         curve = self.latency(caps.numel())
         classes = bucket.tolist() if bucket is not None else [None] * caps.numel()

@@ -273,6 +273,15 @@ def test_a_batch_is_cut_to_the_length_that_pays_for_all_its_rows():
     assert all_good.min() >= 3 and len(set(all_good.tolist())) == 1
 
 
+def ragged_lines(p: CostAwareK, step_t, sizes) -> None:
+    """Ragged steps seen at each batch size: a plain one and one with a draft token per row, timed
+    as ``step_t(n)`` reads n tokens per row."""
+    p.ragged = True
+    for B in sizes:
+        p.update(0, t(*[0] * B), t(*[0] * B), 0.0, step_t(1))
+        p.update(1, t(*[1] * B), t(*[0] * B), 1e-5, step_t(2))
+
+
 def test_ragged_steps_keep_each_rows_paying_positions():
     """Ragged steps (each row feeds only its own tokens): the good row keeps its long draft beside
     seven rows at 0 (padded, the test above cuts it to 0); rows whose positions do not pay are still
@@ -282,7 +291,7 @@ def test_ragged_steps_keep_each_rows_paying_positions():
         return 0.030 + 0.010 * n
 
     p = two_class_policy(step_t)
-    p.ragged = True
+    ragged_lines(p, step_t, (8, 2, 3))
     one_good = p.trim(t(*[8] * 8), t(3, *[1] * 7), rows=list(range(8)))
     assert one_good[0] >= 3 and one_good[1:].tolist() == [0] * 7
     assert p._batch_cap(t(8, 8, 8), t(3, 1, 1), [False] * 3).tolist()[1:] == [0, 0]
@@ -318,3 +327,16 @@ def test_ragged_step_time_is_a_line_in_the_draft_tokens_the_batch_fed():
     for _ in range(100):  # plain steps move the line's anchor, not its slope
         p.update(0, t(0, 0, 0, 0), t(0, 0, 0, 0), 0.0, 0.012)  # the anchor: an average, 0.9 per step
     assert p.latency(4).time(5) == pytest.approx(0.028, rel=1e-4)  # 0.012 + 0.001 * 4 * 4
+
+
+def test_a_new_batch_size_is_timed_with_a_plain_step_first():
+    """Ragged steps cost differently at each batch size: before a plain step at B rows is timed the
+    policy reads no other size's times (after steps of one row, 8 rows of 5 tokens would look as
+    cheap as one row's step) and decodes one plain step there."""
+    p = model(k_max=4)
+    p.ragged = True
+    assert feed(p, alpha=0.9, t_draft=1e-5, t_target=lambda n: 0.004 + 0.0005 * (n - 1)) > 0
+    rows = list(range(8))
+    assert p.choose(rows) == 0
+    p.update(0, t(*[0] * 8), t(*[0] * 8), 0.0, 0.012)
+    assert p.latency(8).time(2) == pytest.approx(0.024)  # a draft token at a plain token's cost
