@@ -71,6 +71,11 @@ class FeatureDraftState(DraftState):
         self.fed = torch.cat([self.fed, other.fed])
         self.start = torch.cat([self.start, other.start])
 
+    def lag(self, lengths: torch.Tensor) -> torch.Tensor:
+        """Pairs ``fed .. L - 2`` not fed yet; a row that has not proposed counts 0 (its first
+        catch-up runs over its own output only: the prefill hands out no features)."""
+        return torch.where(self.fed >= 0, lengths - 1 - self.fed, 0)
+
 
 @dataclass
 class RealPairs:
