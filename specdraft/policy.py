@@ -170,7 +170,8 @@ class _Curve:
 class _Fit2:
     """``y ~ b1 x1 + b2 x2`` by least squares over observations whose weight decays by ``decay`` per
     observation. When the data cannot tell the two terms apart (x2 never seen apart from x1), or
-    gives one a negative share, x1 takes all of y (its ratio) and b2 = 0."""
+    gives one a negative share, each term is read as if it alone took all of y (its own ratio,
+    ``sum x y / sum x^2``): both are overestimated, the reading that never favours speculation."""
 
     decay: float
     sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # x1 x1, x1 x2, x2 x2, x1 y, x2 y
@@ -182,12 +183,14 @@ class _Fit2:
     def solve(self) -> tuple[float, float] | None:
         """``(b1, b2)``; None until x1 has been seen."""
         a, b, c, p, q = self.sums
+        if a <= 0:
+            return None
         det = a * c - b * b
         if det > 1e-6 * a * c:
             b1, b2 = (c * p - b * q) / det, (a * q - b * p) / det
             if b1 >= 0 and b2 >= 0:
                 return b1, b2
-        return (p / a, 0.0) if a > 0 else None
+        return p / a, (q / c if c > 0 else 0.0)
 
 
 @dataclass
@@ -542,7 +545,7 @@ class CostAwareK:
         self.t_draft: float | None = None  # seconds per draft token
         self.t_lag = 0.0  # seconds per catch-up token (ModelDrafter.catch_up beyond a steady step)
         # draft time ~ t_draft u + t_lag x (u: draft tokens, 1 per step for a block drafter; x:
-        # catch-up tokens, _catch); unseparated, all of it is t_draft (the pessimistic reading)
+        # catch-up tokens, _catch); unseparated, each as if it took all of it (pessimistic)
         self.draft_fit = _Fit2(decay)
         self._catch = 0  # catch-up tokens of the step being chosen (from choose's lag)
         self.t_target: dict[int, float] = {}  # tokens fed -> seconds
