@@ -491,8 +491,8 @@ class CostAwareK:
     cache lags; after a long prompt, the whole prompt): the engine passes each row's ``lag`` to
     :meth:`choose`, the draft time is fitted as ``T_draft k + T_lag x`` (x: the catch-up tokens
     beyond a steady step's, :attr:`t_lag`), so ``T_draft`` is not inflated by catch-ups, and a
-    probe waits ``probe_interval`` times its cost in plain steps (catch-up included) when that
-    exceeds one step, so that probing never spends more than ``1 / probe_interval`` of the time.
+    probe that costs more than a plain step waits in proportion (:meth:`_probe_wait`): what it
+    costs beyond two plain steps takes at most ``1 / probe_max`` of the time.
 
     The model can be wrong (a latency curve read between sizes, a tree's budget read as its depth,
     work it does not price), so its choice is checked against the clock (:class:`SafeArm`): per
@@ -633,23 +633,26 @@ class CostAwareK:
             ),
         )
 
-    def _probe_steps(self) -> float:
-        """What a probe costs, in plain steps, at least 1: its draft tokens, the draft's catch-up
-        (:attr:`t_lag` per token of ``_catch``) and the wider verification, over ``T_target(1)``."""
+    def _probe_wait(self, interval: int) -> float:
+        """Steps from one probe to the next. With o what a probe costs beyond a plain step, in plain
+        steps (its draft tokens, the draft's catch-up at :attr:`t_lag` per token of ``_catch``, the
+        wider verification, over ``T_target(1)``): ``interval`` times max(1, o), and at least
+        ``probe_max (o - 1)``, so that whatever a probe costs beyond one plain step more takes at
+        most ``1 / probe_max`` of the time (a draft catching up on a long context)."""
         if self.t_draft is None or not self._plain_timed():
-            return 1.0
+            return interval
         times = self._step_times()
         drafts = 1 if self.per_block else self.probe_k
         extra = drafts * self.t_draft + self.t_lag * self._catch + times[self.probe_k] - times[0]
-        return max(1.0, extra / times[0]) if times[0] > 0 else 1.0
+        o = extra / times[0] if times[0] > 0 else 0.0
+        return max(interval * max(1.0, o), self.probe_max * (o - 1))
 
     def _probe(self, cur: _Curve, best: int) -> int:
-        """``best``, or ``probe_k`` when a class at 0 is due for a probe (after ``probe_interval``
-        times the probe's cost in plain steps)."""
+        """``best``, or ``probe_k`` when a class at 0 is due for a probe (:meth:`_probe_wait`)."""
         if best > 0:
             return best
         cur.since_probe += 1
-        if cur.since_probe < cur.probe_interval * self._probe_steps():
+        if cur.since_probe < self._probe_wait(cur.probe_interval):
             return 0
         cur.since_probe, cur.probing = 0, True
         return self.probe_k
@@ -668,7 +671,7 @@ class CostAwareK:
             row = self.row_state[r]
             if row.off and not row.probing:
                 row.since_probe += 1
-                if row.since_probe >= row.probe_interval * self._probe_steps():
+                if row.since_probe >= self._probe_wait(row.probe_interval):
                     row.since_probe, row.probing = 0, True
             out.append(row)
         return out

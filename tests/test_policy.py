@@ -179,8 +179,9 @@ def probe_gaps(p: CostAwareK, lag: int, steps: int, t_draft: float) -> list[int]
 
 def test_a_probe_waits_its_cost_in_plain_steps_times_the_interval():
     """A draft that must first catch up on many committed tokens (a model draft after plain steps)
-    probes less often, in proportion to what the probe costs in plain steps; its draft time per
-    token is fitted apart from the catch-up, not inflated by it."""
+    probes less often, in proportion to what the probe costs in plain steps, and what it costs
+    beyond two takes at most 1 / probe_max of the time; its draft time per token is fitted apart
+    from the catch-up, not inflated by it."""
     p = model(k_max=8, probe_every=4, probe_k=2, probe_max=4, watch=None)  # no back-off
     assert p.choose([0], t(10)) == 3  # the first step measures, catching up on 10 tokens
     p.update(3, t(3), t(0), 3 * 0.003 + 9 * 0.0003, 0.03, rows=[0])
@@ -192,6 +193,9 @@ def test_a_probe_waits_its_cost_in_plain_steps_times_the_interval():
     # 301 tokens behind: 2 draft tokens, 300 catch-up tokens, 0.096 s = 3.2 plain steps
     assert probe_gaps(p, 301, 80, 0.003)[-2:] == [13, 13]
     assert p.t_draft == pytest.approx(0.003) and p.t_lag == pytest.approx(0.0003)
+    # what such a probe costs beyond two plain steps takes at most 1 / probe_max of the steps
+    p.probe_max = 64
+    assert probe_gaps(p, 301, 500, 0.003)[:2] == [141, 141]  # 64 (3.2 - 1) plain steps
 
 
 def test_make_policy():
