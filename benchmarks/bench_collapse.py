@@ -157,7 +157,12 @@ def report(args, results: dict) -> None:
         same = "" if r["outputs"] == plain["outputs"] else "  OUTPUT DIFFERS FROM PLAIN"
         ref = results.get(f"{name} unattacked")
         ref_s = f" ({ref['clean_tokens_per_forward']:.2f})" if ref is not None else ""
-        clean = f"{rate(r, 'clean_tokens') / rate(ref, 'clean_tokens'):.2f}x" if ref is not None else ""
+        # no clean row (every row attacked): nothing to compare
+        clean = (
+            f"{rate(r, 'clean_tokens') / rate(ref, 'clean_tokens'):.2f}x"
+            if ref and ref["clean_tokens"]
+            else ""
+        )
         print(
             f"{name:11s} {r['forwards']:8d}  {r['tokens_fed']:10d}  "
             f"{r['attacked_steps_with_drafts']:6d} / {r['attacked_steps']:<6d}          "
