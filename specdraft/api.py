@@ -283,6 +283,9 @@ class GenerationResult:
     finish_reason: str | None
 
 
+HOLD_MAX = 16  # tokens a Detokenizer holds for an undecided character before it looks closer
+
+
 class Detokenizer:
     """Incremental detokenization with stop strings; the work per push is O(new tokens).
 
@@ -290,9 +293,10 @@ class Detokenizer:
     the last release plus those of the release before, as context. The new text is the window's
     text minus the context's, so tokenizers whose decode treats the first token specially (a
     dropped leading space) stay consistent. Text is held back while it ends in an incomplete UTF-8
-    character (``"\\ufffd"``) and while its last ``len(stop) - 1`` characters could still begin a stop
-    string; the concatenated releases equal ``tokenizer.decode(all tokens)``, cut before the
-    earliest stop string.
+    character (``"\\ufffd"``; a run of invalid bytes, which decodes to it too, is released once it is
+    held over :data:`HOLD_MAX` tokens: :meth:`_release_decided`) and while its last ``len(stop) - 1``
+    characters could still begin a stop string; the concatenated releases equal
+    ``tokenizer.decode(all tokens)``, cut before the earliest stop string.
     """
 
     def __init__(self, tokenizer, stop: list[str]):
@@ -306,6 +310,17 @@ class Detokenizer:
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True) if tokens else ""
+
+    def _release_decided(self, context: str, text: str) -> None:
+        """Text held because it ends in "\ufffd" whose characters are decided all the same: that of
+        all but the last 3 tokens, when the window's text goes on at least 3 characters past it (a
+        UTF-8 character is decided within 4 bytes, and a character comes from at least one byte).
+        Without this a run of invalid bytes would be held, its window growing, until a valid one."""
+        cut = len(self.tokens) - 3
+        decided = self._decode(self.tokens[self.prefix_offset : cut])
+        if len(text) - len(decided) >= 3 and text.startswith(decided) and len(decided) > len(context):
+            self.pending += decided[len(context) :]
+            self.prefix_offset, self.read_offset = self.read_offset, cut
 
     def push(self, tokens: list[int], final: bool) -> tuple[str, bool]:
         """Add tokens; return (new text to release, whether a stop string was hit)."""
@@ -322,6 +337,8 @@ class Detokenizer:
         if new and (final or not new.endswith("\ufffd")):  # else: a character is half there
             self.pending += new
             self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        elif len(self.tokens) - self.read_offset > HOLD_MAX:  # held long: a run of invalid bytes
+            self._release_decided(context, text)
         end = len(self.pending) if final else max(len(self.pending) - self.hold, 0)
         out, self.pending = self.pending[:end], self.pending[end:]
         return out, False

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from specdraft.api import Detokenizer
+from specdraft.api import HOLD_MAX, Detokenizer
 from specdraft.models.tiny import tiny_tokenizer
 
 TEXT = ["Le café est très bon. 日本語のテキスト 🙂🚀 naïve façade — “quotes” αβγ"] * 20
@@ -109,3 +109,18 @@ def test_per_step_cost_does_not_grow_with_the_output():
     first, last = sum(per_step[:100]), sum(per_step[-100:])
     assert last <= 2 * first, (first, last)
     assert max(per_step) <= 64, max(per_step)  # a window, not the output
+
+
+@pytest.mark.parametrize("name", ["tiny", "byte-level"])
+def test_a_run_of_invalid_bytes_is_released_as_it_goes(name):
+    """A model that emits invalid UTF-8 for a while (a random one does): its text is held for at most
+    HOLD_MAX tokens, not until a valid byte comes; the releases still add up exactly."""
+    tok = TOKENIZERS[name]()
+    text = tok("naïve café 🙂 ")["input_ids"]
+    invalid = tok.convert_tokens_to_ids("À")  # byte 0xC0, never part of a UTF-8 character
+    tokens = text + [invalid] * 200 + text
+    d = Detokenizer(tok, [])
+    parts = [d.push([t], i == len(tokens) - 1)[0] for i, t in enumerate(tokens)]
+    assert "".join(parts) == tok.decode(tokens, skip_special_tokens=True)
+    held = max(len(run) for run in "".join("x" if p else "." for p in parts).split("x"))
+    assert held <= HOLD_MAX, held
