@@ -61,7 +61,7 @@ class KPolicy(Protocol):
     def choose(self, rows: list[int] | None = None, lag: torch.Tensor | None = None) -> int:
         """Draft length to ask the drafter for (0: plain decoding); ``rows``: the batch's request ids;
         ``lag``: ``(B,)`` committed tokens the drafter would feed before drafting
-        (:meth:`specdraft.drafters.base.DraftState.lag`), None when it does not say."""
+        (:meth:`specdraft.drafters.base.DraftState.lag`), None when it feeds none."""
         ...
 
     def trim(
@@ -482,10 +482,10 @@ class CostAwareK:
     the one length that maximises their summed expected tokens per padded step time
     (:meth:`_batch_cap`; rows due for a probe keep theirs). On a runtime with ragged steps
     (:attr:`ragged`, set by the engine) each row feeds only its own tokens: a step's time is a line
-    in the draft tokens the batch fed, one line per batch size (:meth:`latency`; where a draft
-    token costs about what a token of a plain step does, as in this CPU's batch-8 steps, only
-    near-certain drafts pay), and the batch keeps
-    the draft positions with the best expected gain instead of cutting every row to one length.
+    in the draft tokens the batch fed, one line per batch size (:meth:`latency`; where a draft token
+    costs about what a token of a plain step does, as in this CPU's batch-8 steps, only near-certain
+    drafts pay), and the batch keeps the draft positions with the best expected gain instead of
+    cutting every row to one length.
 
     A draft model that was off catches up on the tokens committed meanwhile before it drafts (its
     cache lags; after a long prompt, the whole prompt): the engine passes each row's ``lag`` to
@@ -633,26 +633,30 @@ class CostAwareK:
             ),
         )
 
-    def _probe_wait(self, interval: int) -> float:
-        """Steps from one probe to the next. With o what a probe costs beyond a plain step, in plain
-        steps (its draft tokens, the draft's catch-up at :attr:`t_lag` per token of ``_catch``, the
-        wider verification, over ``T_target(1)``): ``interval`` times max(1, o), and at least
-        ``probe_max (o - 1)``, so that whatever a probe costs beyond one plain step more takes at
-        most ``1 / probe_max`` of the time (a draft catching up on a long context)."""
+    def _probe_overhead(self) -> float:
+        """What a probe costs beyond a plain step, in plain steps: its draft tokens, the draft's
+        catch-up (:attr:`t_lag` per token of ``_catch``) and the wider verification, over
+        ``T_target(1)``; 0 before those are measured."""
         if self.t_draft is None or not self._plain_timed():
-            return interval
+            return 0.0
         times = self._step_times()
         drafts = 1 if self.per_block else self.probe_k
         extra = drafts * self.t_draft + self.t_lag * self._catch + times[self.probe_k] - times[0]
-        o = extra / times[0] if times[0] > 0 else 0.0
-        return max(interval * max(1.0, o), self.probe_max * (o - 1))
+        return extra / times[0] if times[0] > 0 else 0.0
+
+    def _probe_wait(self, interval: int, overhead: float) -> float:
+        """Steps from one probe to the next for a probe costing ``overhead`` plain steps beyond a
+        plain step (:meth:`_probe_overhead`): ``interval`` times max(1, overhead), and at least
+        ``probe_max (overhead - 1)``, so that what a probe costs beyond two plain steps takes at
+        most ``1 / probe_max`` of the time (a draft catching up on a long context)."""
+        return max(interval * max(1.0, overhead), self.probe_max * (overhead - 1))
 
     def _probe(self, cur: _Curve, best: int) -> int:
         """``best``, or ``probe_k`` when a class at 0 is due for a probe (:meth:`_probe_wait`)."""
         if best > 0:
             return best
         cur.since_probe += 1
-        if cur.since_probe < self._probe_wait(cur.probe_interval):
+        if cur.since_probe < self._probe_wait(cur.probe_interval, self._probe_overhead()):
             return 0
         cur.since_probe, cur.probing = 0, True
         return self.probe_k
@@ -660,7 +664,7 @@ class CostAwareK:
     def _follow(self, rows: list[int]) -> list[_Row]:
         """The rows' records (new ones for rows that joined; those of rows that left dropped), each
         off row one step nearer its probe."""
-        keep = set(rows)
+        keep, overhead = set(rows), None  # overhead: one probe's cost, the same for every row
         for gone in [r for r in self.row_state if r not in keep]:
             del self.row_state[gone]
         self.collapsed &= keep
@@ -671,7 +675,8 @@ class CostAwareK:
             row = self.row_state[r]
             if row.off and not row.probing:
                 row.since_probe += 1
-                if row.since_probe >= self._probe_wait(row.probe_interval):
+                overhead = self._probe_overhead() if overhead is None else overhead
+                if row.since_probe >= self._probe_wait(row.probe_interval, overhead):
                     row.since_probe, row.probing = 0, True
             out.append(row)
         return out
@@ -679,7 +684,7 @@ class CostAwareK:
     def choose(self, rows: list[int] | None = None, lag: torch.Tensor | None = None) -> int:
         if rows is not None and len(rows) != self._batch:
             self._batch, self._times = len(rows), None
-        self._catch = 0 if lag is None or lag.numel() == 0 else lag.numel() * max(int(lag.max()) - 1, 0)
+        self._catch = 0 if lag is None else lag.numel() * max(int(lag.max()) - 1, 0)
         states = self._follow(rows) if rows is not None and self.watch is not None else []
         if self.rate is None:
             return self._choose(states)
@@ -761,11 +766,11 @@ class CostAwareK:
         return torch.where(keep, caps, caps.clamp(max=K))
 
     def _ragged_cap(self, caps: torch.Tensor, classes: list, probing: list[bool], curve) -> torch.Tensor:
-        """A ragged step costs ``T(1 + n / B) = a + b (B + n)`` for n draft tokens over B rows,
-        whichever rows feed them; draft position j of a row gains ``P_j = c_1 ... c_j`` expected
-        tokens (non-increasing in j). So the n positions kept are the n best gains of the batch (a
-        prefix of each row), n maximising ``(B + sum of their gains) / T(1 + n / B)``. Rows due for a
-        probe keep theirs."""
+        """A ragged step costs ``T(1 + n / B) = t_plain + s n`` for n draft tokens over B rows
+        (:class:`_StepLine`), whichever rows feed them; draft position j of a row gains
+        ``P_j = c_1 ... c_j`` expected tokens (non-increasing in j). So the n positions kept are the n
+        best gains of the batch (a prefix of each row), n maximising
+        ``(B + sum of their gains) / T(1 + n / B)``. Rows due for a probe keep theirs."""
         B = caps.numel()
         out = [c if p else 0 for c, p in zip(caps.tolist(), probing)]
         gains = sorted(

@@ -126,10 +126,11 @@ class DraftState:
     def append(self, other: DraftState) -> None:
         self.batch_size += other.batch_size
 
-    def lag(self, lengths: torch.Tensor) -> torch.Tensor:
+    def lag(self, lengths: torch.Tensor) -> torch.Tensor | None:
         """``(B,)`` committed tokens each row would feed its draft before drafting (its catch-up),
-        of ``lengths`` committed; what a policy prices before it probes (0: nothing to feed)."""
-        return torch.zeros_like(lengths)
+        of ``lengths`` committed; what a policy prices before it probes. None: a drafter that
+        feeds nothing (it reads the context at each proposal)."""
+        return None
 
 
 class Drafter(Protocol):

@@ -70,7 +70,7 @@ class OuroborosState(DraftState):
         self.base_state.append(other.base_state)
         super().append(other)
 
-    def lag(self, lengths: torch.Tensor) -> torch.Tensor:
+    def lag(self, lengths: torch.Tensor) -> torch.Tensor | None:
         return self.base_state.lag(lengths)
 
 
