@@ -173,11 +173,16 @@ class Engine:
             tokens[i, : len(r.prompt)] = torch.tensor(r.prompt)
         kv = self.target.new_state(n, capacity)
         P = int(lengths.max()) - 1
+        prefill = {}
         if P > 0:  # the last prompt token is fed by the first step
             positions = torch.arange(P).expand(n, P)  # right padding past each row's end is harmless
-            self.target.forward(
-                kv, tokens[:, :P], positions, logits_index=(lengths - 2).clamp(min=0).unsqueeze(1)
-            )
+            prefill = self.target.forward(
+                kv,
+                tokens[:, :P],
+                positions,
+                logits_index=(lengths - 2).clamp(min=0).unsqueeze(1),
+                hidden_layers=self.hidden_layers,
+            ).hidden
         draft_state = self.drafter.new_state(n, capacity) if self.drafter is not None else None
 
         for r in requests:
@@ -193,8 +198,8 @@ class Engine:
             if draft_state is not None:
                 self.draft_state.append(draft_state)
             self.tokens = torch.cat([self.tokens, tokens])
-            if self.features is not None:
-                self._add_feature_rows(lengths)
+        if self.drafter is not None and self.hidden_layers:
+            self._add_feature_rows(lengths, prefill)
         self.requests += requests
         self.lengths = torch.cat([self.lengths, lengths])
         self.generated = torch.cat([self.generated, torch.zeros(n, dtype=torch.int64)])
@@ -225,6 +230,7 @@ class Engine:
             if self.features is not None:
                 self.features.hidden = {i: h[rows] for i, h in self.features.hidden.items()}
                 self.features.first = self.features.first[rows]
+                self.features.answer = self.features.answer[rows]
         else:
             self.kv = self.draft_state = self.features = None
             self.tokens = torch.zeros(0, 0, dtype=torch.int64)
@@ -300,9 +306,9 @@ class Engine:
             return
         B, S = self.active, self.tokens.shape[1]
         first = self.lengths - emitted - 1  # (B,) the position of column 0
-        if self.features is None:  # every row is fresh: the prefill handed out none
+        if self.features is None:  # every prompt was one token: no prefill ran
             self.features = TargetFeatures(
-                {i: h.new_zeros(B, S, h.shape[2]) for i, h in hidden.items()}, first
+                {i: h.new_zeros(B, S, h.shape[2]) for i, h in hidden.items()}, first, first.clone()
             )
         T = next(iter(hidden.values())).shape[1]
         cols = torch.arange(T).expand(B, T) if columns is None else columns  # (B, T)
@@ -313,15 +319,30 @@ class Engine:
             picked = h.gather(1, cols.unsqueeze(-1).expand(-1, -1, h.shape[2]))  # (B, T, C) in position order
             self.features.hidden[i][rows, pos] = picked[committed].to(self.features.hidden[i].dtype)
 
-    def _add_feature_rows(self, lengths: torch.Tensor) -> None:
-        """Rows that joined get empty feature rows (their first: the last prompt position)."""
+    def _add_feature_rows(self, lengths: torch.Tensor, prefill: dict) -> None:
+        """Rows that joined keep their prompt's features, positions ``0 .. L - 2`` from the prefill
+        (``{layer: (n, P, C)}``; empty when every new prompt is one token: the first step writes
+        its position 0)."""
+        old = self.features.hidden if self.features is not None else {}
+        if not (old or prefill):
+            return  # no layer's width known yet: the first step's write creates the rows
         S, n = self.tokens.shape[1], lengths.shape[0]
         grown = {}
-        for i, h in self.features.hidden.items():
-            pad = h.new_zeros(h.shape[0], S - h.shape[1], h.shape[2])
-            grown[i] = torch.cat([torch.cat([h, pad], 1), h.new_zeros(n, S, h.shape[2])])
-        self.features.hidden = grown
-        self.features.first = torch.cat([self.features.first, lengths - 1])
+        for i, ref in (old or prefill).items():
+            new = ref.new_zeros(n, S, ref.shape[2])
+            if i in prefill:
+                new[:, : prefill[i].shape[1]] = prefill[i]
+            if i in old:
+                pad = ref.new_zeros(ref.shape[0], S - ref.shape[1], ref.shape[2])
+                new = torch.cat([torch.cat([ref, pad], 1), new])
+            grown[i] = new
+        answer = lengths - 1
+        if self.features is None:
+            self.features = TargetFeatures(grown, torch.zeros_like(answer), answer)
+        else:
+            self.features.hidden = grown
+            self.features.first = torch.cat([self.features.first, torch.zeros_like(answer)])
+            self.features.answer = torch.cat([self.features.answer, answer])
 
     def _chain_step(
         self, prop: Proposal | None, k: int, params: list, ids: list[int], forward=None

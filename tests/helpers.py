@@ -62,7 +62,8 @@ def target_answers(
     pipe, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 16, hidden: bool = True
 ):
     """The tiny target's greedy answers to ``prompts`` with its top-8 log-probs and (``hidden``) its
-    final hidden states: the cached training data of the feature drafters' tests."""
+    final hidden states, the answer's and the prompt's: the cached training data of the feature
+    drafters' tests."""
     from specdraft.design.data import generate_target_data
 
     return generate_target_data(
@@ -73,6 +74,7 @@ def target_answers(
         batch_size=batch_size,
         topk=8,
         hidden_layer=-1 if hidden else None,
+        prompt_hidden=hidden,
         progress=False,
     )
 
@@ -86,7 +88,8 @@ def kept_features(hidden: dict, first: list[int], capacity: int) -> TargetFeatur
         for b, p in enumerate(first):
             buf[b, p : p + h.shape[1]] = h[b]
         kept[i] = buf
-    return TargetFeatures(kept, torch.tensor(first))
+    first = torch.tensor(first)
+    return TargetFeatures(kept, first, first.clone())
 
 
 def accepted_columns(verified, num_accepted: torch.Tensor) -> list[list[int]]:

@@ -113,7 +113,14 @@ def _build_arguments(sub) -> None:
     b.add_argument(
         "--init-from",
         default=None,
-        help="--kind ctc: start from this designed feature draft (its layers, fc and head)",
+        help="--kind ctc or feature: start from this designed feature draft (its layers, fc and head)",
+    )
+    b.add_argument(
+        "--prompt-pairs",
+        type=int,
+        default=0,
+        help="--kind feature: prompt pairs the draft reads before the answer, in training and at inference "
+        "(0: the answer's only)",
     )
     b.add_argument("--window", type=int, default=8, help="--kind diffusion: target features read as context")
     b.add_argument(
@@ -303,6 +310,7 @@ def _build(args) -> int:
         kind=args.kind,
         feature_layers=args.feature_layers,
         init_from=args.init_from,
+        prompt_pairs=args.prompt_pairs,
         block=args.block,
         window=args.window,
     )

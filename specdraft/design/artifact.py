@@ -89,7 +89,8 @@ class DraftMeta:
         init_layers: target layers the draft's layers were initialised from.
         width: ``{"kv_heads", "q_per_kv", "ffn"}`` when width-pruned, else None.
         arch: what a kind adds to the Llama config (``dream``: ``{"layers": [...], "heads": H}``,
-            the target layers it cross-attends to and the cross-attention's heads).
+            the target layers it cross-attends to and the cross-attention's heads; ``feature``:
+            ``{"prompt_pairs": N}`` when trained to read the prompt's pairs).
         recipe: how it was made: command, seed, data, steps, time taken, validation acceptance.
         format: directory format version.
     """
@@ -430,7 +431,7 @@ def _feature_drafter(meta: DraftMeta, extra: dict, rt, w, path: Path):
         raise SpecdraftError(f"{meta.kind} draft {path} lacks {lacking[0]}: corrupted")
     fc, name = extra["fc.weight"].to(w.compute_dtype), f"designed:{path.name}"
     if meta.kind == "feature":
-        return FeatureDrafter(rt, fc, w.embed, name)
+        return FeatureDrafter(rt, fc, w.embed, name, prompt_pairs=meta.arch.get("prompt_pairs", 0))
     if meta.kind == "ctc":
         return CTCDrafter(rt, fc, {k: extra[f"ctc.{k}"] for k in CTC_KEYS}, w.embed, name)
     cross = {k: extra[f"cross.{k}"] for k in CROSS_KEYS}

@@ -62,9 +62,11 @@ class BuildConfig:
         block: a ``diffusion`` draft's block size (the anchor included,
             :mod:`specdraft.design.diffusion`).
         window: the target features a ``diffusion`` block reads as context.
-        init_from: a ``ctc`` draft starts from this designed ``feature`` draft (directory or name
-            under ``drafts/``): its layers, ``fc`` and head subset (the slots and blank start new);
-            None: from the target's ``layers`` like the others.
+        init_from: a ``ctc`` or ``feature`` draft starts from this designed ``feature`` draft
+            (directory or name under ``drafts/``): its layers, ``fc`` and head subset (a ctc draft's
+            slots and blank start new); None: from the target's ``layers`` like the others.
+        prompt_pairs: a ``feature`` draft reads this many prompt pairs before the answer's
+            (:mod:`specdraft.design.feature`); its data then keeps the prompt's hidden states.
     """
 
     layers: list[int]
@@ -86,6 +88,7 @@ class BuildConfig:
     block: int = 16
     window: int = 8
     init_from: str | None = None
+    prompt_pairs: int = 0
 
 
 SELF_SOURCE = "requests the target wrote itself (Magpie-style, sampled from its chat template's user turn)"
@@ -164,6 +167,8 @@ def build_draft(
     """
     if pipe.target.model.config.model_type not in ("llama", "mistral", "qwen2"):
         raise SpecdraftError("designing drafts needs a Llama-family target")
+    if cfg.prompt_pairs < 0 or (cfg.prompt_pairs and cfg.kind != "feature"):
+        raise SpecdraftError(f"--prompt-pairs {cfg.prompt_pairs}: a count >= 0, for --kind feature only")
     out = Path(out)
     work = Path(work) if work else out.with_name(out.name + ".work")
     times = {}
@@ -177,7 +182,7 @@ def build_draft(
 
     V = pipe.runtime.vocab_size
     if cfg.init_from:
-        model, head, draft = _warm_ctc(cfg, pipe)
+        model, head, draft = _warm_start(cfg, pipe)
     else:
         head = head_subset(data, cfg.head, V, pipe.eos_ids, prompt_token_counts(pipe))
         draft = None if cfg.kind == "flex" else make_draft(pipe, cfg, val)  # flex: the target's layers
@@ -261,6 +266,7 @@ def _target_data(pipe, cfg: BuildConfig, progress: bool) -> tuple[TargetData, Ta
         "max_new_tokens": cfg.max_new_tokens,
         "batch_size": cfg.gen_batch,
         "hidden": True,
+        "prompt_hidden": cfg.prompt_pairs > 0,
         "progress": progress,
         "sources": cfg.sources,
         "gen_dtype": dtypes.torch_dtype(cfg.gen_dtype),
@@ -280,16 +286,20 @@ def _arch(model, kind: str) -> dict:
         return {"slots": model.num_slots, "labels": model.labels}
     if kind == "flex":
         return model.arch
+    if kind == "feature" and model.prompt_pairs:
+        return {"prompt_pairs": model.prompt_pairs}
     return {}
 
 
-def _warm_ctc(cfg: BuildConfig, pipe):
-    """``(model, head, draft)`` of a ``ctc`` draft started from the feature draft ``cfg.init_from``."""
+def _warm_start(cfg: BuildConfig, pipe):
+    """``(model, head, draft)`` of a ``ctc`` or ``feature`` draft started from the feature draft
+    ``cfg.init_from``."""
     from specdraft.design.artifact import load_draft, resolve_draft_dir
     from specdraft.design.ctc import CTCDraftLM
+    from specdraft.design.feature import FeatureDraftLM
 
-    if cfg.kind != "ctc":
-        raise SpecdraftError("--init-from starts a ctc draft from a feature draft (give --kind ctc)")
+    if cfg.kind not in ("ctc", "feature"):
+        raise SpecdraftError("--init-from starts a ctc or feature draft from a feature draft (give --kind)")
     draft, meta, extra = load_draft(resolve_draft_dir(cfg.init_from), pipe.target.model)
     if meta.kind != "feature":
         raise SpecdraftError(f"--init-from {cfg.init_from}: a {meta.kind} draft, not a feature draft")
@@ -297,7 +307,9 @@ def _warm_ctc(cfg: BuildConfig, pipe):
     draft.model.norm.requires_grad_(True)
     ids = torch.tensor(meta.head_tokens, dtype=torch.int64) if meta.head_tokens else None
     head = VocabSubset(ids, meta.head_coverage or 0.0) if ids is not None else None
-    return CTCDraftLM(draft, ids, fc=extra["fc.weight"]), head, draft
+    if cfg.kind == "ctc":
+        return CTCDraftLM(draft, ids, fc=extra["fc.weight"]), head, draft
+    return FeatureDraftLM(draft, ids, fc=extra["fc.weight"], prompt_pairs=cfg.prompt_pairs), head, draft
 
 
 def _draft_model(draft, cfg: BuildConfig, head, target):
@@ -322,7 +334,7 @@ def _draft_model(draft, cfg: BuildConfig, head, target):
     if cfg.kind == "feature":
         from specdraft.design.feature import FeatureDraftLM
 
-        return FeatureDraftLM(draft, head.token_ids if head else None)
+        return FeatureDraftLM(draft, head.token_ids if head else None, prompt_pairs=cfg.prompt_pairs)
     return DraftLM(draft, head.token_ids if head else None)
 
 

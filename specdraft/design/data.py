@@ -20,7 +20,9 @@ response token, what distillation needs:
 - ``topk_idx`` / ``topk_logp``: the target's K most likely next tokens and their log-probabilities
   (normalised over the full vocabulary, so ``1 - sum(exp(topk_logp))`` is the tail mass);
 - ``hidden`` (optional): the target's final hidden state at the position that predicts the token
-  (after the final norm), for feature-conditioned drafts.
+  (after the final norm), for feature-conditioned drafts;
+- ``prompt_hidden`` (optional): the same at the prompt's positions ``0 .. prompt_len - 2`` (from the
+  prefill), for feature drafts that read the prompt's pairs too.
 
 Response token j of a sequence sits at index ``prompt_len + j`` of ``tokens`` and was predicted by
 the target at position ``prompt_len + j - 1``.
@@ -269,6 +271,7 @@ class TargetData:
         topk_idx: per sequence ``(R, K)`` int64, R = response length.
         topk_logp: per sequence ``(R, K)`` float32 log-probabilities.
         hidden: per sequence ``(R, C)`` float32, or None when not recorded.
+        prompt_hidden: per sequence ``(prompt_len - 1, C)`` float32, or None when not recorded.
         prompt_ids: per sequence, the index of its prompt in the prompt list.
     """
 
@@ -277,6 +280,7 @@ class TargetData:
     topk_idx: list[torch.Tensor] = field(default_factory=list)
     topk_logp: list[torch.Tensor] = field(default_factory=list)
     hidden: list[torch.Tensor] | None = None
+    prompt_hidden: list[torch.Tensor] | None = None
     prompt_ids: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
@@ -294,6 +298,8 @@ class TargetData:
         self.prompt_ids += other.prompt_ids
         if other.hidden is not None:
             self.hidden = (self.hidden or []) + other.hidden
+        if other.prompt_hidden is not None:
+            self.prompt_hidden = (self.prompt_hidden or []) + other.prompt_hidden
 
     def response_tokens(self) -> torch.Tensor:
         """All response tokens, concatenated ``(N,)``."""
@@ -318,6 +324,8 @@ class TargetData:
         }
         if self.hidden is not None:
             tensors["hidden"] = torch.cat(self.hidden).to(torch.float16)
+        if self.prompt_hidden is not None:
+            tensors["prompt_hidden"] = torch.cat(self.prompt_hidden).to(torch.float16)
         tmp = path.with_name(f".{path.name}.tmp")
         save_file(tensors, str(tmp))
         durable.replace_file(tmp, path)
@@ -338,6 +346,9 @@ class TargetData:
                 topk_idx=[x.long() for x in t["topk_idx"].split(resp)],
                 topk_logp=[x.float() for x in t["topk_logp"].split(resp)],
                 hidden=[x.float() for x in t["hidden"].split(resp)] if "hidden" in t else None,
+                prompt_hidden=[x.float() for x in t["prompt_hidden"].split([p - 1 for p in plens])]
+                if "prompt_hidden" in t
+                else None,
                 prompt_ids=t["prompt_ids"].tolist(),
             )
         except (SafetensorError, KeyError, RuntimeError, ValueError, OSError) as e:
@@ -349,7 +360,8 @@ class TargetData:
 
 # ------------------------------------------------------------------------------------ generation
 class _Recorder:
-    """Wraps the target runtime; while ``on``, keeps top-k log-probs (and hidden) of the last position."""
+    """Wraps the target runtime; while ``on``, keeps top-k log-probs (and hidden) of the last position;
+    otherwise (a prefill) the hidden state at every position it fed (``prefill``)."""
 
     def __init__(self, runtime, topk: int, hidden_layer: int | None):
         self.runtime = runtime
@@ -360,6 +372,7 @@ class _Recorder:
         self.hidden_layer = hidden_layer
         self.on = False
         self.last: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+        self.prefill: torch.Tensor | None = None
 
     def new_state(self, batch_size: int, capacity: int):
         return self.runtime.new_state(batch_size, capacity)
@@ -371,6 +384,8 @@ class _Recorder:
             vals, idx = logp.topk(self.topk, dim=-1)  # (B, K)
             hid = out.hidden[self.hidden_layer][:, -1].float() if self.hidden_layer is not None else None
             self.last = (idx, vals, hid)
+        elif self.hidden_layer is not None:
+            self.prefill = out.hidden[self.hidden_layer].float()
         return out
 
 
@@ -383,6 +398,7 @@ def generate_target_data(
     batch_size: int = 16,
     topk: int = 32,
     hidden_layer: int | None = None,
+    prompt_hidden: bool = False,
     skip: set[int] | None = None,
     shard_size: int = 32,
     on_shard=None,
@@ -401,7 +417,8 @@ def generate_target_data(
         max_new_tokens: response length cap.
         batch_size: rows decoded together.
         topk: K, how many of the target's most likely tokens to keep per position.
-        hidden_layer: also keep this layer's hidden state (``-1``: after the final norm).
+        hidden_layer: also keep this layer's hidden state (``-1``: after the final norm), at the
+            answer's positions and (``prompt_hidden``) the prompt's.
         skip: prompt indices already done (a resumed run).
         shard_size: sequences per ``on_shard`` call.
     """
@@ -432,8 +449,12 @@ def generate_target_data(
                 i = todo.popleft()
                 ids = prompts[i][-room:] if len(prompts[i]) > room else prompts[i]
                 batch.append((i, Request(list(ids), max_new_tokens, eos_ids=eos_ids)))
-            for rid, (i, r) in zip(engine.add([r for _, r in batch]), batch):
+            rec.prefill = None
+            for j, (rid, (i, r)) in enumerate(zip(engine.add([r for _, r in batch]), batch)):
                 live[rid] = {"prompt_id": i, "prompt": r.prompt, "out": [], "idx": [], "logp": [], "hid": []}
+                if prompt_hidden:  # none when every prompt of the batch is one token (no prefill)
+                    n = len(r.prompt) - 1
+                    live[rid]["pre"] = rec.prefill[j, :n].clone() if n else None
         rows = [r.id for r in engine.requests]
         rec.on = True
         events = engine.step()
@@ -456,6 +477,9 @@ def generate_target_data(
                 shard.topk_logp.append(torch.stack(s["logp"]))
                 if hid is not None:
                     shard.hidden = (shard.hidden or []) + [torch.stack(s["hid"])]
+                if prompt_hidden:
+                    pre = s["pre"] if s["pre"] is not None else hid.new_zeros(0, hid.shape[1])
+                    shard.prompt_hidden = (shard.prompt_hidden or []) + [pre]
                 bar.update(1)
                 flush()
         made += len(rows)
@@ -485,6 +509,7 @@ def target_data(
     batch_size: int = 16,
     topk: int = 32,
     hidden: bool = False,
+    prompt_hidden: bool = False,
     sources: tuple[str, ...] = SOURCES,
     gen_dtype: torch.dtype | None = None,
     cache: Path | None = None,
@@ -501,6 +526,7 @@ def target_data(
         batch_size: rows decoded together.
         topk: K target log-probs kept per response token.
         hidden: also keep the target's final hidden states.
+        prompt_hidden: with ``hidden``, the prompt's too.
         sources: prompt sources (:func:`training_prompts`).
         gen_dtype: answer with the target's weights in this dtype (e.g. bf16 through the native
             kernels: half the weight bytes of fp32, and what the bf16 runtime computes at
@@ -509,9 +535,15 @@ def target_data(
     """
     from specdraft.models.loading import cache_root
 
+    if prompt_hidden and not hidden:
+        raise SpecdraftError(
+            "prompt_hidden needs hidden=True (the prompt's hidden states go beside the answer's)"
+        )
     sources = parse_sources(sources)
     runtime = generation_runtime(pipe, gen_dtype)
     spec = {"split": split, "seed": seed, "max_new": max_new_tokens, "topk": topk, "hidden": hidden}
+    if prompt_hidden:  # (only when asked, as for sources: older caches keep their keys)
+        spec["prompt_hidden"] = True
     if sources != SOURCES:  # (the default keeps the keys of caches made before sources existed)
         spec["sources"] = list(sources)
     if runtime is not pipe.runtime:
@@ -557,6 +589,7 @@ def target_data(
             batch_size=batch_size,
             topk=topk,
             hidden_layer=hidden_layer,
+            prompt_hidden=prompt_hidden,
             skip=done,
             on_shard=write,
             progress=progress,
@@ -583,5 +616,6 @@ def _subset(data: TargetData, order: list[int]) -> TargetData:
         topk_idx=[data.topk_idx[i] for i in order],
         topk_logp=[data.topk_logp[i] for i in order],
         hidden=[data.hidden[i] for i in order] if data.hidden is not None else None,
+        prompt_hidden=[data.prompt_hidden[i] for i in order] if data.prompt_hidden is not None else None,
         prompt_ids=[data.prompt_ids[i] for i in order],
     )

@@ -11,9 +11,12 @@ Training (offline, on the cached answers with their hidden states) combines the 
 little uniform noise, since at inference the draft reads its own imperfect features after the first
 step (EAGLE does the same).
 
-The draft's context starts at the last prompt token: the engine's prefill does not hand hidden states
-out, so the draft never sees pairs inside the prompt, in training or at inference (the target's
-feature carries the prompt's information).
+The draft's context starts ``prompt_pairs`` pairs before the last prompt token, in training (from
+the data's ``prompt_hidden``) as at inference (the engine keeps the prefill's features): 0, the
+answer's pairs only, relies on the target's feature to carry the prompt; more lets the draft attend
+to the prompt's pairs and copy from them (EAGLE feeds the whole prompt). The labelled pairs are
+the answer's, and the last prompt pair's (its label is the answer's first token, which such a draft
+proposes at the first step after the prefill).
 
 Trade-off: the first draft token of a step is conditioned on the target's own state, so acceptance
 is much higher than for a token-only draft of the same size, at the same per-token cost (fc is
@@ -61,6 +64,7 @@ class FeatureDraftLM(torch.nn.Module):
             a little of the feature; training finds the mix).
         noise: half-width of the uniform noise added to input features in training.
         reg_weight: weight of the feature regression loss.
+        prompt_pairs: prompt pairs read before the last prompt position (module docstring).
     """
 
     def __init__(
@@ -70,6 +74,7 @@ class FeatureDraftLM(torch.nn.Module):
         fc: torch.Tensor | None = None,
         noise: float = 0.1,
         reg_weight: float = 1.0,
+        prompt_pairs: int = 0,
     ):
         super().__init__()
         from specdraft.design.train import DraftLM
@@ -85,6 +90,7 @@ class FeatureDraftLM(torch.nn.Module):
             self.fc.weight.copy_(fc)
         self.noise = noise
         self.reg_weight = reg_weight
+        self.prompt_pairs = prompt_pairs
 
     @property
     def draft(self):
@@ -120,29 +126,33 @@ class FeatureDraftLM(torch.nn.Module):
         return self.draft.model(inputs_embeds=x, position_ids=positions, use_cache=False).last_hidden_state
 
     def make_batch(self, data: TargetData, idx: list[int], max_len: int) -> FeatureBatch:
-        """Pairs ``(f_p, token p + 1)`` over each answer; labels: token p + 2 and ``f_{p+1}``."""
-        if data.hidden is None:
+        """Pairs ``(f_p, token p + 1)`` from ``prompt_pairs`` before the last prompt position to the
+        answer's end (its first ``max_len``); labels, at the answer's pairs (and the last prompt
+        pair when any is read): token p + 2 and ``f_{p+1}``."""
+        if data.hidden is None or (self.prompt_pairs and data.prompt_hidden is None):
             raise SpecdraftError(
-                "feature-conditioned drafts need data with hidden states (target_data(..., hidden=True))"
+                "feature-conditioned drafts need data with hidden states (target_data(..., hidden=True"
+                + (", prompt_hidden=True))" if self.prompt_pairs else "))")
             )
         to_sub = self.to_sub
-        rows, feats, toks, pos, tgt, topk, logp, ftgt = [], [], [], [], [], [], [], []
-        T = 0
+        rows, cols, feats, toks, pos, tgt, topk, logp, ftgt = [], [], [], [], [], [], [], [], []
         for b, i in enumerate(idx):
             tokens, P, hid = data.tokens[i], data.prompt_lens[i], data.hidden[i]  # hid: (R, C)
-            n = min(hid.shape[0] - 1, max_len)  # pairs with a label
-            n = max(n, 0)
-            T = max(T, n)
-            feats.append(hid[:n])
-            toks.append(tokens[P : P + n])
-            pos.append(torch.arange(P - 1, P - 1 + n))
-            rows.append(torch.full((n,), b))
-            tgt.append(to_sub[tokens[P + 1 : P + 1 + n]])
-            topk.append(to_sub[data.topk_idx[i][1 : 1 + n]])
-            logp.append(data.topk_logp[i][1 : 1 + n])
-            ftgt.append(hid[1 : 1 + n])
-        T = max(T, 1)
+            n = max(min(hid.shape[0] - 1, max_len), 0)  # answer pairs with a label
+            m = min(self.prompt_pairs, P - 1)  # prompt pairs before them
+            e = 1 if m else 0  # the last prompt pair (position P - 2) predicts the answer's first token
+            pre = data.prompt_hidden[i][P - 1 - m :] if m else hid[:0]
+            feats.append(torch.cat([pre, hid[:n]]))
+            toks.append(tokens[P - m : P + n])
+            pos.append(torch.arange(P - 1 - m, P - 1 + n))
+            rows.append(torch.full((n + e,), b))
+            cols.append(m - e + torch.arange(n + e))
+            tgt.append(to_sub[tokens[P + 1 - e : P + 1 + n]])
+            topk.append(to_sub[data.topk_idx[i][1 - e : 1 + n]])
+            logp.append(data.topk_logp[i][1 - e : 1 + n])
+            ftgt.append(hid[1 - e : 1 + n])
         B, C = len(idx), self.draft.config.hidden_size
+        T = max(1, max(f.shape[0] for f in feats))
         F_in = torch.zeros(B, T, C)
         ids = torch.zeros(B, T, dtype=torch.int64)
         positions = torch.zeros(B, T, dtype=torch.int64)
@@ -152,16 +162,14 @@ class FeatureDraftLM(torch.nn.Module):
             positions[b, :n] = pos[b]
             if n < T:  # padding continues the positions (it comes after every real pair)
                 positions[b, n:] = (pos[b][-1] if n else 0) + 1 + torch.arange(T - n)
-        rows = torch.cat(rows)
-        cols = torch.cat([torch.arange(f.shape[0]) for f in feats])
         return FeatureBatch(
             ids,
-            rows,
-            cols,
+            torch.cat(rows),
+            torch.cat(cols),
             torch.cat(tgt),
             torch.cat(topk),
             torch.cat(logp),
-            torch.ones(rows.shape[0]),
+            torch.ones(sum(r.shape[0] for r in rows)),
             feats=F_in,
             positions=positions,
             feat_target=torch.cat(ftgt),

@@ -71,17 +71,21 @@ class Verified:
 class TargetFeatures:
     """The target's hidden states at every committed position its forwards computed, whatever the
     steps were (steps without drafts included), position-indexed like the token buffer: the engine
-    writes each step's committed positions (a tree step: the accepted path's columns) after
-    verification, so a feature drafter can feed the pairs it has not fed yet, exactly.
+    keeps the prefill's (the prompt's positions) and writes each step's committed positions (a tree
+    step: the accepted path's columns) after verification, so a feature drafter can feed the pairs
+    it has not fed yet, exactly.
 
     Attributes:
         hidden: ``{layer: (B, S, C)}`` position p's hidden state at ``[:, p]`` (zeros where none).
-        first: ``(B,)`` each row's first position with features (its prompt length - 1: the
-            prefill hands none out); positions ``first .. lengths - 2`` hold them.
+        first: ``(B,)`` each row's first position with features (0 in the engine: the prefill
+            hands them out); positions ``first .. lengths - 2`` hold them.
+        answer: ``(B,)`` each row's last prompt position, whose pair is the answer's first (a
+            drafter that reads no prompt pairs starts there).
     """
 
     hidden: dict
     first: torch.Tensor
+    answer: torch.Tensor
 
 
 @dataclass

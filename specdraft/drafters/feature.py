@@ -28,10 +28,12 @@ class FeatureDrafter(FeatureDrafterBase):
         embed: ``(V, C)`` the target's token embedding.
         name: shown in statistics.
         local: an optional local head (:mod:`specdraft.drafters.local`).
+        prompt_pairs: prompt pairs the draft reads (:class:`FeatureDrafterBase`; what it was trained
+            with).
     """
 
-    def __init__(self, runtime, fc: torch.Tensor, embed: torch.Tensor, name: str, local=None):
-        super().__init__(runtime, embed, name, local=local)
+    def __init__(self, runtime, fc: torch.Tensor, embed: torch.Tensor, name: str, local=None, prompt_pairs=0):
+        super().__init__(runtime, embed, name, local=local, prompt_pairs=prompt_pairs)
         self.fc = fc
 
     def inputs(self, feats: torch.Tensor, tokens: torch.Tensor, memory=None) -> torch.Tensor:

@@ -27,10 +27,11 @@ What the base owns, so that each drafter kind only says how a pair becomes the d
 - an optional *local head* fused into every draft position's logits (a product of experts,
   :mod:`specdraft.drafters.local`).
 
-Rows without features yet (the first step after the prompt: the engine's prefill hands none out)
-propose nothing that step; their context starts at the last prompt position. Wrong or missing
-features can only cost acceptance: verification is unchanged, so every drafter built on this base
-is lossless.
+The draft's context starts ``prompt_pairs`` pairs before the last prompt position (the engine keeps
+the prefill's features): 0 for a draft trained on the answer's pairs only, more for one trained to
+read the prompt too (it can copy from it, as EAGLE does). Rows without features yet propose nothing.
+Wrong or missing features can only cost acceptance: verification is unchanged, so every drafter
+built on this base is lossless.
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ class FeatureDraftState(DraftState):
             features); cache slots before it are masked (-1: no context yet).
     """
 
-    def __init__(self, runtime, batch_size: int, capacity: int):
+    def __init__(self, runtime, batch_size: int, capacity: int, prompt_pairs: int = 0):
         super().__init__(batch_size)
+        self.prompt_pairs = prompt_pairs
         self.kv = runtime.new_state(batch_size, capacity)
         self.fed = torch.full((batch_size,), -1, dtype=torch.int64)
         self.start = torch.full((batch_size,), -1, dtype=torch.int64)
@@ -72,9 +74,9 @@ class FeatureDraftState(DraftState):
         self.start = torch.cat([self.start, other.start])
 
     def lag(self, lengths: torch.Tensor) -> torch.Tensor:
-        """Pairs ``fed .. L - 2`` not fed yet; a row that has not proposed counts 0 (its first
-        catch-up runs over its own output only: the prefill hands out no features)."""
-        return torch.where(self.fed >= 0, lengths - 1 - self.fed, 0)
+        """Pairs ``fed .. L - 2`` not fed yet; a row that has not proposed counts the prompt pairs it
+        will read (``prompt_pairs``, at most ``L - 1``; the few answer pairs before it are left out)."""
+        return torch.where(self.fed >= 0, lengths - 1 - self.fed, (lengths - 1).clamp(max=self.prompt_pairs))
 
 
 @dataclass
@@ -133,9 +135,10 @@ class FeatureDrafterBase:
             i's output), handed to :meth:`inputs` as ``memory``.
         local: a local head fused into the draft's logits (:class:`~specdraft.drafters.local.LocalHead`),
             or None.
+        prompt_pairs: prompt pairs read before the last prompt position (module docstring).
     """
 
-    def __init__(self, runtime, embed: torch.Tensor, name: str, layers=(), local=None):
+    def __init__(self, runtime, embed: torch.Tensor, name: str, layers=(), local=None, prompt_pairs: int = 0):
         self.runtime = runtime
         self.core = runtime.runtime if isinstance(runtime, SubsetHeadRuntime) else runtime
         self.core.w = dataclasses.replace(self.core.w)  # its own weights record: .embed is rewritten per call
@@ -144,6 +147,7 @@ class FeatureDrafterBase:
         self.vocab_size = runtime.vocab_size
         self.layers = tuple(layers)
         self.local = local
+        self.prompt_pairs = prompt_pairs
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:
@@ -156,7 +160,7 @@ class FeatureDrafterBase:
         raise NotImplementedError
 
     def new_state(self, batch_size: int, capacity: int) -> FeatureDraftState:
-        return FeatureDraftState(self.runtime, batch_size, capacity)
+        return FeatureDraftState(self.runtime, batch_size, capacity, self.prompt_pairs)
 
     def observe(
         self, state: FeatureDraftState, num_accepted: torch.Tensor, verified: Verified | None = None
@@ -195,15 +199,16 @@ class FeatureDrafterBase:
         return logits[:, 0], f[:, 0]
 
     def _real_pairs(self, state: FeatureDraftState, ctx: DraftContext) -> RealPairs | None:
-        """The pairs the draft's cache lacks: positions ``state.fed .. L - 2`` (from the row's first
-        position with features at its first proposal), however many steps ran since; None when the
-        engine keeps none of the target layers this drafter reads."""
+        """The pairs the draft's cache lacks: positions ``state.fed .. L - 2`` (from ``prompt_pairs``
+        before the row's last prompt position at its first proposal), however many steps ran since;
+        None when the engine keeps none of the target layers this drafter reads."""
         kept = ctx.features
         if kept is None or not all(i in kept.hidden for i in self.hidden_layers):
             return None
         L, new = ctx.lengths, state.fed < 0
-        state.start = torch.where(new, kept.first, state.start)
-        state.fed = torch.where(new, kept.first, state.fed)
+        first = torch.maximum(kept.first, kept.answer - self.prompt_pairs)
+        state.start = torch.where(new, first, state.start)
+        state.fed = torch.where(new, first, state.fed)
         count = L - 1 - state.fed  # (B,)
         have = count > 0
         count = torch.where(have, count, torch.ones_like(count))

@@ -10,7 +10,7 @@ from specdraft.design.feature import FeatureDraftLM
 from specdraft.design.prune import depth_prune
 from specdraft.design.train import TrainConfig, train_offline, validate
 from specdraft.design.vocab import VocabSubset
-from specdraft.drafters.base import DraftContext
+from specdraft.drafters.base import DraftContext, TargetFeatures
 from specdraft.drafters.feature import FeatureDrafter
 from specdraft.engine import Engine
 from specdraft.models.llama import LlamaRuntime
@@ -65,6 +65,57 @@ def test_drafter_matches_the_training_model(tiny_pipe, data, subset):
         second = model.head_tokens[model.tokens.head(f2[0, -1]).argmax()]
     assert prop.num_valid.tolist() == [3]
     assert prop.tokens[0, :2].tolist() == [int(expected), int(second)]
+
+
+def test_recorded_hidden_states_are_the_targets_over_prompt_and_answer(tiny_pipe, data):
+    """Rows join a refilled batch with prompts of other lengths: each sequence's prompt hidden states
+    (the prefill's) and answer hidden states are one full forward's over its tokens."""
+    rt = tiny_pipe.runtime
+    for i, tokens in enumerate(data.tokens):
+        P, S = data.prompt_lens[i], tokens.shape[0]
+        out = rt.forward(
+            rt.new_state(1, S),
+            tokens[:-1].unsqueeze(0),
+            torch.arange(S - 1).unsqueeze(0),
+            hidden_layers=(-1,),
+        )
+        full = out.hidden[-1][0]  # (S - 1, C): positions 0 .. S - 2
+        assert data.prompt_hidden[i].shape == (P - 1, full.shape[1])
+        assert torch.allclose(data.prompt_hidden[i], full[: P - 1], atol=1e-4)
+        assert torch.allclose(data.hidden[i], full[P - 1 :], atol=1e-4)
+
+
+@pytest.mark.parametrize("c", [0, 4])
+@pytest.mark.parametrize("pairs", [2, 100])
+def test_a_drafter_reading_the_prompt_matches_the_training_model(tiny_pipe, data, pairs, c):
+    """With ``prompt_pairs``, the engine-side drafter (fed the prefill's features, as the engine keeps
+    them) drafts the token the training model's batch predicts at the same answer position, from the
+    first step after the prefill on (``c = 0``: the last prompt pair's label is the answer's first
+    token)."""
+    model = _model(tiny_pipe, None).eval()
+    model.prompt_pairs = pairs
+    drafter = _drafter(tiny_pipe, model, None)
+    drafter.prompt_pairs = pairs
+    i = 3
+    P, tokens = data.prompt_lens[i], data.tokens[i]
+    L = P + c
+    feats = torch.cat([data.prompt_hidden[i], data.hidden[i][:c]]).unsqueeze(0)  # positions 0 .. L - 2
+    kept = TargetFeatures(
+        kept_features({-1: feats}, [0], 64).hidden, torch.tensor([0]), torch.tensor([P - 1])
+    )
+    ctx = DraftContext(tokens.unsqueeze(0), torch.tensor([L]), [SamplingParams()], [None], features=kept)
+    state = drafter.new_state(1, 64)
+    prop = drafter.propose(state, ctx, 2)
+    assert int(state.start[0]) == max(0, P - 1 - pairs)
+    with torch.no_grad():
+        batch = model.make_batch(data, [i], max_len=64)  # labelled: the answer's pairs only
+        logits = model.head_logits(batch)
+        answer_only = FeatureDraftLM(model.draft, None, fc=model.fc.weight.detach())
+        without = answer_only.head_logits(answer_only.make_batch(data, [i], max_len=64))
+    # labelled: the prompt's last pair, then the answer's (all but the last), as without prompt pairs
+    assert logits.shape[0] == 1 + without.shape[0] == data.hidden[i].shape[0]
+    assert prop.num_valid.tolist() == [2] and prop.tokens[0, 0] == logits[c].argmax()
+    assert not torch.allclose(logits[1:], without, atol=1e-3)  # the prompt's pairs change the draft's logits
 
 
 def test_no_features_yet_means_no_proposal(tiny_pipe):

@@ -8,7 +8,9 @@ k = 0 steps, rows leaving and a row joining), every proposal of every feature ki
 its EAGLE-2 tree, DREAM-style, with a local head fused in, CTC) is the one a fresh draft makes
 when fed every pair of the row's context at once from one full target forward; and it is not the
 one of a draft that started over from the last forward's pair (what happened before), so the test
-can fail. Greedy output stays plain decoding's.
+can fail. The context starts at the last prompt position, or ``prompt_pairs`` before it for a draft
+that reads the prompt (the engine keeps the prefill's features). Greedy output stays plain
+decoding's.
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ def _rows(prop, b: int):
 
 
 class Recording:
-    """Wraps a drafter; keeps, per proposing row, its committed tokens, first position with
-    features, k, the draft cache's capacity, what it proposed and the draft's logits for the first
+    """Wraps a drafter; keeps, per proposing row, its committed tokens, the first position of the
+    draft's context, k, the draft cache's capacity, what it proposed and the draft's logits for the first
     draft token (after the real pairs: :meth:`FeatureDrafterBase.start`)."""
 
     def __init__(self, inner):
@@ -73,7 +75,7 @@ class Recording:
         prop = self.inner.propose(state, ctx, k)
         for b, L in enumerate(ctx.lengths.tolist()):
             if _rows(prop, b) is not None:
-                first = int(ctx.features.first[b])
+                first = int(state.start[b])
                 row = (ctx.tokens[b, :L].tolist(), first, k, state.kv.capacity, _rows(prop, b))
                 self.seen.append((*row, self.begun.logits[b]))
         return prop
@@ -116,22 +118,24 @@ def run(engine: Engine, prompts: list[list[int]], lengths: list[int], join_after
     return [out[r.id] for r in reqs]
 
 
+@pytest.mark.parametrize("prompt_pairs", [0, 3], ids=["answer", "prompt"])
 @pytest.mark.parametrize("pattern", [(1, 0), (1, 0, 0, 0, 1, 1, 0, 0, 0)], ids=["alternate", "runs"])
 @pytest.mark.parametrize("name", KINDS)
-def test_proposals_after_plain_steps_are_a_draft_fed_every_pair(name, pattern):
+def test_proposals_after_plain_steps_are_a_draft_fed_every_pair(name, pattern, prompt_pairs):
     target = peaked(seed=10, scale=12.0)
     case = make_case(name, target)
+    getattr(case.drafter, "feature", case.drafter).prompt_pairs = prompt_pairs
     rec = Recording(case.drafter)
     prompts = [PROMPT + [i] * (1 + 2 * i) for i in range(4)]
     lengths = [30, 12, 22, 16]
     engine = Engine(target, rec, Pattern(case.policy.k_max, pattern), hidden_layers=rec.hidden_layers)
     assert run(engine, prompts, lengths, 4) == run(Engine(target), prompts, lengths, 4)
     assert len(rec.seen) >= 12
-    joined = [s for s in rec.seen if s[1] == len(prompts[-1]) - 1]
+    joined = [s for s in rec.seen if s[0][: len(prompts[-1])] == prompts[-1]]
     assert joined  # the row that joined proposed too
     restarted = 0
     for tokens, first, k, capacity, prop, logits in rec.seen:
-        assert first == next(len(p) for p in prompts if p == tokens[: len(p)]) - 1
+        assert first == next(len(p) for p in prompts if p == tokens[: len(p)]) - 1 - prompt_pairs
         want, want_logits = fed_at_once(rec, target, tokens, first, k, capacity)
         assert prop == want
         assert torch.allclose(logits, want_logits, atol=1e-4)
