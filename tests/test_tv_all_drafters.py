@@ -207,6 +207,16 @@ def _lengths(*want: int) -> Callable:
     return check
 
 
+def _exactly(*want: int) -> Callable:
+    """A check that every proposal's length (after any cut) is in ``want``, each occurring."""
+
+    def check(rec, policy):
+        seen = set(torch.cat(rec.num_valid).tolist())
+        assert seen == set(want), (want, seen)
+
+    return check
+
+
 def _early_stop(rec, policy):
     assert bool((torch.cat(rec.steps) < 3).any())  # the draft stopped before its k = 3 forwards
     _lengths(0, 1, 2)(rec, policy)  # plain steps and proposals of several lengths
@@ -322,6 +332,11 @@ def make_case(name: str, target: LlamaRuntime, draft=None) -> Case:
             return Case(FeatureTreeDrafter(feature, TreeShape(True, 2, 2), name), FixedK(4), check=_branching)
         # rows without the target's features yet (the first step) propose nothing
         return Case(feature, FixedK(2), check=_lengths(0, 2))
+    if name == "feature-prompt":  # reads 4 prompt pairs (the prefill's features): it proposes at every
+        # step, the first after the prefill included
+        feature = make_case("feature", target).drafter
+        feature.prompt_pairs = 4
+        return Case(feature, FixedK(2), check=_exactly(2))
     if name in ("feature-after-plain", "tree-feature-after-plain"):  # its first step plain: it proposes
         # from the features of a step it never saw (it proposed nothing there before issue 18's fix)
         inner = make_case(name.removesuffix("-after-plain"), target)
@@ -460,6 +475,7 @@ CASES = [
     "gated-best-prefix",
     "gated-early-stop",
     "feature",
+    "feature-prompt",
     "tree-feature",
     "feature-after-plain",
     "tree-feature-after-plain",
