@@ -190,7 +190,8 @@ def build_draft(
     if head:
         log(f"head: {len(head)} tokens cover {head.coverage:.1%} of the target's answer tokens")
     before = validate(model, val, cfg.train.max_len)
-    log(f"untrained: validation acceptance {before['alpha']:.3f}")
+    start = f"from {cfg.init_from}" if cfg.init_from else "untrained"
+    log(f"{start}: validation acceptance {before['alpha']:.3f}")
 
     result = _train(model, pipe, cfg, data, val, work, progress, times)
     after = validate(model, val, cfg.train.max_len)
@@ -421,8 +422,13 @@ def recipe_markdown(name: str, meta: DraftMeta) -> str:
         ),
         f"- time: {r.get('time_s')} (seconds; data generation is cached, so a rerun spends it once)",
         (
-            "- validation acceptance (teacher-forced, greedy): untrained "
-            f"{val.get('untrained', {}).get('alpha', float('nan')):.3f}, trained "
+            "- validation acceptance (teacher-forced, greedy): "
+            + (
+                f"before training ({init}, --init-from) "
+                if (init := r.get("config", {}).get("init_from"))
+                else "untrained "
+            )
+            + f"{val.get('untrained', {}).get('alpha', float('nan')):.3f}, trained "
             f"{val.get('trained', {}).get('alpha', float('nan')):.3f}"
         ),
         f"- made {r.get('date')} with {r.get('versions')}",
