@@ -36,7 +36,8 @@ def _data_args(p: argparse.ArgumentParser, prompts: int) -> None:
         "--sources",
         default="gsm8k,hellaswag",
         help="prompt sources, round-robin: gsm8k, hellaswag, self (requests the target writes itself, "
-        "Magpie-style)",
+        "Magpie-style), tasks (summarize / translate / rewrite / list / read instructions over the gsm8k "
+        "and hellaswag texts)",
     )
     p.add_argument("--gen-dtype", choices=dtypes.choices("gen"), default="same", help=dtypes.help_text("gen"))
     p.add_argument(

@@ -92,6 +92,10 @@ class BuildConfig:
 
 
 SELF_SOURCE = "requests the target wrote itself (Magpie-style, sampled from its chat template's user turn)"
+TASKS_SOURCE = (
+    "task instructions (summarize, translate, rewrite, list, read and answer; specdraft.design.data.TASKS) "
+    "over the GSM8K and HellaSwag training texts"
+)
 
 
 def source_name(source: str) -> str:
@@ -100,6 +104,8 @@ def source_name(source: str) -> str:
     drafts' recipes name it), marked when it is a shipped slice; or what ``self`` is."""
     if source == "self":
         return SELF_SOURCE
+    if source == "tasks":
+        return TASKS_SOURCE
     path = data_file(SOURCE_FILES[source]).absolute()  # not resolved: ../shared may be a link
     if path.is_relative_to(REPO_ROOT) or path.is_relative_to(bench_prompts.SHARED_DATA.absolute()):
         name = os.path.relpath(path, REPO_ROOT)

@@ -10,8 +10,11 @@ A third source, ``self``, widens the topics beyond grade-school maths and story 
 requests the target writes itself (Magpie, Xu et al. 2024): given only its chat template up to the
 start of a user turn, an instruct model samples a plausible user message (temperature 1, top-p 0.95).
 They are cached per target and seed (:func:`self_prompts`); validation requests come from their
-own seeds. Sources are interleaved round-robin (``sources=("gsm8k", "hellaswag", "self")``: a third
-each).
+own seeds. A fourth, ``tasks``, asks for what those texts alone never do: the same training texts
+(GSM8K questions, HellaSwag contexts) wrapped in task instructions whose answers reuse the prompt
+(summarize, translate, rewrite, list what is mentioned, read and answer; :data:`TASKS`), the kinds of
+request a general assistant gets. Sources are interleaved round-robin (``sources=("gsm8k",
+"hellaswag", "self")``: a third each).
 
 The target answers each prompt (chat template, greedy) through the :class:`~specdraft.engine.Engine`
 in a continuously refilled batch. A thin recording wrapper around the target runtime keeps, for every
@@ -55,7 +58,16 @@ from specdraft.policy import FixedK
 FORMAT = 1
 VAL_PER_SOURCE = 200
 SOURCES = ("gsm8k", "hellaswag")  # the default
-ALL_SOURCES = ("gsm8k", "hellaswag", "self")
+ALL_SOURCES = ("gsm8k", "hellaswag", "self", "tasks")
+TASKS = (  # the ``tasks`` source's instructions, one per prompt (seeded)
+    "Summarize the following text in one or two sentences.\n\n{text}",
+    "Translate the following text into French.\n\n{text}",
+    "Translate the following text into German.\n\n{text}",
+    "Rewrite the following text in a formal tone.\n\n{text}",
+    "List the people, objects and numbers mentioned in the following text.\n\n{text}",
+    "Read the passage, then say what it is about and what is likely to happen next.\n\nPassage: {text}",
+)
+TASK_TEXTS = ("hellaswag", "gsm8k")  # the files whose training texts ``tasks`` wraps
 SELF_MAX_TOKENS = 96  # cap on a self-written request
 
 
@@ -127,11 +139,28 @@ def training_prompts(
                 self_prompts(pipe, share, split=split, seed=seed, runtime=runtime, progress=progress)
             )
             continue
-        texts = _read_source(name, root)
-        random.Random(f"{seed}-{name}").shuffle(texts)
-        per_source.append(texts[-VAL_PER_SOURCE:] if split == "val" else texts[:-VAL_PER_SOURCE])
+        per_source.append(
+            _task_prompts(split, seed, root) if name == "tasks" else _split(name, split, seed, root)
+        )
     mixed = [t for group in zip(*per_source) for t in group]
     return mixed[:n]
+
+
+def _split(name: str, split: str, seed: int, root: Path | None) -> list[str]:
+    """A file source's texts of ``split``, in the seeded order (validation: the last
+    :data:`VAL_PER_SOURCE` after the shuffle)."""
+    texts = _read_source(name, root)
+    random.Random(f"{seed}-{name}").shuffle(texts)
+    return texts[-VAL_PER_SOURCE:] if split == "val" else texts[:-VAL_PER_SOURCE]
+
+
+def _task_prompts(split: str, seed: int, root: Path | None) -> list[str]:
+    """The ``tasks`` source: :data:`TASK_TEXTS`' texts of ``split`` (their validation texts stay
+    held out) interleaved, reshuffled, each wrapped in a seeded choice of :data:`TASKS`."""
+    texts = [t for group in zip(*(_split(s, split, seed, root) for s in TASK_TEXTS)) for t in group]
+    rng = random.Random(f"{seed}-tasks")
+    rng.shuffle(texts)
+    return [rng.choice(TASKS).format(text=t) for t in texts]
 
 
 def self_prompts(
@@ -548,7 +577,8 @@ def target_data(
         spec["sources"] = list(sources)
     if runtime is not pipe.runtime:
         spec["gen_dtype"] = str(gen_dtype).removeprefix("torch.")
-    files = {s: data_file(SOURCE_FILES[s]) for s in sources if s in SOURCE_FILES}
+    read = {t for s in sources for t in (TASK_TEXTS if s == "tasks" else (s,)) if t in SOURCE_FILES}
+    files = {s: data_file(SOURCE_FILES[s]) for s in sorted(read)}
     slices = {
         s: hashlib.sha256(f.read_bytes()).hexdigest()[:12] for s, f in files.items() if is_shipped_slice(f)
     }
