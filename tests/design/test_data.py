@@ -28,6 +28,27 @@ def test_default_sources_keep_the_old_prompts_and_round_robin():
     assert D.training_prompts(3, sources=("gsm8k",)) == default[0:6:2]
 
 
+def test_task_prompts_wrap_training_texts_and_keep_validation_texts_out():
+    """``tasks``: each prompt is one of the TASKS instructions around a GSM8K question or HellaSwag
+    context of the same split; the same seed gives the same prompts; no validation text is trained on."""
+    train, val = (
+        D.training_prompts(60, sources=("tasks",)),
+        D.training_prompts(60, split="val", sources=("tasks",)),
+    )
+    assert train == D.training_prompts(60, sources=("tasks",)) and len(set(train)) == 60
+
+    def text(prompt: str) -> str:
+        task = next(t for t in D.TASKS if prompt.startswith(t.split("{text}")[0]))
+        return prompt[len(task.split("{text}")[0]) :]
+
+    texts = {
+        split: {t for s in D.TASK_TEXTS for t in D._split(s, split, 0, None)} for split in ("train", "val")
+    }
+    assert all(text(p) in texts["train"] for p in train) and all(text(p) in texts["val"] for p in val)
+    assert not texts["train"] & texts["val"]
+    assert len({p.split("\n\n")[0] for p in train}) >= 4  # several instructions in use
+
+
 def _self(pipe, n, cache, **kw):
     return D.self_prompts(pipe, n, cache=cache, **{"min_words": 1, "max_tokens": 16, "progress": False, **kw})
 
