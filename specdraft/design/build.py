@@ -453,9 +453,10 @@ def recipe_markdown(name: str, meta: DraftMeta) -> str:
         "",
         "```",
         f"specdraft generate 'Hello' --draft designed:{name}",
-        (
-            f"specdraft design export drafts/{name} --out /tmp/{name}-hf   # self-contained transformers "
-            "directory"
+        *(  # only a token-level draft leaves specdraft (transformers' assistant_model)
+            [f"specdraft design export drafts/{name} --out /tmp/{name}-hf   # a transformers directory"]
+            if meta.kind == "layers"
+            else []
         ),
         "```",
         "",
