@@ -105,3 +105,24 @@ def accepted_columns(verified, num_accepted: torch.Tensor) -> list[list[int]]:
             path.append(nxt[0])
         paths.append(path)
     return paths
+
+
+# ``specdraft design build`` on the tiny target with the smallest data (6 prompts, 4 held out, 8 new
+# tokens): the start of every end-to-end build test's command line
+TINY_BUILD = [
+    "design",
+    "build",
+    "--target",
+    "tiny",
+    "--threads",
+    "1",
+    "--prompts",
+    "6",
+    "--val-prompts",
+    "4",
+    "--max-new-tokens",
+    "8",
+    "--gen-batch",
+    "4",
+    "--quiet",
+]

@@ -12,7 +12,7 @@ from specdraft.design.prune import depth_prune
 from specdraft.design.train import TrainConfig
 from specdraft.errors import SpecdraftError
 from specdraft.tree import TokenTree
-from tests.helpers import head_subset, random_prompts, target_answers
+from tests.helpers import TINY_BUILD, head_subset, random_prompts, target_answers
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +79,7 @@ def test_tree_report_walks_the_candidate_trees_along_the_labels(tiny_pipe, data)
 def test_build_kind_ctc_end_to_end(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "d"
-    data = ["--prompts", "6", "--val-prompts", "4", "--max-new-tokens", "8", "--gen-batch", "4", "--quiet"]
-    argv = ["design", "build", "--target", "tiny", "--threads", "1", *data, "--kind", "ctc", "--layers", "1"]
+    argv = [*TINY_BUILD, "--kind", "ctc", "--layers", "1"]
     assert main([*argv, "--head", "64", "--steps", "2", "--batch-size", "2", "--out", str(out)]) == 0
     meta = json.loads((out / "specdraft.json").read_text())
     assert meta["kind"] == "ctc" and meta["arch"] == {"slots": 6, "labels": 3}
@@ -107,20 +106,7 @@ def test_build_ctc_warm_started_from_a_feature_draft(tmp_path, monkeypatch, caps
     from safetensors.torch import load_file
 
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
-    data = ["--prompts", "6", "--val-prompts", "4", "--max-new-tokens", "8", "--gen-batch", "4", "--quiet"]
-    base = [
-        "design",
-        "build",
-        "--target",
-        "tiny",
-        "--threads",
-        "1",
-        *data,
-        "--layers",
-        "1",
-        "--batch-size",
-        "2",
-    ]
+    base = [*TINY_BUILD, "--layers", "1", "--batch-size", "2"]
     feat, ctc = tmp_path / "feat", tmp_path / "ctc"
     assert main([*base, "--kind", "feature", "--head", "64", "--steps", "2", "--out", str(feat)]) == 0
     assert main([*base, "--kind", "ctc", "--init-from", str(feat), "--steps", "0", "--out", str(ctc)]) == 0

@@ -12,7 +12,7 @@ from specdraft.design.prune import depth_prune
 from specdraft.design.train import TrainConfig, train_offline
 from specdraft.drafters.diffusion import BlockArch
 from specdraft.errors import SpecdraftError
-from tests.helpers import random_prompts, target_answers
+from tests.helpers import TINY_BUILD, random_prompts, target_answers
 
 ARCH = BlockArch(block=5, window=3)
 
@@ -71,8 +71,7 @@ def test_a_killed_run_resumes_exactly(tiny_pipe, data, tmp_path):
 def test_build_kind_diffusion_end_to_end(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "d"
-    data = ["--prompts", "6", "--val-prompts", "4", "--max-new-tokens", "8", "--gen-batch", "4", "--quiet"]
-    argv = ["design", "build", "--target", "tiny", "--threads", "1", *data, "--kind", "diffusion"]
+    argv = [*TINY_BUILD, "--kind", "diffusion"]
     rc = main([*argv, "--layers", "1", "--head", "64", "--block", "4", "--steps", "2", "--out", str(out)])
     assert rc == 0
     meta = json.loads((out / "specdraft.json").read_text())

@@ -18,7 +18,7 @@ from specdraft.design.dream import (
 from specdraft.design.prune import depth_prune
 from specdraft.design.train import TrainConfig, train_offline
 from specdraft.errors import SpecdraftError
-from tests.helpers import random_prompts, target_answers
+from tests.helpers import TINY_BUILD, random_prompts, target_answers
 
 
 def _uniform(S):  # causal attention spread evenly over the visible keys: the highest entropy
@@ -108,20 +108,7 @@ def test_bad_layers_are_refused(tiny_pipe):
 def test_build_kind_dream_end_to_end(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "d"
-    data = ["--prompts", "6", "--val-prompts", "4", "--max-new-tokens", "8", "--gen-batch", "4", "--quiet"]
-    argv = [
-        "design",
-        "build",
-        "--target",
-        "tiny",
-        "--threads",
-        "1",
-        *data,
-        "--kind",
-        "dream",
-        "--layers",
-        "1",
-    ]
+    argv = [*TINY_BUILD, "--kind", "dream", "--layers", "1"]
     rc = main([*argv, "--head", "64", "--steps", "3", "--batch-size", "2", "--out", str(out)])
     assert rc == 0
     meta = json.loads((out / "specdraft.json").read_text())

@@ -9,30 +9,9 @@ import pytest
 from specdraft import api
 from specdraft.cli import main
 from specdraft.engine import Engine
-from tests.helpers import decode, random_prompts
+from tests.helpers import TINY_BUILD, decode, random_prompts
 
-BASE = [
-    "design",
-    "build",
-    "--target",
-    "tiny",
-    "--threads",
-    "1",
-    "--prompts",
-    "6",
-    "--val-prompts",
-    "4",
-    "--max-new-tokens",
-    "8",
-    "--gen-batch",
-    "4",
-    "--quiet",
-    "--layers",
-    "1",
-    "--batch-size",
-    "2",
-    "--kind",
-]
+BASE = [*TINY_BUILD, "--layers", "1", "--batch-size", "2", "--kind"]
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,7 @@ from specdraft.engine import Engine
 from specdraft.errors import SpecdraftError
 from specdraft.policy import FixedK
 from specdraft.verify import SamplingParams
-from tests.helpers import decode, head_subset, plain_greedy, random_prompts, target_answers
+from tests.helpers import TINY_BUILD, decode, head_subset, plain_greedy, random_prompts, target_answers
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +102,7 @@ def test_a_trained_draft_is_accepted_while_decoding(tiny_pipe, data, tmp_path, s
 def test_build_kind_flex_end_to_end(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "f"
-    data = ["--prompts", "6", "--val-prompts", "4", "--max-new-tokens", "8", "--gen-batch", "4", "--quiet"]
-    argv = ["design", "build", "--target", "tiny", "--threads", "1", *data, "--kind", "flex", "--layers", "1"]
+    argv = [*TINY_BUILD, "--kind", "flex", "--layers", "1"]
     assert main([*argv, "--head", "64", "--block", "3", "--steps", "2", "--out", str(out)]) == 0
     meta = json.loads((out / "specdraft.json").read_text())
     assert 64 <= len(meta["head_tokens"]) <= 65  # (EOS always in)

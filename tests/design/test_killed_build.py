@@ -16,25 +16,12 @@ import torch
 
 from specdraft.cli import main
 from specdraft.design.train import CHECKPOINT, load_checkpoint
+from tests.helpers import TINY_BUILD
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 80
 BUILD = [
-    "design",
-    "build",
-    "--target",
-    "tiny",
-    "--threads",
-    "1",
-    "--prompts",
-    "6",
-    "--val-prompts",
-    "4",
-    "--max-new-tokens",
-    "8",
-    "--gen-batch",
-    "4",
-    "--quiet",
+    *TINY_BUILD,
     "--layers",
     "1",
     "--head",
