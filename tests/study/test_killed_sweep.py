@@ -89,7 +89,9 @@ def test_killed_sweeps_resume_to_the_uninterrupted_rows(tmp_path, data_files, ca
         have = _config_rows(results)
         if have >= total - 1:
             break
-        target = rng.randrange(have + 1, total)  # kill once this many rows are in, plus up to 50 ms
+        # kill once this many rows are in (within the first half of those left, so that a kill lands
+        # inside the sweep even when the rows come fast), plus up to 50 ms
+        target = rng.randrange(have + 1, have + 1 + max(1, (total - have) // 2))
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             deadline = time.monotonic() + 300
