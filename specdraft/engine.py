@@ -229,7 +229,6 @@ class Engine:
                 self.draft_state.select_rows(rows)
             if self.features is not None:
                 self.features.hidden = {i: h[rows] for i, h in self.features.hidden.items()}
-                self.features.first = self.features.first[rows]
                 self.features.answer = self.features.answer[rows]
         else:
             self.kv = self.draft_state = self.features = None
@@ -306,9 +305,9 @@ class Engine:
             return
         B, S = self.active, self.tokens.shape[1]
         first = self.lengths - emitted - 1  # (B,) the position of column 0
-        if self.features is None:  # every prompt was one token: no prefill ran
+        if self.features is None:  # every prompt was one token (no prefill): column 0 is its position
             self.features = TargetFeatures(
-                {i: h.new_zeros(B, S, h.shape[2]) for i, h in hidden.items()}, first, first.clone()
+                {i: h.new_zeros(B, S, h.shape[2]) for i, h in hidden.items()}, first
             )
         T = next(iter(hidden.values())).shape[1]
         cols = torch.arange(T).expand(B, T) if columns is None else columns  # (B, T)
@@ -336,13 +335,11 @@ class Engine:
                 pad = ref.new_zeros(ref.shape[0], S - ref.shape[1], ref.shape[2])
                 new = torch.cat([torch.cat([ref, pad], 1), new])
             grown[i] = new
-        answer = lengths - 1
         if self.features is None:
-            self.features = TargetFeatures(grown, torch.zeros_like(answer), answer)
+            self.features = TargetFeatures(grown, lengths - 1)
         else:
             self.features.hidden = grown
-            self.features.first = torch.cat([self.features.first, torch.zeros_like(answer)])
-            self.features.answer = torch.cat([self.features.answer, answer])
+            self.features.answer = torch.cat([self.features.answer, lengths - 1])
 
     def _chain_step(
         self, prop: Proposal | None, k: int, params: list, ids: list[int], forward=None

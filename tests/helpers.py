@@ -81,15 +81,15 @@ def target_answers(
 
 def kept_features(hidden: dict, first: list[int], capacity: int) -> TargetFeatures:
     """What the engine keeps for feature drafters (:class:`TargetFeatures`): row b of each
-    ``hidden[i] (B, T, C)`` written at positions ``first[b] .. first[b] + T - 1``."""
+    ``hidden[i] (B, T, C)`` written at positions ``first[b] .. first[b] + T - 1``, the answer's first
+    pair at ``first[b]`` (for drafters that read no prompt pairs: the positions before are zeros)."""
     kept = {}
     for i, h in hidden.items():
         buf = h.new_zeros(h.shape[0], capacity, h.shape[2])
         for b, p in enumerate(first):
             buf[b, p : p + h.shape[1]] = h[b]
         kept[i] = buf
-    first = torch.tensor(first)
-    return TargetFeatures(kept, first, first.clone())
+    return TargetFeatures(kept, torch.tensor(first))
 
 
 def accepted_columns(verified, num_accepted: torch.Tensor) -> list[list[int]]:

@@ -390,9 +390,9 @@ class TargetData:
 # ------------------------------------------------------------------------------------ generation
 class _Recorder:
     """Wraps the target runtime; while ``on``, keeps top-k log-probs (and hidden) of the last position;
-    otherwise (a prefill) the hidden state at every position it fed (``prefill``)."""
+    otherwise (a prefill), with ``prompt_hidden``, the hidden state at every position it fed (``prefill``)."""
 
-    def __init__(self, runtime, topk: int, hidden_layer: int | None):
+    def __init__(self, runtime, topk: int, hidden_layer: int | None, prompt_hidden: bool = False):
         self.runtime = runtime
         self.vocab_size = runtime.vocab_size
         self.max_context = runtime.max_context
@@ -401,6 +401,7 @@ class _Recorder:
         self.hidden_layer = hidden_layer
         self.on = False
         self.last: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+        self.prompt_hidden = prompt_hidden
         self.prefill: torch.Tensor | None = None
 
     def new_state(self, batch_size: int, capacity: int):
@@ -413,7 +414,7 @@ class _Recorder:
             vals, idx = logp.topk(self.topk, dim=-1)  # (B, K)
             hid = out.hidden[self.hidden_layer][:, -1].float() if self.hidden_layer is not None else None
             self.last = (idx, vals, hid)
-        elif self.hidden_layer is not None:
+        elif self.prompt_hidden:
             self.prefill = out.hidden[self.hidden_layer].float()
         return out
 
@@ -453,7 +454,7 @@ def generate_target_data(
     """
     from tqdm import tqdm
 
-    rec = _Recorder(runtime, topk, hidden_layer)
+    rec = _Recorder(runtime, topk, hidden_layer, prompt_hidden and hidden_layer is not None)
     hidden_layers = (hidden_layer,) if hidden_layer is not None else ()
     engine = Engine(rec, None, FixedK(0), hidden_layers=hidden_layers)
     todo = deque(i for i in range(len(prompts)) if not (skip and i in skip))
@@ -481,7 +482,7 @@ def generate_target_data(
             rec.prefill = None
             for j, (rid, (i, r)) in enumerate(zip(engine.add([r for _, r in batch]), batch)):
                 live[rid] = {"prompt_id": i, "prompt": r.prompt, "out": [], "idx": [], "logp": [], "hid": []}
-                if prompt_hidden:  # none when every prompt of the batch is one token (no prefill)
+                if rec.prompt_hidden:  # none when every prompt of the batch is one token (no prefill)
                     n = len(r.prompt) - 1
                     live[rid]["pre"] = rec.prefill[j, :n].clone() if n else None
         rows = [r.id for r in engine.requests]
@@ -506,7 +507,7 @@ def generate_target_data(
                 shard.topk_logp.append(torch.stack(s["logp"]))
                 if hid is not None:
                     shard.hidden = (shard.hidden or []) + [torch.stack(s["hid"])]
-                if prompt_hidden:
+                if rec.prompt_hidden:
                     pre = s["pre"] if s["pre"] is not None else hid.new_zeros(0, hid.shape[1])
                     shard.prompt_hidden = (shard.prompt_hidden or []) + [pre]
                 bar.update(1)

@@ -76,15 +76,13 @@ class TargetFeatures:
     it has not fed yet, exactly.
 
     Attributes:
-        hidden: ``{layer: (B, S, C)}`` position p's hidden state at ``[:, p]`` (zeros where none).
-        first: ``(B,)`` each row's first position with features (0 in the engine: the prefill
-            hands them out); positions ``first .. lengths - 2`` hold them.
+        hidden: ``{layer: (B, S, C)}`` position p's hidden state at ``[:, p]``, for positions
+            ``0 .. lengths - 2`` (zeros beyond).
         answer: ``(B,)`` each row's last prompt position, whose pair is the answer's first (a
             drafter that reads no prompt pairs starts there).
     """
 
     hidden: dict
-    first: torch.Tensor
     answer: torch.Tensor
 
 

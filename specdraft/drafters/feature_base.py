@@ -206,7 +206,7 @@ class FeatureDrafterBase:
         if kept is None or not all(i in kept.hidden for i in self.hidden_layers):
             return None
         L, new = ctx.lengths, state.fed < 0
-        first = torch.maximum(kept.first, kept.answer - self.prompt_pairs)
+        first = (kept.answer - self.prompt_pairs).clamp(min=0)
         state.start = torch.where(new, first, state.start)
         state.fed = torch.where(new, first, state.fed)
         count = L - 1 - state.fed  # (B,)

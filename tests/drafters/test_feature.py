@@ -100,9 +100,7 @@ def test_a_drafter_reading_the_prompt_matches_the_training_model(tiny_pipe, data
     P, tokens = data.prompt_lens[i], data.tokens[i]
     L = P + c
     feats = torch.cat([data.prompt_hidden[i], data.hidden[i][:c]]).unsqueeze(0)  # positions 0 .. L - 2
-    kept = TargetFeatures(
-        kept_features({-1: feats}, [0], 64).hidden, torch.tensor([0]), torch.tensor([P - 1])
-    )
+    kept = TargetFeatures(kept_features({-1: feats}, [0], 64).hidden, torch.tensor([P - 1]))
     ctx = DraftContext(tokens.unsqueeze(0), torch.tensor([L]), [SamplingParams()], [None], features=kept)
     state = drafter.new_state(1, 64)
     prop = drafter.propose(state, ctx, 2)

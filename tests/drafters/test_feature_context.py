@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdraft.drafters.base import DraftContext
+from specdraft.drafters.base import DraftContext, TargetFeatures
 from specdraft.engine import Engine, Request
 from specdraft.policy import FixedK
 from specdraft.verify import SamplingParams
@@ -95,7 +95,9 @@ def fed_at_once(rec: Recording, target, tokens: list[int], start: int, k: int, c
         torch.arange(L).unsqueeze(0),
         hidden_layers=drafter.hidden_layers,
     )
-    kept = kept_features({i: h[:, start : L - 1] for i, h in out.hidden.items()}, [start], capacity)
+    pairs = getattr(drafter, "feature", drafter).prompt_pairs  # it starts that many before the answer
+    hidden = kept_features({i: h[:, : L - 1] for i, h in out.hidden.items()}, [0], capacity).hidden
+    kept = TargetFeatures(hidden, torch.tensor([start + pairs]))
     buf = torch.zeros(1, capacity, dtype=torch.int64)
     buf[0, :L] = torch.tensor(tokens)
     ctx = DraftContext(buf, torch.tensor([L]), [SamplingParams()], [None], features=kept)
