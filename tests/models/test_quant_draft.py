@@ -25,7 +25,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.models import loading, quant
 from specdraft.models.quant import QuantRuntime, QuantWeights, dequantize_rows
 from specdraft.models.subset_head import SubsetHeadRuntime
-from specdraft.policy import FixedK
+from specdraft.policy import FixedK, VerifyCost
 from tests.helpers import decode, plain_greedy, random_prompts
 from tests.models.test_quant import TYPES, fake_conversion_cache, write_tiny_gguf
 
@@ -175,6 +175,9 @@ def test_designed_draft_runs_q8_0_blocks_without_the_transformers_model(target, 
     cols = torch.arange(96) if head is None else head
     err = (got[..., cols] - ref[..., cols]).abs().max() / ref.abs().max()
     assert err < 0.05, err
+    # the gate's measured cost may price every proposal out on a slow host (CI: drafted 0); the gate
+    # has its own tests (tests/drafters/test_gated.py), here free verification makes the draft propose
+    drafter.cost = VerifyCost([1.0] * 9, 0.0)
     same_as_plain(pipe)
 
 
