@@ -585,8 +585,7 @@ def target_data(
     }
     if slices:  # (prompts from a shipped slice are others than the full file's: another key)
         spec["slices"] = slices
-    root = Path(cache) if cache else cache_root() / "design"
-    d = root / f"data-{_cache_key(pipe.target.name, pipe.runtime.vocab_size, spec)}"
+    d, spec = _cache_dir(Path(cache) if cache else cache_root() / "design", pipe, spec)
     d.mkdir(parents=True, exist_ok=True)
     meta = {"target": pipe.target.name, "source": pipe.target.source, **spec}
     durable.write_text(d / "meta.json", json.dumps(meta, indent=2))
@@ -620,13 +619,28 @@ def target_data(
             batch_size=batch_size,
             topk=topk,
             hidden_layer=hidden_layer,
-            prompt_hidden=prompt_hidden,
+            prompt_hidden=spec.get("prompt_hidden", False),
             skip=done,
             on_shard=write,
             progress=progress,
         )
         data = cached()  # what is on disk (fp16 log-probs), the same on every later run
+    if not prompt_hidden:
+        data.prompt_hidden = None  # (read from a wider cache: not asked for)
     return _subset(data, sorted(range(len(data)), key=lambda i: data.prompt_ids[i]))
+
+
+def _cache_dir(root: Path, pipe, spec: dict) -> tuple[Path, dict]:
+    """The shards' folder for ``spec`` and the spec they are written with. A run with the answers'
+    hidden states but not the prompt's reads a cache that also kept the prompt's when only that one
+    exists (the same answers; the prompt's states are dropped after loading) and adds to it."""
+    d = root / f"data-{_cache_key(pipe.target.name, pipe.runtime.vocab_size, spec)}"
+    if spec["hidden"] and "prompt_hidden" not in spec and not any(d.glob("shard-*.safetensors")):
+        wider = {**spec, "prompt_hidden": True}
+        w = root / f"data-{_cache_key(pipe.target.name, pipe.runtime.vocab_size, wider)}"
+        if any(w.glob("shard-*.safetensors")):
+            return w, wider
+    return d, spec
 
 
 def generation_runtime(pipe, dtype: torch.dtype | None):

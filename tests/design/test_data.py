@@ -82,7 +82,8 @@ def test_self_prompts_give_up_with_a_clear_error(tiny_pipe, tmp_path):
         _self(tiny_pipe, 3, tmp_path, min_words=10_000, max_tries=8, batch_size=4)
 
 
-def test_target_data_from_self_prompts_with_bf16_generation(tiny_pipe, tmp_path, monkeypatch):
+def _short_self_prompts(monkeypatch, tmp_path) -> None:
+    """``self`` prompts of a few tokens, cached under ``tmp_path / "p"``."""
     real = D.self_prompts
     monkeypatch.setattr(
         D,
@@ -98,6 +99,10 @@ def test_target_data_from_self_prompts_with_bf16_generation(tiny_pipe, tmp_path,
             progress=False,
         ),
     )
+
+
+def test_target_data_from_self_prompts_with_bf16_generation(tiny_pipe, tmp_path, monkeypatch):
+    _short_self_prompts(monkeypatch, tmp_path)
     rt = D.generation_runtime(tiny_pipe, torch.bfloat16)
     assert rt is not tiny_pipe.runtime and rt.w.dtype == torch.bfloat16
     assert D.generation_runtime(tiny_pipe, None) is tiny_pipe.runtime
@@ -117,3 +122,21 @@ def test_target_data_from_self_prompts_with_bf16_generation(tiny_pipe, tmp_path,
     (key,) = [x.name for x in (tmp_path / "data").iterdir()]
     meta = (tmp_path / "data" / key / "meta.json").read_text()
     assert '"sources"' in meta and '"gen_dtype": "bfloat16"' in meta
+
+
+def test_a_cache_with_the_prompts_hidden_states_serves_a_run_without_them(tiny_pipe, tmp_path, monkeypatch):
+    """Answers recorded with the prompt's hidden states are read (not generated again) by a run that
+    asks for the answers' hidden states only, which gets no prompt states; a run without any hidden
+    state still has its own cache."""
+    _short_self_prompts(monkeypatch, tmp_path)
+    kw = dict(n_prompts=3, sources=("self",), max_new_tokens=5, batch_size=3, topk=4, cache=tmp_path / "data")
+    wide = D.target_data(tiny_pipe, hidden=True, prompt_hidden=True, progress=False, **kw)
+    assert wide.prompt_hidden is not None
+    monkeypatch.setattr(D, "generate_target_data", lambda *a, **k: pytest.fail("generated again"))
+    narrow = D.target_data(tiny_pipe, hidden=True, progress=False, **kw)
+    assert narrow.prompt_hidden is None and len(narrow) == 3
+    assert all(torch.equal(a, b) for a, b in zip(narrow.hidden, wide.hidden, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(narrow.tokens, wide.tokens, strict=True))
+    assert len(list((tmp_path / "data").iterdir())) == 1
+    with pytest.raises(pytest.fail.Exception, match="generated again"):
+        D.target_data(tiny_pipe, hidden=False, progress=False, **kw)
