@@ -26,9 +26,11 @@ def fsync(path: str | Path) -> None:
 
 
 def write_text(path: str | Path, text: str) -> None:
-    """Replace ``path`` with ``text`` atomically (temporary file, fsync, rename)."""
+    """Replace ``path`` with ``text`` atomically (temporary file, fsync, rename). The temporary
+    name carries the process id: two processes writing the same file (two trainings sharing a data
+    cache) each rename their own whole copy, the last one wins."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with tmp.open("w", encoding="utf-8") as f:
         f.write(text)
         f.flush()
