@@ -98,7 +98,8 @@ def run(args, pipe, methods, prompts):
 
 
 def summary(methods, totals, stats, categories) -> dict:
-    """Per drafter and category: tok/s, speedup over plain, tokens per forward, outputs that differ."""
+    """Per drafter and category: tok/s, speedup over plain, tokens per forward, outputs that differ,
+    acceptance per position and the draft's time per target forward."""
     out = {}
     for m in methods[1:]:
         rows = {}
@@ -112,9 +113,19 @@ def summary(methods, totals, stats, categories) -> dict:
                 "tokens_per_forward": round(stats[m.name][c].mean_accepted_length, 3),
                 "first_acceptance": round(next(iter(stats[m.name][c].per_position_acceptance()), 0.0), 3),
                 "mismatches": t.mismatches,
-            }
+            } | _draft_costs(stats[m.name][c])
         out[m.name] = rows
     return out
+
+
+def _draft_costs(s: SpecStats) -> dict:
+    """Acceptance at each draft position, and draft and target milliseconds per target forward."""
+    per = max(s.target_forwards, 1) / 1e3
+    return {
+        "acceptance_per_position": [round(a, 3) for a in s.per_position_acceptance()],
+        "draft_ms_per_forward": round(s.draft_time / per, 3),
+        "target_ms_per_forward": round(s.target_time / per, 3),
+    }
 
 
 def plot(result: dict, path: Path) -> None:
