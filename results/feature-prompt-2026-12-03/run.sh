@@ -6,11 +6,7 @@
 set -u
 OUT=$(mkdir -p "${OUT:-$(dirname "$0")}" && cd "${OUT:-$(dirname "$0")}" && pwd)
 cd "$(dirname "$0")/../.."
-step() {  # step LOG cmd...: header (time, CPU, load, commit), the command, its output, its exit code
-  local log=$1; shift
-  { echo "# $(date -u +%FT%TZ) $(lscpu | grep 'Model name' | sed 's/  */ /g'); load: $(cut -d' ' -f1-3 /proc/loadavg); commit $(git rev-parse --short HEAD)"
-    echo "\$ $*"; "$@" 2>/dev/null; echo "exit $?"; } > "$log"
-}
+. results/step.sh  # step LOG cmd...
 NEW=designed:${NEW:-smollm2-135m-feature-prompt}
 OLD=designed:smollm2-135m-feature
 DRAFTS=${DRAFTS:-"$OLD@4;$NEW@2;$NEW@3;$NEW@4;$NEW@auto;tree:dyn,$NEW@6;designed:smollm2-135m-l2@auto;lookup@auto"}

@@ -6,11 +6,7 @@
 set -u
 OUT=$(mkdir -p "${OUT:-$(dirname "$0")}" && cd "${OUT:-$(dirname "$0")}" && pwd)
 cd "$(dirname "$0")/../.."
-step() {  # step LOG cmd...: header (time, CPU, load, commit), the command, its output, its exit code
-  local log=$1; shift
-  { echo "# $(date -u +%FT%TZ) $(lscpu | grep 'Model name' | sed 's/  */ /g'); load: $(cut -d' ' -f1-3 /proc/loadavg); commit $(git rev-parse --short HEAD)"
-    echo "\$ $*"; "$@" 2>/dev/null; echo "exit $?"; } > "$log"
-}
+. results/step.sh  # step LOG cmd...
 D=diffusion:${DIFF:-smollm2-135m-diffusion}
 F=designed:${FLEX:-smollm2-135m-flex}
 P=designed:smollm2-135m-feature-prompt

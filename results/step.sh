@@ -1,0 +1,6 @@
+# Sourced by the results/*/run.sh scripts from the repository root.
+step() {  # step LOG cmd...: header (time, CPU, load, commit), the command, its output, its exit code
+  local log=$1; shift
+  { echo "# $(date -u +%FT%TZ) $(lscpu | grep 'Model name' | sed 's/  */ /g'); load: $(cut -d' ' -f1-3 /proc/loadavg); commit $(git rev-parse --short HEAD)"
+    echo "\$ $*"; "$@" 2>/dev/null; echo "exit $?"; } > "$log"
+}
