@@ -392,6 +392,15 @@ def _width(cfg: BuildConfig, draft) -> dict | None:
     )
 
 
+def _layers_text(meta: DraftMeta) -> str:
+    if meta.kind == "flex":  # no layers of its own: attention projectors over the target's layers
+        return (
+            f"a FlexDraft split at target layer {meta.init_layers[0]} (its mask tokens run the target's "
+            "layers from there on, with the draft's own attention projectors)"
+        )
+    return f"{len(meta.init_layers)} layer(s) initialised from target layer(s) {meta.init_layers}"
+
+
 def recipe_markdown(name: str, meta: DraftMeta) -> str:
     """RECIPE.md: how the draft was made, for people."""
     r = meta.recipe
@@ -399,8 +408,7 @@ def recipe_markdown(name: str, meta: DraftMeta) -> str:
     lines = [
         f"# {name}",
         "",
-        f"A designed draft for `{meta.target}`: {len(meta.init_layers)} layer(s) initialised from target "
-        f"layer(s) {meta.init_layers}, {r.get('params', 0) / 1e6:.2f} M own parameters, "
+        f"A designed draft for `{meta.target}`: {_layers_text(meta)}, {r.get('params', 0) / 1e6:.2f} M own parameters, "
         + (
             f"head over the {len(meta.head_tokens)} most frequent answer tokens "
             f"({meta.head_coverage:.1%} coverage)."
