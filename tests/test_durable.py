@@ -14,7 +14,8 @@ def test_two_processes_replacing_one_file_both_succeed(tmp_path):
         "import sys\nfrom specdraft.durable import write_text\n"
         "for _ in range(300): write_text(sys.argv[1], sys.argv[2] * 1000)\n"
     )
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(path), c], stderr=subprocess.PIPE) for c in "ab"]
+    run = [sys.executable, "-c", code, str(path)]
+    procs = [subprocess.Popen([*run, c], stderr=subprocess.PIPE) for c in "ab"]
     errors = [p.communicate()[1].decode() for p in procs]
     assert [p.returncode for p in procs] == [0, 0], errors
     assert path.read_text() in ("a" * 1000, "b" * 1000)

@@ -408,7 +408,8 @@ def recipe_markdown(name: str, meta: DraftMeta) -> str:
     lines = [
         f"# {name}",
         "",
-        f"A designed draft for `{meta.target}`: {_layers_text(meta)}, {r.get('params', 0) / 1e6:.2f} M own parameters, "
+        f"A designed draft for `{meta.target}`: {_layers_text(meta)}, "
+        f"{r.get('params', 0) / 1e6:.2f} M own parameters, "
         + (
             f"head over the {len(meta.head_tokens)} most frequent answer tokens "
             f"({meta.head_coverage:.1%} coverage)."

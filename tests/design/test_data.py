@@ -129,7 +129,8 @@ def test_a_cache_with_the_prompts_hidden_states_serves_a_run_without_them(tiny_p
     asks for the answers' hidden states only, which gets no prompt states; a run without any hidden
     state still has its own cache."""
     _short_self_prompts(monkeypatch, tmp_path)
-    kw = dict(n_prompts=3, sources=("self",), max_new_tokens=5, batch_size=3, topk=4, cache=tmp_path / "data")
+    kw = {"n_prompts": 3, "sources": ("self",), "max_new_tokens": 5, "batch_size": 3, "topk": 4}
+    kw["cache"] = tmp_path / "data"
     wide = D.target_data(tiny_pipe, hidden=True, prompt_hidden=True, progress=False, **kw)
     assert wide.prompt_hidden is not None
     monkeypatch.setattr(D, "generate_target_data", lambda *a, **k: pytest.fail("generated again"))
