@@ -461,7 +461,8 @@ def recipe_markdown(name: str, meta: DraftMeta) -> str:
         "## Use",
         "",
         "```",
-        f"specdraft generate 'Hello' --draft designed:{name}",
+        f"specdraft generate 'Hello' --draft designed:{name}"
+        + (" --dtype bf16" if meta.kind == "flex" else ""),  # (it drafts inside the dense runtime's forward)
         *(  # only a token-level draft leaves specdraft (transformers' assistant_model)
             [f"specdraft design export drafts/{name} --out /tmp/{name}-hf   # a transformers directory"]
             if meta.kind == "layers"

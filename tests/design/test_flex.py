@@ -108,7 +108,9 @@ def test_build_kind_flex_end_to_end(tmp_path, monkeypatch, capsys):
     assert 64 <= len(meta["head_tokens"]) <= 65  # (EOS always in)
     assert meta["kind"] == "flex" and meta["arch"] == {"split": 1, "block": 3, "rank": 256}
     assert meta["recipe"]["offline"]["steps"] == 2 and not (out / "config.json").exists()
-    assert "a FlexDraft split at target layer 1 " in (out / "RECIPE.md").read_text()  # no layers of its own
+    recipe = (out / "RECIPE.md").read_text()
+    assert "a FlexDraft split at target layer 1 " in recipe  # no layers of its own
+    assert "--draft designed:f --dtype bf16\n" in recipe  # (the quantized runtime refuses it)
     gen = [
         "generate",
         "hello",
