@@ -120,11 +120,11 @@ def summary(methods, totals, stats, categories) -> dict:
 
 def _draft_costs(s: SpecStats) -> dict:
     """Acceptance at each draft position, and draft and target milliseconds per target forward."""
-    per = max(s.target_forwards, 1) / 1e3
+    ms_per_forward = 1e3 / max(s.target_forwards, 1)  # seconds in total -> ms per target forward
     return {
         "acceptance_per_position": [round(a, 3) for a in s.per_position_acceptance()],
-        "draft_ms_per_forward": round(s.draft_time / per, 3),
-        "target_ms_per_forward": round(s.target_time / per, 3),
+        "draft_ms_per_forward": round(s.draft_time * ms_per_forward, 3),
+        "target_ms_per_forward": round(s.target_time * ms_per_forward, 3),
     }
 
 
