@@ -491,8 +491,8 @@ def draft_breakdown(
         events = sorted((e for e in prof.events() if e.cpu_parent is None), key=lambda e: e.time_range.start)
         if runtime is None:
             buckets, method = {"lookup": sum(e.cpu_time_total for e in events)}, "n-gram lookup (no model)"
-        elif isinstance(_compact(runtime), LlamaRuntime):
-            buckets, method = _llama_buckets(events, len(_compact(runtime).layers))
+        elif isinstance(compact_of(runtime), LlamaRuntime):
+            buckets, method = _llama_buckets(events, len(compact_of(runtime).layers))
         else:
             buckets, method = _name_buckets(events)
         if events:  # wall time the ops do not cover: the interpreter between them
@@ -503,7 +503,7 @@ def draft_breakdown(
     return {k: statistics.median(v) for k, v in per_round.items()}, method
 
 
-def _compact(runtime):
+def compact_of(runtime):
     """The compact runtime inside wrappers such as a designed draft's subset-head runtime."""
     while not isinstance(runtime, LlamaRuntime) and hasattr(runtime, "runtime"):
         runtime = runtime.runtime

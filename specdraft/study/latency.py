@@ -83,6 +83,30 @@ def draft_kind(drafter) -> str:
     return "model" if getattr(drafter, "runtime", None) is not None else "lookup"
 
 
+def draft_shape(drafter) -> dict | None:
+    """A compact-runtime model draft's shape: layers, attention heads, FFN width, LM-head rows and
+    parameter counts (layers' matrices; head rows x hidden size). None for other drafters (lookup,
+    quantized blocks, transformers drafts), whose shapes the study does not compare."""
+    from specdraft.bench.profile import compact_of
+    from specdraft.models.llama import LlamaRuntime
+
+    runtime = getattr(drafter, "runtime", None)
+    rt = compact_of(runtime)
+    if not isinstance(rt, LlamaRuntime) or getattr(drafter, "drafts_blocks", False):
+        return None
+    w = rt.w
+    mats = [(lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down) for lw in rt.layers]
+    return {
+        "layers": len(rt.layers),
+        "query_heads": w.n_heads,
+        "kv_heads": w.n_kv_heads,
+        "ffn": int(rt.layers[0].w_down.shape[1]),
+        "head_rows": rt.vocab_size,  # a designed draft's subset head: its N rows
+        "layer_parameters": sum(m.numel() for group in mats for m in group),
+        "head_parameters": rt.vocab_size * int(w.embed.shape[1]),
+    }
+
+
 def measure_target(
     runtime, *, batch_sizes, k_max: int, contexts, repeats: int = 7, warmup: int = 2, name: str = "target"
 ) -> dict[int, LatencyProfile]:

@@ -815,7 +815,10 @@ def _study_sections(st: Study, inp: Inputs, out_dir: Path) -> tuple[list[str], l
     best = best_per_batch(st)
     plot_throughput_vs_k(st, out_dir / "throughput_vs_k.png")
     plot_speedup_vs_latency(st, out_dir / "speedup_vs_latency.png")
+    from specdraft.study import claims  # imports this module's helpers
+
     body = [
+        claims.section(st, out_dir),
         _drafts_section(st),
         "## Throughput vs k\n\n![throughput vs k](throughput_vs_k.png)",
         "## Speedup vs draft latency\n\n![speedup vs draft latency](speedup_vs_latency.png)",

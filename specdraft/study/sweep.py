@@ -483,7 +483,7 @@ def latency_rows(
     config: StudyConfig, version: str, store: ResultStore, pipe, log: Callable[[str], None]
 ) -> Latencies:
     """Profiled latencies from the results file, measuring (and appending) whatever is missing."""
-    from specdraft.study.latency import draft_kind, measure_draft, measure_target
+    from specdraft.study.latency import draft_kind, draft_shape, measure_draft, measure_target
 
     base = {
         "kind": "latency",
@@ -547,6 +547,7 @@ def latency_rows(
                 "config": dcfg,
                 "draft": spec,
                 "draft_kind": draft_kind(drafter),
+                "draft_shape": draft_shape(drafter),
                 "profiles": {str(c): p.as_dict() for c, p in prof.items()},
             }
             store.append(row)

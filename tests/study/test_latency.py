@@ -3,9 +3,10 @@
 import json
 
 import pytest
+import torch
 
 from specdraft import api
-from specdraft.study.latency import Latencies, draft_kind, measure_draft, measure_target
+from specdraft.study.latency import Latencies, draft_kind, draft_shape, measure_draft, measure_target
 
 
 @pytest.fixture(scope="module")
@@ -47,3 +48,26 @@ def test_measure_target_and_draft_then_read_between_contexts(prune_pipe):
 
     back = Latencies.from_dict(json.loads(json.dumps(lat.as_dict())))  # what the result store keeps
     assert back == lat and back.target_time(1, 2, 20) == lat.target_time(1, 2, 20)
+
+
+def test_draft_shape_of_pruned_and_subset_head_drafts(prune_pipe):
+    from specdraft.design.prune import with_head
+
+    rt, drafter = prune_pipe.runtime, prune_pipe.drafter
+    shape = draft_shape(drafter)
+    lw = rt.w.layers[0]
+    per_layer = lw.wqkv.numel() + lw.wo.numel() + lw.w_gate_up.numel() + lw.w_down.numel()
+    C = rt.w.embed.shape[1]
+    assert shape == {
+        "layers": 1,
+        "query_heads": rt.w.n_heads,
+        "kv_heads": rt.w.n_kv_heads,
+        "ffn": lw.w_down.shape[1],
+        "head_rows": rt.vocab_size,
+        "layer_parameters": per_layer,
+        "head_parameters": rt.vocab_size * C,
+    }
+    # a designed draft's subset head counts its own rows, not the vocabulary it hands back
+    subset = with_head(drafter, torch.arange(8))
+    assert draft_shape(subset)["head_rows"] == 8 and draft_shape(subset)["head_parameters"] == 8 * C
+    assert draft_shape(api.load("tiny", "lookup").drafter) is None
