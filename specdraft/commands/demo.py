@@ -12,7 +12,9 @@ when the machine is idle and one thread when it is busy (:func:`demo_threads`). 
 
 - ``bench.json`` / ``bench.md``: the ``specdraft bench`` results and table;
 - ``profile.json``: T_target(1, n) and T_draft(1) and the draft-step breakdown;
-- ``REPORT.md`` and its plots, written by :func:`specdraft.study.report.write_report`.
+- ``REPORT.md`` and its plots, written by :func:`specdraft.study.report.write_report`, ending
+  with the committed studies' verdicts on the seed paper's claims (``results/study-*/REPORT.md``),
+  linked.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 from specdraft.commands import add_model_arguments, load_pipeline, positive_int
 
 RESERVE_S = 45.0  # seconds kept for the profile and the report after the bench
+STUDIES = Path(__file__).resolve().parents[2] / "results"  # the committed studies (a source checkout)
 
 HELP = "run the main job on the embedded default model: a small Spec-Bench bench, a profile and the report"
 
@@ -178,4 +181,20 @@ def _write_report(out: Path, bench_json: Path, profile_json: Path) -> Path | Non
             "report: specdraft.study.report is not available; the bench table is in bench.md", file=sys.stderr
         )
         return None
-    return Path(write_report([bench_json, profile_json], out))
+    report = Path(write_report([bench_json, profile_json], out))
+    _link_studies(report)
+    return report
+
+
+def _link_studies(report: Path) -> None:
+    """Append the committed studies' seed-claim verdicts, each study linked, to ``report``."""
+    from specdraft.study.claims import verdicts
+
+    lines = []
+    for path in sorted(STUDIES.glob("study-*/REPORT.md")):
+        rows = verdicts(path.read_text())
+        if rows:
+            lines.append(f"- [{path.parent.name}]({path}): " + "; ".join(f"{c}: {v}" for c, v in rows))
+    if lines:
+        with report.open("a") as f:
+            f.write("\n## The seed's claims in the committed studies\n\n" + "\n".join(lines) + "\n")

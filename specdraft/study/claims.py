@@ -302,3 +302,14 @@ def section(st, out_dir: Path) -> str:
         )
         + ("\n\n![depth vs width](depth_vs_width.png)" if plotted else "")
     )
+
+
+def verdicts(report_text: str) -> list[tuple[str, str]]:
+    """``(claim, verdict)`` per row of a REPORT.md's "Seed claims" table (empty when it has none)."""
+    _, found, rest = report_text.partition("## Seed claims\n")
+    rows = []
+    for line in rest.split("\n## ", 1)[0].splitlines() if found else []:
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if line.startswith("| ") and len(cells) == 5 and cells[0] != "claim":
+            rows.append((cells[0], cells[3]))
+    return rows

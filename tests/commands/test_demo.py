@@ -129,3 +129,23 @@ def test_demo_runs_from_a_clone_with_no_data_folder(tmp_path, monkeypatch, capsy
     assert len(bench["skipped"]) == 12
     err = capsys.readouterr().err
     assert "note: using the 52-question slice of Spec-Bench shipped in specdraft/data" in err
+
+
+def test_demo_report_links_the_committed_studies(tmp_path, monkeypatch):
+    from specdraft.commands import demo
+
+    study = tmp_path / "results" / "study-tiny"
+    study.mkdir(parents=True)
+    (study / "REPORT.md").write_text(
+        "# r\n\n## Seed claims\n\n| claim | paper | here | verdict | plot |\n|---|---|---|---|---|\n"
+        "| Throughput depends mainly on draft latency | p | rho -0.9 | holds | x.png |\n\n## Drafts\n"
+    )
+    (tmp_path / "results" / "study-empty").mkdir()  # no REPORT.md: left out
+    monkeypatch.setattr(demo, "STUDIES", tmp_path / "results")
+    report = tmp_path / "REPORT.md"
+    report.write_text("# demo\n")
+    demo._link_studies(report)
+    assert report.read_text().endswith(
+        "## The seed's claims in the committed studies\n\n"
+        f"- [study-tiny]({study / 'REPORT.md'}): Throughput depends mainly on draft latency: holds\n"
+    )

@@ -107,3 +107,12 @@ def test_section_verdicts_follow_the_data(tmp_path):
     flipped = [d if d[0] != "designed:fam/d4-half" else (*d[:3], 3.0, *d[4:]) for d in DRAFTS]
     text = claims.section(_study(flipped), tmp_path)
     assert "| partly |" in text
+
+
+def test_verdicts_read_back_the_table(tmp_path):
+    table = claims.section(_study(), tmp_path)
+    text = f"# r\n\n## Findings\n\n- x\n\n{table}\n\n## Drafts\n\n| a | b |\n"
+    got = dict(claims.verdicts(text))
+    assert got["Throughput depends mainly on draft latency"] == "holds"
+    assert got["Designed draft +111% over existing (fixed k)"] == "not reached: best 1.62x"
+    assert len(got) == 5 and claims.verdicts("# no table\n") == []
