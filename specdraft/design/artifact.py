@@ -2,8 +2,9 @@
 
 A directory holds::
 
-    config.json          transformers LlamaConfig of the draft (its own depth / heads / FFN width;
-                         the target's vocabulary, hidden size, RoPE and head tying)
+    config.json          transformers config of the draft: a Llama, or a Gemma 3 text model for a
+                         Gemma 3 target (its own depth / heads / FFN width; the target's vocabulary,
+                         hidden size, RoPE and head tying)
     model.safetensors    the draft's tensors in transformers' names (model.layers.*, model.norm.*)
     specdraft.json       kind, head subset, target fingerprint, recipe (see :class:`DraftMeta`)
 
@@ -61,6 +62,7 @@ from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.dtypes import QUANT
 from specdraft.errors import SpecdraftError
 from specdraft.models.llama import LlamaRuntime
+from specdraft.models.runtime import compact_runtime
 from specdraft.models.subset_head import SubsetHeadRuntime, draft_weights
 
 FORMAT = 1
@@ -265,20 +267,20 @@ def load_draft(path: str | Path, target_model, dtype: torch.dtype = torch.float3
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
-    from transformers import LlamaConfig
+    from transformers import AutoConfig
 
     d = Path(path)
     meta = read_meta(d)
     check_compatible(meta, target_model, str(d))
     try:
-        cfg = LlamaConfig.from_json_file(str(d / "config.json"))
+        cfg = AutoConfig.from_pretrained(str(d), local_files_only=True)
         state = load_file(str(d / WEIGHTS_FILE))
     except (OSError, SafetensorError, ValueError, json.JSONDecodeError) as e:
         raise SpecdraftError(f"draft {d} is corrupted or incomplete ({type(e).__name__}: {e})") from None
     extra = {k: state.pop(k) for k in list(state) if not k.startswith("model.")}
     for k in SHARED_KEYS:
         state.pop(k, None)  # a full export's copies; the target's own are used
-    draft = build_llama(cfg, target_model)
+    draft = build_model(cfg, target_model)
     missing, unexpected = draft.load_state_dict(state, strict=False)
     missing = [m for m in missing if m not in SHARED_KEYS]
     if missing or unexpected:
@@ -299,14 +301,14 @@ def load_draft(path: str | Path, target_model, dtype: torch.dtype = torch.float3
     return draft, meta, {k: v.to(dtype) if v.is_floating_point() else v for k, v in extra.items()}
 
 
-def build_llama(cfg, target_model):
-    """An (untrained) ``LlamaForCausalLM`` from ``cfg`` whose embedding and LM head are the target's
-    tensors (tied or not, as the target has them)."""
-    from transformers import LlamaForCausalLM
+def build_model(cfg, target_model):
+    """An (untrained) transformers model for ``cfg`` (``LlamaForCausalLM``, ``Gemma3ForCausalLM``)
+    whose embedding and LM head are the target's tensors (tied or not, as the target has them)."""
+    from transformers import AutoModelForCausalLM
 
     cfg.tie_word_embeddings = bool(target_model.config.tie_word_embeddings)
     with torch.random.fork_rng(devices=[]):  # the random init is overwritten; keep the caller's RNG
-        draft = LlamaForCausalLM(cfg)
+        draft = AutoModelForCausalLM.from_config(cfg)
     draft.model.embed_tokens.weight = target_model.get_input_embeddings().weight
     if cfg.tie_word_embeddings:
         draft.tie_weights()
@@ -380,7 +382,7 @@ def drafter_from_spec(spec, target):
         return diffusion_drafter(draft, meta, extra, head, path)
     tw = target.runtime.w if isinstance(target.runtime, LlamaRuntime) else None
     w = draft_weights(draft, tw, head, dtype)
-    rt = LlamaRuntime(w)
+    rt = compact_runtime(w)
     if head is not None:
         rt = SubsetHeadRuntime(rt, head, meta.vocab_size)
     if meta.kind in ("feature", "dream", "ctc"):

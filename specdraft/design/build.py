@@ -33,6 +33,8 @@ from specdraft.design.train import (
 )
 from specdraft.design.vocab import VocabSubset, token_counts, top_tokens
 from specdraft.errors import SpecdraftError
+from specdraft.models.gemma3 import GEMMA3_FAMILY
+from specdraft.models.llama import LLAMA_FAMILY
 
 
 @dataclass
@@ -171,8 +173,11 @@ def build_draft(
         work: checkpoints (default ``<out>.work``); a rerun resumes from them.
         command: the command line to record (default ``sys.argv``).
     """
-    if pipe.target.model.config.model_type not in ("llama", "mistral", "qwen2"):
-        raise SpecdraftError("designing drafts needs a Llama-family target")
+    model_type = pipe.target.model.config.model_type
+    if model_type not in LLAMA_FAMILY and (model_type not in GEMMA3_FAMILY or cfg.kind != "layers"):
+        raise SpecdraftError(
+            f"--kind {cfg.kind} needs a Llama-family target (a Gemma 3 target takes --kind layers)"
+        )
     if cfg.prompt_pairs < 0 or (cfg.prompt_pairs and cfg.kind != "feature"):
         raise SpecdraftError(f"--prompt-pairs {cfg.prompt_pairs}: a count >= 0, for --kind feature only")
     out = Path(out)

@@ -8,9 +8,10 @@
   magnitude of its contribution ``|silu(gate) * up| * ||w_down[:, j]||``, for a query head the mean
   norm of its output after ``o_proj``.
 
-Both return a transformers ``LlamaForCausalLM`` with fresh copies of the kept weights (the draft's
-own, trainable) and the target's embedding/tied head (shared, frozen); :func:`param_count` counts the
-draft's own parameters.
+Both return a transformers model of the target's family (``LlamaForCausalLM``, or
+``Gemma3ForCausalLM`` for Gemma 3 text, whose layers keep their sliding-window or global kind) with
+fresh copies of the kept weights (the draft's own, trainable) and the target's embedding/tied head
+(shared, frozen); :func:`param_count` counts the draft's own parameters.
 
 At run time (no training), ``--draft prune:0,1,2,29`` is the target's own layers in its compact
 runtime, Llama or Gemma 3 (:func:`drafter_from_spec`), and ``prune:0,17,head=16384`` also gives the
@@ -26,13 +27,17 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from specdraft.design.artifact import build_llama
+from specdraft.design.artifact import build_model
 from specdraft.errors import SpecdraftError
+from specdraft.models.gemma3 import GEMMA3_FAMILY
+from specdraft.models.llama import LLAMA_FAMILY
 
 
 def _check_target(target_model) -> None:
-    if target_model.config.model_type not in ("llama", "mistral", "qwen2"):
-        raise SpecdraftError(f"pruning needs a Llama-family target, not {target_model.config.model_type!r}")
+    if target_model.config.model_type not in LLAMA_FAMILY + GEMMA3_FAMILY:
+        raise SpecdraftError(
+            f"pruning needs a Llama-family or Gemma 3 target, not {target_model.config.model_type!r}"
+        )
 
 
 def _check_layers(layer_ids: list[int], n: int) -> None:
@@ -44,13 +49,15 @@ def _check_layers(layer_ids: list[int], n: int) -> None:
 
 def draft_config(
     target_model,
-    num_layers: int,
+    layer_ids: list[int],
     *,
     kv_heads: int | None = None,
     q_per_kv: int | None = None,
     ffn: int | None = None,
 ):
-    """The target's config with the draft's depth (and width when given)."""
+    """The target's config with the draft's layers ``layer_ids`` (and width when given). A Gemma 3
+    draft keeps its family and each kept layer's kind (sliding-window or global); any other draft
+    is a Llama."""
     cfg = copy.deepcopy(target_model.config)
     H, G = cfg.num_attention_heads, cfg.num_key_value_heads
     cfg.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
@@ -60,12 +67,15 @@ def draft_config(
         raise SpecdraftError(f"width: need 1 <= kv_heads <= {G} and 1 <= q_per_kv <= {H // G}, got {kv}, {r}")
     if ffn is not None and not 1 <= ffn <= cfg.intermediate_size:
         raise SpecdraftError(f"width: need 1 <= ffn <= {cfg.intermediate_size}, got {ffn}")
-    cfg.num_hidden_layers = num_layers
+    cfg.num_hidden_layers = len(layer_ids)
     cfg.num_key_value_heads = kv
     cfg.num_attention_heads = kv * r
     cfg.intermediate_size = ffn or cfg.intermediate_size
-    cfg.architectures = ["LlamaForCausalLM"]
-    cfg.model_type = "llama"
+    if cfg.model_type in GEMMA3_FAMILY:
+        cfg.layer_types = [cfg.layer_types[i] for i in layer_ids]
+    else:
+        cfg.architectures = ["LlamaForCausalLM"]
+        cfg.model_type = "llama"
     return cfg
 
 
@@ -73,7 +83,7 @@ def depth_prune(target_model, layer_ids: list[int]):
     """A draft made of the target's layers ``layer_ids`` (in that order) at full width."""
     _check_target(target_model)
     _check_layers(layer_ids, target_model.config.num_hidden_layers)
-    draft = build_llama(draft_config(target_model, len(layer_ids)), target_model)
+    draft = build_model(draft_config(target_model, layer_ids), target_model)
     with torch.no_grad():
         for i, li in enumerate(layer_ids):
             draft.model.layers[i].load_state_dict(target_model.model.layers[li].state_dict())
@@ -140,7 +150,8 @@ def width_prune(
 
     Keeps, per layer, the ``kv_heads`` key/value groups with the largest summed query-head
     importance, the ``q_per_kv`` most important query heads inside each, and the ``ffn`` most
-    important FFN channels (original order preserved).
+    important FFN channels (original order preserved); every other tensor of the layer (its norms,
+    Gemma 3's QK-norms) is copied whole.
     """
     _check_target(target_model)
     _check_layers(layer_ids, target_model.config.num_hidden_layers)
@@ -148,8 +159,8 @@ def width_prune(
     H, G = cfg.num_attention_heads, cfg.num_key_value_heads
     r_full = H // G
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
-    draft = build_llama(
-        draft_config(target_model, len(layer_ids), kv_heads=kv_heads, q_per_kv=q_per_kv, ffn=ffn),
+    draft = build_model(
+        draft_config(target_model, layer_ids, kv_heads=kv_heads, q_per_kv=q_per_kv, ffn=ffn),
         target_model,
     )
 
@@ -177,10 +188,15 @@ def width_prune(
             dst.mlp.gate_proj.weight.copy_(src.mlp.gate_proj.weight[ch])
             dst.mlp.up_proj.weight.copy_(src.mlp.up_proj.weight[ch])
             dst.mlp.down_proj.weight.copy_(src.mlp.down_proj.weight[:, ch])
-            dst.input_layernorm.weight.copy_(src.input_layernorm.weight)
-            dst.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight)
+            whole = dict(src.named_parameters())
+            for name, p in dst.named_parameters():
+                if name.split(".")[1] not in _PRUNED:
+                    p.copy_(whole[name])
         draft.model.norm.load_state_dict(target_model.model.norm.state_dict())
     return draft
+
+
+_PRUNED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def param_count(draft) -> int:

@@ -519,7 +519,7 @@ def collect_replay(
     block's positions up to and including the first rejected one, with the target's top-K there."""
     from specdraft.drafters.model import ModelDrafter
     from specdraft.engine import Engine, Request
-    from specdraft.models.llama import LlamaRuntime
+    from specdraft.models.runtime import compact_runtime
     from specdraft.models.subset_head import SubsetHeadRuntime, draft_weights
     from specdraft.policy import FixedK
 
@@ -527,7 +527,7 @@ def collect_replay(
     subset = model.head_tokens.numel() < V
     tw = getattr(target_runtime, "w", None)
     w = draft_weights(model.draft, tw, model.head_tokens if subset else None, torch.float32)
-    rt = LlamaRuntime(w)
+    rt = compact_runtime(w)
     drafter = ModelDrafter(SubsetHeadRuntime(rt, model.head_tokens, V) if subset else rt, "on-policy")
     rec = _VerifyRecorder(target_runtime, topk)
     engine = Engine(rec, drafter, FixedK(k))

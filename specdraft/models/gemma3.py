@@ -219,10 +219,16 @@ def _layer(prefix: str, kind: str, w, norm) -> GemmaLayerWeights:
 
 
 def _rotary(cfg):
-    """transformers' Gemma 3 RoPE module for ``cfg`` (both layer types' ``inv_freq`` and scaling)."""
+    """transformers' Gemma 3 RoPE module for ``cfg`` with both layer types' ``inv_freq`` and
+    scaling (it builds tables only for the kinds ``layer_types`` names, and a pruned draft may keep
+    sliding-window layers only)."""
+    import copy
+
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
 
-    return Gemma3RotaryEmbedding(cfg)
+    both = copy.copy(cfg)
+    both.layer_types = ["sliding_attention", "full_attention"]
+    return Gemma3RotaryEmbedding(both)
 
 
 class _SafetensorsReader:

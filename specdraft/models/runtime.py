@@ -119,21 +119,27 @@ def make_runtime(loaded, kind: str = "auto", dtype: torch.dtype | None = None) -
         kind: ``auto`` (compact where :func:`runs_compact`, else transformers), ``compact`` or ``hf``.
         dtype: overrides the loaded model's dtype for the compact runtime (``torch.qint8``: int8).
     """
-    # imported here: both runtimes import this module (ForwardOutput)
-    from specdraft.models.gemma3 import GEMMA3_FAMILY, Gemma3Weights
-    from specdraft.models.hf import HFRuntime
-    from specdraft.models.llama import LlamaWeights
+    from specdraft.models.hf import HFRuntime  # imported here: it imports this module (ForwardOutput)
 
     model_type = loaded.model.config.model_type
     if kind == "compact" or (kind == "auto" and runs_compact(model_type)):
-        dtype = dtype or next(loaded.model.parameters()).dtype
-        family = Gemma3Weights if model_type in GEMMA3_FAMILY else LlamaWeights
-        return compact_runtime(family.from_hf(loaded.model, dtype))
+        return compact_runtime(compact_weights(loaded.model, dtype or next(loaded.model.parameters()).dtype))
     if dtype == torch.qint8:
         raise SpecdraftError(f"int8 needs the compact runtime (Llama family, Gemma 3), not {model_type!r}")
     if kind in ("auto", "hf"):
         return HFRuntime(loaded.model)
     raise SpecdraftError(f"unknown runtime {kind!r}: use auto, compact or hf")
+
+
+def compact_weights(model, dtype: torch.dtype):
+    """The compact-runtime weights of a transformers model: :class:`~specdraft.models.gemma3.Gemma3Weights`
+    for Gemma 3 text, else :class:`~specdraft.models.llama.LlamaWeights` (``from_hf`` of either)."""
+    # imported here: both runtimes import this module (ForwardOutput)
+    from specdraft.models.gemma3 import GEMMA3_FAMILY, Gemma3Weights
+    from specdraft.models.llama import LlamaWeights
+
+    family = Gemma3Weights if model.config.model_type in GEMMA3_FAMILY else LlamaWeights
+    return family.from_hf(model, dtype)
 
 
 def compact_runtime(weights, layer_ids: list[int] | None = None) -> Runtime:

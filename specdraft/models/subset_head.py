@@ -21,6 +21,7 @@ import torch
 
 from specdraft.errors import SpecdraftError
 from specdraft.models.llama import LlamaWeights
+from specdraft.models.runtime import compact_weights
 
 
 class SubsetHeadRuntime:
@@ -70,7 +71,7 @@ def draft_weights(
     and its (smaller) head for the int8 runtime.
     """
     dense = torch.float32 if dtype == torch.qint8 else dtype
-    w = LlamaWeights.from_hf(draft, dense)
+    w = compact_weights(draft, dense)
     tw = target_weights
     if tw is not None and tw.embed.shape == w.embed.shape and tw.dtype == dense:
         w.embed = tw.embed
