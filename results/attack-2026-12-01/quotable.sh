@@ -9,7 +9,7 @@ NEW=${3:-64}
 DSB=${4:-52}
 DGSM=${5:-20}
 P=results/attack-2026-12-01/prompts10.jsonl   # 6 Spec-Bench first turns + 4 GSM8K train questions
-PRUNE=prune:0,1,2,3,4,5,6,7,8,9,10,11,12,13,14  # the pruned draft that accepts most (results/study-smollm2-135m)
+PRUNE=prune:0,1,2,3,4,5,6,7,8,9,10,11,12,13,14  # the pruned draft that accepts most (results/study-smollm2-135m-untrained)
 SD=".venv/bin/specdraft"
 A="--target smollm2-135m --prompts $P --limit $LIMIT --max-new-tokens $NEW --threads 2"
 mkdir -p "$OUT"
