@@ -367,7 +367,7 @@ def drafter_from_spec(spec, target):
             its runtime (its tensors are shared when it is a compact runtime) and the draft dtype.
     """
     quant = target.dtype == QUANT  # GGUF blocks: the quantized target's embedding, no transformers model
-    path = find_draft(spec.arg, target.runtime.w if quant else target.loaded.model)
+    path = find_draft(spec.arg, target.runtime.w if quant else _target_model(target))
     if path is None:
         return PromptLookupDrafter()
     if quant:
@@ -376,7 +376,7 @@ def drafter_from_spec(spec, target):
         return flex_drafter(path, target)
     dtype = target.dtype
     dense = torch.float32 if dtype == torch.qint8 else dtype  # int8 packs the weights after loading
-    draft, meta, extra = load_draft(path, target.loaded.model, dense)
+    draft, meta, extra = load_draft(path, _target_model(target), dense)
     head = torch.tensor(meta.head_tokens, dtype=torch.int64) if meta.head_tokens else None
     if meta.kind == "diffusion":
         return diffusion_drafter(draft, meta, extra, head, path)
@@ -388,6 +388,13 @@ def drafter_from_spec(spec, target):
     if meta.kind in ("feature", "dream", "ctc"):
         return _feature_drafter(meta, extra, rt, w, path)
     return GatedDrafter(rt, f"designed:{path.name}", target_runtime=target.runtime)
+
+
+def _target_model(target):
+    """The target's transformers model, loaded now when the target runs from its files alone
+    (:meth:`specdraft.models.loading.LoadedModel.transformers_model`)."""
+    loaded = target.loaded
+    return loaded.model if loaded.model is not None else loaded.transformers_model()
 
 
 def quant_drafter(path: Path, target) -> GatedDrafter:

@@ -80,6 +80,14 @@ class LoadedModel:
     source: str
     generation_eos: tuple[int, ...] = ()
 
+    def transformers_model(self) -> PreTrainedModel:
+        """The transformers model, loaded (float32) and kept on first use when only the tokenizer
+        was loaded: a target that runs from its weight files alone (Gemma 3 on the compact runtime,
+        a quantized GGUF) and then gets a drafter that shares its embedding (a designed draft)."""
+        if self.model is None:
+            self.model = load_model(self.name, torch.float32).model
+        return self.model
+
     def is_chat(self) -> bool:
         """Whether the tokenizer carries a chat template (prompts can be chat messages)."""
         return bool(getattr(self.tokenizer, "chat_template", None))

@@ -74,3 +74,21 @@ def test_saved_gemma_draft_loads_and_speculates_losslessly_with_a_head_subset(ta
     engine = Engine(rt, drafter, FixedK(3))
     assert decode(engine, prompts, 12) == [plain_greedy(rt, p, 12) for p in prompts]
     assert engine.stats.drafted > 0
+
+
+def test_a_target_loaded_from_its_files_loads_its_model_for_a_designed_draft(target, tmp_path):
+    """A Gemma 3 target with no drafter runs from its weight files alone (no transformers model);
+    a designed draft built on it later loads the model then (it shares the embedding)."""
+    from specdraft import api
+    from specdraft.models.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    model = tiny_gemma3(vocab=len(tok))
+    model.save_pretrained(tmp_path / "t")
+    tok.save_pretrained(tmp_path / "t")
+    meta = DraftMeta.for_target(model, "tiny-gemma", init_layers=[0], recipe={})
+    save_draft(tmp_path / "d", depth_prune(model, [0]), meta)
+    pipe = api.load(str(tmp_path / "t"), "none", dtype="fp32", runtime="compact", threads=1)
+    assert pipe.target.model is None
+    drafter = api.make_drafter(f"designed:{tmp_path / 'd'}", pipe.target, pipe.runtime, torch.float32)
+    assert pipe.target.model is not None and isinstance(drafter.runtime, Gemma3Runtime)
