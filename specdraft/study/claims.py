@@ -148,16 +148,28 @@ def _quality_row(st, trained: list) -> list[str]:
 
 
 def equal_parameter_groups(st) -> list[list[tuple[dict, object]]]:
-    """Model drafts grouped by (head rows, layer parameters within 10%), each group sorted by depth;
-    only groups with at least two depths (the shallow-and-wide vs deep-and-narrow comparison)."""
+    """Trained model drafts grouped by head rows and layer parameters (a group spans at most 10%
+    above its smallest draft), each group sorted by depth; only groups with at least two depths
+    (the shallow-and-wide vs deep-and-narrow comparison)."""
     shape_of = shapes(st)
-    groups: dict[tuple, list] = defaultdict(list)
+    by_head: dict[int, list] = defaultdict(list)
     for d in st.drafts:
         s = shape_of.get(d.draft)
         if s and origin(d.draft) == "trained":
-            budget = round(math.log(s["layer_parameters"]) / math.log(1.1))  # 10% bins
-            groups[(s["head_rows"], budget)].append((s, d))
-    out = [sorted(g, key=lambda sd: sd[0]["layers"]) for g in groups.values()]
+            by_head[s["head_rows"]].append((s, d))
+    groups = []
+    for drafts in by_head.values():
+        drafts.sort(key=lambda sd: sd[0]["layer_parameters"])
+        for sd in drafts:
+            if (
+                groups
+                and groups[-1][0][0]["head_rows"] == sd[0]["head_rows"]
+                and (sd[0]["layer_parameters"] <= 1.1 * groups[-1][0][0]["layer_parameters"])
+            ):
+                groups[-1].append(sd)
+            else:
+                groups.append([sd])
+    out = [sorted(g, key=lambda sd: sd[0]["layers"]) for g in groups]
     return [g for g in out if len({s["layers"] for s, _ in g}) > 1]
 
 

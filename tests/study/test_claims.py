@@ -116,3 +116,21 @@ def test_verdicts_read_back_the_table(tmp_path):
     assert got["Throughput depends mainly on draft latency"] == "holds"
     assert got["Designed draft +111% over existing (fixed k)"] == "not reached: best 1.62x"
     assert len(got) == 5 and claims.verdicts("# no table\n") == []
+
+
+def test_groups_span_ten_percent_from_their_smallest_draft():
+    from types import SimpleNamespace
+
+    sizes = {"a": (1, 5.41e6), "b": (2, 5.57e6), "c": (4, 5.57e6), "d": (2, 7.08e6), "e": (4, 7.08e6)}
+    st = SimpleNamespace(
+        drafts=[SimpleNamespace(draft=f"designed:{n}") for n in sizes],
+        latency=[
+            {
+                "draft": f"designed:{n}",
+                "draft_shape": {"layers": depth, "layer_parameters": p, "head_rows": 8},
+            }
+            for n, (depth, p) in sizes.items()
+        ],
+    )
+    groups = [[d.draft for _, d in g] for g in claims.equal_parameter_groups(st)]
+    assert groups == [["designed:a", "designed:b", "designed:c"], ["designed:d", "designed:e"]]
