@@ -230,7 +230,7 @@ def build_draft(
             "train_tokens": data.num_response_tokens,
             "val_prompts": len(val),
             "val_tokens": val.num_response_tokens,
-            "generation": f"target greedy, chat template, max {cfg.max_new_tokens} new tokens"
+            "generation": f"target greedy, {_prompt_form(pipe)}, max {cfg.max_new_tokens} new tokens"
             + ("" if cfg.gen_dtype == "same" else f", {cfg.gen_dtype} weights"),
         },
         "time_s": {**times, "total_s": round(sum(times.values()), 1)},
@@ -270,6 +270,11 @@ def build_draft(
     save_draft(out, draft, meta, dtype=dtype, extra=extra or None, add_files=add_files)
     log(f"saved {out} ({recipe['params'] / 1e6:.2f} M own parameters)")
     return recipe
+
+
+def _prompt_form(pipe) -> str:
+    """How the target read its training prompts: an instruct model through its chat template."""
+    return "chat template" if pipe.target.is_chat() else "raw prompt text"
 
 
 def _target_data(pipe, cfg: BuildConfig, progress: bool) -> tuple[TargetData, TargetData]:
