@@ -160,11 +160,13 @@ def spearman(x: list[float], y: list[float]) -> float | None:
 
 def short_name(spec: str) -> str:
     """``prune:0,1,2,3,29`` -> ``prune:0-3,29`` (runs of three or more layers as ranges; a
-    ``head=N`` option is kept)."""
+    ``head=N`` option is kept); ``designed:FOLDER/NAME`` -> ``designed:NAME`` (a family's draft)."""
     try:
         parsed = DraftSpec.parse(spec)
     except SpecdraftError:
         return spec
+    if parsed.kind == "designed":
+        return "designed:" + parsed.arg.rstrip("/").rsplit("/", 1)[-1]
     layers = parsed.layers
     if not layers:
         return spec

@@ -198,6 +198,8 @@ def test_correlations():
 def test_short_names():
     assert short_name("prune:0,1,2,3,29") == "prune:0-3,29"
     assert short_name("prune:0,1,29") == "prune:0,1,29"
+    assert short_name("designed:smollm2-135m-family/d1-full-h16k") == "designed:d1-full-h16k"
+    assert short_name("designed:smollm2-135m-l2") == "designed:smollm2-135m-l2"
     assert short_name("prune:" + ",".join(map(str, range(28)))) == "prune:0-27"
     assert short_name("lookup") == "lookup"
     assert short_name("prune:0,1,2,17,head=16384") == "prune:0-2,17,head=16384"
