@@ -2,7 +2,7 @@
 # The study over trained drafts (issue 20), one target family per run: the committed draft family
 # (drafts/TARGET-family: one recipe, 400 steps each), the target's layers pruned without training
 # (the "existing" drafts; SmolLM2-135M and Gemma-3-270M have no smaller sibling), and prompt lookup;
-# bf16 target, k 1-8 (Gemma 1-6), batch 1-8, configurations validated online with latencies
+# bf16 target, 7 datasets x 8 prompts, k 1-8 (Gemma 1-6), batch 1-8, configurations validated online with latencies
 # re-measured around each run. Writes results/study-TARGET/ (results.jsonl, REPORT.md, plots, logs).
 # usage: results/study.sh smollm2-135m|gemma3-270m   [OUT=DIR] [FAMILY='d1-full-h16k ...']
 set -u
@@ -16,15 +16,15 @@ DRAFTS=$(printf "designed:$target-family/%s;" $FAMILY)
 case $target in
   smollm2-135m)
     DRAFTS+='designed:smollm2-135m-l2;prune:0;prune:0,1;prune:0,1,2,3;lookup'
-    ARGS=(--k 1,2,3,4,5,6,7,8 --prompts-per-dataset 3 --max-prompt-tokens 1024 --validate 12) ;;
+    ARGS=(--k 1,2,3,4,5,6,7,8 --max-prompt-tokens 1024 --validate 12) ;;
   gemma3-270m)
     DRAFTS+='prune:0,head=16384;prune:0,17,head=16384;prune:0,1,2,3,4,5,6,7,8,head=16384;'
     DRAFTS+='prune:0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,head=16384;prune:0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15;lookup'
-    ARGS=(--k 1,2,3,4,5,6 --datasets qa,writing,math_reasoning,summarization,coding,translation,hellaswag
-          --prompts-per-dataset 3 --max-prompt-tokens 512 --validate 10) ;;
+    ARGS=(--k 1,2,3,4,5,6 --max-prompt-tokens 512 --validate 10) ;;
   *) echo "results/study.sh: unknown target $target" >&2; exit 2 ;;
 esac
 step "$OUT/study.log" .venv/bin/specdraft study --target "$target" --dtype bf16 --drafts "$DRAFTS" \
+  --datasets qa,writing,math_reasoning,summarization,coding,translation,hellaswag --prompts-per-dataset 8 \
   --batch 1,2,4,8 --heldout 8 --max-new-tokens 48 --profile-repeats 5 --threads 2 --workers 2 \
   --validate-prompts 3 --validate-reprofile --no-progress "${ARGS[@]}" --out "$OUT"
 step "$OUT/report.log" .venv/bin/specdraft report "$OUT/results.jsonl" --out "$OUT"

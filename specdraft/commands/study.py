@@ -167,6 +167,11 @@ def run(args: argparse.Namespace) -> int:
     dtype = "fp32" if api.resolve_dtype(args.dtype) == dtypes.torch_dtype("fp32") else "bf16"
     if args.prompts_per_dataset < 1 or args.heldout < 0 or args.max_new_tokens < 2:
         raise SpecdraftError("need --prompts-per-dataset >= 1, --heldout >= 0 and --max-new-tokens >= 2")
+    if max(args.batch or [1]) > args.prompts_per_dataset:  # a batch holds at most a dataset's prompts
+        raise SpecdraftError(
+            f"--batch {max(args.batch)} needs at least {max(args.batch)} prompts per dataset "
+            f"(--prompts-per-dataset {args.prompts_per_dataset}): a batch of a dataset cannot hold more rows"
+        )
     t0 = time.perf_counter()
     version = code_version()  # once: edits to the tree during a long run must not split its rows
     pipe = load_target(args.target, dtype, args.threads)

@@ -78,6 +78,7 @@ def test_study_then_report(tmp_path, data_files, capsys):
     [
         (["--datasets", "poetry"], "unknown dataset poetry: available are qa, math, hellaswag"),
         (["--prompts-per-dataset", "0"], "need --prompts-per-dataset >= 1"),
+        (["--batch", "1,4"], "--batch 4 needs at least 4 prompts per dataset (--prompts-per-dataset 2)"),
         (["--draft-dtype", "same", "--drafts", "prune:x"], "bad draft spec prune:x"),
     ],
 )

@@ -35,7 +35,7 @@ def _study(data_files, out: Path) -> list[str]:
         "--hellaswag",
         str(data_files[1]),
         "--prompts-per-dataset",
-        "3",
+        "4",
         "--heldout",
         "2",
         "--max-new-tokens",

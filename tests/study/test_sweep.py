@@ -197,7 +197,7 @@ def test_killed_cli_sweep_resumes(tmp_path, data_files):
         "--hellaswag",
         str(data_files[1]),
         "--prompts-per-dataset",
-        "3",
+        "4",
         "--heldout",
         "2",
         "--max-new-tokens",
