@@ -4,7 +4,7 @@
 # (the "existing" drafts; SmolLM2-135M and Gemma-3-270M have no smaller sibling), and prompt lookup;
 # bf16 target, 7 datasets x 8 prompts, k 1-8 (Gemma 1-6), batch 1-8, configurations validated online with latencies
 # re-measured around each run. Writes results/study-TARGET/ (results.jsonl, REPORT.md, plots, logs).
-# usage: results/study.sh smollm2-135m|gemma3-270m   [OUT=DIR] [FAMILY='d1-full-h16k ...']
+# usage: [OUT=DIR] [FAMILY='d1-full-h16k ...'] [POLICY_DRAFTS='spec@k;...' [POLICY_ONLY=1]] results/study.sh smollm2-135m|gemma3-270m
 set -u
 target=${1:?usage: results/study.sh smollm2-135m|gemma3-270m}
 OUT=${OUT:-$(dirname "$0")/study-$target}
@@ -23,8 +23,16 @@ case $target in
     ARGS=(--k 1,2,3,4,5,6 --max-prompt-tokens 512 --validate 10) ;;
   *) echo "results/study.sh: unknown target $target" >&2; exit 2 ;;
 esac
+if [ -z "${POLICY_ONLY:-}" ]; then  # POLICY_ONLY=1: the bench below only
 step "$OUT/study.log" .venv/bin/specdraft study --target "$target" --dtype bf16 --drafts "$DRAFTS" \
   --datasets qa,writing,math_reasoning,summarization,coding,translation,hellaswag --prompts-per-dataset 8 \
   --batch 1,2,4,8 --heldout 8 --max-new-tokens 48 --profile-repeats 5 --threads 2 --workers 2 \
   --validate-prompts 3 --validate-reprofile --no-progress "${ARGS[@]}" --out "$OUT"
 step "$OUT/report.log" .venv/bin/specdraft report "$OUT/results.jsonl" --out "$OUT"
+fi
+# With the policy on: the best trained and the best existing draft of the report (each at k=auto)
+# against plain decoding on Spec-Bench, one run. POLICY_DRAFTS='spec@auto;spec@auto' names them.
+if [ -n "${POLICY_DRAFTS:-}" ]; then
+  step "$OUT/policy_on.txt" .venv/bin/python benchmarks/bench_drafters.py --target "$target" --dtype bf16 \
+    --limit 1 --max-new-tokens 64 --threads 2 --drafts "$POLICY_DRAFTS" --json "$OUT/policy_on.json"
+fi

@@ -13,8 +13,8 @@ when the machine is idle and one thread when it is busy (:func:`demo_threads`). 
 - ``bench.json`` / ``bench.md``: the ``specdraft bench`` results and table;
 - ``profile.json``: T_target(1, n) and T_draft(1) and the draft-step breakdown;
 - ``REPORT.md`` and its plots, written by :func:`specdraft.study.report.write_report`, ending
-  with the committed studies' verdicts on the seed paper's claims (``results/study-*/REPORT.md``),
-  linked.
+  with the verdicts on the seed paper's claims of the committed studies (the REPORT.md of
+  ``results/study-smollm2-135m/`` and of each other study folder there), linked.
 """
 
 from __future__ import annotations
