@@ -28,7 +28,8 @@ step "$OUT/study.log" .venv/bin/specdraft study --target "$target" --dtype bf16 
   --datasets qa,writing,math_reasoning,summarization,coding,translation,hellaswag --prompts-per-dataset 8 \
   --batch 1,2,4,8 --heldout 8 --max-new-tokens 48 --profile-repeats 5 --threads 2 --workers 2 \
   --validate-prompts 3 --validate-reprofile --no-progress "${ARGS[@]}" --out "$OUT"
-step "$OUT/report.log" .venv/bin/specdraft report "$OUT/results.jsonl" --out "$OUT"
+REL=$(realpath --relative-to=. "$OUT")  # the report names its input as given
+step "$OUT/report.log" .venv/bin/specdraft report "$REL/results.jsonl" --out "$REL"
 fi
 # With the policy on: the best trained and the best existing draft of the report (each at k=auto)
 # against plain decoding on Spec-Bench, one run. POLICY_DRAFTS='spec@auto;spec@auto' names them.

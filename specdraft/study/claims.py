@@ -62,7 +62,6 @@ def bootstrap_spearman(
 ) -> tuple[float, float] | None:
     """95% percentile-bootstrap interval of Spearman's rho over the (x, y) pairs; None below 4
     pairs. Resamples whose x or y ranks are all tied have no rho and are skipped."""
-
     if len(x) != len(y) or len(x) < 4:
         return None
     rng = np.random.default_rng(seed)
@@ -83,11 +82,11 @@ def shapes(st) -> dict[str, dict]:
     return {r["draft"]: r["draft_shape"] for r in st.latency if r.get("draft") and r.get("draft_shape")}
 
 
-def _rho(x: list[float], y: list[float]) -> str:
-
-    ci = bootstrap_spearman(x, y)
+def _rho(x: list[float], y: list[float]) -> tuple[float | None, tuple[float, float] | None, str]:
+    """Spearman's rho, its bootstrap interval, and both as table text."""
+    rho, ci = spearman(x, y), bootstrap_spearman(x, y)
     interval = f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else " (no interval: fewer than 4 drafts)"
-    return f"{_fmt(spearman(x, y))}{interval}"
+    return rho, ci, f"{_fmt(rho)}{interval}"
 
 
 def _latency_row(st, trained: list) -> list[str]:
@@ -96,8 +95,8 @@ def _latency_row(st, trained: list) -> list[str]:
     lat = [d.t_draft_ms for d in trained]
     sp = [d.best_speedup[b1] for d in trained]
     ppl = [math.log(d.perplexity) for d in trained if d.perplexity]
-    rho_lat, rho_ppl = spearman(lat, sp), spearman(ppl, sp) if len(ppl) == len(trained) else None
-    ci = bootstrap_spearman(lat, sp)
+    rho_lat, ci, text = _rho(lat, sp)
+    rho_ppl = spearman(ppl, sp) if len(ppl) == len(trained) else None
     all_lat, all_sp = [d.t_draft_ms for d in st.drafts], [d.best_speedup[b1] for d in st.drafts]
     if rho_lat is None:
         verdict = "cannot be judged (fewer than 3 trained drafts)"
@@ -108,8 +107,8 @@ def _latency_row(st, trained: list) -> list[str]:
             "holds" if stronger and sure else ("weakly: interval spans 0" if stronger else "does not hold")
         )
     here = (
-        f"Spearman(T_draft, speedup) = {_rho(lat, sp)} over {len(trained)} trained drafts, batch {b1}; "
-        f"over all {len(st.drafts)} drafts {_rho(all_lat, all_sp)}"
+        f"Spearman(T_draft, speedup) = {text} over {len(trained)} trained drafts, batch {b1}; "
+        f"over all {len(st.drafts)} drafts {_rho(all_lat, all_sp)[2]}"
     )
     return [
         "Throughput depends mainly on draft latency",
@@ -127,16 +126,15 @@ def _quality_row(st, trained: list) -> list[str]:
     ppl = [math.log(d.perplexity) for d in rated]
     sp = [d.best_speedup[b1] for d in rated]
     top1 = [d.top1 or 0.0 for d in rated]
-    rho = spearman(ppl, sp)
-    ci = bootstrap_spearman(ppl, sp)
+    rho, ci, text = _rho(ppl, sp)
     if rho is None:
         verdict = "cannot be judged (fewer than 3 trained drafts with a perplexity)"
     else:
         weak = abs(rho) < 0.5 or (ci is not None and ci[0] < 0 < ci[1])
         verdict = "holds" if weak else "does not hold: perplexity tracks speedup here"
     here = (
-        f"Spearman(log perplexity, speedup) = {_rho(ppl, sp)} over {len(rated)} trained drafts; "
-        f"top-1 agreement vs log perplexity: Spearman {_rho(ppl, top1)}"
+        f"Spearman(log perplexity, speedup) = {text} over {len(rated)} trained drafts; "
+        f"top-1 agreement vs log perplexity: Spearman {_rho(ppl, top1)[2]}"
     )
     return [
         "Draft quality barely predicts throughput",
@@ -262,7 +260,6 @@ def _generalises_row(st) -> list[str]:
 
 def plot_depth_vs_width(st, path: Path) -> bool:
     """T_draft(1) against depth, one line per equal-parameter group; False when there is none."""
-
     groups = equal_parameter_groups(st)
     if not groups:
         return False
@@ -293,7 +290,6 @@ def plot_depth_vs_width(st, path: Path) -> bool:
 
 def section(st, out_dir: Path) -> str:
     """The "Seed claims" section: the table and the depth-vs-width plot (written to ``out_dir``)."""
-
     trained = [d for d in st.drafts if origin(d.draft) == "trained"]
     rows = [
         _latency_row(st, trained),

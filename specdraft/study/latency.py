@@ -95,14 +95,15 @@ def draft_shape(drafter) -> dict | None:
     if not isinstance(rt, LlamaRuntime) or getattr(drafter, "drafts_blocks", False):
         return None
     w = rt.w
-    mats = [(lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down) for lw in rt.layers]
     return {
         "layers": len(rt.layers),
         "query_heads": w.n_heads,
         "kv_heads": w.n_kv_heads,
         "ffn": int(rt.layers[0].w_down.shape[1]),
         "head_rows": rt.vocab_size,  # a designed draft's subset head: its N rows
-        "layer_parameters": sum(m.numel() for group in mats for m in group),
+        "layer_parameters": sum(
+            t.numel() for lw in rt.layers for t in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)
+        ),
         "head_parameters": rt.vocab_size * int(w.embed.shape[1]),
     }
 

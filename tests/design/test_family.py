@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -42,7 +43,7 @@ PROMPTS = ["What is 12 times 7? Explain step by step.", "Write a short poem abou
 @pytest.fixture(scope="session")
 def gemma3():
     """The real Gemma-3-270M (fp32), through the public API."""
-    return dataclasses.make_dataclass("Gemma", ["pipe"])(api.load("gemma3-270m", draft="none", dtype="fp32"))
+    return SimpleNamespace(pipe=api.load("gemma3-270m", draft="none", dtype="fp32"))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
