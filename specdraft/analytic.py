@@ -123,17 +123,21 @@ def batch_step_time(
     t_draft: Callable[..., float],
     t_target: Callable[..., float],
     draft_calls: int | None = None,
+    t_engine: Callable[..., float] | None = None,
 ) -> float:
     """One speculative step of ``batch`` rows decoded together:
 
-        T_step(b, k) = c(k) * T_draft(b) + T_target(b, k + 1)
+        T_step(b, k) = T_draft(b, c(k)) + T_target(b, k + 1) + T_engine(b)
 
-    ``t_draft(b)`` is one draft step for b rows, ``t_target(b, n)`` a target forward over n tokens
-    per row. ``c(k) = draft_calls`` is the number of draft steps, k for a draft model (one forward
-    per token) and 1 for prompt lookup (one search however many tokens it returns).
+    ``t_draft(b, c)`` is a proposal of c draft steps for b rows (``c * T_draft(b)`` when every
+    step costs the same), ``t_target(b, n)`` a target forward over n tokens per row, and
+    ``t_engine(b)`` the engine's own work in a step (verification, commit, bookkeeping; none when
+    not given). ``c(k) = draft_calls`` is the number of draft steps, k for a draft model (one
+    forward per token) and 1 for prompt lookup (one search however many tokens it returns).
     """
     calls = k if draft_calls is None else draft_calls
-    return calls * t_draft(batch) + t_target(batch, k + 1)
+    draft = t_draft(batch, calls) if calls else 0.0
+    return draft + t_target(batch, k + 1) + (t_engine(batch) if t_engine is not None else 0.0)
 
 
 def batch_throughput(
@@ -143,16 +147,17 @@ def batch_throughput(
     t_draft: Callable[..., float],
     t_target: Callable[..., float],
     draft_calls: int | None = None,
+    t_engine: Callable[..., float] | None = None,
 ) -> float:
     """Predicted tokens per second of a batch from a *measured* mean accepted length:
 
         throughput(b, k) = b * E[tokens | k] / T_step(b, k)
 
     where ``mean_tokens`` (bonus token included) stands in for E[tokens | k]; with it the model
-    needs no independence assumption on alpha. ``batch=1`` and ``mean_tokens =
-    expected_tokens(alpha, k)`` give :func:`throughput`.
+    needs no independence assumption on alpha. ``batch=1``, ``t_draft(b, c) = c * T_draft`` and
+    ``mean_tokens = expected_tokens(alpha, k)`` give :func:`throughput`.
     """
-    return batch * mean_tokens / batch_step_time(k, batch, t_draft, t_target, draft_calls)
+    return batch * mean_tokens / batch_step_time(k, batch, t_draft, t_target, draft_calls, t_engine)
 
 
 def relative_error(predicted: float, measured: float) -> float:

@@ -30,7 +30,7 @@ from specdraft.models.runtime import Runtime
 from specdraft.policy import FixedK, KPolicy
 from specdraft.stats import SpecStats
 from specdraft.tree import TokenTree, verify_tree
-from specdraft.verify import SamplingParams, verify
+from specdraft.verify import SamplingParams, greedy_tokens, verify
 
 _ids = itertools.count()
 
@@ -529,7 +529,7 @@ def _pad(tree: TokenTree, n: int) -> TokenTree:
 
 def _verified(fed: list[list[int]], parents: list[list[int]], logits: torch.Tensor, tokens: list) -> Verified:
     """The :class:`Verified` of a step that fed ``fed`` (per row) and got ``logits (B, T, V)``."""
-    nxt = logits.argmax(-1)  # (B, T)
+    nxt = greedy_tokens(logits)  # (B, T)
     return Verified(
         inputs=fed,
         parents=parents,

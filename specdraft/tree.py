@@ -44,7 +44,7 @@ from functools import cached_property
 import torch
 
 from specdraft.errors import SpecdraftError
-from specdraft.verify import SamplingParams, logits_to_probs, sample
+from specdraft.verify import SamplingParams, greedy_tokens, logits_to_probs, sample
 
 
 @dataclass(frozen=True)
@@ -287,7 +287,7 @@ def verify_tree_greedy(tree: TokenTree, target_logits: torch.Tensor) -> TreeVerd
         target_logits: ``(N + 1, V)``; row 0 scores the token after the root, row 1 + i the token
             after node i.
     """
-    return _follow(tree, target_logits.argmax(-1))
+    return _follow(tree, greedy_tokens(target_logits))
 
 
 def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

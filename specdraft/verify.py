@@ -89,6 +89,18 @@ class Verdict:
     tokens: torch.Tensor
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)``: the first maximum of each row, as torch's argmax picks it.
+
+    Float32 CPU logits go through numpy: torch's CPU argmax is not vectorised, numpy's is (several
+    times faster over the ``B x (k + 1)`` vocabulary rows every greedy step reads; at batch 8 and
+    k = 6 torch's took ~3% of a SmolLM2 step on 2 Zen 3 cores). NaN counts as the maximum in both.
+    """
+    if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.requires_grad:
+        return logits.argmax(-1)
+    return torch.as_tensor(logits.numpy().argmax(-1))
+
+
 def _first_rejection(accept: torch.Tensor, num_valid: torch.Tensor | None) -> torch.Tensor:
     """Length of the all-True prefix of ``accept`` (B, k), capped at ``num_valid``."""
     n = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)  # (B,)
@@ -105,7 +117,7 @@ def verify_greedy(
         target_logits: ``(B, k + 1, V)``; position i scores the token after draft token i - 1.
         num_valid: ``(B,)`` how many draft tokens each row really proposed (None = all k).
     """
-    target_tokens = target_logits.argmax(-1)  # (B, k + 1)
+    target_tokens = greedy_tokens(target_logits)  # (B, k + 1)
     n = _first_rejection(draft_tokens == target_tokens[:, :-1], num_valid)
     # accepted drafts equal the target's choice, so the target's argmax row is the output
     return Verdict(num_accepted=n, tokens=target_tokens)
@@ -203,7 +215,7 @@ def verify(
     greedy_rows = [b for b in range(B) if params[b].greedy]
     if greedy_rows:  # argmax as a point mass: sampling from it is the argmax
         idx = torch.tensor(greedy_rows)
-        p[idx] = torch.nn.functional.one_hot(target_logits[idx].argmax(-1), V).float()
+        p[idx] = torch.nn.functional.one_hot(greedy_tokens(target_logits[idx]), V).float()
         if draft_probs is not None:
             draft_probs = draft_probs.clone()
             draft_probs[idx] = torch.nn.functional.one_hot(draft_tokens[idx], V).float()

@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from specdraft.errors import SpecdraftError
-from specdraft.verify import SamplingParams, logits_to_probs, verify, verify_greedy, verify_sampling
+from specdraft.verify import (
+    SamplingParams,
+    greedy_tokens,
+    logits_to_probs,
+    verify,
+    verify_greedy,
+    verify_sampling,
+)
 
 V = 6
 
@@ -22,6 +29,17 @@ def gens(n: int, seed: int = 0) -> list[torch.Generator]:
 
 
 # ------------------------------------------------------------------------------------------ greedy
+def test_greedy_tokens_pick_the_first_maximum_as_torch_argmax_does():
+    x = torch.randn(3, 5, 64)
+    x[0, 0, [7, 3, 40]] = 9.0  # a three-way tie: the first index wins
+    x[1, 2, [50, 11]] = float("nan")  # NaN is the maximum, the first one
+    x[2, 1] = 0.0  # a constant row
+    for logits in (x, x[:, ::2], x[0, 0], x.to(torch.bfloat16)):  # a view, one row, a torch fallback
+        got = greedy_tokens(logits)
+        assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(-1))
+    assert greedy_tokens(x)[0, 0] == 3 and greedy_tokens(x)[1, 2] == 11 and greedy_tokens(x)[2, 1] == 0
+
+
 def test_greedy_never_always_partially_accepted_in_one_batch():
     draft = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 3]])
     target = one_hot_logits([[4, 2, 3, 5], [1, 2, 3, 5], [1, 2, 0, 5]])  # target argmax per position

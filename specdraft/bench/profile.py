@@ -5,9 +5,18 @@ The analytic model (:mod:`specdraft.analytic`) predicts throughput from two late
 - ``T_target(b, n)``: one target forward over ``n`` new tokens for each of ``b`` rows whose cache
   already holds ``context`` tokens (n = k + 1 when verifying k drafts; n = 1 is a plain step);
 - ``T_draft(b)``: one draft step, i.e. one draft token for each of ``b`` rows at that context.
-  For a model draft that is one forward of one token per row through ``drafter.runtime`` plus
-  the argmax (a feature-conditioned draft's input projection is not included); for a drafter
-  without a model (prompt lookup) one ``propose`` of one token from a random context.
+  For a model drafter (:class:`~specdraft.drafters.model.ModelDrafter` and the gated one) that is
+  its whole proposal of one token as the engine calls it: the forward over the committed token it
+  has not read, its token choice and, gated, its confidence and prefix rule (for a small trained
+  draft a large share of the bare forward's time); a proposal of :data:`DRAFT_FORWARDS`
+  tokens is timed too, and ``T_next(b)``, what each further forward adds, is the slope between
+  them. Other drafts with a model (feature and tree drafters) time one forward of
+  ``drafter.runtime`` plus the argmax (a feature-conditioned draft's input projection is not
+  included); a drafter without a model (prompt lookup) one ``propose`` of one token from a random
+  context.
+
+The engine's own work in a step (verification, commit, the policy's bookkeeping) is measured apart,
+by :func:`engine_overhead`, which the study adds to each step.
 
 How they are measured: the context is prefilled once per batch size (random token ids; the
 position-indexed cache makes every timed forward rewrite the same slots, so nothing grows), then
@@ -51,6 +60,7 @@ Use from Python (the study imports this)::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -65,13 +75,15 @@ import torch
 from specdraft import kernels
 from specdraft.analytic import LatencyCurve
 from specdraft.drafters.base import DraftContext
+from specdraft.drafters.model import ModelDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.models.llama import LlamaRuntime
 from specdraft.models.runtime import Runtime
 from specdraft.tree import TokenTree
 from specdraft.verify import SamplingParams
 
-BUCKETS = ("overhead", "embedding", "attention", "mlp", "lm_head", "python")
+BUCKETS = ("overhead", "embedding", "attention", "mlp", "lm_head", "python", "proposal")
+DRAFT_FORWARDS = 4  # a model drafter's proposals are timed at 1 and this many tokens
 # dense (F.linear, a few-row form or the native kernel) and int8
 MATMUL_OPS = ("aten::linear", "aten::matmul", kernels.PROFILE_NAME, "quantized::linear_dynamic")
 
@@ -89,14 +101,18 @@ class LatencyProfile:
         repeats: timed rounds per configuration (the figures are their medians).
         warmup: untimed rounds before those.
         t_target: ``{batch: {new_tokens: median seconds}}`` of one target forward.
-        t_draft: ``{batch: median seconds}`` of one draft step (one token per row); empty without a
-            drafter.
+        t_draft: ``{batch: median seconds}`` of one draft step (one token per row; a model
+            drafter's proposal of one token); empty without a drafter.
         draft_breakdown: ``{bucket: seconds}`` of one batch-1 draft step (module docstring); sums to
             ``t_draft[1]``.
         breakdown_method: how the breakdown was attributed.
         draft_dtype: what the draft computes in (``""`` for drafts without a model).
         cpu: the CPU model.
         torch_version: torch version.
+        t_draft_next: ``{batch: seconds}`` each further draft forward adds to a model drafter's
+            proposal (from proposals of 1 and :data:`DRAFT_FORWARDS` tokens); empty for others.
+        t_engine: ``{batch: median seconds}`` of an engine step's own work beyond the proposal and
+            the target forward (:func:`engine_overhead`); empty when not measured.
     """
 
     target: str
@@ -113,6 +129,8 @@ class LatencyProfile:
     draft_dtype: str = ""
     cpu: str = ""
     torch_version: str = torch.__version__
+    t_draft_next: dict[int, float] = field(default_factory=dict)
+    t_engine: dict[int, float] = field(default_factory=dict)
 
     @property
     def curve(self) -> LatencyCurve:
@@ -151,7 +169,8 @@ class LatencyProfile:
     def from_dict(cls, d: dict) -> LatencyProfile:
         d = dict(d)
         d["t_target"] = LatencyCurve.from_dict(d["t_target"]).points
-        d["t_draft"] = {int(b): float(t) for b, t in d.get("t_draft", {}).items()}
+        for name in ("t_draft", "t_draft_next", "t_engine"):
+            d[name] = {int(b): float(t) for b, t in d.get(name, {}).items()}
         return cls(**d)
 
     @classmethod
@@ -270,24 +289,49 @@ def _runtime_step(runtime: Runtime, batch: int, context: int):
     return lambda: runtime.forward(state, tok, pos).logits[:, -1].argmax(-1)
 
 
-def _draft_step(drafter, batch: int, context: int, vocab: int):
-    """A callable running one draft step (one token per row) at ``context``."""
-    runtime = getattr(drafter, "runtime", None)
-    if runtime is not None:  # a model draft
-        return _runtime_step(runtime, batch, context)
-    block = getattr(drafter, "profile_step", None)
-    if block is not None:  # a block drafter: its step is one forward over a whole block
-        return block(batch, context)
-    # a drafter without a model: propose one token from a random context
+def _random_context(batch: int, context: int, vocab: int) -> DraftContext:
+    """Greedy rows of ``context`` committed random tokens (one spare slot)."""
     g = torch.Generator().manual_seed(2)
-    ctx = DraftContext(
+    return DraftContext(
         tokens=torch.randint(vocab, (batch, context + 1), generator=g),
         lengths=torch.full((batch,), context),
         params=[SamplingParams()] * batch,
         generators=[None] * batch,
     )
+
+
+def _draft_step(drafter, batch: int, context: int, vocab: int, forwards: int = 1):
+    """A callable running one draft step at ``context``: a model drafter's whole proposal of
+    ``forwards`` tokens per row (:func:`_proposal`), a block drafter's forward over one block, or
+    one ``propose`` of one token by a drafter without a model (``forwards`` is 1 for both)."""
+    if isinstance(drafter, ModelDrafter):
+        return _proposal(drafter, _random_context(batch, context, vocab), forwards)
+    if getattr(drafter, "runtime", None) is not None:  # other model drafts: one forward of their runtime
+        return _runtime_step(drafter.runtime, batch, context)
+    block = getattr(drafter, "profile_step", None)
+    if block is not None:  # a block drafter: its step is one forward over a whole block
+        return block(batch, context)
     state = drafter.new_state(batch, context + 2)
+    ctx = _random_context(batch, context, vocab)
     return lambda: drafter.propose(state, ctx, 1)
+
+
+def _proposal(drafter, ctx: DraftContext, forwards: int):
+    """A callable running one proposal of a :class:`ModelDrafter` as the engine calls it after a
+    rejection: one committed token it has not read (fed with its first forward), then ``forwards``
+    tokens per row, each with the drafter's own token choice (and a gated drafter's confidence
+    and prefix rule, drafting every token while timed: random contexts would stop it at once)."""
+    L = ctx.lengths
+    state = drafter.new_state(len(L), int(L.max()) + forwards + 1)
+    drafter.propose(state, ctx, 1)  # reads the context (untimed)
+    every = getattr(drafter, "drafting_every_token", contextlib.nullcontext)
+
+    def run():
+        state.fed = L - 1
+        with every():
+            return drafter.propose(state, ctx, forwards)
+
+    return run
 
 
 def _check(
@@ -337,26 +381,32 @@ def profile_latency(
     """
     batch_sizes, new_tokens = sorted(set(batch_sizes)), sorted(set(new_tokens))
     _check(target, batch_sizes, new_tokens, context, repeats, warmup)
+    model = isinstance(drafter, ModelDrafter)
+    forwards = (1, DRAFT_FORWARDS) if model else (1,)
     jobs = []
     for b in batch_sizes:
         jobs += _target_jobs(target, b, context, new_tokens)
         if drafter is not None:
-            jobs.append((("draft", b, 1), _draft_step(drafter, b, context, target.vocab_size)))
+            jobs += [
+                (("draft", b, c), _draft_step(drafter, b, context, target.vocab_size, c)) for c in forwards
+            ]
+    if model and breakdown:  # the forward alone, which the breakdown divides into buckets
+        jobs.append((("forward", batch_sizes[0], 1), _runtime_step(drafter.runtime, batch_sizes[0], context)))
 
+    times = _round_robin(jobs, repeats, warmup)
     t_target: dict[int, dict[int, float]] = {}
-    t_draft: dict[int, float] = {}
-    for (kind, b, n), t in _round_robin(jobs, repeats, warmup).items():
+    for (kind, b, n), t in times.items():
         if kind == "target":
             t_target.setdefault(b, {})[n] = t
-        else:
-            t_draft[b] = t
+    t_draft = {b: times["draft", b, 1] for b in batch_sizes} if drafter is not None else {}
+    more = DRAFT_FORWARDS - 1
+    t_draft_next = {b: (times["draft", b, DRAFT_FORWARDS] - t_draft[b]) / more for b in batch_sizes if model}
 
     parts, method = {}, ""
     if drafter is not None and breakdown:
         parts, method = draft_breakdown(drafter, context, target.vocab_size)
-        total = sum(parts.values())
-        if total > 0:  # scale the profiled shares to the unprofiled median
-            parts = {k: v / total * t_draft[min(t_draft)] for k, v in parts.items()}
+        b = batch_sizes[0]
+        parts = _scaled(parts, t_draft[b], times.get(("forward", b, 1)))
 
     from specdraft.bench.harness import runtime_precision
 
@@ -370,11 +420,63 @@ def profile_latency(
         warmup=warmup,
         t_target=t_target,
         t_draft=t_draft,
+        t_draft_next=t_draft_next,
         draft_breakdown=parts,
         breakdown_method=method,
         draft_dtype=runtime_precision(drafter.runtime) if hasattr(drafter, "runtime") else "",
         cpu=cpu_name(),
     )
+
+
+def _scaled(parts: dict[str, float], step: float, forward: float | None = None) -> dict[str, float]:
+    """Profiled bucket shares scaled to the unprofiled median of what was profiled (the profiler's
+    overhead inflates every op): the whole ``step``, or a model drafter's ``forward``, whose step
+    gets a ``proposal`` bucket for the rest (token choice, gating), so the buckets sum to ``step``."""
+    total = sum(parts.values())
+    if total <= 0:
+        return parts
+    profiled = step if forward is None else min(forward, step)
+    out = {k: v / total * profiled for k, v in parts.items()}
+    if forward is not None:
+        out["proposal"] = step - profiled
+    return out
+
+
+def engine_overhead(
+    target: Runtime,
+    drafter=None,
+    *,
+    batch_sizes: Iterable[int] = (1,),
+    context: int = 64,
+    k: int = 4,
+    steps: int = 12,
+) -> dict[int, float]:
+    """``{batch: median seconds}`` of an engine step's own work: its wall time less the drafter's
+    proposal and the target's forward (verification, commit, the policy and statistics), over
+    ``steps`` greedy steps at draft length k (plain steps without a drafter) of random prompts of
+    ``context`` tokens, after the first step of the batch (where a draft reads the prompt)."""
+    from specdraft.engine import Engine, Request
+    from specdraft.policy import FixedK
+
+    k = k if drafter is not None else 0
+    budget = min((steps + 2) * (k + 1), target.max_context - context - k - 2)
+    g = torch.Generator().manual_seed(3)
+    out = {}
+    for b in batch_sizes:
+        engine = Engine(target, drafter, FixedK(k))
+        prompts = torch.randint(target.vocab_size, (b, context), generator=g).tolist()
+        engine.add([Request(p, budget, SamplingParams()) for p in prompts])
+        engine.step()
+        samples = []
+        while engine.active and len(samples) < steps:
+            before, t0 = engine.stats.draft_time + engine.stats.target_time, time.perf_counter()
+            engine.step()
+            spent = engine.stats.draft_time + engine.stats.target_time - before
+            samples.append(time.perf_counter() - t0 - spent)
+        for r in list(engine.requests):
+            engine.cancel(r.id)
+        out[b] = statistics.median(samples)
+    return out
 
 
 def profile_pipeline(pipe, **kwargs) -> LatencyProfile:
@@ -469,7 +571,8 @@ def compare_forwards(
 def draft_breakdown(
     drafter, context: int = 200, vocab: int | None = None, rounds: int = 7
 ) -> tuple[dict[str, float], str]:
-    """Profiled seconds per bucket of one batch-1 draft step: per bucket the median over ``rounds`` steps.
+    """Profiled seconds per bucket of one batch-1 draft step (a model drafter's runtime forward, the
+    step of any other drafter): per bucket the median over ``rounds`` steps.
 
     Returns:
         ``({bucket: seconds}, method)``; the seconds include the profiler's overhead, so use the
@@ -481,7 +584,11 @@ def draft_breakdown(
     from torch.profiler import ProfilerActivity, profile
 
     runtime = getattr(drafter, "runtime", None)
-    step = _draft_step(drafter, 1, context, vocab or getattr(runtime, "vocab_size", 2))
+    vocab = vocab or getattr(runtime, "vocab_size", 2)
+    if runtime is not None:
+        step = _runtime_step(runtime, 1, context)
+    else:
+        step = _draft_step(drafter, 1, context, vocab)
     step()  # warm
     per_round: dict[str, list[float]] = {}
     method = ""

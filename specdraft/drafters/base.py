@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from specdraft.tree import TokenTree
-from specdraft.verify import SamplingParams
+from specdraft.verify import SamplingParams, greedy_tokens
 
 
 @dataclass
@@ -169,10 +169,10 @@ def choose_tokens(logits: torch.Tensor, ctx: DraftContext) -> tuple[torch.Tensor
         tokens ``(B,)`` and q ``(B, V)`` (None when all rows are greedy).
     """
     if ctx.all_greedy:
-        return logits.argmax(-1), None
+        return greedy_tokens(logits), None
     from specdraft.verify import logits_to_probs, sample
 
-    tokens = logits.argmax(-1)
+    tokens = greedy_tokens(logits)
     q = torch.zeros_like(logits, dtype=torch.float32)
     for b, (params, gen) in enumerate(zip(ctx.params, ctx.generators)):
         if params.greedy:

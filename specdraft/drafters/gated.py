@@ -29,6 +29,8 @@ The cost model and the prefix rule (:class:`~specdraft.policy.VerifyCost`,
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from specdraft.drafters.base import DraftContext, Proposal, take_token
@@ -76,6 +78,16 @@ class GatedDrafter(ModelDrafter):
                 raise SpecdraftError("GatedDrafter needs a target runtime or a cost model")
             self.cost = VerifyCost.measure(self.target_runtime, self.runtime)
         return super().new_state(batch_size, capacity)
+
+    @contextlib.contextmanager
+    def drafting_every_token(self):
+        """Draft all k tokens (the same work per token, no early stop) inside the block: how the
+        latency profiler times a proposal of k forwards."""
+        cost, self.cost = self.cost, VerifyCost([1.0] * len(self.cost.target), 0.0)
+        try:
+            yield
+        finally:
+            self.cost = cost
 
     def propose(self, state, ctx: DraftContext, k: int) -> Proposal:
         B, L = ctx.lengths.shape[0], ctx.lengths

@@ -6,7 +6,9 @@ at batch sizes that shrink as rows finish, so :class:`Latencies` holds profiles 
 lengths and interpolates linearly between them, in context (attention cost is linear in it) and in
 batch size (between the measured sizes), clamped to the measured range: profile at the shortest and
 longest context a sweep decodes at. In n each profile's :class:`specdraft.analytic.LatencyCurve`
-reads T_target (linear beyond the measured n). Nothing here times anything itself.
+reads T_target (linear beyond the measured n). A proposal of c draft forwards costs ``T_draft(b)``
+plus ``(c - 1) T_next(b)``, and every step the engine's own work ``T_engine(b)`` (plain steps: the
+target's profile; speculative steps: the draft's). Nothing here times anything itself.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import sys
 from dataclasses import dataclass, field
 
 from specdraft.analytic import interp
-from specdraft.bench.profile import LatencyProfile, profile_latency
+from specdraft.bench.profile import LatencyProfile, engine_overhead, profile_latency
 
 
 @dataclass
@@ -40,9 +42,23 @@ class Latencies:
         """T_target(batch, n) at ``context`` tokens, seconds."""
         return interp({c: p.curve.time(n, batch) for c, p in self.target.items()}, context)
 
-    def draft_time(self, draft: str, batch: int, context: int) -> float:
-        """T_draft(batch) of ``draft`` at ``context`` tokens, seconds per draft step."""
-        return interp({c: interp(p.t_draft, batch) for c, p in self.drafts[draft].items()}, context)
+    def draft_time(self, draft: str, batch: int, context: int, calls: int = 1) -> float:
+        """Seconds of a proposal of ``calls`` draft steps of ``draft`` for ``batch`` rows at
+        ``context`` tokens: T_draft(batch) for the first, and each further draft forward of a model
+        drafter what its profile measured it to add (``t_draft_next``)."""
+
+        def proposal(p: LatencyProfile) -> float:
+            first = interp(p.t_draft, batch)
+            return first + (calls - 1) * (interp(p.t_draft_next, batch) if p.t_draft_next else first)
+
+        return interp({c: proposal(p) for c, p in self.drafts[draft].items()}, context) if calls else 0.0
+
+    def engine_time(self, draft: str | None, batch: int) -> float:
+        """Seconds of the engine's own work in a step of ``batch`` rows (``t_engine``): a speculative
+        step with ``draft``, a plain one for None; 0 where the profiles did not measure it."""
+        profiles = self.target if draft is None else self.drafts[draft]
+        measured = [p.t_engine for _, p in sorted(profiles.items()) if p.t_engine]
+        return interp(measured[0], batch) if measured else 0.0
 
     def draft_calls(self, draft: str, k: int) -> int:
         """Draft steps per speculative step: k for a model draft, one forward for a block draft, one
@@ -112,7 +128,7 @@ def measure_target(
     runtime, *, batch_sizes, k_max: int, contexts, repeats: int = 7, warmup: int = 2, name: str = "target"
 ) -> dict[int, LatencyProfile]:
     """Profile T_target(b, n), n = 1..k_max + 1, at each context length."""
-    return {
+    out = {
         c: profile_latency(
             runtime,
             None,
@@ -126,6 +142,8 @@ def measure_target(
         )
         for c in contexts
     }
+    out[min(out)].t_engine = engine_overhead(runtime, batch_sizes=batch_sizes, context=min(out))
+    return out
 
 
 @contextlib.contextmanager
@@ -190,4 +208,6 @@ def measure_draft(
                 target_name=name,
                 draft_name=spec,
             )
+    first = out[contexts[0]]
+    first.t_engine = engine_overhead(runtime, drafter, batch_sizes=batch_sizes, context=contexts[0])
     return out

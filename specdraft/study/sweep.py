@@ -257,19 +257,35 @@ def predict(sim: Simulation, lat: Latencies, draft: str) -> tuple[float, float]:
     """Replay a simulation's steps against the latencies: (tokens, seconds) of steady-state decode."""
     tokens, seconds = 0, 0.0
     calls = lat.draft_calls(draft, sim.k) if sim.k else 0
+    engine = draft if sim.k else None  # whose engine overhead: a speculative or a plain step
     for s in sim.steps:
         if s.first:
             continue
         tokens += s.emitted
-        step_calls = calls if s.draft_steps is None else s.draft_steps  # a gated draft stops early
         seconds += analytic.batch_step_time(
             s.width,
             s.rows,
-            lambda b, c=s.context, calls=step_calls: lat.draft_time(draft, b, c) if calls else 0.0,
-            lambda b, n, c=s.context: lat.target_time(b, n, c),
-            draft_calls=step_calls,
+            lambda b, c, ctx=s.context: lat.draft_time(draft, b, ctx, c),
+            lambda b, n, ctx=s.context: lat.target_time(b, n, ctx),
+            draft_calls=calls if s.draft_steps is None else s.draft_steps,  # a gated draft stops early
+            t_engine=lambda b: lat.engine_time(engine, b),
         )
     return tokens, seconds
+
+
+def closed_form(sim: Simulation, lat: Latencies, draft: str, k: int, b: int, ctx: float) -> float:
+    """The closed-form batch throughput at one context ``ctx`` (no step-by-step replay): the
+    simulation's mean accepted length over one step of k draft steps (one for a lookup or block
+    draft) and a target forward over k + 1 tokens."""
+    return analytic.batch_throughput(
+        sim.mean_accepted_length,
+        k,
+        b,
+        lambda bb, c: lat.draft_time(draft, bb, ctx, c),
+        lambda bb, n: lat.target_time(bb, n, ctx),
+        draft_calls=lat.draft_calls(draft, k),
+        t_engine=lambda bb: lat.engine_time(draft, bb),
+    )
 
 
 def _rate(tokens: float, seconds: float) -> float | None:
@@ -299,16 +315,14 @@ def config_row(
     ctx = statistics.mean(contexts) if contexts else 0
     t_draft = lat.draft_time(draft, b, ctx)
     calls = lat.draft_calls(draft, k)
-    closed = analytic.batch_throughput(
-        sim.mean_accepted_length,
-        k,
-        b,
-        lambda bb: lat.draft_time(draft, bb, ctx),
-        lambda bb, n: lat.target_time(bb, n, ctx),
-        draft_calls=calls,
-    )
+    closed = closed_form(sim, lat, draft, k, b, ctx)
     plain_closed = analytic.batch_throughput(
-        1.0, 0, b, lambda bb: 0.0, lambda bb, n: lat.target_time(bb, n, ctx)
+        1.0,
+        0,
+        b,
+        lambda bb, c: 0.0,
+        lambda bb, n: lat.target_time(bb, n, ctx),
+        t_engine=lambda bb: lat.engine_time(None, bb),
     )
     rate, plain_rate = _rate(tok, sec), _rate(ptok, psec)
     quality = draft_quality(proposals)
@@ -332,7 +346,7 @@ def config_row(
         "alpha": _round(analytic.alpha_from_mean_accepted(sim.mean_accepted_length, k)),
         "mean_context": round(ctx, 1),
         "t_draft_s": _round(t_draft),
-        "t_draft_step_total_s": _round(calls * t_draft),
+        "t_draft_step_total_s": _round(lat.draft_time(draft, b, ctx, calls)),
         "t_target_s": _round(lat.target_time(b, k + 1, ctx)),
         "t_target_plain_s": _round(lat.target_time(b, 1, ctx)),
         "predicted_tokens_per_s": _round(rate),

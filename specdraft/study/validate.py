@@ -30,7 +30,7 @@ from specdraft.stats import SpecStats
 from specdraft.study.latency import Latencies, draft_kind, measure_draft, measure_target
 from specdraft.study.offline import Simulation, offline_proposals, simulate
 from specdraft.study.store import ResultStore, code_version, row_key
-from specdraft.study.sweep import Dataset, StudyConfig, build_drafter, load_target, predict
+from specdraft.study.sweep import Dataset, StudyConfig, build_drafter, closed_form, load_target, predict
 from specdraft.verify import SamplingParams
 
 if TYPE_CHECKING:
@@ -244,16 +244,8 @@ def _validate_one(
 
 
 def _closed_form(sim: Simulation, lat: Latencies, draft: str, k: int, b: int) -> float:
-    """The closed-form batch throughput at the simulation's mean context (no step-by-step replay)."""
-    ctx = statistics.mean(s.context for s in sim.steps if not s.first)
-    return analytic.batch_throughput(
-        sim.mean_accepted_length,
-        k,
-        b,
-        lambda bb: lat.draft_time(draft, bb, ctx),
-        lambda bb, n: lat.target_time(bb, n, ctx),
-        draft_calls=lat.draft_calls(draft, k),
-    )
+    """:func:`~specdraft.study.sweep.closed_form` at the simulation's mean decode context."""
+    return closed_form(sim, lat, draft, k, b, statistics.mean(s.context for s in sim.steps if not s.first))
 
 
 def _measure(

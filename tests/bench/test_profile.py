@@ -4,9 +4,16 @@ import pytest
 import torch
 
 from specdraft import api, cli
-from specdraft.bench.profile import BUCKETS, LatencyProfile, profile_latency, profile_pipeline
+from specdraft.bench.profile import (
+    BUCKETS,
+    LatencyProfile,
+    engine_overhead,
+    profile_latency,
+    profile_pipeline,
+)
 from specdraft.commands.profile import int_list
 from specdraft.errors import SpecdraftError
+from specdraft.verify import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -23,6 +30,10 @@ def test_profile_measures_every_configuration_and_breaks_down_the_draft_step(pip
     assert set(prof.t_target) == {1, 2} and all(set(row) == {1, 3} for row in prof.t_target.values())
     assert all(t > 0 for row in prof.t_target.values() for t in row.values())
     assert set(prof.t_draft) == {1, 2} and all(t > 0 for t in prof.t_draft.values())
+    # a model drafter's proposal was timed at 1 and DRAFT_FORWARDS tokens: each further forward
+    # costs about what the first does (the tiny draft's forward dominates its token choice)
+    assert set(prof.t_draft_next) == {1, 2}
+    assert all(0.3 * prof.t_draft[b] < prof.t_draft_next[b] < 3 * prof.t_draft[b] for b in (1, 2))
     # the compact runtime's op sequence was recognised: every bucket is there and they add up
     assert set(prof.draft_breakdown) == set(BUCKETS)
     assert prof.breakdown_method.startswith("compact-runtime")
@@ -37,6 +48,36 @@ def test_profile_measures_every_configuration_and_breaks_down_the_draft_step(pip
     prof.save(path)
     assert LatencyProfile.load(path) == prof
     assert "T_target n=3" in prof.table() and "draft step (prune:0, fp32, batch 1)" in prof.table()
+
+
+def test_a_gated_drafter_is_timed_drafting_every_token(tmp_path):
+    from specdraft.drafters.base import DraftContext
+    from specdraft.drafters.gated import GatedDrafter
+    from specdraft.policy import VerifyCost
+
+    target = api.load("tiny", "none", dtype="fp32")
+    never = VerifyCost([1.0, 50.0, 50.0, 50.0, 50.0, 50.0], 50.0)  # no prefix ever pays
+    gated = GatedDrafter(api.load("tiny", "prune:0", dtype="fp32").drafter.runtime, "gated", cost=never)
+    ctx = DraftContext(torch.randint(50, (2, 17)), torch.full((2,), 16), [SamplingParams()] * 2, [None] * 2)
+    state = gated.new_state(2, 24)
+    gated.propose(state, ctx, 1)
+    state.fed = ctx.lengths - 1
+    assert int(gated.propose(state, ctx, 4).steps.max()) == 1  # stops after its first token
+    with gated.drafting_every_token():
+        state.fed = ctx.lengths - 1
+        prop = gated.propose(state, ctx, 4)
+    assert prop.steps.tolist() == [4, 4] and gated.cost is never  # four forwards; the cost is back
+    prof = profile_latency(target.runtime, gated, batch_sizes=(1,), new_tokens=(1,), context=16, repeats=2)
+    assert prof.t_draft_next[1] > 0.3 * prof.t_draft[1]  # four forwards were timed, not one
+
+
+def test_engine_overhead_is_the_step_time_outside_the_forwards():
+    lookup = api.load("tiny", "lookup", dtype="fp32")
+    plain = engine_overhead(lookup.runtime, batch_sizes=(1, 2), context=16, steps=4)
+    spec = engine_overhead(lookup.runtime, lookup.drafter, batch_sizes=(2,), context=16, k=3, steps=4)
+    assert set(plain) == {1, 2} and set(spec) == {2}
+    # verification, commit and bookkeeping: more than nothing, less than a step's whole wall time
+    assert all(0 < t < 0.05 for t in [*plain.values(), *spec.values()])
 
 
 def test_int8_draft_breakdown_follows_the_quantized_matmuls():

@@ -11,8 +11,8 @@ def t_target(b, n):
     return 0.010 + 0.002 * b * n
 
 
-def t_draft(b):
-    return 0.001 * b
+def t_draft(b, calls):
+    return 0.001 * b * calls
 
 
 def test_batch_step_time_and_throughput():
@@ -25,12 +25,15 @@ def test_batch_step_time_and_throughput():
     assert analytic.batch_throughput(2.5, 3, 2, t_draft, t_target) == pytest.approx(
         2 * 2.5 / analytic.batch_step_time(3, 2, t_draft, t_target)
     )
+    engine = analytic.batch_step_time(3, 2, t_draft, t_target, t_engine=lambda b: 0.0005 * b)
+    assert engine == pytest.approx(analytic.batch_step_time(3, 2, t_draft, t_target) + 0.001)
+    assert analytic.batch_step_time(0, 2, t_draft, t_target) == pytest.approx(0.010 + 0.004)  # no draft
 
 
 def test_batch_one_with_expected_tokens_is_the_leviathan_model():
     alpha, k = 0.7, 4
     per_row = analytic.batch_throughput(analytic.expected_tokens(alpha, k), k, 1, t_draft, t_target)
-    assert per_row == pytest.approx(analytic.throughput(alpha, k, t_draft(1), lambda n: t_target(1, n)))
+    assert per_row == pytest.approx(analytic.throughput(alpha, k, t_draft(1, 1), lambda n: t_target(1, n)))
 
 
 def test_relative_errors():

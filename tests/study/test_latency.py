@@ -45,6 +45,13 @@ def test_measure_target_and_draft_then_read_between_contexts(prune_pipe):
     assert lat.draft_time("prune:0", 1, 8) == d1 and lat.draft_time("prune:0", 4, 16) == d2  # clamped
     assert lat.breakdown("prune:0") == drafts[16].draft_breakdown
     assert lat.draft_calls("prune:0", 4) == 4
+    # a proposal of three forwards: the first, then twice what each further one adds
+    n1 = drafts[16].t_draft_next[1]
+    assert lat.draft_time("prune:0", 1, 16, calls=3) == pytest.approx(d1 + 2 * n1)
+    assert lat.draft_time("prune:0", 1, 16, calls=0) == 0.0
+    # the engine's own work: plain steps from the target's profile, speculative ones from the draft's
+    assert lat.engine_time(None, 2) == target[16].t_engine[2] and not target[32].t_engine
+    assert lat.engine_time("prune:0", 1) == drafts[16].t_engine[1] > 0
 
     back = Latencies.from_dict(json.loads(json.dumps(lat.as_dict())))  # what the result store keeps
     assert back == lat and back.target_time(1, 2, 20) == lat.target_time(1, 2, 20)
