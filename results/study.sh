@@ -27,7 +27,7 @@ if [ -z "${POLICY_ONLY:-}" ]; then  # POLICY_ONLY=1: the bench below only
 step "$OUT/study.log" .venv/bin/specdraft study --target "$target" --dtype bf16 --drafts "$DRAFTS" \
   --datasets qa,writing,math_reasoning,summarization,coding,translation,hellaswag --prompts-per-dataset 8 \
   --batch 1,2,4,8 --heldout 8 --max-new-tokens 48 --profile-repeats 5 --threads 2 --workers 2 \
-  --validate-prompts 3 --validate-reprofile --no-progress "${ARGS[@]}" --out "$OUT"
+  --validate-prompts 8 --validate-reprofile --no-progress "${ARGS[@]}" --out "$OUT"
 REL=$(realpath --relative-to=. "$OUT")  # the report names its input as given
 step "$OUT/report.log" .venv/bin/specdraft report "$REL/results.jsonl" --out "$REL"
 fi

@@ -317,19 +317,25 @@ def _draft_step(drafter, batch: int, context: int, vocab: int, forwards: int = 1
 
 
 def _proposal(drafter, ctx: DraftContext, forwards: int):
-    """A callable running one proposal of a :class:`ModelDrafter` as the engine calls it after a
-    rejection: one committed token it has not read (fed with its first forward), then ``forwards``
-    tokens per row, each with the drafter's own token choice (and a gated drafter's confidence
-    and prefix rule, drafting every token while timed: random contexts would stop it at once)."""
+    """A callable running one proposal of a :class:`ModelDrafter` of ``forwards`` tokens per row as
+    the engine calls it after a rejection: one committed token it has not read (fed with its first
+    forward), then each token with the drafter's own token choice. A drafter that stops early (the
+    gated one) proposes :data:`DRAFT_FORWARDS` tokens and is made to stop after the first or to
+    draft them all (``forwards`` is 1 or that), so that each position pays its confidence and
+    prefix rule as in a real proposal (random contexts would stop it anywhere)."""
     L = ctx.lengths
-    state = drafter.new_state(len(L), int(L.max()) + forwards + 1)
+    gated = getattr(drafter, "stops_early", False)
+    if gated and forwards not in (1, DRAFT_FORWARDS):
+        raise SpecdraftError(f"a gated drafter's proposals are timed at 1 or {DRAFT_FORWARDS} tokens")
+    k = DRAFT_FORWARDS if gated else forwards
+    state = drafter.new_state(len(L), int(L.max()) + k + 1)
     drafter.propose(state, ctx, 1)  # reads the context (untimed)
-    every = getattr(drafter, "drafting_every_token", contextlib.nullcontext)
+    hold = (lambda: drafter.drafting(every_token=forwards > 1)) if gated else contextlib.nullcontext
 
     def run():
         state.fed = L - 1
-        with every():
-            return drafter.propose(state, ctx, forwards)
+        with hold():
+            return drafter.propose(state, ctx, k)
 
     return run
 

@@ -80,10 +80,13 @@ class GatedDrafter(ModelDrafter):
         return super().new_state(batch_size, capacity)
 
     @contextlib.contextmanager
-    def drafting_every_token(self):
-        """Draft all k tokens (the same work per token, no early stop) inside the block: how the
-        latency profiler times a proposal of k forwards."""
-        cost, self.cost = self.cost, VerifyCost([1.0] * len(self.cost.target), 0.0)
+    def drafting(self, every_token: bool):
+        """Inside the block, draft all k tokens (``every_token``) or stop after the first, whatever
+        the confidences, each position doing the work it does in a real proposal: how the latency
+        profiler times proposals of a known length (random contexts stop it anywhere)."""
+        n = len(self.cost.target)
+        never = VerifyCost([1.0] + [1e9] * (n - 1), 1e9)  # no proposal pays: stop after one token
+        cost, self.cost = self.cost, VerifyCost([1.0] * n, 0.0) if every_token else never
         try:
             yield
         finally:

@@ -50,25 +50,30 @@ def test_profile_measures_every_configuration_and_breaks_down_the_draft_step(pip
     assert "T_target n=3" in prof.table() and "draft step (prune:0, fp32, batch 1)" in prof.table()
 
 
-def test_a_gated_drafter_is_timed_drafting_every_token(tmp_path):
+def test_a_gated_drafter_is_timed_stopping_after_one_token_or_drafting_them_all():
     from specdraft.drafters.base import DraftContext
     from specdraft.drafters.gated import GatedDrafter
     from specdraft.policy import VerifyCost
 
     target = api.load("tiny", "none", dtype="fp32")
-    never = VerifyCost([1.0, 50.0, 50.0, 50.0, 50.0, 50.0], 50.0)  # no prefix ever pays
-    gated = GatedDrafter(api.load("tiny", "prune:0", dtype="fp32").drafter.runtime, "gated", cost=never)
+    pays = VerifyCost([1.0, 1.0, 1.0, 1.0, 1.0, 1.0], 0.0)  # a longer proposal never costs more
+    gated = GatedDrafter(api.load("tiny", "prune:0", dtype="fp32").drafter.runtime, "gated", cost=pays)
     ctx = DraftContext(torch.randint(50, (2, 17)), torch.full((2,), 16), [SamplingParams()] * 2, [None] * 2)
     state = gated.new_state(2, 24)
     gated.propose(state, ctx, 1)
-    state.fed = ctx.lengths - 1
-    assert int(gated.propose(state, ctx, 4).steps.max()) == 1  # stops after its first token
-    with gated.drafting_every_token():
+
+    def steps(**hold):
         state.fed = ctx.lengths - 1
-        prop = gated.propose(state, ctx, 4)
-    assert prop.steps.tolist() == [4, 4] and gated.cost is never  # four forwards; the cost is back
+        if not hold:
+            return gated.propose(state, ctx, 4).steps.tolist()
+        with gated.drafting(**hold):
+            return gated.propose(state, ctx, 4).steps.tolist()
+
+    assert steps() == [4, 4]  # drafts on: every token pays
+    assert steps(every_token=False) == [1, 1] and steps(every_token=True) == [4, 4]
+    assert gated.cost is pays  # restored
     prof = profile_latency(target.runtime, gated, batch_sizes=(1,), new_tokens=(1,), context=16, repeats=2)
-    assert prof.t_draft_next[1] > 0.3 * prof.t_draft[1]  # four forwards were timed, not one
+    assert prof.t_draft_next[1] > 0.3 * prof.t_draft[1]  # four forwards were timed against one
 
 
 def test_engine_overhead_is_the_step_time_outside_the_forwards():
