@@ -8,6 +8,7 @@ New drafters are new files implementing :class:`Drafter`; the loop never special
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -57,13 +58,14 @@ class Verified:
         inputs: tokens fed to the target: a chain ``[last, d_1 .. d_k]``, a tree
             ``[root, node_0 .. node_{N-1}]``.
         parents: index into ``inputs`` of each fed token's parent (-1 for index 0; a chain: i - 1).
-        target_next: the target's argmax after each fed token (row t of its logits).
+        target_next: the target's argmax after each fed token (row t of its logits); the engine's
+            is computed on first read.
         committed: the tokens committed this step (accepted, then the recovered / bonus token).
     """
 
     inputs: list[list[int]]
     parents: list[list[int]]
-    target_next: list[list[int]]
+    target_next: Sequence[list[int]]
     committed: list[list[int]]
 
 
