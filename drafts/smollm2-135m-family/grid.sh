@@ -10,6 +10,6 @@ target=smollm2-135m
 width=([full]="" [half]="--kv-heads 2 --q-per-kv 2 --ffn 768" [quarter]="--kv-heads 1 --q-per-kv 2 --ffn 384")
 grid="d1-full-h16k d2-half-h16k d4-quarter-h16k d2-full-h16k d4-half-h16k d8-quarter-h16k
       d1-full-hfull d4-quarter-hfull d2-full-hfull d8-quarter-hfull"
-recipe="--dtype bf16 --threads 1 --prompts 1600 --val-prompts 48 --sources gsm8k,hellaswag,self
+recipe="--dtype auto --threads 1 --prompts 1600 --val-prompts 48 --sources gsm8k,hellaswag,self
         --gen-dtype bf16 --max-new-tokens 160 --gen-batch 16 --steps 400 --batch-size 8 --lr 1e-3
         --checkpoint-every 25 --eval-every 100 --save-dtype bf16"
