@@ -306,5 +306,12 @@ def _print_summary(summary, s: dict, total: float, results: Path, out: Path) -> 
                 " (with latencies re-measured right before and after each run: "
                 f"{s['median_reprofiled_relative_error']:.1%})"
             )
+        if "median_speedup_relative_error" in s:
+            line += (
+                "; of the speedup over plain decoding run interleaved: "
+                f"{s['median_speedup_relative_error']:.1%}"
+            )
+            if "median_reprofiled_speedup_relative_error" in s:
+                line += f" ({s['median_reprofiled_speedup_relative_error']:.1%} re-measured)"
         print(line)
     print(f"results: {results}\nnext: specdraft report {results} --out {out}")

@@ -490,15 +490,30 @@ def plot_breakdown(breakdowns: dict[str, dict[str, float]], path: Path) -> None:
 
 
 def plot_predicted_vs_measured(online: list[dict], path: Path) -> None:
+    """Predicted against measured throughput, and speedup over plain decoding where the rows have it."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(5.2, 4.6))
-    xs = [r["measured_tokens_per_s"] for r in online]
-    ys = [r["predicted_tokens_per_s"] for r in online]
+    with_speedup = [r for r in online if "measured_speedup" in r]
+    panels = [("tokens_per_s", "tokens/s", "relative_error", online)]
+    if with_speedup:
+        panels.append(("speedup", "speedup over plain decoding", "speedup_relative_error", with_speedup))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.6), squeeze=False)
+    for ax, (name, unit, error, rows) in zip(axes[0], panels):
+        _predicted_vs_measured_panel(ax, rows, name, unit, error)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _predicted_vs_measured_panel(ax, rows: list[dict], name: str, unit: str, error: str) -> None:
+    """One scatter of ``predicted_<name>`` (and ``reprofiled_predicted_<name>``) against
+    ``measured_<name>``, with the ±10% band."""
+    xs = [r[f"measured_{name}"] for r in rows]
+    ys = [r[f"predicted_{name}"] for r in rows]
     ax.scatter(xs, ys, s=24, color="tab:blue", label="sweep's latency profile")
     re = [
-        (r["measured_tokens_per_s"], r["reprofiled_predicted_tokens_per_s"])
-        for r in online
-        if "reprofiled_predicted_tokens_per_s" in r
+        (r[f"measured_{name}"], r[f"reprofiled_predicted_{name}"])
+        for r in rows
+        if f"reprofiled_predicted_{name}" in r
     ]
     if re:
         ax.scatter(
@@ -516,14 +531,11 @@ def plot_predicted_vs_measured(online: list[dict], path: Path) -> None:
     )
     ax.set_xlim(lo, hi)
     ax.set_ylim(lo, hi)
-    ax.set_xlabel("measured tokens/s (engine run)")
-    ax.set_ylabel("predicted tokens/s")
-    med = statistics.median(r["relative_error"] for r in online)
-    ax.set_title(f"Predicted vs measured: median error {med:.1%} (n={len(online)})")
+    ax.set_xlabel(f"measured {unit} (engine run)")
+    ax.set_ylabel(f"predicted {unit}")
+    med = statistics.median(r[error] for r in rows)
+    ax.set_title(f"{unit.capitalize()}: median error {med:.1%} (n={len(rows)})", fontsize=10)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
 
 
 def plot_best_per_batch(st: Study, best: dict[int, dict], path: Path) -> None:
@@ -797,6 +809,16 @@ def _online_finding(online: list[dict]) -> str:
             "; with latencies re-measured right before and after each run the median error is "
             f"{statistics.median(re):.1%}"
         )
+    sp = [r["speedup_relative_error"] for r in online if "speedup_relative_error" in r]
+    if sp:
+        rsp = [
+            r["reprofiled_speedup_relative_error"] for r in online if "reprofiled_speedup_relative_error" in r
+        ]
+        line += (
+            "; the speedup over plain decoding, run interleaved with each run batch by batch so that the "
+            f"host's drift falls on both, is predicted with median error {statistics.median(sp):.1%}"
+            + (f" ({statistics.median(rsp):.1%} from the re-measured latencies)" if rsp else "")
+        )
     cf = [r["analytic_relative_error"] for r in online if "analytic_relative_error" in r]
     if cf:
         line += (
@@ -945,6 +967,9 @@ def _online_section(online: list[dict], out_dir: Path) -> str:
                 "measured tok/s",
                 "predicted tok/s",
                 "error",
+                "speedup measured",
+                "predicted",
+                "error",
                 "accepted/step online",
                 "offline",
                 "outputs = cached",
@@ -958,6 +983,7 @@ def _online_section(online: list[dict], out_dir: Path) -> str:
                     f"{r['measured_tokens_per_s']:.1f}",
                     f"{r['predicted_tokens_per_s']:.1f}",
                     f"{r['relative_error']:.1%}",
+                    *_speedup_cells(r),
                     f"{r['online_mean_accepted_length']:.3f}",
                     f"{r['offline_mean_accepted_length']:.3f}",
                     f"{r['outputs_equal_cached']}/{r['prompts']}",
@@ -966,8 +992,20 @@ def _online_section(online: list[dict], out_dir: Path) -> str:
             ],
         )
         + "\n\nMeasured: steady-state decode tokens/s of a real engine run (prefill and each batch's "
-        "first step left out, as in the prediction)."
+        "first step left out, as in the prediction); speedup: over plain decoding of the same prompts, "
+        "run interleaved with it batch by batch (rows validated before that was measured show -)."
     )
+
+
+def _speedup_cells(r: dict) -> list[str]:
+    """Measured and predicted speedup over plain decoding of an online row, and the error."""
+    if "measured_speedup" not in r:
+        return ["-"] * 3
+    return [
+        f"{r['measured_speedup']:.2f}x",
+        f"{r['predicted_speedup']:.2f}x",
+        f"{r['speedup_relative_error']:.1%}",
+    ]
 
 
 def _best_section(st: Study, best: dict[int, dict], out_dir: Path) -> str:

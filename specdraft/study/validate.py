@@ -12,6 +12,12 @@ With ``reprofile`` the latencies are also measured again right before and right 
 (at the batch sizes and context range the run decodes at) and a second prediction is made from
 them, its step time the mean of the two: on a shared machine that separates the model's error from
 the machine's drift since the sweep's profile, and bracketing the run cancels a steady drift during it.
+
+Plain decoding of the same prompts runs interleaved with the speculative run, batch by batch, and
+its throughput is predicted from the same profile: the speedup over plain decoding is then
+validated too. Both runs see the machine at the same moments, so a shared host's drift (its speed
+moves by a fifth within minutes) cancels in the measured speedup, where it cannot in the measured
+throughput.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from specdraft import analytic
@@ -37,9 +43,19 @@ if TYPE_CHECKING:
     from specdraft.api import Pipeline
 
 
+ERRORS = (
+    "relative_error",
+    "reprofiled_relative_error",
+    "speedup_relative_error",
+    "reprofiled_speedup_relative_error",
+)
+"""An online row's relative errors: throughput and speedup over plain decoding, predicted from the
+sweep's profile and from the latencies re-measured around the run."""
+
+
 @dataclass
 class OnlineRun:
-    """A timed engine run.
+    """A timed engine run, accumulated batch by batch.
 
     Attributes:
         tokens: steady-state output tokens (first step of each batch excluded).
@@ -50,36 +66,28 @@ class OnlineRun:
         outputs: output tokens per prompt.
     """
 
-    tokens: int
-    seconds: float
-    total_tokens: int
-    total_seconds: float
-    stats: SpecStats
-    outputs: list[list[int]]
+    tokens: int = 0
+    seconds: float = 0.0
+    total_tokens: int = 0
+    total_seconds: float = 0.0
+    stats: SpecStats = field(default_factory=SpecStats)
+    outputs: list[list[int]] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
-
-def online_run(
-    runtime, drafter, prompts: list[list[int]], k: int, batch: int, max_new_tokens: int, eos_ids
-) -> OnlineRun:
-    """Decode ``prompts`` greedily, ``batch`` at a time, timing every engine step."""
-    stats = SpecStats()
-    tokens = total_tokens = 0
-    seconds = total_seconds = 0.0
-    outputs: list[list[int]] = []
-    for start in range(0, len(prompts), batch):
+    def decode(
+        self, runtime, drafter, k: int, prompts: list[list[int]], max_new_tokens: int, eos_ids
+    ) -> None:
+        """Decode one batch of ``prompts`` greedily (``drafter`` None: plain decoding), timing every
+        engine step, and add it to this run."""
         engine = Engine(runtime, drafter, FixedK(k))
-        reqs = [
-            Request(p, max_new_tokens, SamplingParams(), tuple(eos_ids))
-            for p in prompts[start : start + batch]
-        ]
+        reqs = [Request(p, max_new_tokens, SamplingParams(), tuple(eos_ids)) for p in prompts]
         t0 = time.perf_counter()
         ids = engine.add(reqs)
         got = {i: [] for i in ids}
-        total_seconds += time.perf_counter() - t0
+        self.total_seconds += time.perf_counter() - t0
         first = True
         while engine.active:
             t = time.perf_counter()
@@ -89,15 +97,33 @@ def online_run(
             for ev in events:
                 got[ev.request_id] += ev.tokens
                 n += len(ev.tokens)
-            total_tokens += n
-            total_seconds += dt
+            self.total_tokens += n
+            self.total_seconds += dt
             if not first:
-                tokens += n
-                seconds += dt
+                self.tokens += n
+                self.seconds += dt
             first = False
-        stats.merge(engine.stats)
-        outputs += [got[i] for i in ids]
-    return OnlineRun(tokens, seconds, total_tokens, total_seconds, stats, outputs)
+        self.stats.merge(engine.stats)
+        self.outputs += [got[i] for i in ids]
+
+
+def online_runs(
+    runtime,
+    arms: list[tuple[object, int]],
+    prompts: list[list[int]],
+    batch: int,
+    max_new_tokens: int,
+    eos_ids,
+) -> list[OnlineRun]:
+    """Decode ``prompts`` greedily, ``batch`` at a time, once per arm ``(drafter, k)``; the arms take
+    turns batch by batch, in reversed order every other batch, so that a drift of the machine's
+    speed during the runs falls on all of them alike."""
+    runs = [OnlineRun() for _ in arms]
+    for i, start in enumerate(range(0, len(prompts), batch)):
+        order = list(zip(runs, arms))
+        for run, (drafter, k) in order[:: -1 if i % 2 else 1]:
+            run.decode(runtime, drafter, k, prompts[start : start + batch], max_new_tokens, eos_ids)
+    return runs
 
 
 def choose(rows: list[dict], n: int, seed: int = 0) -> list[dict]:
@@ -166,6 +192,7 @@ def validate(
             "validates": row["key"],
             "prompts": len(seqs),
             "reprofile": "bracketed" if reprofile else False,
+            "plain": "interleaved",
         }
         key = row_key(cfg, version)
         if key in store:
@@ -183,7 +210,8 @@ def _validate_one(
     config: StudyConfig, pipe: Pipeline, lat: Latencies, row: dict, seqs: list, reprofile: bool
 ) -> tuple[dict, str]:
     """One configuration: its prediction from the sweep's latencies, then a real engine run on
-    ``seqs`` (with latencies re-measured around it when ``reprofile``).
+    ``seqs`` with plain decoding of the same prompts interleaved (module docstring), and latencies
+    re-measured around them when ``reprofile``.
 
     Returns:
         The row's fields after ``key``, ``kind``, ``code_version`` and ``config``, and a one-line
@@ -192,20 +220,21 @@ def _validate_one(
     k, b, draft = row["k"], row["batch"], row["draft"]
     drafter = build_drafter(pipe, draft, config.draft_dtype)
     props = [offline_proposals(drafter, s, k) for s in seqs]
-    sim = simulate(props, k, b)
-    tok, sec = predict(sim, lat, draft)
-    predicted = tok / sec
-    closed = _closed_form(sim, lat, draft, k, b)
+    sim, plain_sim = simulate(props, k, b), simulate(props, 0, b)
     sizes = sorted({x for x in config.batches if x <= b} | {b})
     ctxs = sorted({min(s.context for s in sim.steps), max(s.context for s in sim.steps)})
-    # warm-up (first-call allocations), then the timed run
-    online_run(pipe.runtime, drafter, [seqs[0].prompt], k, 1, 4, pipe.eos_ids)
+    # warm-up (first-call allocations), then the timed runs
+    online_runs(pipe.runtime, [(drafter, k), (None, 0)], [seqs[0].prompt], 1, 4, pipe.eos_ids)
     before = _measure(config, pipe, drafter, draft, k, sizes, ctxs) if reprofile else None
-    run = online_run(
-        pipe.runtime, drafter, [s.prompt for s in seqs], k, b, config.max_new_tokens, pipe.eos_ids
+    run, plain = online_runs(
+        pipe.runtime,
+        [(drafter, k), (None, 0)],
+        [s.prompt for s in seqs],
+        b,
+        config.max_new_tokens,
+        pipe.eos_ids,
     )
     after = _measure(config, pipe, drafter, draft, k, sizes, ctxs) if reprofile else None
-    same = sum(o == s.continuation for o, s in zip(run.outputs, seqs))
     result = {
         "validates": row["key"],
         "target": config.target,
@@ -214,33 +243,68 @@ def _validate_one(
         "k": k,
         "batch": b,
         "prompts": len(seqs),
-        "outputs_equal_cached": same,
-        "measured_tokens_per_s": round(run.tokens_per_s, 4),
+        "outputs_equal_cached": sum(o == s.continuation for o, s in zip(run.outputs, seqs)),
+        "outputs_equal_plain": sum(o == p for o, p in zip(run.outputs, plain.outputs)),
         "measured_total_tokens_per_s": round(run.total_tokens / run.total_seconds, 4)
         if run.total_seconds
         else None,
-        "predicted_tokens_per_s": round(predicted, 4),
-        "relative_error": round(analytic.relative_error(predicted, run.tokens_per_s), 5),
-        "analytic_tokens_per_s": round(closed, 4),
-        "analytic_relative_error": round(analytic.relative_error(closed, run.tokens_per_s), 5),
+        **_errors("", predict(sim, lat, draft), predict(plain_sim, lat, draft), run, plain),
+        "analytic_tokens_per_s": round(_closed_form(sim, lat, draft, k, b), 4),
         "online_mean_accepted_length": round(run.stats.mean_accepted_length, 5),
         "offline_mean_accepted_length": round(sim.mean_accepted_length, 5),
         "online_draft_time_s": round(run.stats.draft_time, 5),
         "online_target_time_s": round(run.stats.target_time, 5),
-        "seconds": round(run.total_seconds, 3),
+        "seconds": round(run.total_seconds + plain.total_seconds, 3),
     }
+    result["analytic_relative_error"] = round(
+        analytic.relative_error(result["analytic_tokens_per_s"], run.tokens_per_s), 5
+    )
     if reprofile:
-        seconds = statistics.mean(predict(sim, lt, draft)[1] for lt in (before, after))
-        result["reprofiled_predicted_tokens_per_s"] = round(tok / seconds, 4)
-        result["reprofiled_relative_error"] = round(
-            analytic.relative_error(tok / seconds, run.tokens_per_s), 5
-        )
+        spec = [predict(sim, lt, draft) for lt in (before, after)]
+        base = [predict(plain_sim, lt, draft) for lt in (before, after)]
+        result |= _errors("reprofiled_", _bracketed(spec), _bracketed(base), run, plain)
     summary = (
         f"{draft} k={k} b={b} {row['dataset']}: measured {run.tokens_per_s:.1f} tok/s, predicted "
-        f"{predicted:.1f} ({result['relative_error']:.1%}); accepted/step online "
+        f"{result['predicted_tokens_per_s']:.1f} ({result['relative_error']:.1%}); speedup measured "
+        f"{result['measured_speedup']:.2f}x, predicted {result['predicted_speedup']:.2f}x "
+        f"({result['speedup_relative_error']:.1%}); accepted/step online "
         f"{result['online_mean_accepted_length']:.2f} vs offline {result['offline_mean_accepted_length']:.2f}"
     )
     return result, summary
+
+
+def _bracketed(predictions: list[tuple[float, float]]) -> tuple[float, float]:
+    """(tokens, seconds) of predictions from profiles taken before and after a run: their mean step
+    time, which cancels a steady drift during the run."""
+    return predictions[0][0], statistics.mean(sec for _, sec in predictions)
+
+
+def _errors(
+    prefix: str, spec: tuple[float, float], plain: tuple[float, float], run: OnlineRun, base: OnlineRun
+) -> dict:
+    """Predicted against measured throughput and speedup over plain decoding, with relative errors;
+    ``spec`` and ``plain`` are the predictions' (tokens, seconds). The measured fields are written
+    once, with the sweep's profile (``prefix`` "")."""
+    predicted, predicted_plain = spec[0] / spec[1], plain[0] / plain[1]
+    measured_speedup = run.tokens_per_s / base.tokens_per_s
+    out = (
+        {}
+        if prefix
+        else {
+            "measured_tokens_per_s": round(run.tokens_per_s, 4),
+            "measured_plain_tokens_per_s": round(base.tokens_per_s, 4),
+            "measured_speedup": round(measured_speedup, 5),
+        }
+    )
+    return out | {
+        f"{prefix}predicted_tokens_per_s": round(predicted, 4),
+        f"{prefix}relative_error": round(analytic.relative_error(predicted, run.tokens_per_s), 5),
+        f"{prefix}predicted_plain_tokens_per_s": round(predicted_plain, 4),
+        f"{prefix}predicted_speedup": round(predicted / predicted_plain, 5),
+        f"{prefix}speedup_relative_error": round(
+            analytic.relative_error(predicted / predicted_plain, measured_speedup), 5
+        ),
+    }
 
 
 def _closed_form(sim: Simulation, lat: Latencies, draft: str, k: int, b: int) -> float:
@@ -277,11 +341,10 @@ def _measure(
 
 
 def summarize(online_rows: list[dict]) -> dict:
-    """Median relative error (and of the reprofiled predictions when present)."""
+    """How many rows, and the median of each relative error they carry (``median_<field>``)."""
     out = {"validated": len(online_rows)}
-    if online_rows:
-        out["median_relative_error"] = statistics.median(r["relative_error"] for r in online_rows)
-        re = [r["reprofiled_relative_error"] for r in online_rows if "reprofiled_relative_error" in r]
-        if re:
-            out["median_reprofiled_relative_error"] = statistics.median(re)
+    for name in ERRORS:
+        values = [r[name] for r in online_rows if r.get(name) is not None]
+        if values:
+            out[f"median_{name}"] = statistics.median(values)
     return out

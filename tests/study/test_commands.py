@@ -62,6 +62,7 @@ def test_study_then_report(tmp_path, data_files, capsys):
     assert "configurations: 16 (computed now: 18)" in out
     assert "online validation: 1 configurations, median |predicted - measured| / measured = " in out
     assert "(with latencies re-measured right before and after each run: " in out
+    assert "; of the speedup over plain decoding run interleaved: " in out and "% re-measured)" in out
     rows = read_rows(tmp_path / "study" / "results.jsonl")
     run = [r for r in rows if r["kind"] == "run"]
     assert len(run) == 1 and run[0]["command"].startswith(

@@ -92,6 +92,7 @@ def test_study_report(sweep_results, tmp_path):
         "barely predicts acceptance: " in text
         and "**The best k**" in text
         and "median |predicted - measured|" in text
+        and "the speedup over plain decoding, run interleaved with each run" in text
     )
     assert "**Verification cost on this hardware:** a target forward over k + 1 tokens costs " in text
     _pngs_ok(

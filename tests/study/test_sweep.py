@@ -79,6 +79,17 @@ def test_sweep_rows(sweep_results):
         assert r["relative_error"] == pytest.approx(
             analytic.relative_error(r["predicted_tokens_per_s"], r["measured_tokens_per_s"]), abs=1e-4
         )
+        # plain decoding ran interleaved: the same tokens, and the speedup is the ratio of the rates
+        assert r["outputs_equal_plain"] == r["prompts"] and r["measured_plain_tokens_per_s"] > 0
+        assert r["measured_speedup"] == pytest.approx(
+            r["measured_tokens_per_s"] / r["measured_plain_tokens_per_s"], rel=1e-3
+        )
+        assert r["predicted_speedup"] == pytest.approx(
+            r["predicted_tokens_per_s"] / r["predicted_plain_tokens_per_s"], rel=1e-3
+        )
+        assert r["speedup_relative_error"] == pytest.approx(
+            analytic.relative_error(r["predicted_speedup"], r["measured_speedup"]), abs=1e-4
+        )
 
 
 def test_prediction_replays_the_analytic_step_time():
@@ -251,3 +262,40 @@ def test_unknown_executor(tmp_path, tiny_pipe, data_files):
             progress=False,
             log=lambda m: None,
         )
+
+
+def test_online_runs_take_turns_batch_by_batch(monkeypatch):
+    """Each batch is decoded by every arm before the next batch, the arms' order reversed every
+    other batch, so a drift of the machine's speed falls on all arms alike."""
+    from specdraft.study import validate as v
+
+    calls = []
+    monkeypatch.setattr(
+        v.OnlineRun, "decode", lambda self, rt, drafter, k, prompts, n, eos: calls.append((drafter, prompts))
+    )
+    runs = v.online_runs(None, [("spec", 2), (None, 0)], [[1], [2], [3], [4], [5]], 2, 8, ())
+    assert len(runs) == 2
+    assert calls == [
+        ("spec", [[1], [2]]),
+        (None, [[1], [2]]),
+        (None, [[3], [4]]),
+        ("spec", [[3], [4]]),
+        ("spec", [[5]]),
+        (None, [[5]]),
+    ]
+
+
+def test_summarize_takes_the_median_of_each_error_present():
+    from specdraft.study.validate import summarize
+
+    rows = [
+        {"relative_error": 0.1, "speedup_relative_error": 0.02},
+        {"relative_error": 0.3, "speedup_relative_error": 0.04},
+        {"relative_error": 0.2},  # validated before speedups were measured
+    ]
+    assert summarize(rows) == {
+        "validated": 3,
+        "median_relative_error": 0.2,
+        "median_speedup_relative_error": pytest.approx(0.03),
+    }
+    assert summarize([]) == {"validated": 0}
