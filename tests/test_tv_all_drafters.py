@@ -320,6 +320,10 @@ def make_case(name: str, target: LlamaRuntime, draft=None) -> Case:
     if name == "gated-early-stop":
         gated = GatedDrafter(_distilled(), "gated", cost=VerifyCost([1.0, 1.6, 1.8, 2.4], 0.05))
         return Case(gated, FixedK(3), check=_early_stop)
+    if name == "gated-head":  # a designed draft: the gate over a subset head's own columns
+        head = with_head(ModelDrafter(_distilled(), "d"), torch.tensor([0, 1, 2, 4, 6])).runtime
+        gated = GatedDrafter(head, "gated", cost=VerifyCost([1.0, 1.6, 1.8, 2.4], 0.05))
+        return Case(gated, FixedK(3), check=_early_stop)
     if name in ("feature", "tree-feature"):
         w = LlamaWeights.from_hf(tiny_llama(vocab_size=V, seed=12), torch.float32)
         w.lm_head = w.lm_head * 12.0
@@ -474,6 +478,7 @@ CASES = [
     "pruned-head",
     "gated-best-prefix",
     "gated-early-stop",
+    "gated-head",
     "feature",
     "feature-prompt",
     "tree-feature",

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from specdraft.tree import TokenTree
 from specdraft.verify import SamplingParams, greedy_tokens
+
+if TYPE_CHECKING:
+    from specdraft.models.subset_head import SubsetHeadRuntime
 
 
 @dataclass
@@ -186,12 +189,23 @@ def choose_tokens(logits: torch.Tensor, ctx: DraftContext) -> tuple[torch.Tensor
 
 
 def take_token(
-    logits: torch.Tensor, ctx: DraftContext, draft: torch.Tensor, probs: torch.Tensor | None, i: int
+    logits: torch.Tensor,
+    ctx: DraftContext,
+    draft: torch.Tensor,
+    probs: torch.Tensor | None,
+    i: int,
+    head: SubsetHeadRuntime | None = None,
 ):
     """Draft token i of every row: ``draft[:, i]`` from :func:`choose_tokens`, and q into ``probs``
     (``(B, k, V)``, allocated on the first sampled token). Returns ``(probs, q)``; q is None when
-    every row is greedy."""
-    draft[:, i], q = choose_tokens(logits, ctx)
+    every row is greedy. With ``head``, ``logits`` are over its rows (``(B, N)``); the token and q
+    are mapped to the full vocabulary (an exact tie between two rows goes to the one listed first
+    in the head, not to the lower id)."""
+    tokens, q = choose_tokens(logits, ctx)
+    if head is not None:
+        tokens = head.token_ids[tokens]
+        q = None if q is None else head.expand(q, 0.0)
+    draft[:, i] = tokens
     if q is not None:
         if probs is None:
             probs = torch.zeros(*draft.shape, q.shape[-1])

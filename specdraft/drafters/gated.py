@@ -105,7 +105,7 @@ class GatedDrafter(ModelDrafter):
         num_valid = torch.full((B,), k, dtype=torch.int64)  # sampling rows: set where they stop
         going = torch.ones(B, dtype=torch.bool)
         for i in range(k):
-            probs, q = take_token(logits, ctx, draft, probs, i)
+            probs, q = take_token(logits, ctx, draft, probs, i, self.head)
             conf[:, i] = logits.float().softmax(-1).max(-1).values
             if q is not None:
                 # sampling rows: max q_i, and propose token i or stop, both fixed before it was drawn
@@ -122,7 +122,7 @@ class GatedDrafter(ModelDrafter):
                     made = i + 1
                     break
                 pos = (L + i).unsqueeze(1)  # (B, 1)
-                logits = self.runtime.forward(state.kv, draft[:, i : i + 1], pos).logits[:, 0]
+                logits = self.head_logits(state.kv, draft[:, i : i + 1], pos)
         state.fed = L.clone()
         state.base = L.clone()
         state.k = made

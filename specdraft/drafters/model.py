@@ -22,6 +22,7 @@ from specdraft.models.llama import LLAMA_FAMILY, LlamaRuntime
 from specdraft.models.loading import load_model, load_tokenizer
 from specdraft.models.quant import QuantRuntime, gguf_path
 from specdraft.models.runtime import Runtime, make_runtime
+from specdraft.models.subset_head import SubsetHeadRuntime
 
 
 def catch_up_positions(fed: torch.Tensor, L: torch.Tensor, P: int) -> torch.Tensor:
@@ -72,19 +73,32 @@ class ModelDrafter:
         self.runtime = runtime
         self.name = name
         self.vocab_size = runtime.vocab_size
+        self.head = runtime if isinstance(runtime, SubsetHeadRuntime) else None  # a vocabulary subset
+
+    def head_logits(self, kv, tokens: torch.Tensor, positions: torch.Tensor, **kw) -> torch.Tensor:
+        """``(B, N)`` the draft's logits at the first (or ``logits_index``) position: over the
+        vocabulary (N = V), or over the rows of a subset head, which :func:`take_token` maps back
+        (``self.head``; :mod:`specdraft.models.subset_head`)."""
+        runtime = self.head.runtime if self.head is not None else self.runtime
+        return runtime.forward(kv, tokens, positions, **kw).logits[:, 0]
+
+    def vocabulary_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """:meth:`head_logits` over the whole vocabulary (``-inf`` outside a subset head)."""
+        return logits if self.head is None else self.head.expand(logits)
 
     def new_state(self, batch_size: int, capacity: int) -> ModelDraftState:
         return ModelDraftState(self.runtime, batch_size, capacity)
 
     def catch_up(self, state: ModelDraftState, ctx: DraftContext) -> torch.Tensor:
         """Feed the committed tokens the draft has not seen (>= 1: the last one never is) in one
-        forward; ``(B, V)`` the draft's logits after each row's last committed token."""
+        forward; ``(B, N)`` the draft's logits after each row's last committed token
+        (:meth:`head_logits`)."""
         L = ctx.lengths
         pending = L - state.fed  # (B,)
         positions = catch_up_positions(state.fed, L, int(pending.max()))
         tokens = ctx.tokens.gather(1, positions.clamp(max=ctx.tokens.shape[1] - 1))
         last = (pending - 1).unsqueeze(1)  # (B, 1) index of each row's last real token
-        return self.runtime.forward(state.kv, tokens, positions, logits_index=last).logits[:, 0]
+        return self.head_logits(state.kv, tokens, positions, logits_index=last)
 
     def propose(self, state: ModelDraftState, ctx: DraftContext, k: int) -> Proposal:
         B = ctx.lengths.shape[0]
@@ -96,10 +110,10 @@ class ModelDrafter:
         draft = torch.empty(B, k, dtype=torch.int64)
         probs = None
         for i in range(k):
-            probs, _ = take_token(logits, ctx, draft, probs, i)
+            probs, _ = take_token(logits, ctx, draft, probs, i, self.head)
             if i + 1 < k:
                 pos = (L + i).unsqueeze(1)  # (B, 1)
-                logits = self.runtime.forward(state.kv, draft[:, i : i + 1], pos).logits[:, 0]
+                logits = self.head_logits(state.kv, draft[:, i : i + 1], pos)
         state.fed = L.clone()
         state.base = L.clone()
         state.k = k

@@ -12,7 +12,11 @@ and hands the loop full-vocabulary logits with ``-inf`` elsewhere, so
   emits tokens distributed exactly as p for *any* q: the subset only lowers acceptance.
 
 The target verifies over its whole vocabulary in both cases; ``tests/drafters/test_gated.py``
-checks both. :func:`draft_weights` builds the compact-runtime weights of a transformers draft.
+checks both. A model drafter works on the N head columns themselves
+(:meth:`~specdraft.drafters.model.ModelDrafter.head_logits`) and maps only its chosen tokens (and a
+sampling row's q) to the vocabulary: at Gemma 3's 262k vocabulary and a 16k head, filling and
+scanning the full row would be 16 times the work of the head's own row, every draft token.
+:func:`draft_weights` builds the compact-runtime weights of a transformers draft.
 """
 
 from __future__ import annotations
@@ -54,11 +58,14 @@ class SubsetHeadRuntime:
 
     def forward(self, state, tokens, positions, **kw):
         out = self.runtime.forward(state, tokens, positions, **kw)
-        sub = out.logits  # (B, T, N)
-        full = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))  # (B, T, V)
-        full.index_copy_(-1, self.token_ids, sub)
-        out.logits = full
+        out.logits = self.expand(out.logits)  # (B, T, N) -> (B, T, V)
         return out
+
+    def expand(self, x: torch.Tensor, fill: float = float("-inf")) -> torch.Tensor:
+        """``(..., N)`` values over the head's rows as ``(..., V)`` over the vocabulary, ``fill``
+        elsewhere (-inf for logits, 0 for probabilities)."""
+        full = x.new_full((*x.shape[:-1], self.vocab_size), fill)
+        return full.index_copy_(-1, self.token_ids, x)
 
 
 def draft_weights(

@@ -2,6 +2,7 @@
 lossless: greedy output equals plain decoding, and sampled output is distributed exactly as the
 target's, though q is zero outside the subset; the gate proposes only the prefix that pays."""
 
+import pytest
 import torch
 
 from specdraft import api
@@ -75,6 +76,59 @@ def test_sampled_draft_tokens_and_q_stay_inside_the_subset(tiny_pipe):
     assert prop.probs.shape == (2, 5, 256)
     assert (prop.probs[..., ~inside] == 0).all()
     torch.testing.assert_close(prop.probs.sum(-1), torch.ones(2, 5))
+
+
+class _Expanded:
+    """A subset-head runtime seen from outside: full-vocabulary logits, -inf off the head (not a
+    :class:`SubsetHeadRuntime`, so a drafter cannot take the head's own columns)."""
+
+    def __init__(self, rt: SubsetHeadRuntime):
+        self.rt, self.vocab_size, self.max_context, self.dtype = rt, rt.vocab_size, rt.max_context, rt.dtype
+
+    def new_state(self, batch_size, capacity):
+        return self.rt.new_state(batch_size, capacity)
+
+    def forward(self, *args, **kw):
+        return self.rt.forward(*args, **kw)
+
+
+@pytest.mark.parametrize("kind", ["model", "gated"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_drafting_over_the_head_columns_equals_drafting_over_the_vocabulary(tiny_pipe, kind, temperature):
+    """A model or gated drafter works on a subset head's own columns and maps its choice back:
+    greedy, the proposal (tokens, how many) is the one it makes from full-vocabulary logits;
+    sampling, the first q is (the sampled tokens differ: the same random number picks along the
+    head's order, not the vocabulary's; ``tests/test_tv_all_drafters.py`` checks the distribution)."""
+    from specdraft.drafters.model import ModelDrafter
+
+    ids = head_subset(40, seed=4)
+    props = []
+    for rt in (_subset_runtime(tiny_pipe, ids), _Expanded(_subset_runtime(tiny_pipe, ids))):
+        if kind == "gated":
+            drafter = GatedDrafter(rt, "d", cost=VerifyCost([1.0, 1.05, 1.1, 1.15, 1.2, 1.25], 0.05))
+        else:
+            drafter = ModelDrafter(rt, "d")
+        assert (drafter.head is not None) == isinstance(rt, SubsetHeadRuntime)
+        tokens = torch.tensor(random_prompts([7, 7], seed=2))
+        params = [SamplingParams(temperature=temperature, seed=s) for s in (1, 2)]
+        gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
+        ctx = DraftContext(
+            torch.cat([tokens, torch.zeros(2, 25, dtype=torch.int64)], 1), torch.tensor([7, 7]), params, gens
+        )
+        props.append(drafter.propose(drafter.new_state(2, 32), ctx, 5))
+    head, full = props
+    made = 5 if head.steps is None else int(head.steps.max())  # a gated draft may stop early
+    inside = torch.zeros(256, dtype=torch.bool)
+    inside[ids] = True
+    assert made >= 1 and inside[head.tokens[:, :made]].all()
+    if temperature:
+        assert head.probs.shape == full.probs.shape == (2, 5, 256)
+        torch.testing.assert_close(head.probs[:, 0], full.probs[:, 0])
+        return
+    assert head.probs is None and full.probs is None
+    assert torch.equal(head.tokens[:, :made], full.tokens[:, :made])
+    if kind == "gated":
+        assert torch.equal(head.num_valid, full.num_valid) and torch.equal(head.steps, full.steps)
 
 
 def test_rejection_sampling_with_a_subset_q_reproduces_p():
