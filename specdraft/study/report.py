@@ -815,7 +815,7 @@ def _online_finding(online: list[dict]) -> str:
             r["reprofiled_speedup_relative_error"] for r in online if "reprofiled_speedup_relative_error" in r
         ]
         line += (
-            "; the speedup over plain decoding, run interleaved with each run batch by batch so that the "
+            "; the speedup over plain decoding, run interleaved with each run step by step so that the "
             f"host's drift falls on both, is predicted with median error {statistics.median(sp):.1%}"
             + (f" ({statistics.median(rsp):.1%} from the re-measured latencies)" if rsp else "")
         )
@@ -993,7 +993,7 @@ def _online_section(online: list[dict], out_dir: Path) -> str:
         )
         + "\n\nMeasured: steady-state decode tokens/s of a real engine run (prefill and each batch's "
         "first step left out, as in the prediction); speedup: over plain decoding of the same prompts, "
-        "run interleaved with it batch by batch (rows validated before that was measured show -)."
+        "run interleaved with it step by step (rows validated before that was measured show -)."
     )
 
 

@@ -13,11 +13,11 @@ With ``reprofile`` the latencies are also measured again right before and right 
 them, its step time the mean of the two: on a shared machine that separates the model's error from
 the machine's drift since the sweep's profile, and bracketing the run cancels a steady drift during it.
 
-Plain decoding of the same prompts runs interleaved with the speculative run, batch by batch, and
-its throughput is predicted from the same profile: the speedup over plain decoding is then
-validated too. Both runs see the machine at the same moments, so a shared host's drift (its speed
-moves by a fifth within minutes) cancels in the measured speedup, where it cannot in the measured
-throughput.
+Plain decoding of the same prompts runs interleaved with the speculative run, step by step
+(:func:`online_runs`), and its throughput is predicted from the same profile: the speedup over
+plain decoding is then validated too. Both runs see the machine at the same moments, so a shared
+host's drift (its speed moves by a fifth and more within minutes) cancels in the measured speedup,
+where it cannot in the measured throughput.
 """
 
 from __future__ import annotations
@@ -77,34 +77,42 @@ class OnlineRun:
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
-    def decode(
-        self, runtime, drafter, k: int, prompts: list[list[int]], max_new_tokens: int, eos_ids
-    ) -> None:
-        """Decode one batch of ``prompts`` greedily (``drafter`` None: plain decoding), timing every
-        engine step, and add it to this run."""
-        engine = Engine(runtime, drafter, FixedK(k))
+
+class _Decoding:
+    """One batch of prompts decoded greedily by one arm, a timed engine step at a time, into its run
+    (``drafter`` None: plain decoding)."""
+
+    def __init__(self, run: OnlineRun, runtime, drafter, k: int, prompts, max_new_tokens: int, eos_ids):
+        self.run, self.engine = run, Engine(runtime, drafter, FixedK(k))
         reqs = [Request(p, max_new_tokens, SamplingParams(), tuple(eos_ids)) for p in prompts]
         t0 = time.perf_counter()
-        ids = engine.add(reqs)
-        got = {i: [] for i in ids}
-        self.total_seconds += time.perf_counter() - t0
-        first = True
-        while engine.active:
-            t = time.perf_counter()
-            events = engine.step()
-            dt = time.perf_counter() - t
-            n = 0
-            for ev in events:
-                got[ev.request_id] += ev.tokens
-                n += len(ev.tokens)
-            self.total_tokens += n
-            self.total_seconds += dt
-            if not first:
-                self.tokens += n
-                self.seconds += dt
-            first = False
-        self.stats.merge(engine.stats)
-        self.outputs += [got[i] for i in ids]
+        self.ids = self.engine.add(reqs)
+        run.total_seconds += time.perf_counter() - t0
+        self.got = {i: [] for i in self.ids}
+        self.emitted, self.first = 0, True
+
+    @property
+    def active(self) -> bool:
+        return bool(self.engine.active)
+
+    def step(self) -> None:
+        t = time.perf_counter()
+        events = self.engine.step()
+        dt = time.perf_counter() - t
+        n = 0
+        for ev in events:
+            self.got[ev.request_id] += ev.tokens
+            n += len(ev.tokens)
+        self.emitted += n
+        self.run.total_tokens += n
+        self.run.total_seconds += dt
+        if not self.first:
+            self.run.tokens += n
+            self.run.seconds += dt
+        self.first = False
+        if not self.engine.active:
+            self.run.stats.merge(self.engine.stats)
+            self.run.outputs += [self.got[i] for i in self.ids]
 
 
 def online_runs(
@@ -115,14 +123,18 @@ def online_runs(
     max_new_tokens: int,
     eos_ids,
 ) -> list[OnlineRun]:
-    """Decode ``prompts`` greedily, ``batch`` at a time, once per arm ``(drafter, k)``; the arms take
-    turns batch by batch, in reversed order every other batch, so that a drift of the machine's
-    speed during the runs falls on all of them alike."""
+    """Decode ``prompts`` greedily, ``batch`` at a time, once per arm ``(drafter, k)``, the arms
+    interleaved step by step: each batch is open in every arm at once, and the arm that has emitted
+    the fewest tokens so far steps next. The arms then move through the answers together, so a drift
+    of the machine's speed (seconds to minutes on a shared host) falls on all of them alike."""
     runs = [OnlineRun() for _ in arms]
-    for i, start in enumerate(range(0, len(prompts), batch)):
-        order = list(zip(runs, arms))
-        for run, (drafter, k) in order[:: -1 if i % 2 else 1]:
-            run.decode(runtime, drafter, k, prompts[start : start + batch], max_new_tokens, eos_ids)
+    for start in range(0, len(prompts), batch):
+        chunk = prompts[start : start + batch]
+        open_ = [
+            _Decoding(run, runtime, d, k, chunk, max_new_tokens, eos_ids) for run, (d, k) in zip(runs, arms)
+        ]
+        while any(d.active for d in open_):
+            min((d for d in open_ if d.active), key=lambda d: d.emitted).step()
     return runs
 
 
@@ -192,7 +204,7 @@ def validate(
             "validates": row["key"],
             "prompts": len(seqs),
             "reprofile": "bracketed" if reprofile else False,
-            "plain": "interleaved",
+            "plain": "interleaved by step",
         }
         key = row_key(cfg, version)
         if key in store:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -264,25 +265,46 @@ def test_unknown_executor(tmp_path, tiny_pipe, data_files):
         )
 
 
-def test_online_runs_take_turns_batch_by_batch(monkeypatch):
-    """Each batch is decoded by every arm before the next batch, the arms' order reversed every
-    other batch, so a drift of the machine's speed falls on all arms alike."""
+def test_online_runs_interleave_the_arms_step_by_step(monkeypatch):
+    """Every arm has each batch open at once and the arm furthest behind in emitted tokens steps
+    next, so a drift of the machine's speed falls on all arms alike; each arm's run keeps its own
+    tokens, outputs and steady-state counts (the first step of each batch left out)."""
     from specdraft.study import validate as v
 
-    calls = []
-    monkeypatch.setattr(
-        v.OnlineRun, "decode", lambda self, rt, drafter, k, prompts, n, eos: calls.append((drafter, prompts))
-    )
-    runs = v.online_runs(None, [("spec", 2), (None, 0)], [[1], [2], [3], [4], [5]], 2, 8, ())
-    assert len(runs) == 2
-    assert calls == [
-        ("spec", [[1], [2]]),
-        (None, [[1], [2]]),
-        (None, [[3], [4]]),
-        ("spec", [[3], [4]]),
-        ("spec", [[5]]),
-        (None, [[5]]),
-    ]
+    log = []
+
+    class FakeEngine:  # the speculative arm emits 2 tokens per row and step, plain decoding 1
+        def __init__(self, runtime, drafter, policy):
+            self.name, self.per_step = drafter or "plain", 2 if drafter else 1
+            self.stats = v.SpecStats()
+
+        def add(self, reqs):
+            self.left = {i: r.max_new_tokens for i, r in enumerate(reqs)}
+            return list(self.left)
+
+        @property
+        def active(self):
+            return len(self.left)
+
+        def step(self):
+            log.append(self.name)
+            events = []
+            for i in list(self.left):
+                n = min(self.per_step, self.left[i])
+                self.left[i] -= n
+                events.append(SimpleNamespace(request_id=i, tokens=[7] * n))
+                if not self.left[i]:
+                    del self.left[i]
+            return events
+
+    monkeypatch.setattr(v, "Engine", FakeEngine)
+    spec, plain = v.online_runs(None, [("spec", 2), (None, 0)], [[1], [2], [3]], 2, 4, ())
+    # batch [1, 2]: spec at 0 tokens steps (4), plain at 0 (2), plain at 2 (4), spec at 4 (8, done),
+    # plain (6), plain (8, done); batch [3] alike with one row
+    assert log == ["spec", "plain", "plain", "spec", "plain", "plain"] * 2
+    assert spec.outputs == plain.outputs == [[7] * 4] * 3
+    assert (spec.total_tokens, spec.tokens) == (12, 6) and (plain.total_tokens, plain.tokens) == (12, 9)
+    assert spec.seconds > 0 and plain.seconds > 0
 
 
 def test_summarize_takes_the_median_of_each_error_present():
