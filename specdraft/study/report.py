@@ -534,7 +534,9 @@ def _predicted_vs_measured_panel(ax, rows: list[dict], name: str, unit: str, err
     ax.set_xlabel(f"measured {unit} (engine run)")
     ax.set_ylabel(f"predicted {unit}")
     med = statistics.median(r[error] for r in rows)
-    ax.set_title(f"{unit.capitalize()}: median error {med:.1%} (n={len(rows)})", fontsize=10)
+    again = [r[f"reprofiled_{error}"] for r in rows if f"reprofiled_{error}" in r]
+    also = f", {statistics.median(again):.1%} re-measured" if again else ""
+    ax.set_title(f"{unit.capitalize()}: median error {med:.1%}{also} (n={len(rows)})", fontsize=10)
     ax.legend(fontsize=8)
 
 
