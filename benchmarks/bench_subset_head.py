@@ -79,17 +79,17 @@ def main() -> int:
     if drafter.head is None:
         raise SystemExit(f"bench_subset_head: {args.draft} has no subset head")
     drafter.new_state(1, 8)  # a gated draft measures its cost model here, outside the timing
-    views = {"head": (drafter.runtime, drafter.head), "vocab": (VocabularyView(drafter.runtime), None)}
+    views = {"head": drafter.runtime, "vocab": VocabularyView(drafter.runtime)}  # drafter.head follows
     print(f"# {cpu_name()}; {args.target} {args.draft} ({args.dtype}), k={args.k}, context {args.context}")
     rows = []
     for B in (int(b) for b in args.batch.split(",")):
         times = {name: [] for name in views}
         with drafter.drafting(True) if hasattr(drafter, "drafting") else contextlib.nullcontext():
             for _ in range(args.rounds):
-                for name, (runtime, head) in views.items():
-                    drafter.runtime, drafter.head = runtime, head
+                for name, runtime in views.items():
+                    drafter.runtime = runtime
                     times[name].append(proposal_time(drafter, B, args.k, args.context))
-        drafter.runtime, drafter.head = views["head"]
+        drafter.runtime = views["head"]
         med = {name: statistics.median(ts[2:]) for name, ts in times.items()}  # 2 warm-up rounds
         rows.append({"batch": B, **{f"{n}_ms": round(t * 1e3, 3) for n, t in med.items()}})
         print(

@@ -73,18 +73,24 @@ class ModelDrafter:
         self.runtime = runtime
         self.name = name
         self.vocab_size = runtime.vocab_size
-        self.head = runtime if isinstance(runtime, SubsetHeadRuntime) else None  # a vocabulary subset
+
+    @property
+    def head(self) -> SubsetHeadRuntime | None:
+        """The runtime when its head scores a subset of the vocabulary, else None."""
+        return self.runtime if isinstance(self.runtime, SubsetHeadRuntime) else None
 
     def head_logits(self, kv, tokens: torch.Tensor, positions: torch.Tensor, **kw) -> torch.Tensor:
         """``(B, N)`` the draft's logits at the first (or ``logits_index``) position: over the
         vocabulary (N = V), or over the rows of a subset head, which :func:`take_token` maps back
         (``self.head``; :mod:`specdraft.models.subset_head`)."""
-        runtime = self.head.runtime if self.head is not None else self.runtime
+        head = self.head
+        runtime = head.runtime if head is not None else self.runtime
         return runtime.forward(kv, tokens, positions, **kw).logits[:, 0]
 
     def vocabulary_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """:meth:`head_logits` over the whole vocabulary (``-inf`` outside a subset head)."""
-        return logits if self.head is None else self.head.expand(logits)
+        head = self.head
+        return logits if head is None else head.expand(logits)
 
     def new_state(self, batch_size: int, capacity: int) -> ModelDraftState:
         return ModelDraftState(self.runtime, batch_size, capacity)

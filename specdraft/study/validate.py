@@ -233,6 +233,7 @@ def _validate_one(
     drafter = build_drafter(pipe, draft, config.draft_dtype)
     props = [offline_proposals(drafter, s, k) for s in seqs]
     sim, plain_sim = simulate(props, k, b), simulate(props, 0, b)
+    closed = _closed_form(sim, lat, draft, k, b)
     sizes = sorted({x for x in config.batches if x <= b} | {b})
     ctxs = sorted({min(s.context for s in sim.steps), max(s.context for s in sim.steps)})
     # warm-up (first-call allocations), then the timed runs
@@ -257,20 +258,21 @@ def _validate_one(
         "prompts": len(seqs),
         "outputs_equal_cached": sum(o == s.continuation for o, s in zip(run.outputs, seqs)),
         "outputs_equal_plain": sum(o == p for o, p in zip(run.outputs, plain.outputs)),
+        "measured_tokens_per_s": round(run.tokens_per_s, 4),
+        "measured_plain_tokens_per_s": round(plain.tokens_per_s, 4),
+        "measured_speedup": round(run.tokens_per_s / plain.tokens_per_s, 5),
         "measured_total_tokens_per_s": round(run.total_tokens / run.total_seconds, 4)
         if run.total_seconds
         else None,
         **_errors("", predict(sim, lat, draft), predict(plain_sim, lat, draft), run, plain),
-        "analytic_tokens_per_s": round(_closed_form(sim, lat, draft, k, b), 4),
+        "analytic_tokens_per_s": round(closed, 4),
+        "analytic_relative_error": round(analytic.relative_error(closed, run.tokens_per_s), 5),
         "online_mean_accepted_length": round(run.stats.mean_accepted_length, 5),
         "offline_mean_accepted_length": round(sim.mean_accepted_length, 5),
         "online_draft_time_s": round(run.stats.draft_time, 5),
         "online_target_time_s": round(run.stats.target_time, 5),
         "seconds": round(run.total_seconds + plain.total_seconds, 3),
     }
-    result["analytic_relative_error"] = round(
-        analytic.relative_error(result["analytic_tokens_per_s"], run.tokens_per_s), 5
-    )
     if reprofile:
         spec = [predict(sim, lt, draft) for lt in (before, after)]
         base = [predict(plain_sim, lt, draft) for lt in (before, after)]
@@ -294,27 +296,18 @@ def _bracketed(predictions: list[tuple[float, float]]) -> tuple[float, float]:
 def _errors(
     prefix: str, spec: tuple[float, float], plain: tuple[float, float], run: OnlineRun, base: OnlineRun
 ) -> dict:
-    """Predicted against measured throughput and speedup over plain decoding, with relative errors;
-    ``spec`` and ``plain`` are the predictions' (tokens, seconds). The measured fields are written
-    once, with the sweep's profile (``prefix`` "")."""
+    """``<prefix>``-named predicted throughput, plain throughput and speedup over plain decoding, and
+    their relative errors against ``run`` and ``base`` (plain decoding); ``spec`` and ``plain`` are
+    the predictions' (tokens, seconds)."""
     predicted, predicted_plain = spec[0] / spec[1], plain[0] / plain[1]
-    measured_speedup = run.tokens_per_s / base.tokens_per_s
-    out = (
-        {}
-        if prefix
-        else {
-            "measured_tokens_per_s": round(run.tokens_per_s, 4),
-            "measured_plain_tokens_per_s": round(base.tokens_per_s, 4),
-            "measured_speedup": round(measured_speedup, 5),
-        }
-    )
-    return out | {
+    speedup = predicted / predicted_plain
+    return {
         f"{prefix}predicted_tokens_per_s": round(predicted, 4),
         f"{prefix}relative_error": round(analytic.relative_error(predicted, run.tokens_per_s), 5),
         f"{prefix}predicted_plain_tokens_per_s": round(predicted_plain, 4),
-        f"{prefix}predicted_speedup": round(predicted / predicted_plain, 5),
+        f"{prefix}predicted_speedup": round(speedup, 5),
         f"{prefix}speedup_relative_error": round(
-            analytic.relative_error(predicted / predicted_plain, measured_speedup), 5
+            analytic.relative_error(speedup, run.tokens_per_s / base.tokens_per_s), 5
         ),
     }
 
