@@ -1,16 +1,20 @@
 """The prompt-lookup attack: misleading repeated phrases seeded in the prompt.
 
 Prompt lookup proposes what followed the latest earlier occurrence of the context's trailing
-n-gram (:class:`~specdraft.drafters.prompt_lookup.PromptLookupDrafter`). A *decoy* is an n-gram of
-the target's own continuation ``y`` followed by tokens that differ from what the target writes
-after it: once the target writes that n-gram, the decoy (later in the context than the user's
-text) is the match, and its wrong continuation is rejected.
+n-gram (:class:`~specdraft.drafters.prompt_lookup.PromptLookupDrafter`). A *decoy* is an n-gram
+that the target writes followed by tokens that differ from what it writes next: appended to the
+user's message, it is a later occurrence than any in the user's text, so once the target writes
+that n-gram, the decoy is the match, and its wrong continuation is rejected.
 
-The search is greedy against the drafter's own matcher: :func:`simulated_lookup_length` replays
-prompt lookup over ``prompt + y`` with a fixed k (exact for greedy decoding as long as the target
-still writes ``y``), each candidate decoy is appended to the message when it lowers that figure,
-up to ``max_decoys``. Whether the target still writes ``y`` on the result is measured afterwards,
-through the engine (:mod:`specdraft.attack.run`).
+The search is greedy and aimed: it replays prompt lookup over the prompt and the answer the target
+writes now (:func:`lookup_steps`, exact for greedy decoding with a fixed k), takes the steps whose
+proposals were accepted, the longest first, and tries one decoy for each: the longest n-gram the
+drafter tries, ending where that step drafted (:func:`aimed_decoys`). The target reads the decoys
+too, so each trial decodes the attacked prompt (``generate``) and is kept only when prompt lookup's
+mean accepted length on the answer the target then writes is lower and ``keeps`` accepts that
+answer (the runner: ROUGE-L to the clean answer at least ``--min-rouge``). An earlier version scored
+decoys on the clean answer alone; on SmolLM2-135M the decoys changed the answer and lookup's
+acceptance went up on 5 of 12 prompts.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ class LookupResult:
     Attributes:
         text: the attacked message (the original one followed by the decoys).
         decoys: the decoy phrases kept, in order.
-        simulated: the simulated mean accepted length after each kept decoy (the clean one first).
+        simulated: the simulated mean accepted length on the answer the target writes, clean
+            first, then after each kept decoy.
     """
 
     text: str
@@ -40,37 +45,45 @@ class LookupResult:
     simulated: list[float] = field(default_factory=list)
 
 
-def simulated_lookup_length(drafter: PromptLookupDrafter, prompt: list[int], y: list[int], k: int) -> float:
-    """Mean accepted length (bonus included) of greedy prompt lookup with fixed ``k`` decoding
-    ``y`` after ``prompt``: each step proposes the drafter's match and accepts its prefix that
-    agrees with ``y``."""
+def lookup_steps(drafter: PromptLookupDrafter, prompt: list[int], y: list[int], k: int) -> list[tuple]:
+    """Greedy prompt lookup with fixed ``k`` decoding ``y`` after ``prompt``, step by step:
+    ``(i, m)`` per step, ``y[i]`` the first token it drafted for and ``m`` the drafts accepted
+    (the prefix of its match's continuation that agrees with ``y``)."""
     seq = torch.tensor(prompt + y)
     P, n = len(prompt), len(y)
-    i, steps, accepted = 0, 0, 0
+    i, steps = 0, []
     while i < n:
         _, cont = drafter._lookup(seq[: P + i], k)
         m = 0
         while m < min(cont.shape[0], n - i - 1) and int(cont[m]) == y[i + m]:
             m += 1
-        accepted, steps, i = accepted + m, steps + 1, i + m + 1
-    return (accepted + steps) / steps if steps else 0.0
+        steps.append((i, m))
+        i += m + 1
+    return steps
 
 
-def decoy_candidates(y: list[int], n: int, wrong: list[int], k: int) -> list[list[int]]:
-    """Decoys: each distinct m-gram of ``y`` (m = n down to 1, first occurrence order) followed by
-    ``k`` tokens of ``wrong`` whose first differs from the token after the m-gram in ``y``. Prompt
-    lookup tries its longest n first, so a longer decoy takes over a match that a shorter n-gram of
-    the user's text would make."""
-    seen, out = set(), []
-    for m in range(n, 0, -1):
-        for i in range(len(y) - m):
-            gram = tuple(y[i : i + m])
-            if gram in seen:
-                continue
-            seen.add(gram)
-            follow = [t for t in wrong if t != y[i + m]]
-            start = wrong.index(follow[0]) if follow else 0
-            out.append([*gram, *wrong[start : start + k]])
+def simulated_lookup_length(drafter: PromptLookupDrafter, prompt: list[int], y: list[int], k: int) -> float:
+    """Mean accepted length (bonus included) of greedy prompt lookup with fixed ``k`` decoding
+    ``y`` after ``prompt`` (:func:`lookup_steps`)."""
+    steps = lookup_steps(drafter, prompt, y, k)
+    return sum(m + 1 for _, m in steps) / len(steps) if steps else 0.0
+
+
+def aimed_decoys(
+    drafter: PromptLookupDrafter, prompt: list[int], y: list[int], k: int, wrong: list[int]
+) -> list[list[int]]:
+    """One decoy per step whose drafts were accepted, most accepted first: the ``max_ngram``
+    tokens before ``y[i]`` followed by ``k`` tokens of ``wrong`` from the first that is not
+    ``y[i]`` (the longest n-gram is tried first, so the decoy takes over a shorter match too)."""
+    seq = prompt + y
+    out = []
+    for i, m in sorted(lookup_steps(drafter, prompt, y, k), key=lambda s: -s[1]):
+        if m == 0:
+            break
+        at = len(prompt) + i
+        follow = [t for t in wrong if t != y[i]]
+        start = wrong.index(follow[0]) if follow else 0
+        out.append([*seq[max(0, at - drafter.max_ngram) : at], *wrong[start : start + k]])
     return out
 
 
@@ -79,34 +92,45 @@ def attack_lookup(
     text: str,
     encode: Callable[[str], list[int]],
     decode: Callable[[list[int]], str],
+    generate: Callable[[list[int]], list[int]],
+    keeps: Callable[[list[int]], bool],
     y: list[int],
     k: int,
     wrong: list[int],
     max_decoys: int = 8,
+    max_trials: int = 24,
 ) -> LookupResult:
-    """Append decoys to the message ``text`` while they lower the simulated mean accepted length.
+    """Append decoys to the message ``text`` while they lower prompt lookup's mean accepted length
+    on the answer the target writes (module docstring).
 
     Args:
         drafter: the prompt-lookup drafter attacked (its n-gram length is used).
         text: the user's message.
         encode: message -> prompt ids (chat template applied).
         decode: ids -> text.
-        y: the target's greedy continuation of the clean prompt.
+        generate: prompt ids -> the target's greedy answer (as long as ``y``).
+        keeps: whether an attacked answer is close enough to the clean one to keep the decoy.
+        y: the target's greedy answer to the clean prompt.
         k: the fixed draft length of the simulation.
         wrong: the tokens the decoys' wrong continuations are taken from (e.g. :data:`FILLER`'s).
         max_decoys: at most this many decoys are kept.
+        max_trials: at most this many decoys are tried (each decodes the attacked prompt once).
     """
     result = LookupResult(text, simulated=[simulated_lookup_length(drafter, encode(text), y, k)])
-    for cand in decoy_candidates(y, drafter.max_ngram, wrong, k):
-        if len(result.decoys) >= max_decoys:
+    answer, tried = y, set()
+    for _ in range(max_trials):
+        aimed = aimed_decoys(drafter, encode(result.text), answer, k, wrong)
+        fresh = [d for d in aimed if tuple(d) not in tried and decode(d).strip()]
+        if not fresh or len(result.decoys) >= max_decoys:
             break
-        phrase = decode(cand)  # kept as decoded: a leading space is part of the first token
-        if not phrase.strip():
-            continue
+        tried.add(tuple(fresh[0]))
+        phrase = decode(fresh[0])  # kept as decoded: a leading space is part of the first token
         trial = f"{result.text}\n{phrase}" if not result.decoys else result.text + phrase
-        score = simulated_lookup_length(drafter, encode(trial), y, k)
-        if score < result.simulated[-1]:
-            result.text = trial
+        ids = encode(trial)
+        new = generate(ids)
+        score = simulated_lookup_length(drafter, ids, new, k)
+        if score < result.simulated[-1] and keeps(new):
+            result.text, answer = trial, new
             result.decoys.append(phrase)
             result.simulated.append(score)
     return result

@@ -98,6 +98,8 @@ def findings(docs: list[tuple[Path, dict]]) -> list[str]:
         )
         if o.get("halved_rate") is not None:
             line += f", halved on {o['halved_rate']:.0%} of prompts"
+        if o.get("draft_halved_rate") is not None:
+            line += f" (accepted draft tokens halved on {o['draft_halved_rate']:.0%})"
         line += f"; target's first tokens identical on {_fmt(o.get('identical_prefix_rate'), '{:.0%}')}"
         if o.get("defended_speedup") is not None:
             line += (

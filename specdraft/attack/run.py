@@ -67,6 +67,8 @@ class AttackOptions:
         discrete: the discrete attack's settings.
         suffix_len: tokens of the discrete attack's suffix.
         max_decoys: decoys the lookup attack may add.
+        min_rouge: the lookup attack keeps a decoy only if the target's answer keeps this ROUGE-L
+            to the clean one.
         progress: one line per prompt on stderr.
     """
 
@@ -78,6 +80,7 @@ class AttackOptions:
     discrete: DiscreteConfig = field(default_factory=DiscreteConfig)
     suffix_len: int = 8
     max_decoys: int = 8
+    min_rouge: float = 0.5
     progress: bool = True
 
     def __post_init__(self):
@@ -271,9 +274,7 @@ def run_attack(pipe, prompts: list[BenchPrompt], options: AttackOptions) -> Atta
         elif o.method == "discrete":
             attacked_text, detail = _discrete(pipe, models, ids, text, y, o, allowed)
         else:
-            wrong = tok(FILLER, add_special_tokens=False)["input_ids"]
-            found = attack_lookup(pipe.drafter, text, pipe.encode, tok.decode, y, o.k, wrong, o.max_decoys)
-            attacked_text, detail = found.text, {"decoys": found.decoys, "simulated": found.simulated}
+            attacked_text, detail = _lookup(pipe, methods[0], text, y, o)
         rec["attack_seconds"] = round(time.perf_counter() - t0, 3)
         rec["attack"] = detail
         if o.method != "continuous":
@@ -347,6 +348,25 @@ def _simulated(models: Models, ids: list[int], delta, y: list[int], k: int) -> f
     return simulated_accepted_length((logq.argmax(-1) == ys).tolist(), k)
 
 
+def _lookup(pipe, plain, text: str, y: list[int], o: AttackOptions):
+    """The lookup attack on one prompt: the attacked message and details (decoys kept, the
+    simulated mean accepted length after each); ``plain`` decodes each trial."""
+    wrong = pipe.tokenizer(FILLER, add_special_tokens=False)["input_ids"]
+    found = attack_lookup(
+        pipe.drafter,
+        text,
+        pipe.encode,
+        pipe.tokenizer.decode,
+        lambda ids: plain.run(ids, o.max_new_tokens).tokens,
+        lambda answer: rouge_l(y, answer) >= o.min_rouge,
+        y,
+        o.k,
+        wrong,
+        o.max_decoys,
+    )
+    return found.text, {"decoys": found.decoys, "simulated": found.simulated}
+
+
 NEUTRAL = (
     " Please answer briefly and clearly.",
     " Thank you for your help with this.",
@@ -398,15 +418,32 @@ def _discrete(pipe, models: Models, ids, text, y, o: AttackOptions, allowed):
     return text + tok.decode(found.suffix), detail
 
 
+def _halving(clean_acc: list[float], att_acc: list[float]) -> dict:
+    """``halved_rate`` and ``draft_halved_rate`` (the notes in :func:`_result` define them)."""
+    pairs = list(zip(clean_acc, att_acc))
+    drafts = [(c - 1, a - 1) for c, a in pairs if c - 1 > 0.05]
+    return {
+        "halved_rate": _mean([float(a <= 0.5 * c) for c, a in pairs if c]),
+        "draft_halved_rate": _mean([float(a <= 0.5 * c) for c, a in drafts]),
+    }
+
+
+def _by_category(records: list[dict]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for i, r in enumerate(records):
+        out.setdefault(r["category"], []).append(i)
+    return out
+
+
 def _result(records: list[dict], clean_tot, att_tot, o: AttackOptions) -> dict:
     continuous = o.method == "continuous"
     side = "simulated" if continuous else None
     clean_acc = [r[side]["mean_accepted"] if side else r["clean"]["mean_accepted"] for r in records]
     att_acc = [r[side]["attacked_mean_accepted"] if side else r["attacked"]["mean_accepted"] for r in records]
-    halved = [a <= 0.5 * c for a, c in zip(att_acc, clean_acc) if c]
     overall = {
         "clean_mean_accepted": _mean(clean_acc),
         "attacked_mean_accepted": _mean(att_acc),
+        **_halving(clean_acc, att_acc),
         "identical_prefix_rate": _mean([float(r["identical_prefix"]) for r in records]),
         "rouge_l": _mean([r["rouge_l"] for r in records]),
         "clean_speedup": _speedup(clean_tot, "spec"),
@@ -418,7 +455,6 @@ def _result(records: list[dict], clean_tot, att_tot, o: AttackOptions) -> dict:
         if continuous
         else _mean([r["attacked"]["defended_mean_accepted"] for r in records]),
         "clean_defended_mean_accepted": _mean([r["clean"]["defended_mean_accepted"] for r in records]),
-        "halved_rate": _mean([float(h) for h in halved]),
         "clean_defended_speedup": _speedup(clean_tot, "defended"),
         "attack_seconds_mean": _mean([r["attack_seconds"] for r in records]),
         "prompts": len(records),
@@ -427,6 +463,13 @@ def _result(records: list[dict], clean_tot, att_tot, o: AttackOptions) -> dict:
         overall["detected_rate"] = _flagged(records, "attacked")
         overall["perplexity_clean"] = _mean([r.get("perplexity", {}).get("clean") for r in records])
         overall["perplexity_attacked"] = _mean([r.get("perplexity", {}).get("attacked") for r in records])
+    overall["by_category"] = {
+        cat: {"prompts": len(idx)}
+        | _halving([clean_acc[i] for i in idx], [att_acc[i] for i in idx])
+        | {"clean_mean_accepted": _mean([clean_acc[i] for i in idx])}
+        | {"attacked_mean_accepted": _mean([att_acc[i] for i in idx])}
+        for cat, idx in _by_category(records).items()
+    }
     notes = {
         "mean_accepted": f"fixed k = {o.k} (undefended), bonus token included, mean over prompts",
         "speedup": "tokens/s (prefill included) over plain decoding's on the same prompts, interleaved",
@@ -434,7 +477,10 @@ def _result(records: list[dict], clean_tot, att_tot, o: AttackOptions) -> dict:
         "defense); detected_rate / false_positive_rate: share of attacked / clean prompts it flagged "
         "(clean = the clean versions of these prompts, not the whole Spec-Bench)",
         "rouge_l": "F1 of the token LCS between the clean and attacked greedy answers",
-        "halved_rate": "share of prompts whose attacked mean accepted length is <= 50% of the clean one",
+        "halved_rate": "share of prompts whose attacked mean accepted length (bonus included) is <= 50% "
+        "of the clean one: out of reach where the clean one is below 2.0, as the attacked one is >= 1.0",
+        "draft_halved_rate": "share of prompts whose accepted draft tokens per step (mean accepted "
+        "length - 1) are <= 50% of the clean ones, over prompts that had some (> 0.05) to remove",
     }
     if continuous:
         notes["continuous"] = (
@@ -455,5 +501,5 @@ def _result(records: list[dict], clean_tot, att_tot, o: AttackOptions) -> dict:
     elif o.method == "discrete":
         config["discrete"] = vars(o.discrete) | {"suffix_len": o.suffix_len}
     else:
-        config["max_decoys"] = o.max_decoys
+        config["max_decoys"], config["min_rouge"] = o.max_decoys, o.min_rouge
     return {"config": config, "overall": overall, "notes": notes, "prompts": records}

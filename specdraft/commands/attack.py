@@ -12,14 +12,18 @@ from specdraft.commands import add_model_arguments, load_pipeline, positive_int
 HELP = "craft inputs that make the draft's proposals rejected while the target's answer stays the same"
 
 
-def _non_negative(text: str) -> float:
+def _non_negative(text: str, top: float = float("inf")) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    if not 0 <= value <= top:
+        raise argparse.ArgumentTypeError(f"must be in [0, {top}], got {value}")
     return value
+
+
+def _unit(text: str) -> float:
+    return _non_negative(text, 1.0)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,6 +56,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk", type=positive_int, default=32, help="discrete: swap tokens per position")
     p.add_argument("--candidates", type=positive_int, default=32, help="discrete: swaps evaluated per step")
     p.add_argument("--max-decoys", type=positive_int, default=8, help="lookup: decoy phrases at most")
+    p.add_argument(
+        "--min-rouge",
+        type=_unit,
+        default=0.5,
+        help="lookup: keep a decoy only if the answer keeps this ROUGE-L to the clean one",
+    )
     p.add_argument("--seed", type=int, default=0, help="discrete: seeds the sampling of swaps")
     p.add_argument("--no-progress", action="store_true", help="no line per prompt on stderr")
 
@@ -81,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         discrete=discrete,
         suffix_len=args.suffix_len,
         max_decoys=args.max_decoys,
+        min_rouge=args.min_rouge,
         progress=not args.no_progress,
     )
     prompts = read_prompts(args.prompts or default_prompts_path())[: args.limit]

@@ -51,6 +51,8 @@ def test_attack_writes_both_files(capsys, tmp_path, prompts, method, draft, extr
     assert result["config"]["command"].startswith("specdraft attack --target tiny")
     overall = result["overall"]
     assert 1.0 <= overall["clean_mean_accepted"] <= 6 and 0.0 <= overall["rouge_l"] <= 1.0
+    cats = overall["by_category"]
+    assert set(cats) == {"writing", "p"} and sum(c["prompts"] for c in cats.values()) == 2
     if method == "continuous":  # embeddings are not text: what the engine cannot measure is null
         assert overall["attacked_speedup"] is None and overall["detected_rate"] is None
     else:
@@ -74,3 +76,13 @@ def test_bad_input_is_one_line(capsys, tmp_path, prompts, args, message):
     argv = ["attack", *TINY, "--method", "discrete", "--draft", "prune:0", "--prompts", str(prompts)]
     rc, _, err = run_cli(capsys, *argv, "--out", str(tmp_path / "o"), "--max-new-tokens", "4", *args)
     assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_halving_counts_the_bonus_and_the_draft_tokens_apart():
+    from specdraft.attack.run import _halving
+
+    # 3.0 -> 1.5 halves both; 1.5 -> 1.0 removes every accepted draft token but not half the length;
+    # 1.02 has no draft tokens to remove (left out of the draft rate); 2.0 -> 1.8 halves neither
+    got = _halving([3.0, 1.5, 1.02, 2.0], [1.5, 1.0, 1.0, 1.8])
+    assert got == {"halved_rate": 0.25, "draft_halved_rate": round(2 / 3, 4)}
+    assert _halving([], []) == {"halved_rate": None, "draft_halved_rate": None}
