@@ -26,6 +26,14 @@ def _unit(text: str) -> float:
     return _non_negative(text, 1.0)
 
 
+METHOD_OPTIONS = {
+    "continuous": ("steps", "lam", "eps"),
+    "discrete": ("steps", "lam", "suffix_len", "topk", "candidates", "seed"),
+    "lookup": ("max_decoys", "min_rouge"),
+}
+"""The options each method reads: the command recorded in attack.json names them (it reproduces the run)."""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     p.set_defaults(k="5")
@@ -105,6 +113,9 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--prompts", args.prompts), ("--limit", args.limit), ("--threads", args.threads)):
         if value is not None:
             argv += [flag, str(value)]
+    for name in METHOD_OPTIONS[args.method]:
+        if getattr(args, name) is not None:
+            argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     if args.dtype != "auto":
         argv += ["--dtype", args.dtype]
     result.result["config"] |= {

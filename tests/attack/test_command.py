@@ -49,6 +49,8 @@ def test_attack_writes_both_files(capsys, tmp_path, prompts, method, draft, extr
     result = json.loads((out / "attack.json").read_text())
     assert CONTRACT <= set(result["overall"]) and len(result["prompts"]) == 2
     assert result["config"]["command"].startswith("specdraft attack --target tiny")
+    command = result["config"]["command"]  # the method's options are in it: it reproduces the run
+    assert all(f"{flag} {value}" in command for flag, value in zip(extra[::2], extra[1::2]))
     overall = result["overall"]
     assert 1.0 <= overall["clean_mean_accepted"] <= 6 and 0.0 <= overall["rouge_l"] <= 1.0
     cats = overall["by_category"]
