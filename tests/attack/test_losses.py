@@ -150,38 +150,37 @@ def test_discrete_starts_from_a_suffix_that_keeps_the_answer_and_stays_there(mod
         attack_discrete(models, head, [], y, bang, cfg, allowed, starts=[own[:2]])
 
 
+TEXT, Y, WRONG = "one two three four", list(b" five six seven eight five six seven eight"), list(b" zzz qqq")
+
+
+def encode(text: str) -> list[int]:
+    return list(text.encode())
+
+
+def decode(ids: list[int]) -> str:
+    return bytes(ids).decode()
+
+
 def test_lookup_decoys_lower_the_simulated_acceptance():
     drafter = PromptLookupDrafter(3)
-    text = "one two three four"
-    y = list(b" five six seven eight five six seven eight")
-    encode = lambda s: list(s.encode())  # noqa: E731
-    decode = lambda ids: bytes(ids).decode()  # noqa: E731
-    clean = simulated_lookup_length(drafter, encode(text), y, 4)
-    found = attack_lookup(
-        drafter, text, encode, decode, lambda ids: y, lambda a: True, y, 4, list(b" zzz qqq")
-    )
+    clean = simulated_lookup_length(drafter, encode(TEXT), Y, 4)
+    found = attack_lookup(drafter, TEXT, encode, decode, lambda ids: Y, lambda a: True, Y, 4, WRONG)
     assert found.decoys and found.simulated[0] == clean
-    assert simulated_lookup_length(drafter, encode(found.text), y, 4) == found.simulated[-1] < clean
+    assert simulated_lookup_length(drafter, encode(found.text), Y, 4) == found.simulated[-1] < clean
     # aimed: the first decoy is the 3-gram before the step that accepted most, then wrong tokens
-    i, m = max(lookup_steps(drafter, encode(text), y, 4), key=lambda s: s[1])
-    wrong = list(b" zzz qqq")
-    assert m == 4 and aimed_decoys(drafter, encode(text), y, 4, wrong)[0] == [*y[i - 3 : i], *wrong[:4]]
+    i, m = max(lookup_steps(drafter, encode(TEXT), Y, 4), key=lambda s: s[1])
+    assert m == 4 and aimed_decoys(drafter, encode(TEXT), Y, 4, WRONG)[0] == [*Y[i - 3 : i], *WRONG[:4]]
 
 
 def test_lookup_keeps_a_decoy_only_on_the_answer_the_target_writes_then():
     drafter = PromptLookupDrafter(3)
-    text = "one two three four"
-    y = list(b" five six seven eight five six seven eight")
-    encode = lambda s: list(s.encode())  # noqa: E731
-    decode = lambda ids: bytes(ids).decode()  # noqa: E731
-    wrong = list(b" zzz qqq")
     # a target that answers with the decoys, repeated: lookup accepts more there, so nothing is kept
-    copies = lambda ids: (ids[len(encode(text)) :] * len(y))[: len(y)]  # noqa: E731
-    found = attack_lookup(drafter, text, encode, decode, copies, lambda a: True, y, 4, wrong)
-    assert found.text == text and not found.decoys
+    copies = lambda ids: (ids[len(encode(TEXT)) :] * len(Y))[: len(Y)]  # noqa: E731
+    found = attack_lookup(drafter, TEXT, encode, decode, copies, lambda a: True, Y, 4, WRONG)
+    assert found.text == TEXT and not found.decoys
     # an answer the stealth rule refuses is not kept either
-    refused = attack_lookup(drafter, text, encode, decode, lambda ids: y, lambda a: False, y, 4, wrong)
-    assert refused.text == text and not refused.decoys
+    refused = attack_lookup(drafter, TEXT, encode, decode, lambda ids: Y, lambda a: False, Y, 4, WRONG)
+    assert refused.text == TEXT and not refused.decoys
 
 
 def test_rouge_l():
