@@ -75,18 +75,32 @@ def test_continuous_with_large_lambda_keeps_the_target_greedy_output(models):
     without = attack_continuous(
         models, PROMPT, y, ContinuousConfig(steps=6, eps=0.5, step_size=0.2, lam=0.0, stop_matches=None)
     )
-    assert without.history[-1]["preservation"] > 10 * last["preservation"]  # the term is what keeps it
+    steps = [h for h in without.history if "shrunk" not in h]
+    assert steps[-1]["preservation"] > 10 * last["preservation"]  # the term is what keeps it
 
 
 def test_continuous_degradation_decreases_and_stays_bounded(models):
     y = greedy(models)
     cfg = ContinuousConfig(steps=8, eps=0.5, step_size=0.2, lam=0.0, stop_matches=None)
     found = attack_continuous(models, PROMPT, y, cfg)
-    degs = [h["degradation"] for h in found.history]
+    degs = [h["degradation"] for h in found.history if "shrunk" not in h]
     assert all(b < a for a, b in itertools.pairwise(degs)) and degs[-1] < 0.9 * degs[0]
     radius = cfg.eps * float(models.target_embedding.norm(dim=1).mean())
     delta = attack_continuous(models, PROMPT, y, ContinuousConfig(steps=3, eps=0.5, step_size=1.0, lam=0.0))
     assert float(delta.delta.norm(dim=1).max()) <= radius * (1 + 1e-4)
+
+
+def test_continuous_shrinks_the_perturbation_when_no_iterate_keeps_the_argmax(models):
+    y = greedy(models)
+    cfg = ContinuousConfig(steps=6, eps=0.5, step_size=0.2, lam=0.0, stop_matches=None)
+    found = attack_continuous(models, PROMPT, y, cfg)
+    steps, shrunk = found.history[: cfg.steps], found.history[cfg.steps :]
+    assert not any(h["keeps_argmax"] for h in steps)  # every step changed the target's argmax
+    assert [h["shrunk"] for h in shrunk] == list(range(1, len(shrunk) + 1)) and shrunk[-1]["keeps_argmax"]
+    assert found.delta.any() and found.degradation == pytest.approx(shrunk[-1]["degradation"])
+    assert greedy(models, found.delta) == y  # the kept half: the target's output is unchanged
+    unshrunk = attack_continuous(models, PROMPT, y, ContinuousConfig(**{**vars(cfg), "shrink": 0}))
+    assert len(unshrunk.history) == cfg.steps and not unshrunk.delta.any()
 
 
 def test_continuous_stops_early_once_the_bound_on_matches_is_met(models):
