@@ -34,7 +34,9 @@ def label(path: Path, doc: dict) -> str:
     """``draft (method)`` from the file's config, else its directory's name."""
     cfg = doc.get("config", {})
     if cfg.get("draft") and cfg.get("method"):
-        return f"{cfg['draft']} ({cfg['method']})"
+        from specdraft.study.report import short_name
+
+        return f"{short_name(cfg['draft'])} ({cfg['method']})"
     return path.parent.name or path.stem
 
 

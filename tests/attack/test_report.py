@@ -52,3 +52,13 @@ def test_report_rejects_an_unknown_json(capsys, tmp_path):
     bad.write_text(json.dumps({"overall": {"speedup": 1.0}}))
     rc, _, err = run_cli(capsys, "report", str(bad), "--out", str(tmp_path / "rep"))
     assert rc == 2 and "attack.json" in err and len(err.strip().splitlines()) == 1
+
+
+def test_label_names_a_pruned_draft_by_its_layer_ranges():
+    from pathlib import Path
+
+    from specdraft.attack.report import label
+
+    doc = {"config": {"draft": "prune:" + ",".join(map(str, range(15))), "method": "continuous"}}
+    assert label(Path("x/attack.json"), doc) == "prune:0-14 (continuous)"
+    assert label(Path("lookup/attack.json"), {"config": {}}) == "lookup"
