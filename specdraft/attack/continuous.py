@@ -9,9 +9,9 @@ radius`` (and no token moves more; the length decays linearly to 0 over the step
 each token's perturbation to the L2 ball of ``radius = eps * mean |embedding row|``. The result is
 the perturbation with the lowest degradation among those that keep the target's argmax on ``y`` at
 every position (so its greedy output is unchanged). When no iterate keeps it, the lowest-degradation
-iterate is halved until one does (``shrink``: forwards only; on 3 of 20 prompts with the designed
-draft the first step already changed the argmax and no iterate came back); the zero perturbation when
-none does.
+iterate is halved until one does (``shrink``: forwards only), and the zero perturbation when none
+does. (On 3 of 20 prompts with the designed draft every iterate changed the argmax; the kept half
+was 1/16-1/32 of the iterate there and changed no greedy match: ``results/attack-2026-12-04``.)
 
 Cost (issue 17: <= 2 minutes a prompt on 2 cores): one forward of each model per step, whose
 graph gives both the iterate's record and the next step's gradients (the two gradients come from

@@ -14,7 +14,7 @@ too, so each trial decodes the attacked prompt (``generate``) and is kept only w
 mean accepted length on the answer the target then writes is lower and ``keeps`` accepts that
 answer (the runner: ROUGE-L to the clean answer at least ``--min-rouge``). An earlier version scored
 decoys on the clean answer alone; on SmolLM2-135M the decoys changed the answer and lookup's
-acceptance went up on 5 of 12 prompts.
+acceptance went up on 4 of the first 12 prompts of a run.
 """
 
 from __future__ import annotations

@@ -463,13 +463,15 @@ def _result(records: list[dict], clean_tot, att_tot, o: AttackOptions) -> dict:
         overall["detected_rate"] = _flagged(records, "attacked")
         overall["perplexity_clean"] = _mean([r.get("perplexity", {}).get("clean") for r in records])
         overall["perplexity_attacked"] = _mean([r.get("perplexity", {}).get("attacked") for r in records])
-    overall["by_category"] = {
-        cat: {"prompts": len(idx)}
-        | _halving([clean_acc[i] for i in idx], [att_acc[i] for i in idx])
-        | {"clean_mean_accepted": _mean([clean_acc[i] for i in idx])}
-        | {"attacked_mean_accepted": _mean([att_acc[i] for i in idx])}
-        for cat, idx in _by_category(records).items()
-    }
+    overall["by_category"] = {}
+    for cat, idx in _by_category(records).items():
+        clean, attacked = [clean_acc[i] for i in idx], [att_acc[i] for i in idx]
+        overall["by_category"][cat] = {
+            "prompts": len(idx),
+            "clean_mean_accepted": _mean(clean),
+            "attacked_mean_accepted": _mean(attacked),
+            **_halving(clean, attacked),
+        }
     notes = {
         "mean_accepted": f"fixed k = {o.k} (undefended), bonus token included, mean over prompts",
         "speedup": "tokens/s (prefill included) over plain decoding's on the same prompts, interleaved",

@@ -12,18 +12,21 @@ from specdraft.commands import add_model_arguments, load_pipeline, positive_int
 HELP = "craft inputs that make the draft's proposals rejected while the target's answer stays the same"
 
 
-def _non_negative(text: str, top: float = float("inf")) -> float:
+def _non_negative(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 <= value <= top:
-        raise argparse.ArgumentTypeError(f"must be in [0, {top}], got {value}")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 
 def _unit(text: str) -> float:
-    return _non_negative(text, 1.0)
+    value = _non_negative(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be <= 1, got {value}")
+    return value
 
 
 METHOD_OPTIONS = {

@@ -88,3 +88,9 @@ def test_halving_counts_the_bonus_and_the_draft_tokens_apart():
     got = _halving([3.0, 1.5, 1.02, 2.0], [1.5, 1.0, 1.0, 1.8])
     assert got == {"halved_rate": 0.25, "draft_halved_rate": round(2 / 3, 4)}
     assert _halving([], []) == {"halved_rate": None, "draft_halved_rate": None}
+
+
+def test_min_rouge_is_a_fraction(capsys, tmp_path, prompts):
+    argv = ["attack", *TINY, "--method", "lookup", "--draft", "lookup", "--prompts", str(prompts)]
+    rc, _, err = run_cli(capsys, *argv, "--out", str(tmp_path / "o"), "--min-rouge", "1.5")
+    assert rc == 2 and "--min-rouge: must be <= 1, got 1.5" in err, err
