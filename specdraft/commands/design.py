@@ -114,7 +114,7 @@ def _build_arguments(sub) -> None:
     b.add_argument(
         "--init-from",
         default=None,
-        help="--kind ctc or feature: start from this designed feature draft (its layers, fc and head)",
+        help="--kind ctc, dream or feature: start from this designed feature draft (its layers, fc and head)",
     )
     b.add_argument(
         "--prompt-pairs",

@@ -64,9 +64,10 @@ class BuildConfig:
         block: a ``diffusion`` draft's block size (the anchor included,
             :mod:`specdraft.design.diffusion`).
         window: the target features a ``diffusion`` block reads as context.
-        init_from: a ``ctc`` or ``feature`` draft starts from this designed ``feature`` draft
-            (directory or name under ``drafts/``): its layers, ``fc`` and head subset (a ctc draft's
-            slots and blank start new); None: from the target's ``layers`` like the others.
+        init_from: a ``ctc``, ``dream`` or ``feature`` draft starts from this designed ``feature``
+            draft (directory or name under ``drafts/``): its layers, ``fc`` and head subset (a ctc
+            draft's slots and blank start new; a dream draft's cross-attention starts as the
+            identity, so it starts as that feature draft); None: from the target's ``layers``.
         prompt_pairs: a ``feature`` draft reads this many prompt pairs before the answer's
             (:mod:`specdraft.design.feature`); its data then keeps the prompt's hidden states.
     """
@@ -309,14 +310,17 @@ def _arch(model, kind: str) -> dict:
 
 
 def _warm_start(cfg: BuildConfig, pipe):
-    """``(model, head, draft)`` of a ``ctc`` or ``feature`` draft started from the feature draft
-    ``cfg.init_from``."""
+    """``(model, head, draft)`` of a ``ctc``, ``dream`` or ``feature`` draft started from the feature
+    draft ``cfg.init_from``."""
     from specdraft.design.artifact import load_draft, resolve_draft_dir
     from specdraft.design.ctc import CTCDraftLM
+    from specdraft.design.dream import DreamDraftLM
     from specdraft.design.feature import FeatureDraftLM
 
-    if cfg.kind not in ("ctc", "feature"):
-        raise SpecdraftError("--init-from starts a ctc or feature draft from a feature draft (give --kind)")
+    if cfg.kind not in ("ctc", "dream", "feature"):
+        raise SpecdraftError(
+            "--init-from starts a ctc, dream or feature draft from a feature draft (give --kind)"
+        )
     draft, meta, extra = load_draft(resolve_draft_dir(cfg.init_from), pipe.target.model)
     if meta.kind != "feature":
         raise SpecdraftError(f"--init-from {cfg.init_from}: a {meta.kind} draft, not a feature draft")
@@ -326,6 +330,9 @@ def _warm_start(cfg: BuildConfig, pipe):
     head = VocabSubset(ids, meta.head_coverage or 0.0) if ids is not None else None
     if cfg.kind == "ctc":
         return CTCDraftLM(draft, ids, fc=extra["fc.weight"]), head, draft
+    if cfg.kind == "dream":
+        target = pipe.target.model
+        return DreamDraftLM(draft, ids, target, cfg.feature_layers, fc=extra["fc.weight"]), head, draft
     return FeatureDraftLM(draft, ids, fc=extra["fc.weight"], prompt_pairs=cfg.prompt_pairs), head, draft
 
 

@@ -139,3 +139,35 @@ def test_build_kind_dream_end_to_end(tmp_path, monkeypatch, capsys):
     assert main([*gen[:-1], f"designed:{hf}", "--max-new-tokens", "6", "--json"]) == 0
     again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert again["tokens"] == res["tokens"] and again["stats"]["accepted"] == res["stats"]["accepted"]
+
+
+def test_build_dream_warm_started_from_a_feature_draft(tmp_path, monkeypatch, capsys):
+    """``--init-from``: the DREAM draft takes the feature draft's layers, fc and head, and its
+    cross-attention starts as the identity, so untrained (``--steps 0``) it drafts exactly as the
+    feature draft does."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    base = [*TINY_BUILD, "--layers", "1", "--batch-size", "2"]
+    feat, dream = tmp_path / "feat", tmp_path / "dream"
+    assert main([*base, "--kind", "feature", "--head", "64", "--steps", "2", "--out", str(feat)]) == 0
+    assert (
+        main([*base, "--kind", "dream", "--init-from", str(feat), "--steps", "0", "--out", str(dream)]) == 0
+    )
+    a, b = load_file(str(feat / "model.safetensors")), load_file(str(dream / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not b["cross.o"].any()
+    meta = json.loads((dream / "specdraft.json").read_text())
+    assert (
+        meta["kind"] == "dream"
+        and meta["head_tokens"] == json.loads((feat / "specdraft.json").read_text())["head_tokens"]
+    )
+    capsys.readouterr()
+    runs = []
+    for d in (feat, dream):
+        gen = ["generate", "hello", "--target", "tiny", "--threads", "1", "--draft", f"designed:{d}"]
+        assert main([*gen, "--max-new-tokens", "8", "--k", "3", "--json"]) == 0
+        runs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert runs[0]["tokens"] == runs[1]["tokens"] and runs[0]["stats"]["drafted"] > 0
+    same = ("drafted", "accepted", "per_position_acceptance")
+    assert [runs[0]["stats"][k] for k in same] == [runs[1]["stats"][k] for k in same]
