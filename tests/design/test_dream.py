@@ -1,6 +1,7 @@
 """Training a DREAM-style draft: the entropy-adaptive choice of the intermediate target, the loss
 terms, and ``specdraft design build --kind dream`` end to end on the tiny target."""
 
+import copy
 import json
 
 import pytest
@@ -59,6 +60,21 @@ def test_target_features_are_the_layers_and_the_selected_inputs(tiny_pipe):
     assert torch.allclose(memory[:, :, 0], hs[1], atol=1e-5)  # layer 0's output
     assert torch.allclose(mid, hs[1], atol=1e-5)  # a 2-layer target has one candidate: layer 1's input
     assert target.config._attn_implementation == "sdpa"  # restored
+
+
+def test_a_bf16_target_runs_its_feature_pass_in_fp32_where_bf16_is_emulated(tiny_pipe, monkeypatch):
+    """Without native bf16 the draft's feature pass runs an fp32 copy (the runtime's arithmetic);
+    the caller's model stays as it was. Elsewhere the target itself runs."""
+    from specdraft.design import dream
+
+    target = copy.deepcopy(tiny_pipe.target.model).to(torch.bfloat16)
+    monkeypatch.setattr(dream, "bf16_compute_dtype", lambda: torch.float32)
+    copied = dream.feature_model(target)
+    assert copied.dtype == torch.float32 and target.dtype == torch.bfloat16
+    w = target.model.layers[0].mlp.up_proj.weight
+    assert torch.equal(copied.model.layers[0].mlp.up_proj.weight, w.float())  # widened exactly
+    monkeypatch.setattr(dream, "bf16_compute_dtype", lambda: torch.bfloat16)
+    assert dream.feature_model(target) is target
 
 
 def test_loss_terms_decrease_on_a_tiny_model(tiny_pipe):
