@@ -7,7 +7,7 @@ product of experts, at every draft position::
     logits = l_long + a * log P_local(x | previous token) - b * log P_prior(x)
 
 ``P_prior`` is the unigram frequency: subtracting it keeps the product from counting the frequency of
-common tokens twice (both experts already carry it). ``a`` and ``b`` are tuned on held-in data
+common tokens twice (both experts already carry it). ``a`` and ``b`` are tuned on held-out data
 (``specdraft design local``, :mod:`specdraft.design.local`). Smoothing: ``P_local(x | t) =
 (n(t, x) + beta * P_prior(x)) / (n(t) + beta)`` with the ``M`` most frequent successors of each token
 kept (the rest of a row is the prior's share).

@@ -16,7 +16,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.models.llama import LlamaRuntime, LlamaWeights
 from specdraft.models.tiny import tiny_llama
 from specdraft.verify import SamplingParams
-from tests.helpers import decode, random_prompts
+from tests.helpers import decode, random_prompts, target_answers
 
 
 def test_counts_and_smoothing():
@@ -88,6 +88,13 @@ def test_design_local_and_the_local_spec_end_to_end(tmp_path, monkeypatch, capsy
     assert "local:designed:" in capsys.readouterr().out
     head = LocalHead.load(out)
     assert head.succ_ids.shape == (256, 16) and head.a >= 0 and head.b >= 0
+    from safetensors import safe_open
+
+    with safe_open(str(out / "local_head.safetensors"), "pt") as f:
+        info = json.loads(f.metadata()["info"])
+    # every training answer counted; (a, b) tuned on one half of the held-out answers, measured on the other
+    assert (info["counted_answers"], info["tune_answers"], info["val_answers"]) == (8, 2, 2)
+    assert info["grid_alpha_tune"]["0.0,0.0"] >= 0
     assert main([*gen, "--draft", f"local:designed:{out}"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(res["tokens"]) == 6 and res["stats"]["drafted"] > 0
@@ -171,3 +178,12 @@ def test_design_local_gru_end_to_end(tmp_path, monkeypatch, capsys):
     assert main(gen) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(res["tokens"]) == 6 and res["stats"]["drafted"] > 0
+
+
+def test_a_local_head_needs_two_held_out_answers(tiny_pipe):
+    from specdraft.design.data import _subset
+    from specdraft.design.local import build_local
+
+    data = target_answers(tiny_pipe, random_prompts([5, 6], seed=1), max_new_tokens=6)
+    with pytest.raises(SpecdraftError, match="at least 2 validation answers"):
+        build_local(None, data, _subset(data, [0]), 256)
