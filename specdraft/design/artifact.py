@@ -573,5 +573,8 @@ def local_drafter_from_spec(spec, target):
     drafter.local = load_local(find_draft(inner.arg, target.loaded.model), drafter.embed)
     if drafter.local.vocab_size != drafter.vocab_size:
         raise SpecdraftError(f"local:{spec.arg}: the local head's vocabulary is not the draft's")
+    head = getattr(drafter.runtime, "token_ids", None)  # a head subset: score only its tokens
+    if head is not None and hasattr(drafter.local, "restrict"):
+        drafter.local.restrict(head)
     drafter.name = f"local:{drafter.name}"
     return drafter

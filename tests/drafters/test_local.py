@@ -187,3 +187,21 @@ def test_a_local_head_needs_two_held_out_answers(tiny_pipe):
     data = target_answers(tiny_pipe, random_prompts([5, 6], seed=1), max_new_tokens=6)
     with pytest.raises(SpecdraftError, match="at least 2 validation answers"):
         build_local(None, data, _subset(data, [0]), 256)
+
+
+def test_a_restricted_gru_head_fuses_to_the_same_draft_distribution(tiny_pipe):
+    """Scoring only a subset head's tokens (no log-softmax normaliser) leaves the fused draft's
+    softmax and argmax as the full product gives them; outside the head the logits stay -inf."""
+    embed = tiny_pipe.runtime.w.embed
+    torch.manual_seed(0)
+    gru = GRULocalHead(embed, torch.full((256,), 1 / 256), hidden=16, rank=16, window=3, a=0.7, b=0.2)
+    head = torch.randperm(256)[:64]
+    logits = torch.full((4, 256), float("-inf"))
+    logits[:, head] = torch.randn(4, 64)
+    recent = torch.randint(0, 256, (4, 3))
+    full = gru.fuse(logits, recent)
+    gru.restrict(head)
+    part = gru.fuse(logits, recent)
+    assert torch.isinf(part[:, [t for t in range(256) if t not in set(head.tolist())]]).all()
+    assert torch.allclose(part.softmax(-1), full.softmax(-1), atol=1e-6)
+    assert torch.equal(part.argmax(-1), full.argmax(-1))
