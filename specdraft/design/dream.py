@@ -31,7 +31,6 @@ The soft cross-entropy against the cached top-K of p is written as ``KL(p_K || q
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +41,7 @@ from specdraft.design.feature import FeatureBatch, FeatureDraftLM
 from specdraft.design.train import distill_loss
 from specdraft.drafters.dream import CROSS_KEYS, cross_attend, cross_weights
 from specdraft.errors import SpecdraftError
-from specdraft.models.llama import bf16_compute_dtype
+from specdraft.models.llama import widened
 
 FEAT_WEIGHT, SOFT_CE_WEIGHT, MID_WEIGHT = 0.2, 1.0, 1.0  # DREAM's loss weights (module docstring)
 
@@ -109,18 +108,6 @@ def target_features(target, ids: torch.Tensor, layers: list[int], frac: float):
     return memory, mid.float()
 
 
-def feature_model(target):
-    """The frozen target that :func:`target_features` runs: an fp32 copy of a bf16 target where the
-    runtime computes bf16 weights in fp32 (:func:`~specdraft.models.llama.bf16_compute_dtype`: no
-    native bf16). torch emulates bf16 matmuls there: on an AMD EPYC (Zen 3), 1 thread, 8 x 300 tokens
-    took 78 s in bf16 and 12 s in fp32 (a session measurement), most of a training step. The bf16
-    weights widen exactly, so the features are those of bf16 weights with fp32 arithmetic, which is
-    what the compact runtime computes at inference on such a CPU."""
-    if target.dtype == torch.bfloat16 and bf16_compute_dtype() == torch.float32:
-        return copy.deepcopy(target).float()
-    return target
-
-
 @dataclass
 class DreamBatch(FeatureBatch):
     """A :class:`FeatureBatch` plus the target's intermediate features.
@@ -141,8 +128,8 @@ class DreamDraftLM(FeatureDraftLM):
     Args:
         draft: a ``LlamaForCausalLM`` (its layers and norm are used; embedding/head are the target's).
         head_tokens: ``(N,)`` ids the head predicts, or None for the whole vocabulary.
-        target: the target ``LlamaForCausalLM`` (frozen; run per batch for its features, through
-            :func:`feature_model`).
+        target: the target ``LlamaForCausalLM`` (frozen; run per batch for its features, in the
+            runtime's arithmetic: :func:`~specdraft.models.llama.widened`).
         layers: target layers to cross-attend to (default :func:`default_layers`).
         heads: cross-attention heads (default: the draft's attention heads).
         frac: DREAM's candidate range for the entropy rule (:func:`candidate_layers`).
@@ -167,7 +154,7 @@ class DreamDraftLM(FeatureDraftLM):
         init = cross_weights(C, len(self.layers))
         self.cross = torch.nn.ParameterDict({k: torch.nn.Parameter(v) for k, v in init.items()})
         # a list: not a submodule (not trained, not saved)
-        self._target = [feature_model(target).eval().requires_grad_(False)]
+        self._target = [widened(target).eval().requires_grad_(False)]
 
     def trainable(self) -> list[torch.nn.Parameter]:
         return super().trainable() + list(self.cross.values())

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from specdraft.errors import SpecdraftError
-from specdraft.models.llama import bf16_compute_dtype
+from specdraft.models.llama import widened
 
 FILE = "local_head.safetensors"
 
@@ -157,11 +157,9 @@ class GRULocalHead(torch.nn.Module):
                 f"GRU local head: window {window}, hidden {hidden}, rank {rank} must be >= 1"
             )
         C = embed.shape[1]
-        # not a parameter: frozen, and not saved. In the runtime's arithmetic: an fp32 copy of a bf16
-        # embedding where bf16 is emulated (it widens exactly; torch's emulated bf16 product of a
-        # batch of 256 with SmolLM2's embedding made a training step ~20 s on a Zen 3 core)
-        fp32 = embed.dtype == torch.bfloat16 and bf16_compute_dtype() == torch.float32
-        self.embed = embed.float() if fp32 else embed
+        # not a parameter: frozen, and not saved; in the runtime's arithmetic (bf16 products of a batch
+        # of 256 with SmolLM2's embedding made a training step ~20 s on a Zen 3 core, fp32 0.6 s)
+        self.embed = widened(embed)
         self.gru = torch.nn.GRU(C, hidden, batch_first=True)
         self.down = torch.nn.Linear(hidden, rank, bias=False)
         self.up = torch.nn.Linear(rank, C, bias=False)

@@ -65,16 +65,17 @@ def test_target_features_are_the_layers_and_the_selected_inputs(tiny_pipe):
 def test_a_bf16_target_runs_its_feature_pass_in_fp32_where_bf16_is_emulated(tiny_pipe, monkeypatch):
     """Without native bf16 the draft's feature pass runs an fp32 copy (the runtime's arithmetic);
     the caller's model stays as it was. Elsewhere the target itself runs."""
-    from specdraft.design import dream
+    from specdraft.models import llama
 
     target = copy.deepcopy(tiny_pipe.target.model).to(torch.bfloat16)
-    monkeypatch.setattr(dream, "bf16_compute_dtype", lambda: torch.float32)
-    copied = dream.feature_model(target)
+    draft = depth_prune(tiny_pipe.target.model, [0])
+    monkeypatch.setattr(llama, "bf16_compute_dtype", lambda: torch.float32)
+    copied = DreamDraftLM(draft, None, target)._target[0]
     assert copied.dtype == torch.float32 and target.dtype == torch.bfloat16
     w = target.model.layers[0].mlp.up_proj.weight
     assert torch.equal(copied.model.layers[0].mlp.up_proj.weight, w.float())  # widened exactly
-    monkeypatch.setattr(dream, "bf16_compute_dtype", lambda: torch.bfloat16)
-    assert dream.feature_model(target) is target
+    monkeypatch.setattr(llama, "bf16_compute_dtype", lambda: torch.bfloat16)
+    assert DreamDraftLM(draft, None, target)._target[0] is target
 
 
 def test_loss_terms_decrease_on_a_tiny_model(tiny_pipe):

@@ -152,15 +152,15 @@ def test_gru_head_learns_the_continuations_and_fused_drafting_stays_lossless(tin
 def test_gru_head_scores_a_bf16_embedding_in_the_runtimes_arithmetic(tiny_pipe, monkeypatch):
     """Where bf16 is emulated the head scores with an exact fp32 copy of a bf16 embedding (the
     caller's tensor is untouched); where it is native, with the embedding itself."""
-    from specdraft.drafters import local
+    from specdraft.models import llama
 
     embed = tiny_pipe.runtime.w.embed.to(torch.bfloat16)
     prior = torch.full((embed.shape[0],), 1.0 / embed.shape[0])
-    monkeypatch.setattr(local, "bf16_compute_dtype", lambda: torch.float32)
+    monkeypatch.setattr(llama, "bf16_compute_dtype", lambda: torch.float32)
     head = GRULocalHead(embed, prior, hidden=8, rank=8, window=2)
     assert head.embed.dtype == torch.float32 and torch.equal(head.embed, embed.float())
     assert embed.dtype == torch.bfloat16
-    monkeypatch.setattr(local, "bf16_compute_dtype", lambda: torch.bfloat16)
+    monkeypatch.setattr(llama, "bf16_compute_dtype", lambda: torch.bfloat16)
     assert GRULocalHead(embed, prior, hidden=8, rank=8, window=2).embed is embed
 
 
