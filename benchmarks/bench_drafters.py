@@ -44,7 +44,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--draft-dtype", default="auto", choices=dtypes.choices("draft"), help=dtypes.help_text("draft")
     )
-    p.add_argument("--limit", type=int, default=2, help="prompts per Spec-Bench category")
+    p.add_argument(
+        "--prompts", type=Path, default=None, help="a Spec-Bench-format JSONL instead of Spec-Bench itself"
+    )
+    p.add_argument("--limit", type=int, default=2, help="prompts per category")
     p.add_argument("--categories", default=None)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-prompt-tokens", type=int, default=768)
@@ -169,9 +172,10 @@ def main() -> int:
         needs=("prune",) if prune else (),
     )
     methods = build_methods(args, pipe)
-    prompts = load_prompts(None, parse_categories(args.categories), args.limit)
+    prompts = load_prompts(args.prompts, parse_categories(args.categories), args.limit)
     cpu = cpu_name()
-    print(f"target {pipe.target.name} ({pipe.runtime}); {len(prompts)} Spec-Bench prompts (first turn)")
+    source = args.prompts or "Spec-Bench"
+    print(f"target {pipe.target.name} ({pipe.runtime}); {len(prompts)} {source} prompts (first turn)")
     print(f"{args.max_new_tokens} new tokens, threads {args.threads}, CPU {cpu}", flush=True)
     totals, stats = run(args, pipe, methods, prompts)
     categories = sorted({p.category for p in prompts})

@@ -76,12 +76,20 @@ def _suffix_options(kind: str, arg: str) -> str:
     return arg
 
 
+def _has_value(option: str, prefixes: tuple[str, ...]) -> bool:
+    """``option`` is ``PREFIX=VALUE`` for one of ``prefixes`` with a non-empty value."""
+    return any(option.startswith(p) and len(option) > len(p) for p in prefixes)
+
+
 def _ouroboros_options(kind: str, arg: str) -> str:
     opts = [o for o in arg.split(",") if o]
-    if any(not (o in ("lookup", "shared", "chain") or (o.startswith("warm=") and len(o) > 5)) for o in opts):
+    valued = ("warm=", "draft=")
+    if any(not (o in ("lookup", "shared", "chain") or _has_value(o, valued)) for o in opts) or (
+        "lookup" in opts and any(o.startswith("draft=") for o in opts)
+    ):
         raise SpecdraftError(
-            f"bad draft spec {kind}:{arg}: use {kind}[:lookup][,shared][,warm=PATH][,chain] "
-            "(without lookup the base draft is designed:auto)"
+            f"bad draft spec {kind}:{arg}: use {kind}[:lookup|draft=NAME][,shared][,warm=PATH][,chain] "
+            "(the base draft: prompt lookup, the designed draft NAME, or designed:auto)"
         )
     return arg
 
@@ -246,7 +254,7 @@ DRAFTERS: dict[str, DrafterKind] = {
     "ouroboros": DrafterKind(
         _lazy("specdraft.drafters.ouroboros"),
         _ouroboros_options,
-        "ouroboros[:lookup][,shared][,warm=PATH][,chain]",
+        "ouroboros[:lookup|draft=NAME][,shared][,warm=PATH][,chain]",
     ),
     "tree": DrafterKind(_lazy("specdraft.drafters.topk_tree"), _tree_arg, TREE_USAGE),
     "flex": DrafterKind(_lazy("specdraft.drafters.flex"), _layer_index, "flex[:SPLIT]"),  # untrained

@@ -147,16 +147,9 @@ class CTCDrafter(FeatureDrafter):
             torch.cat([g.to(dt).unsqueeze(1).expand(B, S, C), self.slots[:S].expand(B, S, C)], -1), self.fc
         )
         positions = (L - 1).unsqueeze(1) + torch.arange(S)  # (B, S)
-        self.core.w.embed = x.reshape(B * S, C)
-        slots = torch.arange(int(positions.max()) + 1)
-        mask = (slots >= state.start.view(B, 1, 1)) & (slots <= positions.unsqueeze(-1))  # (B, S, slots)
-        index = torch.arange(S).expand(B, S)
-        rows = torch.arange(B * S).view(B, S)  # rows of the embedding table set above
-        out = self.runtime.forward(
-            state.kv, rows, positions, hidden_layers=(-1,), attn_mask=mask, logits_index=index
-        )
-        blank = out.hidden[-1].float() @ self.blank_w.float() + self.blank_b.float()  # (B, S)
-        return torch.log_softmax(torch.cat([out.logits.float(), blank.unsqueeze(-1)], -1), -1)
+        logits, h = self._run(state, x, positions, index=torch.arange(S).expand(B, S))
+        blank = h.float() @ self.blank_w.float() + self.blank_b.float()  # (B, S)
+        return torch.log_softmax(torch.cat([logits.float(), blank.unsqueeze(-1)], -1), -1)
 
     def propose(self, state: FeatureDraftState, ctx: DraftContext, k: int) -> Proposal:
         B, L = ctx.lengths.shape[0], ctx.lengths

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from specdraft.drafters.feature_base import FeatureDrafterBase, FeatureDraftState
+from specdraft.models.llama import linear
 
 __all__ = ["FeatureDraftState", "FeatureDrafter"]
 
@@ -24,7 +25,9 @@ class FeatureDrafter(FeatureDrafterBase):
 
     Args:
         runtime: the draft's runtime (see :class:`FeatureDrafterBase`).
-        fc: ``(C, 2C)`` weight of the input projection over ``[feature, token embedding]``.
+        fc: ``(C, 2C)`` weight of the input projection over ``[feature, token embedding]``, in the
+            runtime's weight dtype (bf16 runs through the same packed kernels as its layers) or its
+            activations' dtype.
         embed: ``(V, C)`` the target's token embedding.
         name: shown in statistics.
         local: an optional local head (:mod:`specdraft.drafters.local`).
@@ -37,7 +40,6 @@ class FeatureDrafter(FeatureDrafterBase):
         self.fc = fc
 
     def inputs(self, feats: torch.Tensor, tokens: torch.Tensor, memory=None) -> torch.Tensor:
-        pairs = torch.cat(
-            [feats.to(self.fc.dtype), self.embed[tokens].to(self.fc.dtype)], dim=-1
-        )  # (B, T, 2C)
-        return torch.nn.functional.linear(pairs, self.fc)  # (B, T, C)
+        dt = self.runtime.dtype  # the runtime's activations; fc may be stored narrower (bf16)
+        pairs = torch.cat([feats.to(dt), self.embed[tokens].to(dt)], dim=-1)  # (B, T, 2C)
+        return linear(pairs, self.fc, None, None)  # (B, T, C): the runtime's matmul for fc's dtype

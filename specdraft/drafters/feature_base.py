@@ -19,7 +19,10 @@ What the base owns, so that each drafter kind only says how a pair becomes the d
   drafts (k = 0: ``--k auto``, the policy's plain probes) never reach the drafter, but their
   features are kept by the engine all the same, so the draft's context is the same whatever steps
   ran in between: every pair from the row's first decoded position on;
-- rollback: the draft's cache is position-indexed, so rolling back to the accepted length is a length
+- its cache: a row's pairs from its context start on, pair p at slot ``p - start`` (at RoPE position
+  ``p - start`` too: scores depend on position differences only), so a causal draft step needs no
+  mask and runs on the native kernels as a decode step does (:meth:`FeatureDrafterBase._run`);
+- rollback: the draft's cache is indexed by position, so rolling back to the accepted length is a length
   change. The next proposal writes the first pair after the committed prefix over whatever rejected
   drafts left there, and the attention mask never reaches past the current position, so
   :meth:`~FeatureDrafterBase.observe` has nothing to do (the committed length is read from
@@ -167,18 +170,28 @@ class FeatureDrafterBase:
     ) -> None:
         pass  # rollback is a length change: the next proposal reads the committed length (module docstring)
 
-    def _run(
-        self, state, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, slots=None, index=None
-    ):
-        """Run the draft over inputs ``x (B, T, C)`` at ``positions (B, T)`` (cache ``slots``, default
-        the positions) under ``mask (B, T, S)``; its logits and features at columns ``index (B, I)``
-        (None: every column), ``(B, I, V)`` and ``(B, I, C)``."""
+    def _run(self, state, x: torch.Tensor, positions: torch.Tensor, mask=None, slots=None, index=None):
+        """Run the draft over inputs ``x (B, T, C)`` at ``positions (B, T)``; its logits and features
+        at columns ``index (B, I)`` (None: every column), ``(B, I, V)`` and ``(B, I, C)``.
+
+        Positions, cache ``slots`` (default: the positions) and ``mask (B, T, S)`` (None: causal from
+        the row's ``state.start``) are the row's own. The cache holds the row's context from
+        ``state.start`` on, pair p at slot ``p - start`` and rotated at that relative position (RoPE
+        scores depend on position differences only, so this is the draft trained at absolute
+        positions): a causal step needs no mask and runs on the native kernels like a decode step.
+        """
         B, T, C = x.shape
+        base = state.start.clamp(min=0).view(B, 1)
+        kw = {}
+        if mask is not None:  # slot s of the row's mask is slot s - start of its cache
+            S = mask.shape[-1]
+            shifted = torch.arange(S).view(1, 1, S) + base.view(B, 1, 1)  # (B, 1, S)
+            mask = mask.gather(-1, shifted.clamp(max=S - 1).expand(B, T, S)) & (shifted < S)
+            kw = {"attn_mask": mask, "slots": (positions if slots is None else slots) - base}
         self.core.w.embed = x.reshape(B * T, C)
         rows = torch.arange(B * T).view(B, T)  # (B, T) rows of the embedding table set above
-        kw = {} if slots is None else {"slots": slots}
         out = self.runtime.forward(
-            state.kv, rows, positions, hidden_layers=(-1,), attn_mask=mask, logits_index=index, **kw
+            state.kv, rows, positions - base, hidden_layers=(-1,), logits_index=index, **kw
         )
         f = (
             out.hidden[-1]
@@ -192,10 +205,8 @@ class FeatureDrafterBase:
         ``state.start`` up to its position); full logits at ``index`` (or the last column) and the
         draft's feature there ``(B, C)``."""
         B, T, _ = x.shape
-        slots = torch.arange(int(positions.max()) + 1)
-        mask = (slots >= state.start.view(B, 1, 1)) & (slots <= positions.unsqueeze(-1))  # (B, T, S)
         index = torch.full((B, 1), T - 1) if index is None else index
-        logits, f = self._run(state, x, positions, mask, index=index)
+        logits, f = self._run(state, x, positions, index=index)
         return logits[:, 0], f[:, 0]
 
     def _real_pairs(self, state: FeatureDraftState, ctx: DraftContext) -> RealPairs | None:

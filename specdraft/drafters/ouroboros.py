@@ -8,7 +8,7 @@ draft token, which verification computes anyway. Each step, for each row:
 
 1. the base draft: prompt lookup's continuation of the context's trailing n-gram
    (``ouroboros:lookup``), or k tokens of a draft model (``ouroboros``: the draft designed for the
-   target, ``designed:auto``);
+   target, ``designed:auto``; ``ouroboros:draft=NAME``: the designed draft NAME, a feature draft too);
 2. it is lengthened, while shorter than k, with the most recent pool phrase of its last token
    (of the context's last token when the base proposes nothing);
 3. the other pool phrases of the context's last token become further branches (up to
@@ -28,7 +28,7 @@ The pool is per request by default. ``shared`` makes every request of the proces
 one pool (warm start from earlier requests; it lets one request's text shape another's timing, so
 it is opt-in); ``warm=PATH`` first loads phrases saved by :meth:`PhrasePool.save`.
 
-Draft spec: ``ouroboros[:lookup][,shared][,warm=PATH][,chain]`` (``chain``: propose only the
+Draft spec: ``ouroboros[:lookup|draft=NAME][,shared][,warm=PATH][,chain]`` (``chain``: propose only the
 lengthened base draft, as a chain, to compare tree and chain).
 """
 
@@ -234,12 +234,15 @@ def _with_model(target):
 
 
 def from_spec(spec, target) -> OuroborosDrafter:
-    """The ``ouroboros[:lookup][,shared][,warm=PATH][,chain]`` factory of
-    :data:`specdraft.registry.DRAFTERS`: the base is prompt lookup with ``lookup``, else the draft
-    designed for the target (``designed:auto``, itself prompt lookup when there is none)."""
+    """The ``ouroboros[:lookup|draft=NAME][,shared][,warm=PATH][,chain]`` factory of
+    :data:`specdraft.registry.DRAFTERS`: the base is prompt lookup with ``lookup``, the designed draft
+    NAME with ``draft=NAME`` (any kind, a feature draft too), else the draft designed for the target
+    (``designed:auto``, itself prompt lookup when there is none)."""
     from specdraft.registry import build_drafter
 
     opts = spec.arg.split(",")
-    warm = next((o.partition("=")[2] for o in opts if o.startswith("warm=")), None)
-    base = PromptLookupDrafter() if "lookup" in opts else build_drafter("designed:auto", _with_model(target))
+    value = {o.partition("=")[0]: o.partition("=")[2] for o in opts if "=" in o}
+    warm = value.get("warm")
+    designed = f"designed:{value.get('draft', 'auto')}"
+    base = PromptLookupDrafter() if "lookup" in opts else build_drafter(designed, _with_model(target))
     return OuroborosDrafter(base, shared="shared" in opts, warm=warm, tree="chain" not in opts)

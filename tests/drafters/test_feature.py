@@ -4,7 +4,7 @@ training model computes, it trains, saves and loads, and decoding with it stays 
 import pytest
 import torch
 
-from specdraft import api
+from specdraft import api, kernels
 from specdraft.design.artifact import DraftMeta, save_draft
 from specdraft.design.feature import FeatureDraftLM
 from specdraft.design.prune import depth_prune
@@ -65,6 +65,25 @@ def test_drafter_matches_the_training_model(tiny_pipe, data, subset):
         second = model.head_tokens[model.tokens.head(f2[0, -1]).argmax()]
     assert prop.num_valid.tolist() == [3]
     assert prop.tokens[0, :2].tolist() == [int(expected), int(second)]
+
+
+@pytest.mark.skipif(not kernels.available(), reason=f"native kernel: {kernels.status()}")
+def test_causal_draft_steps_run_on_the_native_kernels(tiny_pipe, data, monkeypatch):
+    """The draft's cache holds a row's context from its start at slot 0 (RoPE at relative positions,
+    the test above checks it is the same draft), so its causal steps need no attention mask and take
+    a native path as a decode step does, not torch's masked one."""
+    paths = []
+    choose = LlamaRuntime._path
+    monkeypatch.setattr(LlamaRuntime, "_path", lambda rt, *a: paths.append(choose(rt, *a)) or paths[-1])
+    drafter = _drafter(tiny_pipe, _model(tiny_pipe, None).eval(), None)
+    i, c = 2, 5
+    P, tokens = data.prompt_lens[i], data.tokens[i]
+    kept = kept_features({-1: data.hidden[i][:c].unsqueeze(0)}, [P - 1], 64)
+    ctx = DraftContext(tokens.unsqueeze(0), torch.tensor([P + c]), [SamplingParams()], [None], features=kept)
+    drafter.propose(drafter.new_state(1, 64), ctx, 3)
+    # the step's real pairs, then two drafted pairs: native attention ("fused": the tiny model's
+    # layers in torch around it; "native": all of them in one call), not torch's masked attention
+    assert len(paths) == 3 and set(paths) <= {"fused", "native"}, paths
 
 
 def test_recorded_hidden_states_are_the_targets_over_prompt_and_answer(tiny_pipe, data):

@@ -9,6 +9,7 @@ import torch
 from specdraft import api, pool
 from specdraft.drafters.base import DraftContext, Verified
 from specdraft.drafters.ouroboros import Chain, OuroborosDrafter, budget_tree
+from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.pool import PhrasePool
 from specdraft.registry import DraftSpec
@@ -180,3 +181,28 @@ def test_a_model_base_over_a_tokenizer_only_target_loads_the_transformers_model(
     assert _with_model(bare).loaded.model is not None and _with_model(bare).runtime is tiny_pipe.runtime
     full = Target(tiny_pipe.target, tiny_pipe.runtime, torch.float32)
     assert _with_model(full) is full
+
+
+def test_draft_names_the_model_base(monkeypatch, tiny_pipe):
+    """``ouroboros:draft=NAME`` builds the designed draft NAME as the base (a feature draft too),
+    plain ``ouroboros`` the target's ``designed:auto``; ``draft=`` with ``lookup`` or no name is one
+    line."""
+    from specdraft import registry
+    from specdraft.drafters.ouroboros import from_spec
+
+    for bad in ("ouroboros:draft=", "ouroboros:lookup,draft=x"):
+        with pytest.raises(SpecdraftError, match="bad draft spec"):
+            DraftSpec.parse(bad)
+    built = []
+
+    def fake_build(spec, target):
+        built.append(str(spec))
+        return PromptLookupDrafter()
+
+    monkeypatch.setattr(registry, "build_drafter", fake_build)
+    target = registry.Target(tiny_pipe.target, tiny_pipe.runtime, torch.float32)
+    cases = (("ouroboros:draft=my-feature,shared", "designed:my-feature"), ("ouroboros", "designed:auto"))
+    for spec, base in cases:
+        drafter = from_spec(DraftSpec.parse(spec), target)
+        assert built[-1] == base and isinstance(drafter.base, PromptLookupDrafter)
+    pool._SHARED.pop("ouroboros", None)

@@ -154,7 +154,7 @@ class Oracle(FeatureDrafter):
         self.ref = torch.stack(rows)  # (B, R) each row's reference sequence
         return super().start(state, ctx)
 
-    def _run(self, state, x, positions, mask, slots=None, index=None):
+    def _run(self, state, x, positions, mask=None, slots=None, index=None):
         logits, f = super()._run(state, x, positions, mask, slots, index)
         pos = positions if index is None else positions.gather(1, index)  # (B, I)
         true = self.ref.gather(
