@@ -207,7 +207,8 @@ def build_draft(
 
     result = _train(model, pipe, cfg, data, val, work, progress, times)
     after = validate(model, val, cfg.train.max_len)
-    log(f"trained: validation acceptance {after['alpha']:.3f}")
+    second = f", second position {after['alpha_2']:.3f}" if "alpha_2" in after else ""
+    log(f"trained: validation acceptance {after['alpha']:.3f}{second}")
     if cfg.kind == "diffusion":
         from specdraft.design.diffusion import block_report
 
@@ -462,6 +463,12 @@ def recipe_markdown(name: str, meta: DraftMeta) -> str:
             )
             + f"{val.get('untrained', {}).get('alpha', float('nan')):.3f}, trained "
             f"{val.get('trained', {}).get('alpha', float('nan')):.3f}"
+            + (
+                f"; second draft position, reading the draft's own feature, given the first accepted: "
+                f"{val['untrained']['alpha_2']:.3f} -> {val['trained']['alpha_2']:.3f}"
+                if all("alpha_2" in val.get(x, {}) for x in ("untrained", "trained"))
+                else ""
+            )
         ),
         f"- made {r.get('date')} with {r.get('versions')}",
         "",

@@ -118,12 +118,56 @@ class FeatureDraftLM(torch.nn.Module):
             self.fc.weight.copy_(state.pop("fc.weight"))
         self.tokens.load_own_state(state)
 
-    def features(self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def features(
+        self, feats: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, mask=None
+    ) -> torch.Tensor:
         """``(B, T, C)`` features, ``(B, T)`` next tokens and positions -> ``(B, T, C)`` predicted next
-        features."""
+        features (causal, or under a boolean ``mask (B, T, T)`` of which pairs each one reads)."""
         emb = self.draft.get_input_embeddings()(tokens)
         x = self.fc(torch.cat([feats, emb], dim=-1))
-        return self.draft.model(inputs_embeds=x, position_ids=positions, use_cache=False).last_hidden_state
+        if mask is not None:  # transformers takes a 4D additive mask as it is
+            mask = torch.zeros(mask.shape, dtype=x.dtype).masked_fill(~mask, torch.finfo(x.dtype).min)[
+                :, None
+            ]
+        out = self.draft.model(inputs_embeds=x, position_ids=positions, attention_mask=mask, use_cache=False)
+        return out.last_hidden_state
+
+    def second_position(self, batch: FeatureBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy hits of the *second* draft position, which reads the draft's own feature, and where
+        the first was right: ``(hit, first_right)``, ``(M,)`` booleans over the labelled pairs.
+
+        At labelled pair t the second draft position feeds the pair ``(f_hat, token p_t + 1)``, with
+        ``f_hat`` what the draft predicted at pair t - 1 from real features, and reads the real pairs
+        before t: its label is pair t's. All of them run in one forward over the real pairs followed
+        by these drafted pairs (each drafted pair sees the real ones before it and itself), as in
+        EAGLE-3's training-time test. ``first_right``: the teacher-forced prediction at pair t - 1 was
+        its label (so the draft's first token was accepted and ``token p_t + 1`` is what it proposed).
+        """
+        B, T = batch.ids.shape
+        with torch.no_grad():
+            h = self.features(batch.feats, batch.ids, batch.positions)  # (B, T, C) from real features
+            hit1 = torch.zeros(B, T, dtype=torch.bool)
+            hit1[batch.rows, batch.cols] = (
+                self.tokens.head(h[batch.rows, batch.cols]).argmax(-1) == batch.target
+            )
+            drafted = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1)  # (B, T, C): f_hat of pair t - 1
+            i = torch.arange(T)
+            real = i[None, :] <= i[:, None]  # (T, T) causal
+            mask = torch.cat(
+                [
+                    torch.cat([real, torch.zeros(T, T, dtype=torch.bool)], 1),
+                    torch.cat([real.tril(-1), torch.eye(T, dtype=torch.bool)], 1),
+                ]
+            ).expand(B, 2 * T, 2 * T)
+            h2 = self.features(
+                torch.cat([batch.feats, drafted], 1),
+                batch.ids.repeat(1, 2),
+                batch.positions.repeat(1, 2),
+                mask,
+            )[:, T:]
+            hit2 = self.tokens.head(h2[batch.rows, batch.cols]).argmax(-1) == batch.target
+        first_right = (batch.cols > 0) & hit1[batch.rows, (batch.cols - 1).clamp(min=0)]
+        return hit2, first_right
 
     def make_batch(self, data: TargetData, idx: list[int], max_len: int) -> FeatureBatch:
         """Pairs ``(f_p, token p + 1)`` from ``prompt_pairs`` before the last prompt position to the

@@ -285,20 +285,34 @@ def validate(model, data: TargetData, max_len: int = 320, batch_size: int = 8, k
     """Teacher-forced agreement on held-out target answers.
 
     With greedy decoding, draft position i is accepted iff the draft's argmax equals the target's
-    token given the target's own prefix, so this agreement rate is the per-token acceptance
-    ``alpha``; :func:`specdraft.analytic.expected_tokens` turns it into a mean accepted length.
+    token given the target's own prefix. For a token-level draft that prefix is all it reads, so
+    this agreement rate is the per-token acceptance ``alpha`` at every position, and
+    :func:`specdraft.analytic.expected_tokens` turns it into a mean accepted length. A draft with
+    ``second_position`` (the EAGLE-style feature draft) reads its own predicted feature from its
+    second position on: ``alpha_2`` is that position's acceptance given the first was accepted, and
+    the mean accepted length takes it for every position past the first.
     """
     was = model.training
     model.eval()
-    hit = total = 0
+    hit = total = hit2 = first = 0
+    chained = getattr(model, "second_position", None)
     for s in range(0, len(data), batch_size):
         batch = model.make_batch(data, list(range(s, min(s + batch_size, len(data)))), max_len)
         pred = model.predict(batch)
         hit += int(((pred == batch.target) & (batch.target >= 0)).sum())
         total += batch.target.numel()
+        if chained is not None:
+            h2, right = chained(batch)
+            hit2, first = hit2 + int((h2 & right).sum()), first + int(right.sum())
     model.train(was)
     alpha = hit / total if total else 0.0
-    return {"alpha": alpha, "mean_accepted_length": analytic.expected_tokens(alpha, k), "positions": total}
+    out = {"alpha": alpha, "mean_accepted_length": analytic.expected_tokens(alpha, k), "positions": total}
+    if chained is not None:
+        out["alpha_2"] = hit2 / first if first else 0.0
+        out["mean_accepted_length"] = analytic.expected_tokens_from_rates(
+            [alpha] + [out["alpha_2"]] * (k - 1), k
+        )
+    return out
 
 
 # ------------------------------------------------------------------------------------ checkpoints

@@ -145,6 +145,46 @@ def test_no_features_yet_means_no_proposal(tiny_pipe):
     assert drafter.propose(state, ctx, 4).num_valid.tolist() == [0, 0]
 
 
+@pytest.mark.parametrize("pairs", [0, 3])
+def test_the_second_position_reads_the_drafts_own_feature(tiny_pipe, data, pairs, tmp_path):
+    """``second_position``'s one masked forward gives, at every labelled pair, what drafting gives:
+    the real pairs before it, then the pair of the draft's own feature (predicted one pair earlier,
+    from real features) with the real next token; and ``validate`` reports its rate as ``alpha_2``."""
+    model = _model(tiny_pipe, head_subset(96))
+    model.prompt_pairs = pairs
+    cfg = TrainConfig(steps=25, batch_size=3, max_len=40, lr=3e-3, warmup=1, eval_every=25)
+    train_offline(model, data, data, cfg, tmp_path, progress=False)  # so that some positions hit
+    model.eval()
+    batch = model.make_batch(data, [0, 3, 4], max_len=12)
+    hit2, first_right = model.second_position(batch)
+    expected = []
+    with torch.no_grad():
+        h = model.features(batch.feats, batch.ids, batch.positions)
+        for b, t in zip(batch.rows.tolist(), batch.cols.tolist()):
+            if t == 0:
+                expected.append(False)
+                continue
+            feats = torch.cat([batch.feats[b, :t], h[b, t - 1 : t]])  # real pairs, then the drafted one
+            f = model.features(
+                feats[None], batch.ids[b : b + 1, : t + 1], batch.positions[b : b + 1, : t + 1]
+            )
+            expected.append(model.tokens.head(f[0, -1]).argmax().item())
+    labels = batch.target.tolist()
+    assert hit2.tolist() == [e is not False and e == y for e, y in zip(expected, labels)] and hit2.any()
+    first = {
+        (b, t): bool(p == y)
+        for b, t, p, y in zip(
+            *(x.tolist() for x in (batch.rows, batch.cols, model.predict(batch), batch.target))
+        )
+    }
+    assert first_right.tolist() == [
+        first.get((b, t - 1), False) for b, t in zip(batch.rows.tolist(), batch.cols.tolist())
+    ]
+    assert first_right.any()
+    stats = validate(model, data)
+    assert 0.0 <= stats["alpha_2"] <= 1.0 and stats["mean_accepted_length"] >= 1.0
+
+
 def test_trains_saves_loads_and_stays_lossless(tiny_pipe, data, tmp_path):
     head = head_subset(128)
     model = _model(tiny_pipe, head)
