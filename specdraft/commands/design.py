@@ -123,6 +123,13 @@ def _build_arguments(sub) -> None:
         help="--kind feature: prompt pairs the draft reads before the answer, in training and at inference "
         "(0: the answer's only)",
     )
+    b.add_argument(
+        "--second-weight",
+        type=float,
+        default=0.0,
+        help="--kind feature: also train the second draft position, which reads the draft's own predicted "
+        "feature, with this loss weight (EAGLE-3's training-time test, one step; 0: off)",
+    )
     b.add_argument("--window", type=int, default=8, help="--kind diffusion: target features read as context")
     b.add_argument(
         "--feature-layers",
@@ -312,6 +319,7 @@ def _build(args) -> int:
         feature_layers=args.feature_layers,
         init_from=args.init_from,
         prompt_pairs=args.prompt_pairs,
+        second_weight=args.second_weight,
         block=args.block,
         window=args.window,
     )

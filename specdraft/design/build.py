@@ -70,6 +70,8 @@ class BuildConfig:
             identity, so it starts as that feature draft); None: from the target's ``layers``.
         prompt_pairs: a ``feature`` draft reads this many prompt pairs before the answer's
             (:mod:`specdraft.design.feature`); its data then keeps the prompt's hidden states.
+        second_weight: a ``feature`` draft also trains its second draft position, which reads its
+            own predicted feature, with this weight (``FeatureDraftLM.second_weight``).
     """
 
     layers: list[int]
@@ -92,6 +94,7 @@ class BuildConfig:
     window: int = 8
     init_from: str | None = None
     prompt_pairs: int = 0
+    second_weight: float = 0.0
 
 
 SELF_SOURCE = "requests the target wrote itself (Magpie-style, sampled from its chat template's user turn)"
@@ -181,6 +184,8 @@ def build_draft(
         )
     if cfg.prompt_pairs < 0 or (cfg.prompt_pairs and cfg.kind != "feature"):
         raise SpecdraftError(f"--prompt-pairs {cfg.prompt_pairs}: a count >= 0, for --kind feature only")
+    if cfg.second_weight < 0 or (cfg.second_weight and cfg.kind != "feature"):
+        raise SpecdraftError(f"--second-weight {cfg.second_weight}: a weight >= 0, for --kind feature only")
     out = Path(out)
     work = Path(work) if work else out.with_name(out.name + ".work")
     times = {}
@@ -334,7 +339,10 @@ def _warm_start(cfg: BuildConfig, pipe):
     if cfg.kind == "dream":
         target = pipe.target.model
         return DreamDraftLM(draft, ids, target, cfg.feature_layers, fc=extra["fc.weight"]), head, draft
-    return FeatureDraftLM(draft, ids, fc=extra["fc.weight"], prompt_pairs=cfg.prompt_pairs), head, draft
+    model = FeatureDraftLM(
+        draft, ids, fc=extra["fc.weight"], prompt_pairs=cfg.prompt_pairs, second_weight=cfg.second_weight
+    )
+    return model, head, draft
 
 
 def _draft_model(draft, cfg: BuildConfig, head, target):
@@ -359,7 +367,8 @@ def _draft_model(draft, cfg: BuildConfig, head, target):
     if cfg.kind == "feature":
         from specdraft.design.feature import FeatureDraftLM
 
-        return FeatureDraftLM(draft, head.token_ids if head else None, prompt_pairs=cfg.prompt_pairs)
+        ids = head.token_ids if head else None
+        return FeatureDraftLM(draft, ids, prompt_pairs=cfg.prompt_pairs, second_weight=cfg.second_weight)
     return DraftLM(draft, head.token_ids if head else None)
 
 

@@ -29,6 +29,7 @@ format is specdraft's own (``kind = "feature"`` plus ``fc.weight``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +66,9 @@ class FeatureDraftLM(torch.nn.Module):
         noise: half-width of the uniform noise added to input features in training.
         reg_weight: weight of the feature regression loss.
         prompt_pairs: prompt pairs read before the last prompt position (module docstring).
+        second_weight: weight of the same losses at the second draft position, which reads the
+            draft's own predicted feature (:meth:`second_position`; EAGLE-3's training-time test,
+            one step deep); 0: trained on real features only.
     """
 
     def __init__(
@@ -75,6 +79,7 @@ class FeatureDraftLM(torch.nn.Module):
         noise: float = 0.1,
         reg_weight: float = 1.0,
         prompt_pairs: int = 0,
+        second_weight: float = 0.0,
     ):
         super().__init__()
         from specdraft.design.train import DraftLM
@@ -91,6 +96,7 @@ class FeatureDraftLM(torch.nn.Module):
         self.noise = noise
         self.reg_weight = reg_weight
         self.prompt_pairs = prompt_pairs
+        self.second_weight = second_weight
 
     @property
     def draft(self):
@@ -132,6 +138,18 @@ class FeatureDraftLM(torch.nn.Module):
         out = self.draft.model(inputs_embeds=x, position_ids=positions, attention_mask=mask, use_cache=False)
         return out.last_hidden_state
 
+    def _second(self, batch: FeatureBatch, feats: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """``(B, T, C)`` the draft's features at the second draft position of every pair, from input
+        features ``feats`` and the first position's predictions ``h`` over them (:meth:`second_position`)."""
+        B, T = batch.ids.shape
+        drafted = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1)  # (B, T, C): f_hat of pair t - 1
+        i = torch.arange(T)
+        real = i[None, :] <= i[:, None]  # (T, T) causal
+        none, own = torch.zeros(T, T, dtype=torch.bool), torch.eye(T, dtype=torch.bool)
+        mask = torch.cat([torch.cat([real, none], 1), torch.cat([real.tril(-1), own], 1)])  # (2T, 2T)
+        twice = (torch.cat([feats, drafted], 1), batch.ids.repeat(1, 2), batch.positions.repeat(1, 2))
+        return self.features(*twice, mask.expand(B, 2 * T, 2 * T))[:, T:]
+
     def second_position(self, batch: FeatureBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy hits of the *second* draft position, which reads the draft's own feature, and where
         the first was right: ``(hit, first_right)``, ``(M,)`` booleans over the labelled pairs.
@@ -150,22 +168,8 @@ class FeatureDraftLM(torch.nn.Module):
             hit1[batch.rows, batch.cols] = (
                 self.tokens.head(h[batch.rows, batch.cols]).argmax(-1) == batch.target
             )
-            drafted = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1)  # (B, T, C): f_hat of pair t - 1
-            i = torch.arange(T)
-            real = i[None, :] <= i[:, None]  # (T, T) causal
-            mask = torch.cat(
-                [
-                    torch.cat([real, torch.zeros(T, T, dtype=torch.bool)], 1),
-                    torch.cat([real.tril(-1), torch.eye(T, dtype=torch.bool)], 1),
-                ]
-            ).expand(B, 2 * T, 2 * T)
-            h2 = self.features(
-                torch.cat([batch.feats, drafted], 1),
-                batch.ids.repeat(1, 2),
-                batch.positions.repeat(1, 2),
-                mask,
-            )[:, T:]
-            hit2 = self.tokens.head(h2[batch.rows, batch.cols]).argmax(-1) == batch.target
+            h2 = self._second(batch, batch.feats, h)[batch.rows, batch.cols]
+            hit2 = self.tokens.head(h2).argmax(-1) == batch.target
         first_right = (batch.cols > 0) & hit1[batch.rows, (batch.cols - 1).clamp(min=0)]
         return hit2, first_right
 
@@ -223,9 +227,22 @@ class FeatureDraftLM(torch.nn.Module):
         feats = batch.feats
         if self.training and self.noise:
             feats = feats + (torch.rand_like(feats) * 2 - 1) * self.noise
-        h = self.features(feats, batch.ids, batch.positions)[batch.rows, batch.cols]  # (M, C)
+        full = self.features(feats, batch.ids, batch.positions)  # (B, T, C)
+        loss, parts = self._losses(full[batch.rows, batch.cols], batch, cfg)
+        if self.second_weight:  # the second draft position, reading the draft's own features
+            h2 = self._second(batch, feats, full)[batch.rows, batch.cols]
+            after_first = dataclasses.replace(batch, weight=batch.weight * (batch.cols > 0))  # a pair before
+            second, more = self._losses(h2, after_first, cfg)
+            loss = loss + self.second_weight * second
+            parts["second_ce"] = more["ce"]
+        return loss, parts
+
+    def _losses(self, h: torch.Tensor, batch: FeatureBatch, cfg) -> tuple[torch.Tensor, dict]:
+        """Token distillation and feature regression of predicted features ``h (M, C)`` at the
+        labelled pairs of non-zero ``batch.weight``."""
         loss, parts = distill_loss(self.tokens.head(h), batch, cfg.ce_weight, cfg.kl_weight)
-        reg = F.smooth_l1_loss(h, batch.feat_target)
+        keep = batch.weight > 0
+        reg = F.smooth_l1_loss(h[keep], batch.feat_target[keep])
         parts["reg"] = float(reg.detach())
         return loss + self.reg_weight * reg, parts
 
