@@ -92,7 +92,7 @@ class CTCDraftLM(FeatureDraftLM):
         fc, noise: as :class:`FeatureDraftLM`.
     """
 
-    second_position = None  # its drafted pairs read more than a feature (not measured by validate)
+    second_position = None  # it drafts its slots in one pass, not pair by pair (validate: first only)
 
     def __init__(
         self, draft, head_tokens, slots: int = 6, labels: int = 3, anchors: int = 16, fc=None, noise=0.1

@@ -136,7 +136,7 @@ class DreamDraftLM(FeatureDraftLM):
         fc, noise: as :class:`FeatureDraftLM`.
     """
 
-    second_position = None  # its drafted pairs read more than a feature (not measured by validate)
+    second_position = None  # its drafted pairs also read target layers (validate: first only)
 
     def __init__(
         self, draft, head_tokens, target, layers=None, heads=None, frac: float = 0.4, fc=None, noise=0.1
