@@ -214,9 +214,8 @@ class Pipeline:
 
     def engine(self, k: int | str | KPolicy = 5, hidden_layers: tuple[int, ...] = ()) -> Engine:
         policy = k if hasattr(k, "choose") else make_policy(k)
-        # feature-conditioned drafters name the target layers they read
-        hidden_layers = hidden_layers or getattr(self.drafter, "hidden_layers", ())
-        return Engine(self.runtime, self.drafter, policy, hidden_layers=hidden_layers)
+        # () or None: the target layers a feature-conditioned drafter names (Engine's default)
+        return Engine(self.runtime, self.drafter, policy, hidden_layers=hidden_layers or None)
 
     def stream(
         self,

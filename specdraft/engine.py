@@ -87,7 +87,9 @@ class Engine:
         target: the model whose output is reproduced exactly.
         drafter: proposes draft tokens; None (or k = 0) is plain autoregressive decoding.
         policy: chooses the draft length k at each step.
-        hidden_layers: target hidden states to hand to the drafter (feature-level drafters).
+        hidden_layers: target hidden states to hand to the drafter; None (the default): the ones the
+            drafter names (``drafter.hidden_layers``: feature-level drafters), so every engine built
+            over such a drafter feeds it.
     """
 
     def __init__(
@@ -96,7 +98,7 @@ class Engine:
         drafter: Drafter | None = None,
         policy: KPolicy | None = None,
         *,
-        hidden_layers: tuple[int, ...] = (),
+        hidden_layers: tuple[int, ...] | None = None,
     ):
         if drafter is not None and drafter.vocab_size not in (None, target.vocab_size):
             raise SpecdraftError(
@@ -125,7 +127,7 @@ class Engine:
         self.ragged = "lengths" in inspect.signature(target.forward).parameters
         if self.ragged and hasattr(self.policy, "ragged"):
             self.policy.ragged = True
-        self.hidden_layers = hidden_layers
+        self.hidden_layers = getattr(drafter, "hidden_layers", ()) if hidden_layers is None else hidden_layers
         self.stats = SpecStats()
         self.requests: list[Request] = []
         self.generators: list[torch.Generator] = []

@@ -186,10 +186,7 @@ def engine_method(
     The one ``policy`` serves every call, so an adaptive policy keeps learning across prompts (as
     the server keeps one); a drafter that reads target hidden states gets them.
     """
-    hidden_layers = getattr(drafter, "hidden_layers", ())
-    return Method(
-        name, lambda: Engine(runtime, drafter, policy, hidden_layers=hidden_layers), eos_ids=eos_ids
-    )
+    return Method(name, lambda: Engine(runtime, drafter, policy), eos_ids=eos_ids)
 
 
 def baseline_method(name: str, decode: Callable[[list[int], int, SamplingParams], list[int]]) -> Method:

@@ -21,10 +21,10 @@ proposes at the first step after the prefill).
 Trade-off: the first draft token of a step is conditioned on the target's own state, so acceptance
 is much higher than for a token-only draft of the same size, at the same per-token cost (fc is
 0.66 M multiply-adds next to a 3.5 M layer). The price is coupling: the engine must ask the target
-for its final hidden state (``Engine(..., hidden_layers=(-1,))``; ``Pipeline.engine`` does it for
-this drafter), the draft only works with the target it was trained on, and it cannot be exported to
-engines that lack feature drafting (transformers' ``assistant_model`` cannot host it); its directory
-format is specdraft's own (``kind = "feature"`` plus ``fc.weight``).
+for its final hidden state (an ``Engine`` over this drafter does by default), the draft only works
+with the target it was trained on, and it cannot be exported to engines that lack feature drafting
+(transformers' ``assistant_model`` cannot host it); its directory format is specdraft's own
+(``kind = "feature"`` plus ``fc.weight``).
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ What the base owns, so that each drafter kind only says how a pair becomes the d
 (:meth:`FeatureDrafterBase.inputs`):
 
 - which target layers it reads: :attr:`~FeatureDrafterBase.hidden_layers` is ``(-1, *layers)``; the
-  engine asks the target for them (``Engine(..., hidden_layers=drafter.hidden_layers)``;
-  ``Pipeline.engine`` and the bench harness do it). ``memory`` below holds the extra ``layers``;
+  engine asks the target for them (an ``Engine`` over the drafter does by default: its
+  ``hidden_layers`` are the drafter's). ``memory`` below holds the extra ``layers``;
 - the bookkeeping of which pairs are real: each proposal first feeds every pair it has not fed yet
   (positions ``fed .. L - 2``, in one draft forward), then drafts on its own features. Steps without
   drafts (k = 0: ``--k auto``, the policy's plain probes) never reach the drafter, but their

@@ -15,6 +15,7 @@ from specdraft.drafters.feature import FeatureDrafter
 from specdraft.engine import Engine
 from specdraft.models.llama import LlamaRuntime
 from specdraft.models.subset_head import SubsetHeadRuntime, draft_weights
+from specdraft.policy import FixedK
 from specdraft.verify import SamplingParams
 from tests.helpers import decode, head_subset, kept_features, random_prompts, target_answers
 
@@ -211,3 +212,18 @@ def test_trains_saves_loads_and_stays_lossless(tiny_pipe, data, tmp_path):
     assert engine.stats.drafted > 0 and engine.stats.accepted > 0
     sampled = decode(pipe.engine(3), prompts, 12, SamplingParams(temperature=0.8, seed=1))
     assert [len(s) for s in sampled] == [12, 12, 12]
+
+
+def test_an_engine_feeds_the_layers_its_drafter_names_unless_told_otherwise(tiny_pipe):
+    """``Engine(target, drafter)`` hands a feature drafter the target states it names (so the study's
+    online runs and the profiler, which build engines plainly, measure it drafting); an explicit
+    ``hidden_layers=()`` hands none, and the drafter then proposes nothing."""
+    drafter = _drafter(tiny_pipe, _model(tiny_pipe, None).eval(), None)
+    prompts = random_prompts([5, 8], seed=12)
+    fed = Engine(tiny_pipe.runtime, drafter, FixedK(3))
+    assert fed.hidden_layers == (-1,)
+    assert decode(fed, prompts, 12) == decode(Engine(tiny_pipe.runtime), prompts, 12)
+    assert fed.stats.drafted > 0
+    starved = Engine(tiny_pipe.runtime, drafter, FixedK(3), hidden_layers=())
+    decode(starved, prompts, 12)
+    assert starved.stats.drafted == 0
