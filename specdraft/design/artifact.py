@@ -438,10 +438,11 @@ def _feature_drafter(meta: DraftMeta, extra: dict, rt, w, path: Path):
     lacking = [k for k in need if k not in extra]
     if lacking:
         raise SpecdraftError(f"{meta.kind} draft {path} lacks {lacking[0]}: corrupted")
-    fc, name = extra["fc.weight"].to(w.compute_dtype), f"designed:{path.name}"
+    fc, name = extra["fc.weight"], f"designed:{path.name}"
     if meta.kind == "feature":  # its fc runs as the layers' matmuls do: bf16 weights stay bf16
-        fc = extra["fc.weight"].to(w.dtype if w.dtype.is_floating_point else w.compute_dtype)
+        fc = fc.to(w.dtype if w.dtype.is_floating_point else w.compute_dtype)
         return FeatureDrafter(rt, fc, w.embed, name, prompt_pairs=meta.arch.get("prompt_pairs", 0))
+    fc = fc.to(w.compute_dtype)  # ctc and dream run theirs in torch, on the activations' dtype
     if meta.kind == "ctc":
         return CTCDrafter(rt, fc, {k: extra[f"ctc.{k}"] for k in CTC_KEYS}, w.embed, name)
     cross = {k: extra[f"cross.{k}"] for k in CROSS_KEYS}

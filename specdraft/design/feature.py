@@ -150,9 +150,10 @@ class FeatureDraftLM(torch.nn.Module):
         twice = (torch.cat([feats, drafted], 1), batch.ids.repeat(1, 2), batch.positions.repeat(1, 2))
         return self.features(*twice, mask.expand(B, 2 * T, 2 * T))[:, T:]
 
-    def second_position(self, batch: FeatureBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy hits of the *second* draft position, which reads the draft's own feature, and where
-        the first was right: ``(hit, first_right)``, ``(M,)`` booleans over the labelled pairs.
+    def second_position(self, batch: FeatureBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Greedy hits of the first draft position (:meth:`predict`'s), of the *second*, which reads
+        the draft's own feature, and where the first was right: ``(hit1, hit2, first_right)``,
+        ``(M,)`` booleans over the labelled pairs.
 
         At labelled pair t the second draft position feeds the pair ``(f_hat, token p_t + 1)``, with
         ``f_hat`` what the draft predicted at pair t - 1 from real features, and reads the real pairs
@@ -164,14 +165,13 @@ class FeatureDraftLM(torch.nn.Module):
         B, T = batch.ids.shape
         with torch.no_grad():
             h = self.features(batch.feats, batch.ids, batch.positions)  # (B, T, C) from real features
-            hit1 = torch.zeros(B, T, dtype=torch.bool)
-            hit1[batch.rows, batch.cols] = (
-                self.tokens.head(h[batch.rows, batch.cols]).argmax(-1) == batch.target
-            )
+            hit1 = self.tokens.head(h[batch.rows, batch.cols]).argmax(-1) == batch.target  # (M,)
             h2 = self._second(batch, batch.feats, h)[batch.rows, batch.cols]
             hit2 = self.tokens.head(h2).argmax(-1) == batch.target
-        first_right = (batch.cols > 0) & hit1[batch.rows, (batch.cols - 1).clamp(min=0)]
-        return hit2, first_right
+        at = torch.zeros(B, T, dtype=torch.bool)
+        at[batch.rows, batch.cols] = hit1
+        first_right = (batch.cols > 0) & at[batch.rows, (batch.cols - 1).clamp(min=0)]
+        return hit1, hit2, first_right
 
     def make_batch(self, data: TargetData, idx: list[int], max_len: int) -> FeatureBatch:
         """Pairs ``(f_p, token p + 1)`` from ``prompt_pairs`` before the last prompt position to the

@@ -298,12 +298,13 @@ def validate(model, data: TargetData, max_len: int = 320, batch_size: int = 8, k
     chained = getattr(model, "second_position", None)
     for s in range(0, len(data), batch_size):
         batch = model.make_batch(data, list(range(s, min(s + batch_size, len(data)))), max_len)
-        pred = model.predict(batch)
-        hit += int(((pred == batch.target) & (batch.target >= 0)).sum())
-        total += batch.target.numel()
-        if chained is not None:
-            h2, right = chained(batch)
+        if chained is None:
+            hit1 = model.predict(batch) == batch.target
+        else:  # the same first-position forward, then the second position's
+            hit1, h2, right = chained(batch)
             hit2, first = hit2 + int((h2 & right).sum()), first + int(right.sum())
+        hit += int((hit1 & (batch.target >= 0)).sum())
+        total += batch.target.numel()
     model.train(was)
     alpha = hit / total if total else 0.0
     out = {"alpha": alpha, "mean_accepted_length": analytic.expected_tokens(alpha, k), "positions": total}

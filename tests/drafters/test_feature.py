@@ -157,7 +157,8 @@ def test_the_second_position_reads_the_drafts_own_feature(tiny_pipe, data, pairs
     train_offline(model, data, data, cfg, tmp_path, progress=False)  # so that some positions hit
     model.eval()
     batch = model.make_batch(data, [0, 3, 4], max_len=12)
-    hit2, first_right = model.second_position(batch)
+    hit1, hit2, first_right = model.second_position(batch)
+    assert torch.equal(hit1, model.predict(batch) == batch.target)
     expected = []
     with torch.no_grad():
         h = model.features(batch.feats, batch.ids, batch.positions)
