@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from specdraft import kernels
 from specdraft.drafters.feature_base import FeatureDrafterBase, FeatureDraftState
 from specdraft.models.llama import linear
 
@@ -38,6 +39,7 @@ class FeatureDrafter(FeatureDrafterBase):
     def __init__(self, runtime, fc: torch.Tensor, embed: torch.Tensor, name: str, local=None, prompt_pairs=0):
         super().__init__(runtime, embed, name, local=local, prompt_pairs=prompt_pairs)
         self.fc = fc
+        kernels.prepack(fc)
 
     def inputs(self, feats: torch.Tensor, tokens: torch.Tensor, memory=None) -> torch.Tensor:
         dt = self.runtime.dtype  # the runtime's activations; fc may be stored narrower (bf16)

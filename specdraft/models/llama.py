@@ -446,6 +446,8 @@ class LlamaRuntime:
         self._rope_len = 0
         self._cos = self._sin = None
         self._decode_layers = None  # kernels.DecodeLayers, or False where the layers cannot run natively
+        matmuls = (w for lw in self.layers for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down))
+        kernels.prepack(*matmuls, weights.lm_head)
 
     def __repr__(self) -> str:
         return f"LlamaRuntime(layers={len(self.layers)}/{len(self.w.layers)}, {self.w.precision})"

@@ -61,6 +61,24 @@ def test_packed_copy_follows_in_place_changes_of_the_weight():
     assert torch.equal(kernels.fewrows_matmul(x, w), before * 2)  # exact: a power-of-two scale
 
 
+@needs_kernel
+def test_a_runtime_packs_its_weights_when_built_not_in_its_first_step(monkeypatch):
+    """The first decode step is timed by an adaptive policy: packing in it read as draft latency
+    (a feature draft's first proposal took 30 ms instead of 3 and k = auto decoded plainly)."""
+    model = tiny_llama(vocab_size=256, dtype=torch.float32, hidden_size=64, seed=3)
+    rt = LlamaRuntime(LlamaWeights.from_hf(model, torch.bfloat16, compute=torch.float32))
+    calls = []
+    monkeypatch.setattr(kernels, "pack_bf16", lambda w: calls.append(w.shape))
+    state = rt.new_state(1, 16)
+    rt.forward(state, torch.tensor([[1, 2, 3]]), torch.arange(3).view(1, -1))
+    rt.forward(state, torch.tensor([[4]]), torch.tensor([[3]]))
+    assert calls == []
+    fc = torch.randn(64, 128).bfloat16()
+    kernels.prepack(fc, torch.randn(64, 128))  # fp32 weights are not packed
+    kernels.packed(fc)  # cached: not packed again
+    assert calls == [(64, 128)]
+
+
 def test_pack_bf16_layout():
     w = torch.arange(32 * 3, dtype=torch.float32).view(32, 3).bfloat16()
     p = kernels.pack_bf16(w)
