@@ -215,7 +215,12 @@ class RowWatch:
 
     A row (request) is switched off, 0 draft tokens verified, once its own decayed acceptance of
     the first draft token falls below ``floor`` with at least ``evidence`` decayed proposals
-    behind it (``decay`` 0.8, ``evidence`` 2: three rejected proposals in a row). While off it
+    behind it (``decay`` 0.8, ``evidence`` 2: three rejected proposals in a row), and its run of
+    rejected proposals is one a row of this drafter rarely has: below ``off_alpha`` at the
+    drafter's average acceptance p (``(1 - p)^run``: 3 at p = 0.9, 6 at p = 0.5), or ``off_max``
+    long whatever p (a drafter seldom right has little to lose by trying again). Before that rule,
+    a draft accepted half of the time went off at every third miss in a row and spent a fifth of
+    its steps off. While the average is cold the floor alone decides. While off it
     probes ``probe_k`` tokens on the policy's schedule (``probe_every``, doubling to ``probe_max``);
     a probe that is accepted lifts the estimate above ``floor`` and switches it back on. A row
     that is off spends no draft token of its own: when every row is off the batch decodes plainly.
@@ -226,8 +231,8 @@ class RowWatch:
     under p that ``P(X <= h | Binomial(n, p)) < detect_alpha``: a row that is merely unlucky is
     not flagged, one that is always wrong is after ``log(alpha) / log(1 - p)`` proposals
     (3 at p = 0.9, 13 at p = 0.3). A row that is off proposes only at its probes (intervals
-    ``probe_every``, doubling), so in steps that is 3 at p = 0.9, about 60 at p = 0.6 (6
-    proposals: 3 + probes after 8, 16, 32 steps), and later than most requests end below that;
+    ``probe_every``, doubling), so in steps that is 3 at p = 0.9, 13 at p = 0.6 (6 proposals: off
+    after 5, a probe 8 steps later), and later than most requests end below that;
     probing faster would buy detection with draft work (a probe of a model draft costs
     ``probe_k`` draft forwards), which the defense must not spend. A drafter whose average
     acceptance is low cannot tell an attacked request from an unlucky one quickly (75 proposals
@@ -248,6 +253,8 @@ class RowWatch:
         detect_alpha: and only when that few hits are this unlikely at the average.
         average_decay: weight of history in the drafter's average (per row proposal).
         detect_warmup: decayed proposals the average needs before any row is flagged.
+        off_alpha: a row goes off only after a run of rejections this unlikely at the average.
+        off_max: or after a run this long.
     """
 
     decay: float = 0.8
@@ -257,10 +264,14 @@ class RowWatch:
     detect_alpha: float = 0.01
     average_decay: float = 0.98
     detect_warmup: float = 10.0
+    off_alpha: float = 0.02
+    off_max: int = 8
 
     def __post_init__(self):
         if not (0 < self.decay < 1 and 0 < self.average_decay < 1 and 0 <= self.floor < 1):
             raise SpecdraftError("RowWatch: need 0 < decay, average_decay < 1 and 0 <= floor < 1")
+        if not (0 < self.off_alpha <= 1 and self.off_max >= 1):
+            raise SpecdraftError("RowWatch: need 0 < off_alpha <= 1 and off_max >= 1")
         if not (self.evidence > 0 and 0 < self.detect_fraction <= 1 and 0 < self.detect_alpha < 1) or (
             self.detect_warmup < 0
         ):
@@ -274,13 +285,15 @@ class RowWatch:
 class _Row:
     """One request's record: ``reached`` / ``accepted`` decayed counts of its proposals and of
     those whose first token was accepted (the on/off switch), ``proposals`` / ``hits`` the same
-    without decay (detection), and its probe schedule while off."""
+    without decay (detection), ``misses`` its current run of rejected proposals, and its probe
+    schedule while off."""
 
     probe_interval: int
     reached: float = 0.0
     accepted: float = 0.0
     proposals: int = 0
     hits: int = 0
+    misses: int = 0
     off: bool = False
     since_probe: int = 0
     probing: bool = False
@@ -868,6 +881,7 @@ class CostAwareK:
         row.accepted = w.decay * row.accepted + hit
         row.proposals += 1
         row.hits += hit
+        row.misses = 0 if hit else row.misses + 1
         was_on = not row.off
         rate = row.accepted / row.reached
         if row.off:  # this was a probe
@@ -876,7 +890,7 @@ class CostAwareK:
                 row.off, row.probe_interval = False, self.probe_every
             else:
                 row.probe_interval = min(2 * row.probe_interval, self.probe_max)
-        elif row.reached >= w.evidence and rate < w.floor:
+        elif row.reached >= w.evidence and rate < w.floor and self._rare_run(row.misses):
             row.off, row.since_probe = True, 0
         if was_on:
             self.average = [
@@ -885,6 +899,14 @@ class CostAwareK:
             ]
         self._detect(r, row)
         return was_on
+
+    def _rare_run(self, misses: int) -> bool:
+        """Whether a run of ``misses`` rejected proposals is rare for a row of this drafter
+        (:class:`RowWatch`: ``off_alpha``, ``off_max``); True while the average is cold."""
+        w = self.watch
+        if misses >= w.off_max or self.average[0] < max(w.detect_warmup, 1.0):
+            return True
+        return (1 - self.average[1] / self.average[0]) ** misses < w.off_alpha
 
     def _detect(self, r: int, row: _Row) -> None:
         """Flag row r once when its acceptance is far below, and implausibly low for, the average."""

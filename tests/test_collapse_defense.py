@@ -194,6 +194,28 @@ def test_a_row_recovers_when_its_drafts_are_right_again(tiny, reference):
     assert engine.stats.accepted > 0
 
 
+def test_a_row_goes_off_after_a_run_of_rejections_rare_for_its_drafter():
+    """Average acceptance 0.5: three rejections in a row (one row in eight) keep a row on, six
+    ((1 - 0.5)^6 < off_alpha = 0.02) switch it off; cold, three do, as does a run of off_max."""
+
+    def rejections(p: CostAwareK, run: int, warm: bool) -> bool:
+        rows = [1, 2]
+        for i in range(40 if warm else 0):  # row 2 alone sets the average: accepted every other time
+            p.choose([2])
+            p.update(1, torch.tensor([1]), torch.tensor([i % 2]), 1e-4, 0.01, None, [2])
+        for _ in range(run):
+            p.choose(rows)
+            p.update(1, torch.tensor([1, 1]), torch.tensor([0, 1]), 1e-4, 0.01, None, rows)
+        return p.row_state[1].off
+
+    assert not rejections(CostAwareK(), 3, warm=True)
+    assert rejections(CostAwareK(), 6, warm=True)
+    assert rejections(CostAwareK(), 3, warm=False)
+    assert rejections(CostAwareK(watch=RowWatch(off_max=3)), 3, warm=True)
+    with pytest.raises(SpecdraftError, match="off_alpha"):
+        RowWatch(off_alpha=0.0)
+
+
 def test_detection_flags_implausibly_low_acceptance_only():
     """The rule of :class:`RowWatch`: far below the drafter's average and unlikely under it."""
     p = CostAwareK()

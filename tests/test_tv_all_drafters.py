@@ -404,7 +404,7 @@ def make_case(name: str, target: LlamaRuntime, draft=None) -> Case:
         # per-row watching strict enough to act within NEW = 2 steps: a row whose first proposal
         # was rejected verifies nothing at its second step (the cut reads the earlier step only;
         # the rows left at step 2 are all such rows, so the batch's k is 0 there)
-        watch = RowWatch(evidence=0.5, floor=0.5)
+        watch = RowWatch(evidence=0.5, floor=0.5, off_max=1)  # off_max 1: a run of one rejection will do
         policy = SteadyClock(CostAwareK(k_max=2, k_start=2, probe_every=8, watch=watch))
         return Case(ModelDrafter(peaked(seed=11, scale=12.0), "other"), policy, batch=100, check=_rows_off)
     if name == "cost-aware-safe-arm":  # steps cut to plain decoding by the realised-rate check (issue 17):

@@ -25,10 +25,11 @@ def steady_requests(p: float, n: int, length: int = 64) -> list[list[int]]:
     return [[int(math.floor((i + 1) * p) > math.floor(i * p)) for i in range(length)] for _ in range(n)]
 
 
-@pytest.mark.parametrize("p, within", [(0.9, 3), (0.6, 3 + 8 + 16 + 32)])
+@pytest.mark.parametrize("p, within", [(0.9, 3), (0.6, 5 + 8)])
 def test_an_always_wrong_request_is_flagged_within_the_documented_steps(p, within):
-    """After warm-up: log(alpha) / log(1 - p) proposals (3 at 0.9, 6 at 0.6); a row is off after 3
-    rejections and then proposes only at its probes (8, 16, 32 steps apart)."""
+    """After warm-up: log(alpha) / log(1 - p) proposals (3 at 0.9, 6 at 0.6); a row is off after a
+    run of rejections rare at p (3 at 0.9, 5 at 0.6) and then proposes only at its probes (8, 16,
+    32 steps apart)."""
     requests = steady_requests(p, 10) + [[0] * 128]
     flags = replay(requests, tokens=128)
     assert all(f.step is None for f in flags[:-1])
@@ -68,7 +69,7 @@ def test_recorded_clean_distribution_flags_at_most_five_percent():
     r = rates(replay(requests, tokens=doc["max_new_tokens"]), adversarial)
     assert r["false_positive_rate"] <= 0.05, r
     # the test can fail: looser thresholds flag many of these clean requests
-    loose = RowWatch(detect_alpha=0.1, detect_fraction=0.5)
+    loose = RowWatch(detect_alpha=0.2, detect_fraction=0.5)
     assert (
         rates(replay(requests, loose, tokens=doc["max_new_tokens"]), adversarial)["false_positive_rate"] > 0.1
     )
