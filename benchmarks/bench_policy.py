@@ -2,7 +2,8 @@
 
 One drafter (prompt lookup by default), several policies (``--policies auto,2,4,heuristic``: the
 cost-aware policy, fixed k, transformers' heuristic; ``auto-batch`` without its per-row watch,
-``auto-padded`` on the runtime without ragged steps, ``auto-unguarded`` without its safe arm, the
+``auto-padded`` on the runtime without ragged steps, ``auto-off3`` with the row watch before 1d59d9d
+(a row off after any three rejections in a row), ``auto-unguarded`` without its safe arm, the
 check of realised speed against plain decoding: ``auto`` against it is that check's cost or gain),
 Spec-Bench first turns, greedy, batch 1 (or ``--batch N``: the prompts decoded N rows at a time,
 overall figures only).
@@ -35,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specdraft import api
 from specdraft.bench import harness
 from specdraft.bench.prompts import fit_context, load_prompts, parse_categories
-from specdraft.policy import CostAwareK, make_policy
+from specdraft.policy import CostAwareK, RowWatch, make_policy
 
 
 class Padded:
@@ -58,9 +59,11 @@ class Padded:
 # name -> policy factory; a name not here goes to make_policy ("auto", "heuristic", "4").
 # auto-batch: the cost-aware policy without its per-row watch (one acceptance record for the batch);
 # auto-padded: the cost-aware policy on the runtime without ragged steps (Padded); auto-unguarded:
-# without the safe arm (SafeArm: the model's choice unchecked by the clock)
+# without the safe arm (SafeArm: the model's choice unchecked by the clock); auto-off3: a row goes off
+# after three rejected proposals in a row whatever the drafter's average (RowWatch before 1d59d9d)
 POLICIES: dict = {
     "auto-batch": lambda: CostAwareK(watch=None),
+    "auto-off3": lambda: CostAwareK(watch=RowWatch(off_max=3)),
     "auto-padded": CostAwareK,
     "auto-unguarded": lambda: CostAwareK(guard=None),
 }
