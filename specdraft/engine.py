@@ -311,13 +311,18 @@ class Engine:
             self.features = TargetFeatures(
                 {i: h.new_zeros(B, S, h.shape[2]) for i, h in hidden.items()}, first
             )
-        T = next(iter(hidden.values())).shape[1]
-        cols = torch.arange(T).expand(B, T) if columns is None else columns  # (B, T)
+        if columns is None:  # a chain: row b's columns 0 .. emitted_b - 1 at positions first_b on, a
+            # slice copy per row (the gather below costs 4% of a quantized target's step at batch 1)
+            for b, (f, e) in enumerate(zip(first.tolist(), emitted.tolist())):
+                for i, h in hidden.items():
+                    self.features.hidden[i][b, f : f + e] = h[b, :e]
+            return
+        T = columns.shape[1]
         committed = torch.arange(T) < emitted.unsqueeze(1)  # (B, T)
         rows = torch.arange(B).unsqueeze(1).expand(B, T)[committed]
         pos = (first.unsqueeze(1) + torch.arange(T))[committed]
         for i, h in hidden.items():
-            picked = h.gather(1, cols.unsqueeze(-1).expand(-1, -1, h.shape[2]))  # (B, T, C) in position order
+            picked = h.gather(1, columns.unsqueeze(-1).expand(-1, -1, h.shape[2]))  # (B, T, C) by position
             self.features.hidden[i][rows, pos] = picked[committed].to(self.features.hidden[i].dtype)
 
     def _add_feature_rows(self, lengths: torch.Tensor, prefill: dict) -> None:
