@@ -15,14 +15,14 @@ by the factories of :data:`specdraft.registry.DRAFTERS`:
   this CPU (Spec-Bench, both turns, ``--k auto``: 1.20x plain decoding,
   ``results/engine-2026-12-01c/bench_engine_c_lookup_limit4_head.json``; the designed draft 0.96x,
   ``drafts/results/bench_designed_auto_curve.json``; the README's drafter table has the commands).
-  ``designed:auto`` is the draft designed for this target and committed under ``drafts/`` when
-  there is one (SmolLM2-135M), else prompt lookup.
+  ``designed:auto`` is, of the drafts designed for this target and committed under ``drafts/``,
+  the one that measured fastest in the committed runs ``drafts/auto.json`` lists, else prompt lookup.
 - ``prune:0,1,2,29``: the target's own layers 0, 1, 2 and 29 at full width, with its embedding and
   LM head: the untrained "shallow and wide" layer-pruned self-draft.
 - ``lookup`` or ``lookup:N``: prompt lookup with n-grams up to N (default 3).
 - ``self``: the target drafting for itself (every draft accepted; for testing).
 - ``designed:NAME|PATH|auto``: a draft made by ``specdraft design`` (``drafts/NAME`` or a
-  directory; ``auto``: the committed one for this target, else lookup). See
+  directory; ``auto``: the committed one for this target that measured fastest, else lookup). See
   :mod:`specdraft.design.artifact`.
 - anything else: a model alias or path, loaded as an independent draft model.
 """

@@ -33,8 +33,9 @@ Finding and building a designed draft (``--draft designed[:NAME|PATH|auto]``):
 
 - ``designed:PATH``: a draft directory (``specdraft design ... --out PATH``);
 - ``designed:NAME``: ``drafts/NAME`` of this repository;
-- ``designed:auto`` (and plain ``designed``): the committed draft designed for this target when
-  there is one (:func:`find_default`), else prompt lookup (so it works with every target).
+- ``designed:auto`` (and plain ``designed``): of the committed drafts designed for this target,
+  the one with the best speedup in the committed measurements ``drafts/auto.json`` lists
+  (:func:`find_default`), else prompt lookup (so it works with every target).
 
 :func:`drafter_from_spec` is the ``designed`` kind's factory in :data:`specdraft.registry.DRAFTERS`:
 a layers draft becomes a :class:`~specdraft.drafters.gated.GatedDrafter`, a feature draft a
@@ -73,6 +74,7 @@ HEAD_KEY = "lm_head.weight"
 SHARED_KEYS = (EMBED_KEY, HEAD_KEY)
 KINDS = ("layers", "feature", "dream", "diffusion", "ctc", "flex")
 DRAFTS_DIR = Path(__file__).resolve().parents[2] / "drafts"  # the designed drafts this repository commits
+AUTO_FILE = DRAFTS_DIR / "auto.json"  # the measurements designed:auto ranks the drafts by (find_default)
 
 
 @dataclass
@@ -332,23 +334,32 @@ def resolve_draft_dir(name: str) -> Path:
     raise SpecdraftError(f"designed draft {name!r} not found: give a draft directory or one of {committed}")
 
 
-def find_default(target_model) -> Path | None:
-    """The committed token-level draft (``drafts/*``) designed for this target, or None.
+def measured_speedups(auto_file: Path = AUTO_FILE) -> dict[str, float]:
+    """Committed draft name -> its best overall speedup over plain decoding in the measurements
+    ``auto_file`` lists (``{"measurements": [paths relative to the file, ...]}``, each written by
+    ``benchmarks/bench_drafters.py --json``: rows ``designed:NAME@k``); {} without the file."""
+    if not auto_file.is_file():
+        return {}
+    best: dict[str, float] = {}
+    for rel in json.loads(auto_file.read_text())["measurements"]:
+        for item, row in json.loads((auto_file.parent / rel).read_text())["drafters"].items():
+            kind, _, name = (item.rpartition("@")[0] or item).partition(":")  # spec@k, or spec
+            if kind == "designed" and (DRAFTS_DIR / name / META_FILE).is_file():
+                best[name] = max(best.get(name, 0.0), row["all"]["speedup"])
+    return best
 
-    Feature-conditioned drafts are never the default: they need engines built to hand them the
-    target's hidden state, which not every caller does."""
-    if not DRAFTS_DIR.is_dir():
-        return None
-    for d in sorted(DRAFTS_DIR.iterdir()):
-        if not (d / META_FILE).is_file():
-            continue
+
+def find_default(target_model) -> Path | None:
+    """The committed draft (``drafts/*``) for this target that measured fastest
+    (:func:`measured_speedups`), or None when none measured fits the target."""
+    speedups = measured_speedups()
+    for name in sorted(speedups, key=speedups.__getitem__, reverse=True):
+        d = DRAFTS_DIR / name
         try:
-            meta = read_meta(d)
-            check_compatible(meta, target_model, str(d))
+            check_compatible(read_meta(d), target_model, str(d))
         except SpecdraftError:
             continue
-        if meta.kind == "layers":
-            return d
+        return d
     return None
 
 

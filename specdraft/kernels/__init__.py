@@ -171,9 +171,10 @@ def packed(w: torch.Tensor) -> torch.Tensor:
 
 def prepack(*weights: torch.Tensor) -> None:
     """Make now the packed copies (:func:`packed`) of those ``weights`` the packed kernel takes, so
-    that the first step multiplying by them does not pay for packing (30 ms for a one-layer draft on
-    this project's AVX2 CPU): that step is timed by an adaptive policy, which would read it as the
-    draft's latency. Runtimes call it when they are built."""
+    that the first step multiplying by them does not pay for packing: that step is timed by an
+    adaptive policy, which read a feature draft's first proposal (about ten times its usual time)
+    as its latency and decoded plainly (``results/policy-warmup-2026-12-05/README.md``). Runtimes
+    call it when they are built."""
     if not (USE_PACKED and available()):
         return
     for w in weights:

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from specdraft.design import artifact
 from specdraft.design.artifact import DraftMeta, load_draft, read_meta, save_draft
 from specdraft.design.prune import depth_prune
 from specdraft.design.vocab import VocabSubset
@@ -142,3 +143,28 @@ def test_leftovers_of_a_killed_save_are_cleared_and_other_paths_refused(target, 
     with pytest.raises(SpecdraftError, match="not a draft directory"):
         _save(target, tmp_path / "notes")
     assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
+
+
+def test_designed_auto_ranks_committed_drafts_by_the_measurements_listed(tmp_path):
+    """designed:auto's ranking reads the bench JSONs the auto file lists: a draft's best row (any k)
+    counts; rows of drafts not committed, or not designed, do not."""
+
+    def row(speedup: float) -> dict:
+        return {"all": {"speedup": speedup}}
+
+    bench = {
+        "drafters": {
+            "designed:smollm2-135m-l2@1": row(0.9),
+            "designed:smollm2-135m-l2@auto": row(1.05),
+            "designed:smollm2-135m-feature": row(1.02),
+            "designed:/elsewhere/not-committed@1": row(3.0),
+            "lookup@auto": row(2.0),
+        }
+    }
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    (tmp_path / "auto.json").write_text(json.dumps({"measurements": ["bench.json"]}))
+    assert artifact.measured_speedups(tmp_path / "auto.json") == {
+        "smollm2-135m-l2": 1.05,
+        "smollm2-135m-feature": 1.02,
+    }
+    assert artifact.measured_speedups(tmp_path / "none.json") == {}
