@@ -220,10 +220,11 @@ class RowWatch:
     drafter's average acceptance p (``(1 - p)^run``: 3 at p = 0.9, 6 at p = 0.5), or ``off_max``
     long whatever p (a drafter seldom right has little to lose by trying again). Before that rule,
     a draft accepted half of the time went off at every third miss in a row and spent a fifth of
-    its steps off. While the average is cold the floor alone decides. While off it
-    probes ``probe_k`` tokens on the policy's schedule (``probe_every``, doubling to ``probe_max``);
-    a probe that is accepted lifts the estimate above ``floor`` and switches it back on. A row
-    that is off spends no draft token of its own: when every row is off the batch decodes plainly.
+    its steps off (``results/policy-warmup-2026-12-05/README.md``). While the average is cold the
+    floor alone decides. While off it probes ``probe_k`` tokens on the policy's schedule
+    (``probe_every``, doubling to ``probe_max``); a probe that is accepted lifts the estimate above
+    ``floor`` and switches it back on. A row that is off spends no draft token of its own: when
+    every row is off the batch decodes plainly.
 
     A row is flagged once as collapsed (:attr:`CostAwareK.collapsed`) when its first-token
     acceptance over all its proposals, h hits of n, is below ``detect_fraction`` of the drafter's
