@@ -130,7 +130,7 @@ def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
         return False
     rows = x.numel() // max(x.shape[-1], 1)
     if w.dtype == torch.bfloat16:
-        limit = PACKED_MAX_ROWS if USE_PACKED and w.shape[0] % 16 == 0 else MAX_ROWS
+        limit = PACKED_MAX_ROWS if takes_packed(w) else MAX_ROWS
     elif w.dtype == torch.float32:
         limit = MAX_ROWS
     else:
@@ -158,6 +158,11 @@ def pack_bf16(w: torch.Tensor) -> torch.Tensor:
     return w.view(N // 16, 16, K)[:, PACK_PERM, :].transpose(1, 2).contiguous()
 
 
+def takes_packed(w: torch.Tensor) -> bool:
+    """Whether a ``(N, K)`` weight goes through the packed kernel: bf16, N a multiple of 16."""
+    return USE_PACKED and w.dtype == torch.bfloat16 and w.dim() == 2 and w.shape[0] % 16 == 0
+
+
 def packed(w: torch.Tensor) -> torch.Tensor:
     """:func:`pack_bf16` of ``w``, cached per weight tensor (rebuilt if ``w`` was changed in
     place). The packed copy adds the bf16 weight's size again to memory."""
@@ -175,10 +180,10 @@ def prepack(*weights: torch.Tensor) -> None:
     adaptive policy, which read a feature draft's first proposal (about ten times its usual time)
     as its latency and decoded plainly (``results/policy-warmup-2026-12-05/README.md``). Runtimes
     call it when they are built."""
-    if not (USE_PACKED and available()):
+    if not available():
         return
     for w in weights:
-        if w.dtype == torch.bfloat16 and w.dim() == 2 and w.shape[0] % 16 == 0 and w.shape[1] % 8 == 0:
+        if takes_packed(w):
             packed(w)
 
 
@@ -194,7 +199,7 @@ def fewrows_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if not x.is_contiguous():
         x = x.contiguous()
     y = torch.empty(x.shape[:-1] + (N,), dtype=torch.float32)
-    if w.dtype == torch.bfloat16 and N % 16 == 0 and USE_PACKED:
+    if takes_packed(w):
         fn, wp = lib.packed_bf16, packed(w)
     else:
         fn, wp = (lib.fewrows_bf16 if w.dtype == torch.bfloat16 else lib.fewrows_f32), w
