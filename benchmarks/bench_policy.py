@@ -3,7 +3,8 @@
 One drafter (prompt lookup by default), several policies (``--policies auto,2,4,heuristic``: the
 cost-aware policy, fixed k, transformers' heuristic; ``auto-batch`` without its per-row watch,
 ``auto-padded`` on the runtime without ragged steps, ``auto-off3`` with the row watch before 1d59d9d
-(a row off after any three rejections in a row), ``auto-unguarded`` without its safe arm, the
+(a row off after any three rejections in a row), ``auto-window`` with the safe arm's verdict before
+its CUSUM (a decayed ratio judged at every step), ``auto-unguarded`` without its safe arm, the
 check of realised speed against plain decoding: ``auto`` against it is that check's cost or gain),
 Spec-Bench first turns, greedy, batch 1 (or ``--batch N``: the prompts decoded N rows at a time,
 overall figures only).
@@ -36,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specdraft import api
 from specdraft.bench import harness
 from specdraft.bench.prompts import fit_context, load_prompts, parse_categories
-from specdraft.policy import CostAwareK, RowWatch, make_policy
+from specdraft.policy import CostAwareK, RealisedRate, RowWatch, SafeArm, make_policy
 
 
 class Padded:
@@ -56,16 +57,34 @@ class Padded:
         return getattr(self.runtime, name)
 
 
+class WindowVerdict(RealisedRate):
+    """The safe arm's verdict before its CUSUM: once ``evidence`` speculative steps are in (or
+    ``max_loss`` plain steps lost), fall back whenever the decayed realised speed is below plain's."""
+
+    def _verdict(self, band, plain):
+        if band.steps < self.arm.evidence and band.spent - band.saved <= self.arm.max_loss * plain:
+            return None
+        return band.saved < (1 - self.arm.margin) * band.spent
+
+
+def window_policy() -> CostAwareK:
+    policy = CostAwareK()
+    policy.rate = WindowVerdict(SafeArm())
+    return policy
+
+
 # name -> policy factory; a name not here goes to make_policy ("auto", "heuristic", "4").
 # auto-batch: the cost-aware policy without its per-row watch (one acceptance record for the batch);
 # auto-padded: the cost-aware policy on the runtime without ragged steps (Padded); auto-unguarded:
 # without the safe arm (SafeArm: the model's choice unchecked by the clock); auto-off3: a row goes off
-# after three rejected proposals in a row whatever the drafter's average (RowWatch before 1d59d9d)
+# after three rejected proposals in a row whatever the drafter's average (RowWatch before 1d59d9d);
+# auto-window: the safe arm's verdict before its CUSUM (WindowVerdict)
 POLICIES: dict = {
     "auto-batch": lambda: CostAwareK(watch=None),
     "auto-off3": lambda: CostAwareK(watch=RowWatch(off_max=3)),
     "auto-padded": CostAwareK,
     "auto-unguarded": lambda: CostAwareK(guard=None),
+    "auto-window": window_policy,
 }
 RUNTIMES: dict = {"auto-padded": Padded}  # name -> the runtime a method decodes with
 
@@ -74,6 +93,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--draft", default="lookup")
+    p.add_argument("--dtype", default="auto", help="the target's precision (auto: the quantized runtime)")
     p.add_argument("--policies", default="auto,2,4,heuristic")
     p.add_argument("--limit", type=int, default=4, help="Spec-Bench questions per category")
     p.add_argument("--categories", default=None)
@@ -94,7 +114,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     command = "python benchmarks/bench_policy.py " + " ".join(sys.argv[1:] if argv is None else argv)
     print("command:", command, flush=True)
-    pipe = api.load(args.target, args.draft, threads=args.threads)
+    pipe = api.load(args.target, args.draft, dtype=args.dtype, threads=args.threads)
     prompts = load_prompts(None, parse_categories(args.categories), args.limit)
     names = ["plain"] + [x.strip() for x in args.policies.split(",") if x.strip()]
 

@@ -310,31 +310,36 @@ class SafeArm:
     verification, commit: what the model does not price included; never less than the draft and
     target times reported). Plain steps (k = 0, which happen anyway while the model says 0) give
     the time of a plain step at each batch size B, ``T_plain(B)``; a speculative step that commits
-    m tokens over B rows would have cost plain decoding ``m T_plain(B) / B``. Per band of batch
-    sizes (1, 2-3, 4-7, 8-15, ...) the decayed sums of those plain-equivalent seconds (``saved``)
-    and of the seconds spent (``spent``) are kept over the speculative steps; once ``evidence``
-    steps are in, or as soon as they have lost more than ``max_loss`` plain steps' time
-    (``spent - saved > max_loss T_plain(B)``: a few very slow steps, such as a model draft catching up
-    on the many tokens plain steps committed since it last ran, need no more evidence), speculation
-    stays on while ``saved >= (1 - margin) spent``. Otherwise the band
-    decodes plainly for ``backoff`` steps, then tries speculation again for another ``evidence``
-    steps (a trial); each trial that still loses doubles the back-off (up to ``backoff_max``), one
-    that pays resets it. A plain step is also taken after ``refresh`` speculative ones (and before
-    the first), so that ``T_plain(B)`` follows the context's growth; a size not measured yet is
-    read off the measured ones on the side that favours plain decoding (:meth:`RealisedRate.plain_time`).
+    m tokens over B rows would have cost plain decoding ``m T_plain(B) / B``, and its loss is the
+    seconds it took beyond that (negative: a gain). Per band of batch sizes (1, 2-3, 4-7, 8-15,
+    ...) the verdict is a CUSUM over the speculative steps: the loss accumulated since speculation
+    was last ahead, ``S = max(0, S + loss)``. Speculation stays on while ``S <= max_loss
+    T_plain(B)``; once it has lost more than ``max_loss`` plain steps' time since it was last ahead,
+    the band decodes plainly for ``backoff`` steps, then tries speculation again (a trial); each
+    trial that loses as much doubles the back-off (up to ``backoff_max``), one that is ahead after
+    ``evidence`` steps resets it. A plain step is also taken after ``refresh`` speculative ones (and
+    before the first), so that ``T_plain(B)`` follows the context's growth; a size not measured yet
+    is read off the measured ones on the side that favours plain decoding
+    (:meth:`RealisedRate.plain_time`).
 
-    The guarantee: an always-losing speculation costs at most its trials over plain decoding, per
-    band: ``evidence`` steps (and at most ``max_loss`` plain steps' time lost, plus one step) at the
-    first verdict and per trial, trials after 16, 32, 64, ... plain steps (about
-    ``evidence * (1 + log2(N / backoff))`` losing steps in N). Its cost on clean
-    traffic is the refresh steps (1 in ``refresh``) and the false verdicts of noisy timings
+    Why a CUSUM: the verdict before it judged a decayed ratio (about 20 steps long) at every step
+    after the first ``evidence``, so a stretch of rejected drafts in a run that pays read as a loss.
+    A draft a few per cent ahead of plain decoding failed about every other trial, its back-off
+    doubled, and it decoded plainly most of the time (``results/policy-cusum-2026-12-05/``). The
+    CUSUM ends a run that pays only after a stretch that loses ``max_loss`` plain steps net.
+
+    The guarantee: an always-losing speculation loses at most ``max_loss`` plain steps' time plus
+    one step per trial, per band, with trials after 16, 32, 64, ... plain steps (about
+    ``1 + log2(N / backoff)`` trials in N steps). Its cost on clean traffic is the refresh steps
+    (1 in ``refresh``) and the verdicts noisy timings end early
     (``benchmarks/bench_policy.py --policies auto,auto-unguarded`` measures it).
 
     Attributes:
-        evidence: speculative steps a verdict needs (at the start and in each trial).
-        max_loss: plain steps' time speculation may lose before a verdict, with fewer steps.
-        decay: weight of history in the ``saved`` / ``spent`` sums (per speculative step).
-        margin: tolerated shortfall of realised speed against plain's before falling back.
+        evidence: speculative steps after which a trial that is ahead resets the back-off.
+        max_loss: plain steps' time speculation may lose, net, before falling back.
+        decay: weight of history in the realised speed reported (:meth:`RealisedRate.speedup`).
+        margin: tolerated shortfall of realised speed against plain's (a step's seconds count
+            ``1 - margin`` of themselves in its loss).
         backoff: plain steps after the first losing verdict; doubles per losing trial.
         backoff_max: the longest back-off.
         refresh: a plain step after this many speculative ones.
@@ -368,8 +373,10 @@ class _Band:
     """One band of batch sizes' record of speculation against plain decoding (:class:`SafeArm`)."""
 
     backoff: int
-    saved: float = 0.0  # decayed plain-equivalent seconds of the speculative steps
+    saved: float = 0.0  # decayed plain-equivalent seconds of the speculative steps (reported)
     spent: float = 0.0  # decayed seconds they took
+    loss: float = 0.0  # CUSUM: seconds lost since speculation was last ahead
+    net: float = 0.0  # seconds lost since the window (re)started (negative: gained)
     steps: int = 0  # speculative steps since the window (re)started
     off_for: int = 0  # plain steps left before the next trial
     trial: bool = False  # the window is a trial after a back-off
@@ -400,7 +407,7 @@ class RealisedRate:
         if band.off_for > 0:
             band.off_for -= 1
             if band.off_for == 0:  # the back-off is over: the next speculative steps are a trial
-                band.saved = band.spent = 0.0
+                band.saved = band.spent = band.loss = band.net = 0.0
                 band.steps, band.trial = 0, True
         elif self.plain_time(B) is not None and band.since_plain < self.arm.refresh:
             return True
@@ -426,21 +433,29 @@ class RealisedRate:
         plain = self.plain_time(B)
         if plain is None:
             return
-        d = self.arm.decay
-        band.saved = d * band.saved + committed * plain / B
+        d, equivalent = self.arm.decay, committed * plain / B
+        band.saved = d * band.saved + equivalent
         band.spent = d * band.spent + seconds
+        loss = (1 - self.arm.margin) * seconds - equivalent
+        band.loss, band.net = max(0.0, band.loss + loss), band.net + loss
         band.steps += 1
         band.since_plain += 1
-        if band.steps < self.arm.evidence and band.spent - band.saved <= self.arm.max_loss * plain:
-            return
-        if band.saved >= (1 - self.arm.margin) * band.spent:
-            if band.trial:
-                band.trial, band.backoff = False, self.arm.backoff
+        losing = self._verdict(band, plain)
+        if losing is False and band.trial:  # a trial that is ahead: the back-off starts over
+            band.trial, band.backoff = False, self.arm.backoff
+        if not losing:
             return
         self.fallbacks += 1
         band.off_for = band.backoff
         band.backoff = min(2 * band.backoff, self.arm.backoff_max)
-        band.steps, band.trial = 0, False
+        band.steps, band.trial, band.loss = 0, False, 0.0
+
+    def _verdict(self, band: _Band, plain: float) -> bool | None:
+        """Whether the band's speculation is losing (True: fall back), ahead after ``evidence``
+        steps (False), or not judged yet (None) (:class:`SafeArm`: a CUSUM of its losses)."""
+        if band.loss > self.arm.max_loss * plain:
+            return True
+        return False if band.steps >= self.arm.evidence and band.net <= 0 else None
 
     def plain_time(self, B: int) -> float | None:
         """Seconds of a plain step at batch size B: measured, else estimated on the safe side (never

@@ -410,7 +410,7 @@ def make_case(name: str, target: LlamaRuntime, draft=None) -> Case:
     if name == "cost-aware-safe-arm":  # steps cut to plain decoding by the realised-rate check (issue 17):
         # at these latencies a step drafting 2 pays only when rows accept ~0.6 tokens, so the check
         # falls back and tries again between the engines' steps
-        arm = SafeArm(evidence=1, backoff=1, backoff_max=2)
+        arm = SafeArm(evidence=1, max_loss=0.5, backoff=1, backoff_max=2)
         policy = SteadyClock(CostAwareK(k_max=2, k_start=2, watch=None, guard=arm))
         return Case(ModelDrafter(peaked(seed=11, scale=12.0), "other"), policy, batch=50, check=_fell_back)
     if name in ("server-row-caps", "server-row-caps-tree"):  # the tree variant: trees cut to cap nodes

@@ -1,0 +1,48 @@
+#!/bin/bash
+# The safe arm's verdict as a CUSUM of losses (auto) against the decayed-ratio verdict before it
+# (auto-window), in one process each (bench_policy.py), and on the simulated world of
+# tests/test_policy_guard.py.
+# usage: results/policy-cusum-2026-12-05/run.sh policy|sim
+set -u
+OUT=$(cd "$(dirname "$0")" && pwd)
+cd "$OUT/../.."
+. results/step.sh  # step LOG cmd...
+F=designed:smollm2-135m-feature-4k-second
+c=$(git rev-parse --short HEAD)
+case "${1:-}" in
+  policy)  # drafter, target dtype, batch, policies
+    while read -r d T B P; do
+      [ -n "${ONLY:-}" ] && [[ "$d $T $B" != *"$ONLY"* ]] && continue
+      n=${d##*:}_${T}_b$B-$c
+      step "$OUT/policy_$n.txt" .venv/bin/python benchmarks/bench_policy.py --draft "$d" --dtype "$T" \
+        --batch "$B" --policies "$P" --limit 2 --max-new-tokens 128 --threads 2 --json "$OUT/policy_$n.json" </dev/null
+    done <<END
+$F bf16 1 auto,auto-window,1
+lookup auto 1 auto,auto-window,auto-unguarded
+$F auto 1 auto,auto-window,1
+lookup auto 8 auto,auto-window,auto-unguarded
+END
+    ;;
+  sim)  # the test's world: acceptance 0.35 at k = 1, a step a quarter dearer than plain, the model
+    # always drafting; fall-backs and speculative steps per 600 steps, the CUSUM against the window
+    step "$OUT/sim.txt" .venv/bin/python - <<'PY'
+import sys
+sys.path.insert(0, "benchmarks")
+from bench_policy import WindowVerdict
+from specdraft.policy import CostAwareK, SafeArm
+from tests.test_policy_guard import Clock, World, simulate
+
+world = World(1, alpha=0.35, slope=0.2, told=0.0, told_draft=0.0)
+print("seed  verdict  fall-backs  speculative steps of 600  speed vs plain")
+for seed in range(6):
+    for name in ("cusum", "window"):
+        clock = Clock()
+        policy = CostAwareK(k_max=1, k_start=1, probe_k=1, watch=None, guard=SafeArm(clock=clock))
+        if name == "window":
+            policy.rate = WindowVerdict(SafeArm(clock=clock))
+        run = simulate(policy, clock, world, 600, seed=seed)
+        print(f"{seed:4d}  {name:7s}  {policy.rate.fallbacks:10d}  {run.spec_steps:24d}  {run.vs_plain:.3f}")
+PY
+    ;;
+  *) echo "usage: $0 policy|sim" >&2; exit 2 ;;
+esac
