@@ -4,7 +4,8 @@ Records, per drafter, the first-draft-token outcome of every proposal of every c
 (Spec-Bench first turns and GSM8K train questions, greedy, fixed ``--k``; one request at a time,
 :class:`specdraft.attack.detection.HitRecorder`), then replays them through a fresh cost-aware
 policy (:func:`specdraft.attack.detection.replay`) in file order, with an always-wrong request
-(every proposal rejected: what a collapse attack aims at) after every ``--every``-th clean one.
+(every proposal rejected: what a collapse attack aims at) after every ``--every``-th clean one; a
+drafter whose proposals are free (prompt lookup) has its off requests watched at every step.
 Prints per drafter the mean first-token acceptance, the share of clean requests flagged
 (false positives), of always-wrong ones flagged, and the median steps to the flag; ``--out``
 writes the recorded outcomes (the distribution tests/attack/test_detection.py replays).
@@ -86,7 +87,8 @@ def main(argv=None) -> int:
         clean = record(pipe, texts, args.k, args.max_new_tokens)
         recorded[spec] = clean
         requests, adversarial = with_attacks(clean, args.every, args.max_new_tokens)
-        r = rates(replay(requests, tokens=args.max_new_tokens), adversarial)
+        free = getattr(pipe.drafter, "proposes_free", False)  # off rows are watched at every step
+        r = rates(replay(requests, tokens=args.max_new_tokens, shadow=free), adversarial)
         hits = [h for req in clean for h in req]
         acc = sum(hits) / len(hits) if hits else float("nan")
         print(

@@ -253,14 +253,16 @@ class Engine:
         ids = [r.id for r in self.requests]
         k = self.policy.choose(ids, self.draft_state.lag(self.lengths)) if self.drafter is not None else 0
 
-        # 1. propose
+        # 1. propose (for rows switched off too, when proposing is free: _shadowed)
+        shadowed = self._shadowed(ids)
         t0 = time.perf_counter()
         prop = None
-        if k > 0:
+        if k > 0 or shadowed:
             ctx = DraftContext(
                 self.tokens, self.lengths, params, self.generators, self.target_hidden, self.kv, self.features
             )
-            prop = self.drafter.propose(self.draft_state, ctx, k)
+            prop = self.drafter.propose(self.draft_state, ctx, max(k, 1))
+        shadow, prop = prop, (prop if k > 0 else None)  # k = 0: proposed for the off rows only
         t1 = time.perf_counter()
 
         # 2. score and 3. verify: a chain [last, d_1..d_k], or a token tree per row
@@ -287,6 +289,8 @@ class Engine:
         self.policy.update(
             out.proposed, drafted, out.num_accepted, t1 - t0, out.target_time, out.bucket, ids, **tree
         )
+        if shadowed:
+            self._tell_shadow(shadow, shadowed, out.tokens, ids)
         flagged = self.policy.collapsed - self.collapsed
         if flagged:
             self.collapsed |= flagged
@@ -297,6 +301,26 @@ class Engine:
             self._keep([b for b in range(self.active) if b not in finished])
         self.stats.total_time += t3 - t0
         return events
+
+    def _shadowed(self, ids: list[int]) -> list[int]:
+        """Rows (indices) that verify nothing at this step because the policy switched them off,
+        when the drafter's proposals cost nothing (``proposes_free``, prompt lookup): it proposes
+        for them anyway, and the policy is told how each proposal's first token fared
+        (:meth:`specdraft.policy.CostAwareK.shadow`). Nothing of it is verified."""
+        if not getattr(self.drafter, "proposes_free", False) or not hasattr(self.policy, "unverified"):
+            return []
+        off = set(self.policy.unverified(ids))
+        return [b for b, r in enumerate(ids) if r in off]
+
+    def _tell_shadow(self, prop: Proposal, rows: list[int], committed: list[list[int]], ids: list) -> None:
+        """Each shadowed row's first proposed token against the token the target committed after
+        its last one (its first draft token's fate under verification)."""
+        if prop.trees is not None or prop.tokens.shape[1] == 0:
+            return
+        valid = prop.num_valid
+        told = [b for b in rows if valid is None or int(valid[b]) > 0]
+        hits = [int(prop.tokens[b, 0]) == committed[b][0] for b in told]
+        self.policy.shadow([ids[b] for b in told], hits)
 
     def _write_features(self, columns: torch.Tensor | None, emitted: torch.Tensor) -> None:
         """Keep the target's hidden states at the positions this step committed (a chain's columns

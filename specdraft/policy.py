@@ -12,11 +12,12 @@
   steps so its estimate can recover; each probe that still says "do not speculate" doubles the
   interval (up to ``probe_max``), one that pays resets it. It also watches each request (row) on
   its own (:class:`_Row`): a row whose drafts keep being rejected is switched to 0 draft tokens
-  while the others keep drafting, probes on the same schedule, and is flagged as collapsed when its
-  acceptance is far below the drafter's (:attr:`CostAwareK.collapsed`), the defense against
-  acceleration-collapse inputs (issue 17). Whatever its model predicts, it times its steps and
-  falls back to plain decoding when speculation's realised speed is below plain decoding's
-  (:class:`SafeArm`, a bandit with a safe arm: it never loses more than its trials).
+  while the others keep drafting, probes on the same schedule (a drafter whose proposals are free,
+  prompt lookup, is watched at every step instead: :meth:`CostAwareK.shadow`), and is flagged as
+  collapsed when its acceptance is far below the drafter's (:attr:`CostAwareK.collapsed`), the
+  defense against acceleration-collapse inputs (issue 17). Whatever its model predicts, it times
+  its steps and falls back to plain decoding when speculation loses more than a few plain steps'
+  time (:class:`SafeArm`, a bandit with a safe arm: it never loses more than its trials).
 
 A policy sees a step twice: :meth:`KPolicy.choose` before the drafter runs (how many tokens to ask
 for) and :meth:`KPolicy.trim` after (how many of each row's proposal to verify); then
@@ -893,18 +894,11 @@ class CostAwareK:
         w = self.watch
         row = self.row_state.setdefault(r, _Row(self.probe_every))
         hit = accepted >= 1
-        row.reached = w.decay * row.reached + 1.0
-        row.accepted = w.decay * row.accepted + hit
-        row.proposals += 1
-        row.hits += hit
-        row.misses = 0 if hit else row.misses + 1
+        rate = self._count(row, hit)
         was_on = not row.off
-        rate = row.accepted / row.reached
         if row.off:  # this was a probe
             row.probing = False
-            if rate >= w.floor:
-                row.off, row.probe_interval = False, self.probe_every
-            else:
+            if not self._back_on(row, rate):
                 row.probe_interval = min(2 * row.probe_interval, self.probe_max)
         elif row.reached >= w.evidence and rate < w.floor and self._rare_run(row.misses):
             row.off, row.since_probe = True, 0
@@ -915,6 +909,49 @@ class CostAwareK:
             ]
         self._detect(r, row)
         return was_on
+
+    def _count(self, row: _Row, hit: bool) -> float:
+        """Add one first-token outcome to a row's record; its decayed acceptance now."""
+        w = self.watch
+        row.reached = w.decay * row.reached + 1.0
+        row.accepted = w.decay * row.accepted + hit
+        row.proposals += 1
+        row.hits += hit
+        row.misses = 0 if hit else row.misses + 1
+        return row.accepted / row.reached
+
+    def _back_on(self, row: _Row, rate: float) -> bool:
+        """Switch an off row on when its acceptance is back at ``floor``; whether it was."""
+        if rate < self.watch.floor:
+            return False
+        row.off, row.probe_interval = False, self.probe_every
+        return True
+
+    def unverified(self, rows: list[int]) -> list[int]:
+        """Of ``rows`` (request ids, after :meth:`choose`), those the row watch has switched off
+        and that are not due for a probe: they verify nothing at this step."""
+        if self.watch is None:
+            return []
+        state = self.row_state
+        return [r for r in rows if r in state and state[r].off and not state[r].probing]
+
+    def shadow(self, rows: list[int], hits: list[bool]) -> None:
+        """First-token outcomes of proposals that were made but not verified for rows that are
+        off (:meth:`unverified`): a drafter whose proposals cost nothing (prompt lookup,
+        ``proposes_free``) proposes for them anyway, and the engine compares each proposal's first
+        token with the token the target committed there, which is the first draft token's fate
+        under verification (greedy; sampling with a point-mass draft: accepted with probability
+        p(x), the probability that the target's own sample is x). Such an outcome counts as a
+        probe's does for the row (it can switch it back on, and it counts toward detection),
+        without the probe's cost: an attacked row gets the evidence of every step, a clean row
+        off by bad luck is back on at its next hit. It teaches neither the drafter's average nor
+        the class curves (the row is off), and a miss does not lengthen the probe interval."""
+        for r, hit in zip(rows, hits):
+            row = self.row_state.get(r) if self.watch is not None else None
+            if row is None or not row.off:
+                continue
+            self._back_on(row, self._count(row, hit))
+            self._detect(r, row)
 
     def _rare_run(self, misses: int) -> bool:
         """Whether a run of ``misses`` rejected proposals is rare for a row of this drafter
@@ -1005,6 +1042,13 @@ class CappedPolicy:
         self, k, num_drafted, num_accepted, draft_time, target_time, bucket=None, rows=None, width=None
     ) -> None:
         self.inner.update(k, num_drafted, num_accepted, draft_time, target_time, bucket, rows, width)
+
+    def unverified(self, rows: list[int]) -> list[int]:
+        return self.inner.unverified(rows) if hasattr(self.inner, "unverified") else []
+
+    def shadow(self, rows: list[int], hits: list[bool]) -> None:
+        if hasattr(self.inner, "shadow"):
+            self.inner.shadow(rows, hits)
 
     def __repr__(self) -> str:
         return f"CappedPolicy({self.inner!r})"

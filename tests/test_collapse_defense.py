@@ -194,6 +194,40 @@ def test_a_row_recovers_when_its_drafts_are_right_again(tiny, reference):
     assert engine.stats.accepted > 0
 
 
+class FreeOracle(Oracle):
+    """The oracle as a free drafter (a table lookup: no model, no state, no randomness), as prompt
+    lookup is: the engine proposes for rows that are off too (``proposes_free``)."""
+
+    proposes_free = True
+
+
+@pytest.mark.parametrize("free", [False, True])
+def test_a_free_drafters_off_rows_are_watched_at_every_step(tiny, reference, free):
+    """A spoiled row goes off after three rejections either way and verifies no more than its
+    probes. With a free drafter the engine still proposes for it at every step, verifies none of
+    it, and tells the policy how each first token fared: the row's record grows by a proposal per
+    step (the evidence detection needs), and the first step its drafts are right again puts it
+    back on, where a drafter that is not free waits for its next probe."""
+    policy = Recording()
+    drafter = WrongRows((FreeOracle if free else Oracle)(PROMPTS, reference), PROMPTS[:1], V)
+    engine = Engine(tiny.target, drafter, policy)
+    ids, out = run(engine, PROMPTS[:1], steps=30)
+    row = policy.row_state[ids[0]]
+    assert row.off and row.hits == 0
+    verified = sum(n > 0 for n in policy.verified[ids[0]])
+    assert verified <= 3 + probe_bound(30, policy), policy.verified[ids[0]]
+    assert row.proposals >= 29 if free else row.proposals == verified
+    drafter.enabled = False  # right again
+    while engine.active:
+        for ev in engine.step():
+            out.setdefault(ev.request_id, []).extend(ev.tokens)
+    assert out[ids[0]] == reference[0][:N]
+    after = policy.verified[ids[0]][30:]
+    first = next(j for j, n in enumerate(after) if n > 0)
+    assert first == 1 if free else first > 1, after  # the shadow hit at step 0 switches it on
+    assert sum(n > 0 for n in after[first:]) >= 0.8 * len(after[first:]), after
+
+
 def test_a_row_goes_off_after_a_run_of_rejections_rare_for_its_drafter():
     """Average acceptance 0.5: three rejections in a row (one row in eight) keep a row on, six
     ((1 - 0.5)^6 < off_alpha = 0.02) switch it off; cold, three do, as does a run of off_max."""

@@ -6,24 +6,21 @@ verified against. A rule that decides whether to propose position i from the tok
 filtered sample. So the rule deciding position i may only read what was known before token i was
 drawn (earlier tokens, the draft's distribution at i, the request, the policy's history).
 
-The statistical test is the one of ``tests/test_sampling.py`` (target: a tiny Llama, vocabulary
-8, its head scaled up; every output of NEW tokens enumerated exactly), run for every drafter class
-and every path that cuts a proposal: a model draft, prompt lookup (no q), the README's example
-bigram drafter (no q), the target drafting for itself, a layer-pruned draft (also with a head
-subset: prune:...,head=N), the gated designed
-draft (best prefix and early stop), the feature draft (also its EAGLE-2 token tree, and both
-drafting from the features of plain steps they never saw), the
+The statistical test is the one of ``tests/test_sampling.py`` (target: a tiny Llama, vocabulary 8,
+its head scaled up; every output of NEW tokens enumerated exactly), run for every drafter class and
+every path that cuts a proposal: a model draft, prompt lookup (no q), the README's example bigram
+drafter (no q), the target drafting for itself, a layer-pruned draft (also with a head subset:
+prune:...,head=N), the gated designed draft (best prefix and early stop), the feature draft (also
+its EAGLE-2 token tree, and both drafting from the features of plain steps they never saw), the
 DREAM-style draft, the feature draft with a local head fused in, FlexDraft (drafting in the
-verification forward, and sequentially),
-the block-diffusion drafter (one pass per block, cut by its length head), the drafts on GGUF
-blocks beside a quantized target (``--draft-dtype q``: prune views, their head subsets, Q8_0
-designed drafts; token trees verified on the quantized target's tree attention), the Ouroboros and
-suffix drafters' token trees (point masses from a phrase pool / a history), the cost-aware
-policy's per-class trim, its per-row cut of rows whose drafts fail (issue 17), its safe arm's
-plain steps when speculation is measured slower (issue 17) and the server's per-row caps. Each
-case also checks that its cut really happened, and the old gating rule is shown to fail the same
-test.
-"""
+verification forward, and sequentially), the block-diffusion drafter (one pass per block, cut by its
+length head), the drafts on GGUF blocks beside a quantized target (``--draft-dtype q``: prune views,
+their head subsets, Q8_0 designed drafts; token trees verified on the quantized target's tree
+attention), the Ouroboros and suffix drafters' token trees (point masses from a phrase pool / a
+history), the cost-aware policy's per-class trim, its per-row cut of rows whose drafts fail (issue
+17; for a free drafter, with the unverified proposals of the rows it cut), its safe arm's plain
+steps when speculation is measured slower (issue 17) and the server's per-row caps. Each case also
+checks that its cut really happened, and the old gating rule is shown to fail the same test."""
 
 from __future__ import annotations
 
@@ -147,6 +144,7 @@ class SteadyClock:
         self.cut = 0  # rows trim() shortened
         self.kept = 0  # rows it left with at least one token
         self.off = 0  # rows the per-row watch had switched off when a step began
+        self.shadowed = 0  # unverified proposals of off rows told to the watch (a free drafter's)
 
     @property
     def collapsed(self):
@@ -166,6 +164,13 @@ class SteadyClock:
     def update(self, k, num_drafted, num_accepted, draft_time, target_time, bucket=None, rows=None):
         n = int(num_drafted.max()) if num_drafted.numel() else 0
         self.inner.update(k, num_drafted, num_accepted, 0.1 * k, 1.0 + 0.2 * n, bucket, rows)
+
+    def unverified(self, rows):
+        return self.inner.unverified(rows)
+
+    def shadow(self, rows, hits):
+        self.shadowed += len(rows)
+        self.inner.shadow(rows, hits)
 
 
 class SampledTokenGate(GatedDrafter):
@@ -225,6 +230,11 @@ def _early_stop(rec, policy):
 def _rows_off(rec, policy):
     # some rows off (their step verified nothing: k = 0 for an all-off batch, else trim), some drafted
     assert policy.off > 0 and policy.kept > 0, (policy.off, policy.kept)
+
+
+def _shadowed(rec, policy):
+    _rows_off(rec, policy)
+    assert policy.shadowed > 0, policy.shadowed  # off rows' proposals were made and told, not verified
 
 
 def _trimmed(rec, policy):
@@ -407,6 +417,11 @@ def make_case(name: str, target: LlamaRuntime, draft=None) -> Case:
         watch = RowWatch(evidence=0.5, floor=0.5, off_max=1)  # off_max 1: a run of one rejection will do
         policy = SteadyClock(CostAwareK(k_max=2, k_start=2, probe_every=8, watch=watch))
         return Case(ModelDrafter(peaked(seed=11, scale=12.0), "other"), policy, batch=100, check=_rows_off)
+    if name == "cost-aware-rows-shadow":  # the same cut for a free drafter (prompt lookup): the engine
+        # also proposes for the rows that are off, verifies none of it, and tells the watch
+        watch = RowWatch(evidence=0.5, floor=0.5, off_max=1)
+        policy = SteadyClock(CostAwareK(k_max=2, k_start=2, probe_every=8, watch=watch))
+        return Case(PromptLookupDrafter(), policy, batch=100, check=_shadowed)
     if name == "cost-aware-safe-arm":  # steps cut to plain decoding by the realised-rate check (issue 17):
         # at these latencies a step drafting 2 pays only when rows accept ~0.6 tokens, so the check
         # falls back and tries again between the engines' steps
@@ -492,6 +507,7 @@ CASES = [
     "diffusion",
     "cost-aware-trim",
     "cost-aware-rows",
+    "cost-aware-rows-shadow",
     "cost-aware-safe-arm",
     "server-row-caps",
     "server-row-caps-tree",

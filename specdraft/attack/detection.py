@@ -10,10 +10,12 @@ outcomes (1: the target accepted the first draft token, 0: it did not) under a f
 (:class:`HitRecorder` wraps the policy of a real decode). :func:`replay` feeds such sequences
 through a fresh :class:`~specdraft.policy.CostAwareK`, one request after another as a server at
 batch 1 would (the policy, and so the running average, is shared by all of them), with the policy
-scheduling each request's proposals: a request that is switched off verifies only its probes,
-which take the next outcomes of its record. It returns, per request, the step and the proposal at
-which it was flagged (None: never), from which :func:`rates` gives the false-positive rate over
-clean requests and the detection rate over adversarial ones.
+scheduling each request's proposals: a request that is switched off verifies only its probes, which
+take the next outcomes of its record; for a drafter whose proposals are free (``shadow=True``,
+prompt lookup) it also takes one at every step it is off, as the engine's unverified proposals for
+such a row do (:meth:`specdraft.policy.CostAwareK.shadow`). It returns, per request, the step and
+the proposal at which it was flagged (None: never), from which :func:`rates` gives the
+false-positive rate over clean requests and the detection rate over adversarial ones.
 """
 
 from __future__ import annotations
@@ -56,7 +58,9 @@ class HitRecorder(FixedK):
                 self.hits.setdefault(r, []).append(int(a >= 1))
 
 
-def replay(requests: list[list[int]], watch: RowWatch | None = None, tokens: int | None = None) -> list[Flag]:
+def replay(
+    requests: list[list[int]], watch: RowWatch | None = None, tokens: int | None = None, shadow: bool = False
+) -> list[Flag]:
     """Replay recorded requests through one fresh policy, one after another (module docstring).
 
     Args:
@@ -64,6 +68,8 @@ def replay(requests: list[list[int]], watch: RowWatch | None = None, tokens: int
         watch: the row watch (thresholds) under test (default: the policy's).
         tokens: decode steps per request (default: the length of its record); a request whose
             record runs out before that decodes plainly for the rest.
+        shadow: a request that is off takes an outcome at every step (a free drafter's
+            unverified proposals), not only at its probes.
     """
     policy = CostAwareK(watch=watch or RowWatch())
     one, zero = torch.tensor([1]), torch.tensor([0])
@@ -73,12 +79,16 @@ def replay(requests: list[list[int]], watch: RowWatch | None = None, tokens: int
         used, flag = 0, Flag(None, None, n_steps)
         for step in range(1, n_steps + 1):
             policy.choose([rid])
+            off = shadow and bool(policy.unverified([rid]))
             verify = used < len(hits) and int(policy.trim(one, None, [rid])[0]) > 0
             if verify:
                 policy.update(1, one, torch.tensor([hits[used]]), 1e-4, 1e-2, None, [rid])
                 used += 1
             else:
                 policy.update(0, zero, zero, 0.0, 1e-2, None, [rid])
+            if off and used < len(hits):
+                policy.shadow([rid], [bool(hits[used])])
+                used += 1
             if flag.step is None and rid in policy.collapsed:
                 flag.step, flag.proposal = step, used
         flags.append(flag)

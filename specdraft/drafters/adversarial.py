@@ -34,6 +34,7 @@ class WrongRows:
         self.name = f"wrong-rows({inner.name})"
         self.vocab_size = inner.vocab_size
         self.hidden_layers = getattr(inner, "hidden_layers", ())
+        self.proposes_free = getattr(inner, "proposes_free", False)  # the shift is free too
 
     def new_state(self, batch_size: int, capacity: int) -> DraftState:
         return self.inner.new_state(batch_size, capacity)

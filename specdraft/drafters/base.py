@@ -144,7 +144,11 @@ class Drafter(Protocol):
     """Proposes draft tokens. ``name`` is shown in statistics and reports.
 
     A drafter that proposes token trees (``Proposal.trees``) sets ``proposes_trees = True``, so
-    that the engine refuses a target runtime that cannot verify them when it is built.
+    that the engine refuses a target runtime that cannot verify them when it is built. A drafter
+    whose proposals cost no model forward, change no state and draw no randomness (prompt lookup)
+    sets ``proposes_free = True``: the engine then also proposes for rows the policy has switched
+    off, verifies none of it, and tells the policy how the first tokens fared
+    (:meth:`specdraft.policy.CostAwareK.shadow`).
     """
 
     name: str

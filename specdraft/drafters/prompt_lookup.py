@@ -35,6 +35,7 @@ class PromptLookupDrafter:
 
     name = "prompt-lookup"
     vocab_size = None
+    proposes_free = True  # no model, no state, no randomness: the engine may propose for rows that are off
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:

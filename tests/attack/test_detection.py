@@ -73,6 +73,12 @@ def test_recorded_clean_distribution_flags_at_most_five_percent():
     assert (
         rates(replay(requests, loose, tokens=doc["max_new_tokens"]), adversarial)["false_positive_rate"] > 0.1
     )
+    # prompt lookup proposes for free, so a request that is off is watched at every step (the
+    # engine's unverified proposals): issue 17's >= 90% flagged, <= 5% false positives. With its
+    # probes alone, an always-wrong request makes too few proposals in 64 steps to be flagged.
+    shadowed = rates(replay(requests, tokens=doc["max_new_tokens"], shadow=True), adversarial)
+    assert shadowed["detected_rate"] >= 0.9 and shadowed["false_positive_rate"] <= 0.05, shadowed
+    assert r["detected_rate"] < 0.5, r
 
 
 def test_hit_recorder_keeps_first_token_outcomes_per_request():
