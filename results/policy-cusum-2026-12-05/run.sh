@@ -2,7 +2,9 @@
 # The safe arm's verdict as a CUSUM of losses (auto) against the decayed-ratio verdict before it
 # (auto-window), in one process each (bench_policy.py), and on the simulated world of
 # tests/test_policy_guard.py.
-# usage: results/policy-cusum-2026-12-05/run.sh policy|sim
+# Then the row watch told by a free drafter's unverified proposals (e8a56ff): detection on recorded
+# requests (bench_detection.py) and throughput under attack (bench_collapse.py).
+# usage: results/policy-cusum-2026-12-05/run.sh policy|context|sim|detection|collapse
 set -u
 OUT=$(cd "$(dirname "$0")" && pwd)
 cd "$OUT/../.."
@@ -21,6 +23,16 @@ $F bf16 1 auto,auto-window,1
 lookup auto 1 auto,auto-window,auto-unguarded
 $F auto 1 auto,auto-window,1
 lookup auto 8 auto,auto-window,auto-unguarded
+END
+    ;;
+  context)  # the safe arm reading plain steps at the step's context (auto) or as timed (auto-stale)
+    while read -r d T B P; do
+      n=${d##*:}_${T}_b$B-$c
+      step "$OUT/context_$n.txt" .venv/bin/python benchmarks/bench_policy.py --draft "$d" --dtype "$T" \
+        --batch "$B" --policies "$P" --limit 2 --max-new-tokens 128 --threads 2 --json "$OUT/context_$n.json" </dev/null
+    done <<END
+lookup auto 1 auto,auto-stale,auto-window,auto-unguarded
+$F bf16 1 auto,auto-stale,1
 END
     ;;
   sim)  # the test's world: acceptance 0.35 at k = 1, a step a quarter dearer than plain, the model
@@ -44,5 +56,18 @@ for seed in range(6):
         print(f"{seed:4d}  {name:7s}  {policy.rate.fallbacks:10d}  {run.spec_steps:24d}  {run.vs_plain:.3f}")
 PY
     ;;
-  *) echo "usage: $0 policy|sim" >&2; exit 2 ;;
+  detection)  # recorded clean requests replayed with always-wrong ones (lookup: watched at every step)
+    step "$OUT/detection-$c.txt" .venv/bin/python benchmarks/bench_detection.py --drafts "lookup" --limit 52 \
+      --gsm8k 20 --max-new-tokens 128 --threads 2 ;;
+  collapse)  # under attack (WrongRows): drafter, batch, rows attacked, rounds (median decode seconds)
+    while read -r d B A R; do
+      [ -n "${ONLY:-}" ] && [[ "$d $B" != *"$ONLY"* ]] && continue
+      step "$OUT/collapse_${d##*:}_b$B-$c.txt" .venv/bin/python benchmarks/bench_collapse.py --draft "$d" \
+        --batch "$B" --attacked "$A" --max-new-tokens 128 --threads 2 --rounds "$R" </dev/null
+    done <<END
+lookup 8 4 3
+lookup 1 1 9
+END
+    ;;
+  *) echo "usage: $0 policy|context|sim|detection|collapse" >&2; exit 2 ;;
 esac
