@@ -95,6 +95,7 @@ POLICIES: dict = {
     "auto-unguarded": lambda: CostAwareK(guard=None),
     "auto-window": window_policy,
     "auto-stale": StaleContext,
+    "auto-d98": lambda: CostAwareK(decay=0.98),
 }
 RUNTIMES: dict = {"auto-padded": Padded}  # name -> the runtime a method decodes with
 

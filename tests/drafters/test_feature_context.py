@@ -145,3 +145,30 @@ def test_proposals_after_plain_steps_are_a_draft_fed_every_pair(name, pattern, p
         restarted += not torch.allclose(logits, over, atol=1e-3)
     # a draft that starts over from the last forward's pair (as before) drafts from other logits
     assert restarted > len(rec.seen) / 2
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_after_a_stretch_longer_than_max_lag_the_context_starts_over(name):
+    """A row that has proposed and then sat out more than ``max_lag`` steps (here 4) feeds only its
+    last ``max_lag`` pairs: its proposal is the one of a fresh draft fed those pairs at once, its
+    catch-up as priced by the policy (``lag``) is at most ``max_lag``, and greedy output stays
+    plain decoding's."""
+    target = peaked(seed=10, scale=12.0)
+    case = make_case(name, target)
+    getattr(case.drafter, "feature", case.drafter).max_lag = 4
+    rec = Recording(case.drafter)
+    prompts = [PROMPT + [i] * (1 + 2 * i) for i in range(2)]
+    lengths = [30, 26]
+    pattern = (1, 0, 0, 0, 0, 0, 0, 0)  # 7 steps without drafts between proposals
+    engine = Engine(target, rec, Pattern(case.policy.k_max, pattern), hidden_layers=rec.hidden_layers)
+    assert run(engine, prompts, lengths, 1) == run(Engine(target), prompts, lengths, 1)
+    later = [s for s in rec.seen if s[1] != next(len(p) for p in prompts if p == s[0][: len(p)]) - 1]
+    assert later  # proposals after a long stretch: their context started over
+    for tokens, first, k, capacity, prop, logits in later:
+        assert first == len(tokens) - 1 - 4
+        want, want_logits = fed_at_once(rec, target, tokens, first, k, capacity)
+        assert prop == want
+        assert torch.allclose(logits, want_logits, atol=1e-4)
+    state = rec.new_state(1, 64)
+    state.fed[0] = 3
+    assert state.lag(torch.tensor([40])).tolist() == [4]
