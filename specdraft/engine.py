@@ -251,8 +251,6 @@ class Engine:
             return []
         params = [r.params for r in self.requests]
         ids = [r.id for r in self.requests]
-        if hasattr(self.policy, "attended"):  # the safe arm reads plain steps' time at this context
-            self.policy.attended = int(self.lengths.sum())
         k = self.policy.choose(ids, self.draft_state.lag(self.lengths)) if self.drafter is not None else 0
 
         # 1. propose (for rows switched off too, when proposing is free: _shadowed)

@@ -318,12 +318,10 @@ class SafeArm:
     T_plain(B)``; once it has lost more than ``max_loss`` plain steps' time since it was last ahead,
     the band decodes plainly for ``backoff`` steps, then tries speculation again (a trial); each
     trial that loses as much doubles the back-off (up to ``backoff_max``), one that is ahead after
-    ``evidence`` steps resets it. ``T_plain(B)`` is read at the step's own context: a step attending
-    to more tokens is slower (a quantized SmolLM2 step here: 5.8 ms at 32 tokens, 8.8 ms at 768), so
-    the plain steps' times are moved along a slope fitted to them (:meth:`RealisedRate.plain_time`);
-    a request with a long prompt is not judged against the plain steps of a short one. A plain step
-    is also taken after ``refresh`` speculative ones (and before the first); a size not measured
-    yet is read off the measured ones on the side that favours plain decoding.
+    ``evidence`` steps resets it. A plain step is also taken after ``refresh`` speculative ones (and
+    before the first), so that ``T_plain(B)`` follows the context's growth; a size not measured yet
+    is read off the measured ones on the side that favours plain decoding
+    (:meth:`RealisedRate.plain_time`).
 
     Why a CUSUM: the verdict before it judged a decayed ratio (about 20 steps long) at every step
     after the first ``evidence``, so a stretch of rejected drafts in a run that pays read as a loss.
@@ -392,9 +390,8 @@ class RealisedRate:
 
     def __init__(self, arm: SafeArm):
         self.arm = arm
-        # batch size -> its last plain steps: (tokens the batch attended to or None, seconds)
-        self.samples: dict[int, list[tuple[int | None, float]]] = {}
-        self.sxx = self.sxy = 0.0  # decayed sums over successive plain steps at a size: dx^2, dx dy
+        self.samples: dict[int, list[float]] = {}  # batch size -> seconds of its last plain steps
+        self.plain: dict[int, float] = {}  # batch size -> T_plain(B), their median
         self.bands: dict[int, _Band] = {}
         self.fallbacks = 0  # losing verdicts (back-offs started)
         self.forced = 0  # plain steps this check imposed
@@ -422,19 +419,19 @@ class RealisedRate:
         """The k the policy asked for at the step being timed."""
         self._chosen = k
 
-    def observe(self, k: int, committed: int, B: int, reported: float, attended: int | None = None) -> None:
+    def observe(self, k: int, committed: int, B: int, reported: float) -> None:
         """A step of B rows, k draft tokens proposed (0: none), ``committed`` tokens, ``reported``
-        seconds of drafting and verification, ``attended`` tokens in the rows' contexts (None: not
-        known); the span since :meth:`allows` is taken if longer."""
+        seconds of drafting and verification; the span since :meth:`allows` is taken if longer."""
         if self._start is None or B == 0:
             return
         seconds = max(self.arm.clock() - self._start, reported)
         self._start, band = None, self._band(B)
         if k == 0 and self._chosen == 0:  # a plain step
-            self._plain_step(B, attended, seconds)
+            last = [*self.samples.get(B, []), seconds][-self.arm.plain_window :]
+            self.samples[B], self.plain[B] = last, statistics.median(last)
             band.since_plain = 0
             return
-        plain = self.plain_time(B, attended)
+        plain = self.plain_time(B)
         if plain is None:
             return
         d, equivalent = self.arm.decay, committed * plain / B
@@ -461,52 +458,21 @@ class RealisedRate:
             return True
         return False if band.steps >= self.arm.evidence and band.net <= 0 else None
 
-    def _plain_step(self, B: int, attended: int | None, seconds: float) -> None:
-        """Keep a plain step's time, and its change since the last plain step at B against the
-        change in tokens attended (:meth:`slope`)."""
-        last = self.samples.get(B, [])
-        if last and attended is not None and last[-1][0] is not None:
-            dx, dy, d = attended - last[-1][0], seconds - last[-1][1], self.arm.decay
-            self.sxx, self.sxy = d * self.sxx + dx * dx, d * self.sxy + dx * dy
-        self.samples[B] = [*last, (attended, seconds)][-self.arm.plain_window :]
-
-    def slope(self) -> float:
-        """Seconds a plain step gains per token the batch attends to (reading the keys and values
-        of a longer context): the least-squares slope through successive plain steps' changes
-        (decayed; 0 until measured, never below)."""
-        return max(self.sxy / self.sxx, 0.0) if self.sxx > 0 else 0.0
-
-    def _measured(self, B: int, attended: int | None) -> float:
-        """T_plain at a measured size B: the median of its last plain steps, each moved along
-        :meth:`slope` to ``attended`` tokens (a request with a long prompt decodes slower: on this
-        project's CPU a quantized SmolLM2 step took 5.8 ms at 32 tokens, 8.8 ms at 768)."""
-        c = self.slope()
-        return statistics.median(
-            t + (c * (attended - a) if a is not None and attended is not None else 0.0)
-            for a, t in self.samples[B]
-        )
-
-    def plain_time(self, B: int, attended: int | None = None) -> float | None:
-        """Seconds of a plain step at batch size B whose rows attend to ``attended`` tokens in all
-        (None: as the last plain steps did): measured (:meth:`_measured`), else estimated on the
-        safe side (never above the truth for a step time that grows with B while its time per row
-        falls): on the line between the nearest measured sizes (at the same tokens per row), flat
-        above the largest, proportional to B below the smallest. None before any plain step. Rows
-        that leave a batch need no new plain step."""
-        if B in self.samples or not self.samples:
-            return self._measured(B, attended) if B in self.samples else None
-        below = max((b for b in self.samples if b < B), default=None)
-        above = min((b for b in self.samples if b > B), default=None)
-
-        def at(b: int) -> float:  # size b at this batch's tokens per row
-            return self._measured(b, None if attended is None else attended * b // B)
-
+    def plain_time(self, B: int) -> float | None:
+        """Seconds of a plain step at batch size B: measured, else estimated on the safe side (never
+        above the truth for a step time that grows with B while its time per row falls): on the
+        line between the nearest measured sizes, flat above the largest, proportional to B below
+        the smallest. None before any plain step. Rows that leave a batch need no new plain step."""
+        if B in self.plain or not self.plain:
+            return self.plain.get(B)
+        below = max((b for b in self.plain if b < B), default=None)
+        above = min((b for b in self.plain if b > B), default=None)
         if below is None:
-            return at(above) * B / above
+            return self.plain[above] * B / above
         if above is None:
-            return at(below)
+            return self.plain[below]
         w = (B - below) / (above - below)
-        return (1 - w) * at(below) + w * at(above)
+        return (1 - w) * self.plain[below] + w * self.plain[above]
 
     def speedup(self, B: int) -> float | None:
         """Realised speed of speculation over plain decoding in B's band (decayed), None before any."""
@@ -631,7 +597,6 @@ class CostAwareK:
         # drafter's ``drafts_blocks``): T_draft is per step, charged once (analytic.step_time)
         self.per_block = False
         self.rate = RealisedRate(guard) if guard is not None else None  # the safe arm's record
-        self.attended: int | None = None  # tokens in the batch's contexts this step (the engine sets it)
         self._batch = 1  # rows at the last update (the batch size when choose() is not told the rows)
 
     def _ema(self, old: float | None, new: float) -> float:
@@ -860,7 +825,7 @@ class CostAwareK:
         self._batch = num_accepted.numel() or self._batch
         if self.rate is not None:
             committed = int(num_accepted.sum()) + num_accepted.numel()
-            self.rate.observe(k, committed, num_accepted.numel(), draft_time + target_time, self.attended)
+            self.rate.observe(k, committed, num_accepted.numel(), draft_time + target_time)
         drafted = int(num_drafted.max()) if num_drafted.numel() else 0
         # the target scored drafted + 1 tokens per row (fewer than k + 1 when a drafter such as
         # prompt lookup found less to propose or trim() cut it), or a tree's nodes + 1 (width):
@@ -1033,9 +998,8 @@ def make_policy(spec: str | int) -> KPolicy:
 
 
 def _inner_flag(name: str) -> property:
-    """A wrapper's view of its inner policy's :class:`CostAwareK` setting ``name`` (a flag, or what
-    the engine tells it before a step): False (and setting it does nothing) for an inner policy
-    that does not price steps."""
+    """A wrapper's view of its inner policy's :class:`CostAwareK` flag ``name``: False (and setting it
+    does nothing) for an inner policy that does not price steps."""
 
     def set_flag(self, value: bool) -> None:
         if hasattr(self.inner, name):
@@ -1064,7 +1028,6 @@ class CappedPolicy:
 
     ragged = _inner_flag("ragged")
     per_block = _inner_flag("per_block")
-    attended = _inner_flag("attended")
 
     def choose(self, rows: list[int] | None = None, lag: torch.Tensor | None = None) -> int:
         k = self.inner.choose(rows, lag)

@@ -188,51 +188,6 @@ def test_speculation_a_little_ahead_is_not_ended_by_its_stretches_of_rejections(
     assert fallbacks <= 6, fallbacks
 
 
-def alternating_contexts(policy: CostAwareK, clock: Clock, tell: bool, requests: int = 8) -> Run:
-    """Requests of 100 steps at batch 1 whose contexts alternate between short (50 tokens) and long
-    (800): a plain step at context x takes T1 (1 + x / 1000), a k = 1 step a quarter more, and half
-    of the drafts are accepted (speculation pays 20% at any context). ``tell``: the policy is told
-    the tokens attended (as the engine does)."""
-    g = torch.Generator().manual_seed(0)
-    run = Run(1)
-    for r in range(requests):
-        start = 50 if r % 2 == 0 else 800
-        for step in range(100):
-            policy.attended = start + step if tell else None
-            plain = T1 * (1 + (start + step) / 1000)
-            k = policy.choose([r])
-            accepted = torch.tensor([int(k > 0 and float(torch.rand(1, generator=g)) < 0.5)])
-            seconds = plain * (1.25 if k else 1.0)
-            clock.t += seconds
-            policy.update(k, torch.tensor([k]), accepted, 0.0, seconds, None, [r])
-            run.seconds, run.tokens, run.spec_steps = (
-                run.seconds + seconds,
-                run.tokens + 1 + int(accepted),
-                run.spec_steps + (k > 0),
-            )
-    return run
-
-
-def test_plain_step_times_are_read_at_the_steps_context():
-    """Told the tokens attended, the safe arm moves its plain steps' times along the slope it fits
-    to them: a long request is judged against what a plain step costs at its own context, and
-    speculation that pays stays on. Judged against the last plain steps' times (another request's
-    context), the first long request reads as a loss of 0.7 plain steps a step and it falls back:
-    fewer tokens per second."""
-    runs, policies = {}, {}
-    for tell in (True, False):
-        clock = Clock()
-        policies[tell] = CostAwareK(k_max=1, k_start=1, probe_k=1, watch=None, guard=SafeArm(clock=clock))
-        policies[tell].t_draft = 0.0  # the model always drafts: the safe arm alone decides
-        runs[tell] = alternating_contexts(policies[tell], clock, tell)
-    told = policies[True].rate
-    assert told.slope() == pytest.approx(T1 / 1000, rel=1e-6)
-    assert told.plain_time(1, 800) == pytest.approx(T1 * 1.8, rel=1e-6)
-    assert told.fallbacks == 0 and runs[True].spec_steps > 0.9 * 800
-    assert policies[False].rate.fallbacks >= 1 and runs[False].spec_steps < runs[True].spec_steps
-    assert runs[True].tokens / runs[True].seconds > runs[False].tokens / runs[False].seconds
-
-
 def test_batch_size_bands_are_judged_apart():
     """Speculation that loses at batch 8 (verification dear there) is switched off at batch 8 only;
     batch 1, where it pays, keeps drafting."""
