@@ -547,6 +547,11 @@ class CostAwareK:
         watch: per-row watching (None: one policy for the whole batch, as before issue 17).
         guard: the check of realised speed against plain decoding (:class:`SafeArm`; None: the
             model's choice unchecked).
+        latency_window: ``T_target(n)`` is the median of the last this many steps that fed n
+            tokens per row. One slow step (a busy machine) could otherwise stick to a size the
+            policy then stops choosing: an exponential average of it read a 2-token step of the
+            bf16 SmolLM2 at 1.40 times a 1-token one for the rest of a run (session trace; about
+            1.05 measured), and k = 1 was not chosen again.
     """
 
     def __init__(
@@ -559,16 +564,18 @@ class CostAwareK:
         probe_max: int = 64,
         watch: RowWatch | None = RowWatch(),
         guard: SafeArm | None = SafeArm(),
+        latency_window: int = 5,
     ):
         if (
-            not 1 <= k_start <= k_max
+            latency_window < 1
+            or not 1 <= k_start <= k_max
             or not 0 < decay < 1
             or not 1 <= probe_k <= k_max
             or not 1 <= probe_every <= probe_max
         ):
             raise SpecdraftError(
                 "CostAwareK: need 1 <= k_start, probe_k <= k_max, 0 < decay < 1, 1 <= probe_every <= "
-                "probe_max"
+                "probe_max, latency_window >= 1"
             )
         self.k_max, self.k_start, self.decay = k_max, k_start, decay
         self.probe_every, self.probe_k, self.probe_max = probe_every, probe_k, probe_max
@@ -578,7 +585,9 @@ class CostAwareK:
         # catch-up tokens, _catch); unseparated, each as if it took all of it (pessimistic)
         self.draft_fit = _Fit2(decay)
         self._catch = 0  # catch-up tokens of the step being chosen (from choose's lag)
-        self.t_target: dict[int, float] = {}  # tokens fed -> seconds
+        self.t_target: dict[int, float] = {}  # tokens fed -> seconds (the median of _target_samples)
+        self._target_samples: dict[int, list[float]] = {}  # tokens fed -> its last steps' seconds
+        self.latency_window = latency_window
         self.curves: dict[int | None, _Curve] = {}  # class -> acceptance (None: a drafter without classes)
         self.classes: bool | None = (
             None  # whether the drafter classifies its proposals (seen at the first update)
@@ -834,7 +843,8 @@ class CostAwareK:
         if self.ragged:  # rows fed 1 + num_drafted[b] each (a tree: width each)
             self._line(num_accepted.numel(), num_drafted, width, target_time)
         if not self.ragged or fed == 1:
-            self.t_target[fed] = self._ema(self.t_target.get(fed), target_time)
+            last = [*self._target_samples.get(fed, []), target_time][-self.latency_window :]
+            self._target_samples[fed], self.t_target[fed] = last, statistics.median(last)
         self._times = None
         if k > 0:  # the drafter ran, whatever trim() kept
             self.draft_fit.add(1 if self.per_block else k, self._catch, draft_time)

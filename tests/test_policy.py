@@ -220,6 +220,21 @@ def test_cost_aware_files_target_time_under_the_tokens_actually_scored():
     assert p.latency().time(2) == pytest.approx(0.021) and p.latency().time(1) == pytest.approx(0.020)
 
 
+def test_one_slow_step_does_not_stick_to_a_size():
+    """T_target(n) is the median of the last ``latency_window`` steps at n: a step slowed five times
+    by a busy machine moves it nothing, where an exponential average kept a fifth of the
+    slowdown until the size was measured again (a size the policy may then never choose)."""
+    p = model()
+    for seconds in (0.010, 0.011, 0.050, 0.010, 0.011):
+        p.update(1, t(1), t(1), 1e-4, seconds)
+    assert p.t_target[2] == pytest.approx(0.011)
+    for _ in range(3):  # the slow one has left the window of 5; the sizes follow the new times
+        p.update(1, t(1), t(1), 1e-4, 0.020)
+    assert p.t_target[2] == pytest.approx(0.020)
+    with pytest.raises(SpecdraftError, match="latency_window"):
+        CostAwareK(latency_window=0)
+
+
 def test_cost_aware_reads_unmeasured_sizes_off_the_latency_curve():
     """Sizes not yet scored are read off the measured ones: flat while one is known, then linear
     between and beyond them; the choice of k uses those times."""

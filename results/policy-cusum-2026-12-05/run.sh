@@ -4,7 +4,7 @@
 # tests/test_policy_guard.py.
 # Then the row watch told by a free drafter's unverified proposals (e8a56ff): detection on recorded
 # requests (bench_detection.py) and throughput under attack (bench_collapse.py).
-# usage: results/policy-cusum-2026-12-05/run.sh policy|context|sim|detection|collapse
+# usage: results/policy-cusum-2026-12-05/run.sh policy|context|lag|window|sim|detection|collapse
 set -u
 OUT=$(cd "$(dirname "$0")" && pwd)
 cd "$OUT/../.."
@@ -25,7 +25,8 @@ $F auto 1 auto,auto-window,1
 lookup auto 8 auto,auto-window,auto-unguarded
 END
     ;;
-  context)  # the safe arm reading plain steps at the step's context (auto) or as timed (auto-stale)
+  context)  # the safe arm reading plain steps at the step's context (auto) or as timed (auto-stale);
+    # runs at 8681c81 only: that fix (3b6b068) measured no effect here and was reverted
     while read -r d T B P; do
       n=${d##*:}_${T}_b$B-$c
       step "$OUT/context_$n.txt" .venv/bin/python benchmarks/bench_policy.py --draft "$d" --dtype "$T" \
@@ -33,6 +34,23 @@ END
     done <<END
 lookup auto 1 auto,auto-stale,auto-window,auto-unguarded
 $F bf16 1 auto,auto-stale,1
+END
+    ;;
+  lag)  # the feature draft's catch-up bounded (max_lag): k = auto against k = 1, bf16 and quantized target
+    for T in bf16 auto; do
+      n=smollm2-135m-feature-4k-second_${T}_b1-$c
+      step "$OUT/lag_$n.txt" .venv/bin/python benchmarks/bench_policy.py --draft "$F" --dtype "$T" --batch 1 \
+        --policies auto,1 --limit 2 --max-new-tokens 128 --threads 2 --json "$OUT/lag_$n.json" </dev/null
+    done ;;
+  window)  # T_target(n) the median of the last 5 steps at n (latency_window), not an exponential average
+    while read -r d T P; do
+      n=${d##*:}_${T}_b1-$c
+      step "$OUT/window_$n.txt" .venv/bin/python benchmarks/bench_policy.py --draft "$d" --dtype "$T" --batch 1 \
+        --policies "$P" --limit 2 --max-new-tokens 128 --threads 2 --json "$OUT/window_$n.json" </dev/null
+    done <<END
+$F bf16 auto,1
+$F auto auto,1
+lookup auto auto,auto-unguarded
 END
     ;;
   sim)  # the test's world: acceptance 0.35 at k = 1, a step a quarter dearer than plain, the model
@@ -69,5 +87,5 @@ lookup 8 4 3
 lookup 1 1 9
 END
     ;;
-  *) echo "usage: $0 policy|context|sim|detection|collapse" >&2; exit 2 ;;
+  *) echo "usage: $0 policy|context|lag|window|sim|detection|collapse" >&2; exit 2 ;;
 esac
