@@ -4,7 +4,7 @@
 # tests/test_policy_guard.py.
 # Then the row watch told by a free drafter's unverified proposals (e8a56ff): detection on recorded
 # requests (bench_detection.py) and throughput under attack (bench_collapse.py).
-# usage: results/policy-cusum-2026-12-05/run.sh policy|context|lag|window|sim|detection|collapse
+# usage: results/policy-cusum-2026-12-05/run.sh policy|context|lag|window|catchup|sim|detection|collapse
 set -u
 OUT=$(cd "$(dirname "$0")" && pwd)
 cd "$OUT/../.."
@@ -53,6 +53,26 @@ $F auto auto,1
 lookup auto auto,auto-unguarded
 END
     ;;
+  catchup)  # a feature draft forward over P pairs (what a catch-up costs), F at bf16: median of 10
+    step "$OUT/catchup.txt" .venv/bin/python - <<'PY'
+import statistics, time
+import torch
+from specdraft import api
+pipe = api.load("smollm2-135m", "designed:smollm2-135m-feature-4k-second", dtype="bf16", threads=2)
+d = pipe.drafter
+print("pairs  draft forward ms (median of 10)")
+for P in (1, 8, 16, 32, 64, 128):
+    state = d.new_state(1, 1024)
+    state.start[:] = 0
+    x = torch.randn(1, P, d.embed.shape[1], dtype=d.embed.dtype)
+    times = []
+    for i in range(12):
+        t = time.perf_counter()
+        d._forward(state, x, torch.arange(P)[None])
+        times.append(time.perf_counter() - t)
+    print(f"{P:5d}  {statistics.median(times[2:]) * 1e3:.2f}")
+PY
+    ;;
   sim)  # the test's world: acceptance 0.35 at k = 1, a step a quarter dearer than plain, the model
     # always drafting; fall-backs and speculative steps per 600 steps, the CUSUM against the window
     step "$OUT/sim.txt" .venv/bin/python - <<'PY'
@@ -87,5 +107,5 @@ lookup 8 4 3
 lookup 1 1 9
 END
     ;;
-  *) echo "usage: $0 policy|context|lag|window|sim|detection|collapse" >&2; exit 2 ;;
+  *) echo "usage: $0 policy|context|lag|window|catchup|sim|detection|collapse" >&2; exit 2 ;;
 esac

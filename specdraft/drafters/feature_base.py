@@ -150,9 +150,10 @@ class FeatureDrafterBase:
             starts over at its last ``max_lag`` pairs: the target's features carry the context,
             and the draft's attention over its older pairs adds little. A catch-up forward over P
             pairs costs about what P tokens of the draft do (the committed SmolLM2 feature draft
-            here, 2 threads: 0.9 ms at 1, 1.8 ms at 16, 10 ms at 128, session trace); without the
-            bound, a probe after a long plain stretch priced its catch-up so high that the policy
-            waited longer, and the catch-up grew.
+            at bf16, 2 threads: 1.15 ms at 1, 2.73 ms at 16, 14.18 ms at 128,
+            ``results/policy-cusum-2026-12-05/catchup.txt``); without the bound, a probe after a
+            long plain stretch priced its catch-up so high that the policy waited longer, and the
+            catch-up grew.
     """
 
     max_lag: int = 16
