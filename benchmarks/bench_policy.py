@@ -4,8 +4,7 @@ One drafter (prompt lookup by default), several policies (``--policies auto,2,4,
 cost-aware policy, fixed k, transformers' heuristic; ``auto-batch`` without its per-row watch,
 ``auto-padded`` on the runtime without ragged steps, ``auto-off3`` with the row watch before 1d59d9d
 (a row off after any three rejections in a row), ``auto-window`` with the safe arm's verdict before
-its CUSUM (a decayed ratio judged at every step), ``auto-d98`` with acceptance counts and latency
-averages that forget 10 times slower, ``auto-unguarded`` without its safe arm, the
+its CUSUM (a decayed ratio judged at every step), ``auto-unguarded`` without its safe arm, the
 check of realised speed against plain decoding: ``auto`` against it is that check's cost or gain),
 Spec-Bench first turns, greedy, batch 1 (or ``--batch N``: the prompts decoded N rows at a time,
 overall figures only).
@@ -79,14 +78,13 @@ def window_policy() -> CostAwareK:
 # auto-padded: the cost-aware policy on the runtime without ragged steps (Padded); auto-unguarded:
 # without the safe arm (SafeArm: the model's choice unchecked by the clock); auto-off3: a row goes off
 # after three rejected proposals in a row whatever the drafter's average (RowWatch before 1d59d9d);
-# auto-window: the safe arm's verdict before its CUSUM (WindowVerdict); auto-d98: decay 0.98
+# auto-window: the safe arm's verdict before its CUSUM (WindowVerdict)
 POLICIES: dict = {
     "auto-batch": lambda: CostAwareK(watch=None),
     "auto-off3": lambda: CostAwareK(watch=RowWatch(off_max=3)),
     "auto-padded": CostAwareK,
     "auto-unguarded": lambda: CostAwareK(guard=None),
     "auto-window": window_policy,
-    "auto-d98": lambda: CostAwareK(decay=0.98),
 }
 RUNTIMES: dict = {"auto-padded": Padded}  # name -> the runtime a method decodes with
 

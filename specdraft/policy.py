@@ -549,9 +549,8 @@ class CostAwareK:
             model's choice unchecked).
         latency_window: ``T_target(n)`` is the median of the last this many steps that fed n
             tokens per row. One slow step (a busy machine) could otherwise stick to a size the
-            policy then stops choosing: an exponential average of it read a 2-token step of the
-            bf16 SmolLM2 at 1.40 times a 1-token one for the rest of a run, where the medians of a
-            whole run give 1.07 (session traces), and k = 1 was not chosen again.
+            policy then stops choosing: a size not chosen is not measured again, so an
+            exponential average kept the slow step's share until the end of a run.
     """
 
     def __init__(

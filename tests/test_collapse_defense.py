@@ -96,6 +96,13 @@ def run(engine: Engine, prompts: list[list[int]], steps: int | None = None) -> t
     return ids, out
 
 
+def finish(engine: Engine, out: dict) -> None:
+    """Step to the end, adding the tokens to ``out`` (by request id)."""
+    while engine.active:
+        for ev in engine.step():
+            out.setdefault(ev.request_id, []).extend(ev.tokens)
+
+
 def probe_bound(steps: int, policy: CostAwareK) -> int:
     """Probes a row that is off can make in ``steps`` steps: intervals probe_every, doubling."""
     n, t, interval = 0, 0, policy.probe_every
@@ -182,9 +189,7 @@ def test_a_row_recovers_when_its_drafts_are_right_again(tiny, reference):
     row = policy.row_state[ids[0]]
     assert row.off  # switched off by its rejected drafts
     drafter.enabled = False  # the drafts are right again
-    while engine.active:
-        for ev in engine.step():
-            out.setdefault(ev.request_id, []).extend(ev.tokens)
+    finish(engine, out)
     assert out[ids[0]] == reference[0][:N]
     after = policy.verified[ids[0]][20:]
     # the next probe (within the current probe interval) is accepted and the row drafts again
@@ -218,9 +223,7 @@ def test_a_free_drafters_off_rows_are_watched_at_every_step(tiny, reference, fre
     assert verified <= 3 + probe_bound(30, policy), policy.verified[ids[0]]
     assert row.proposals >= 29 if free else row.proposals == verified
     drafter.enabled = False  # right again
-    while engine.active:
-        for ev in engine.step():
-            out.setdefault(ev.request_id, []).extend(ev.tokens)
+    finish(engine, out)
     assert out[ids[0]] == reference[0][:N]
     after = policy.verified[ids[0]][30:]
     first = next(j for j, n in enumerate(after) if n > 0)

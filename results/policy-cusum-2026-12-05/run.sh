@@ -4,7 +4,7 @@
 # tests/test_policy_guard.py.
 # Then the row watch told by a free drafter's unverified proposals (e8a56ff): detection on recorded
 # requests (bench_detection.py) and throughput under attack (bench_collapse.py).
-# usage: results/policy-cusum-2026-12-05/run.sh policy|context|lag|window|catchup|sim|detection|collapse
+# usage: results/policy-cusum-2026-12-05/run.sh policy|context|lag|window|catchup|trace|sim|detection|collapse
 set -u
 OUT=$(cd "$(dirname "$0")" && pwd)
 cd "$OUT/../.."
@@ -73,6 +73,50 @@ for P in (1, 8, 16, 32, 64, 128):
     print(f"{P:5d}  {statistics.median(times[2:]) * 1e3:.2f}")
 PY
     ;;
+  trace)  # why F's k = auto decodes plainly: each step's reason (s speculative, 0 the model's k = 0, o the
+    # row switched off, A the safe arm's plain step, t trimmed to nothing) and the policy's state at the end
+    step "$OUT/trace.txt" .venv/bin/python - <<'PY'
+import collections
+from specdraft import api
+from specdraft.bench import harness
+from specdraft.bench.prompts import fit_context, load_prompts
+from specdraft.policy import CostAwareK
+
+
+class Traced(CostAwareK):
+    def __init__(self):
+        super().__init__()
+        self.reasons = []
+
+    def choose(self, rows=None, lag=None):
+        forced = self.rate.forced
+        k = super().choose(rows, lag)
+        off = rows and all(r in self.row_state and self.row_state[r].off for r in rows)
+        self._why = "A" if self.rate.forced > forced else ("s" if k else ("o" if off else "0"))
+        return k
+
+    def trim(self, num_valid, bucket, rows=None):
+        out = super().trim(num_valid, bucket, rows)
+        self._why = "t" if self._why == "s" and int(out.max()) == 0 else self._why
+        return out
+
+    def update(self, *args, **kw):
+        super().update(*args, **kw)
+        self.reasons.append(self._why)
+
+
+pipe = api.load("smollm2-135m", "designed:smollm2-135m-feature-4k-second", dtype="bf16", threads=2)
+policy = Traced()
+method = harness.engine_method("auto", pipe.runtime, pipe.drafter, policy, eos_ids=pipe.eos_ids)
+for i, p in enumerate(load_prompts(None, None, 2)):
+    harness.run_prompt([method], fit_context(pipe.encode(p.turns[0]), 512).ids, i, 128)
+print("steps by reason:", dict(collections.Counter(policy.reasons)))
+print("T_target(n) ms:", {n: round(t * 1e3, 2) for n, t in sorted(policy.t_target.items())})
+print(f"t_draft {policy.t_draft * 1e3:.2f} ms, t_lag {policy.t_lag * 1e3:.3f} ms per catch-up pair")
+print("acceptance c_j:", [round(c, 2) for c in policy.rates(None)])
+print("".join(policy.reasons))
+PY
+    ;;
   sim)  # the test's world: acceptance 0.35 at k = 1, a step a quarter dearer than plain, the model
     # always drafting; fall-backs and speculative steps per 600 steps, the CUSUM against the window
     step "$OUT/sim.txt" .venv/bin/python - <<'PY'
@@ -107,5 +151,5 @@ lookup 8 4 3
 lookup 1 1 9
 END
     ;;
-  *) echo "usage: $0 policy|context|lag|window|catchup|sim|detection|collapse" >&2; exit 2 ;;
+  *) echo "usage: $0 policy|context|lag|window|catchup|trace|sim|detection|collapse" >&2; exit 2 ;;
 esac
