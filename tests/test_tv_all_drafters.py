@@ -46,9 +46,10 @@ from specdraft.drafters.gated import GatedDrafter
 from specdraft.drafters.local import LocalHead
 from specdraft.drafters.lookup_tree import LookupTreeDrafter
 from specdraft.drafters.model import ModelDrafter
+from specdraft.drafters.ngram import SEP, NgramIndex
 from specdraft.drafters.ouroboros import OuroborosDrafter
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
-from specdraft.drafters.suffix import SEP, NgramIndex, SuffixDrafter
+from specdraft.drafters.suffix import SuffixDrafter
 from specdraft.drafters.topk_tree import FeatureTreeDrafter, TopKTreeDrafter, TreeShape
 from specdraft.engine import Engine, Request
 from specdraft.models.llama import LlamaRuntime, LlamaWeights

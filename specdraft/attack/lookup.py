@@ -22,8 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
+from specdraft.drafters.ngram import NgramIndex
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 
 FILLER = " however, the other one was not"  # the wrong continuations are taken from this text
@@ -49,15 +48,16 @@ def lookup_steps(drafter: PromptLookupDrafter, prompt: list[int], y: list[int], 
     """Greedy prompt lookup with fixed ``k`` decoding ``y`` after ``prompt``, step by step:
     ``(i, m)`` per step, ``y[i]`` the first token it drafted for and ``m`` the drafts accepted
     (the prefix of its match's continuation that agrees with ``y``)."""
-    seq = torch.tensor(prompt + y)
-    P, n = len(prompt), len(y)
+    index = NgramIndex.of(prompt, drafter.max_ngram)
+    n = len(y)
     i, steps = 0, []
     while i < n:
-        _, cont = drafter._lookup(seq[: P + i], k)
+        _, cont = drafter.lookup(index, k)
         m = 0
-        while m < min(cont.shape[0], n - i - 1) and int(cont[m]) == y[i + m]:
+        while m < min(len(cont), n - i - 1) and cont[m] == y[i + m]:
             m += 1
         steps.append((i, m))
+        index.extend(y[i : i + m + 1])
         i += m + 1
     return steps
 

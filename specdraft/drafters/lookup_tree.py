@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from specdraft.drafters.base import DraftContext, DraftState, Proposal, Verified
-from specdraft.drafters.prompt_lookup import ngram_matches
+from specdraft.drafters.base import DraftContext, Proposal, Verified
+from specdraft.drafters.ngram import NgramIndex, NgramState
 from specdraft.tree import TokenTree
 
 
@@ -42,27 +42,25 @@ class LookupTreeDrafter:
             )
         self.max_ngram, self.min_ngram, self.per_ngram = max_ngram, min_ngram, per_ngram
 
-    def new_state(self, batch_size: int, capacity: int) -> DraftState:
-        return DraftState(batch_size)
+    def new_state(self, batch_size: int, capacity: int) -> NgramState:
+        return NgramState(batch_size, self.max_ngram)
 
-    def candidates(self, seq: torch.Tensor, k: int) -> list[list[int]]:
+    def candidates(self, index: NgramIndex, k: int) -> list[list[int]]:
         """Distinct continuations (up to k tokens) of the ``per_ngram`` latest matches of each
-        n-gram length, longest n first, then the most recent."""
-        s = seq.numpy()
-        L = s.shape[0]
+        n-gram length of the indexed sequence's tail, longest n first, then the most recent."""
+        s = index.tokens
         out: list[list[int]] = []
-        for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
-            for start in ngram_matches(s, n)[::-1][: self.per_ngram].tolist():
-                cont = s[start + n : start + n + k].tolist()
+        for n in range(min(self.max_ngram, len(s) - 1), self.min_ngram - 1, -1):
+            for cont in index.continuations(index.latest(s[len(s) - n :], self.per_ngram), k):
                 if cont not in out:
                     out.append(cont)
         return out
 
-    def tree(self, seq: torch.Tensor, k: int) -> TokenTree | None:
+    def tree(self, index: NgramIndex, k: int) -> TokenTree | None:
         """The candidates' trie within k nodes (None when nothing matches): the other candidates
         first take up to ``k // 2`` nodes (the i-th at most ``max(1, k >> (i + 1))`` deep), then the
         best one takes the rest."""
-        cands = self.candidates(seq, k)
+        cands = self.candidates(index, k)
         if not cands:
             return None
         seen: set[tuple[int, ...]] = set()
@@ -72,13 +70,12 @@ class LookupTreeDrafter:
         chains = [best, *others]  # siblings are tried in this order
         return TokenTree.from_chains(chains, sources=[self.source] * len(chains))
 
-    def propose(self, state: DraftState, ctx: DraftContext, k: int) -> Proposal:
-        B = ctx.tokens.shape[0]
-        trees = [self.tree(ctx.tokens[b, : int(ctx.lengths[b])], k) for b in range(B)]
-        return Proposal(tokens=torch.zeros(B, 0, dtype=torch.int64), trees=trees)
+    def propose(self, state: NgramState, ctx: DraftContext, k: int) -> Proposal:
+        trees = [self.tree(index, k) for index in state.synced(ctx)]
+        return Proposal(tokens=torch.zeros(len(trees), 0, dtype=torch.int64), trees=trees)
 
     def observe(
-        self, state: DraftState, num_accepted: torch.Tensor, verified: Verified | None = None
+        self, state: NgramState, num_accepted: torch.Tensor, verified: Verified | None = None
     ) -> None:
         pass
 

@@ -10,32 +10,19 @@ Draft spec: ``lookup`` or ``lookup:N`` (n-grams up to N, default 3), built by :f
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from specdraft.drafters.base import DraftContext, DraftState, Proposal, Verified
-
-
-def ngram_matches(s: np.ndarray, n: int) -> np.ndarray:
-    """Ascending starts ``i <= L - n - 1`` of the earlier occurrences of ``s``'s trailing n-gram (the
-    n-gram has a successor). Candidates whose first token matches are narrowed one position at a
-    time (numpy on the array's memory, without the copy of every window that an unfold makes)."""
-    L = s.shape[0]
-    tail = s[L - n :]
-    starts = np.flatnonzero(s[: L - n] == tail[0])
-    for j in range(1, n):
-        if not starts.size:
-            break
-        starts = starts[s[starts + j] == tail[j]]
-    return starts
+from specdraft.drafters.base import DraftContext, Proposal, Verified
+from specdraft.drafters.ngram import NgramIndex, NgramState
 
 
 class PromptLookupDrafter:
-    """n-gram drafter over the row's own context (prompt and output so far)."""
+    """n-gram drafter over the row's own context (prompt and output so far), read from each row's
+    :class:`~specdraft.drafters.ngram.NgramIndex`."""
 
     name = "prompt-lookup"
     vocab_size = None
-    proposes_free = True  # no model, no state, no randomness: the engine may propose for rows that are off
+    proposes_free = True  # no model, no randomness: the engine may propose for rows that are off
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
@@ -43,35 +30,28 @@ class PromptLookupDrafter:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
-    def new_state(self, batch_size: int, capacity: int) -> DraftState:
-        return DraftState(batch_size)
+    def new_state(self, batch_size: int, capacity: int) -> NgramState:
+        return NgramState(batch_size, self.max_ngram)
 
-    def _lookup(self, seq: torch.Tensor, k: int) -> tuple[int, torch.Tensor]:
+    def lookup(self, index: NgramIndex, k: int) -> tuple[int, list[int]]:
         """The matched n (0: none) and the continuation (up to k tokens) of the latest earlier
-        match of seq's trailing n-gram (:func:`ngram_matches`)."""
-        s = seq.numpy()
-        for n in range(min(self.max_ngram, s.shape[0] - 1), self.min_ngram - 1, -1):
-            starts = ngram_matches(s, n)
-            if starts.size:
-                start = int(starts[-1]) + n
-                return n, seq[start : start + k]
-        return 0, seq[:0]
+        match of the indexed sequence's trailing n-gram, the longest n first."""
+        n, ends = index.match(index.tokens[-self.max_ngram :], 1, self.min_ngram)
+        return n, (index.continuations(ends, k)[0] if n else [])
 
-    def propose(self, state: DraftState, ctx: DraftContext, k: int) -> Proposal:
-        B = ctx.tokens.shape[0]
-        tokens = torch.zeros(B, k, dtype=torch.int64)
-        num_valid = torch.zeros(B, dtype=torch.int64)
-        matched = torch.zeros(B, dtype=torch.int64)
-        for b in range(B):
-            n, cont = self._lookup(ctx.tokens[b, : int(ctx.lengths[b])], k)
-            tokens[b, : cont.shape[0]] = cont
-            num_valid[b], matched[b] = cont.shape[0], n
+    def propose(self, state: NgramState, ctx: DraftContext, k: int) -> Proposal:
+        found = [self.lookup(index, k) for index in state.synced(ctx)]
         # a longer match is accepted far more often (SmolLM2 on Spec-Bench: the first token ~0.8 of
         # the time after 3 matched tokens, ~0.2 after 1): the policy learns each class's curve
-        return Proposal(tokens=tokens, probs=None, num_valid=num_valid, bucket=matched)
+        return Proposal(
+            tokens=torch.tensor([c + [0] * (k - len(c)) for _, c in found], dtype=torch.int64).reshape(-1, k),
+            probs=None,
+            num_valid=torch.tensor([len(cont) for _, cont in found], dtype=torch.int64),
+            bucket=torch.tensor([n for n, _ in found], dtype=torch.int64),
+        )
 
     def observe(
-        self, state: DraftState, num_accepted: torch.Tensor, verified: Verified | None = None
+        self, state: NgramState, num_accepted: torch.Tensor, verified: Verified | None = None
     ) -> None:
         pass
 

@@ -9,10 +9,11 @@ probability is the product of ``count(child) / count(parent)`` along its path, n
 ``min_prob`` are left out, and at most k nodes are proposed (k from the policy: "at most k nodes").
 
 The index is a dict from each n-gram (n <= ``max_n``) to the positions where it ends, updated
-incrementally as tokens are committed (:class:`NgramIndex`); a suffix automaton would find longer
-matches, but matches past ``max_n`` tokens add little here. Drafts are point masses (no q), so
-sampling verification is exact whatever the tree. The chain path of the engine verifies the tree's
-first path (each node's most likely child), which is also ``Proposal.tokens``.
+incrementally as tokens are committed (:class:`~specdraft.drafters.ngram.NgramIndex`); a suffix
+automaton would find longer matches, but matches past ``max_n`` tokens add little here. Drafts are
+point masses (no q), so sampling verification is exact whatever the tree. The chain path of the
+engine verifies the tree's first path (each node's most likely child), which is also
+``Proposal.tokens``.
 
 Draft spec: ``suffix[:N][,shared][,chain]`` (n-grams up to N, default 8; ``shared``: also match the
 outputs of earlier requests in this process, which lets one request's text shape another's timing;
@@ -22,66 +23,13 @@ outputs of earlier requests in this process, which lets one request's text shape
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from specdraft.drafters.base import DraftContext, DraftState, Proposal
+from specdraft.drafters.base import DraftContext, Proposal
+from specdraft.drafters.ngram import SEP, NgramIndex, NgramState
 from specdraft.tree import TokenTree
-
-SEP = -1  # separates requests in a shared history; no n-gram or continuation spans it
-
-
-class NgramIndex:
-    """Positions where each n-gram (n <= ``max_n``) ends in a growing token list.
-
-    Args:
-        max_n: the longest n-gram indexed.
-        max_tokens: keep at most this many tokens (the older half is dropped when it is exceeded);
-            None: unbounded (a request's own context, bounded by the engine's capacity).
-    """
-
-    def __init__(self, max_n: int = 8, max_tokens: int | None = None):
-        self.max_n, self.max_tokens = max_n, max_tokens
-        self.tokens: list[int] = []
-        self.ends: dict[tuple[int, ...], list[int]] = {}
-
-    def extend(self, new: Sequence[int]) -> None:
-        for t in new:
-            self.tokens.append(int(t))
-            i = len(self.tokens) - 1
-            for n in range(1, min(self.max_n, i + 1) + 1):
-                if self.tokens[i - n + 1] == SEP:
-                    break
-                self.ends.setdefault(tuple(self.tokens[i - n + 1 : i + 1]), []).append(i)
-        if self.max_tokens is not None and len(self.tokens) > self.max_tokens:
-            tail = self.tokens[-(self.max_tokens // 2) :]
-            self.tokens, self.ends = [], {}
-            self.extend(tail)
-
-    def match(self, context: Sequence[int], max_occurrences: int) -> tuple[int, list[int]]:
-        """The longest n such that ``context[-n:]`` occurs here followed by a token, and the end
-        positions of its latest ``max_occurrences`` such occurrences ((0, []) if none)."""
-        L = len(self.tokens)
-        for n in range(min(self.max_n, len(context)), 0, -1):
-            ends = []
-            for e in reversed(self.ends.get(tuple(context[-n:]), ())):
-                if e + 1 < L and self.tokens[e + 1] != SEP:
-                    ends.append(e)
-                    if len(ends) == max_occurrences:
-                        break
-            if ends:
-                return n, ends
-        return 0, []
-
-    def continuations(self, ends: list[int], depth: int) -> list[list[int]]:
-        """The up to ``depth`` tokens after each end position (cut at a request separator)."""
-        out = []
-        for e in ends:
-            cont = self.tokens[e + 1 : e + 1 + depth]
-            out.append(cont[: cont.index(SEP)] if SEP in cont else cont)
-        return out
 
 
 def frequency_tree(conts: list[list[int]], k: int, min_prob: float, branch: bool = True) -> TokenTree:
@@ -155,14 +103,13 @@ def tree_proposal(
     return Proposal(tokens=tokens, probs=probs, num_valid=num_valid, bucket=bucket_t, trees=kept)
 
 
-class SuffixState(DraftState):
+class SuffixState(NgramState):
     """Each row's n-gram index over its committed tokens; rows that leave give their output to the
     shared history (when the drafter has one)."""
 
     def __init__(self, batch_size: int, max_n: int, history: NgramIndex | None):
-        super().__init__(batch_size)
-        self.max_n, self.history = max_n, history
-        self.index = [NgramIndex(max_n) for _ in range(batch_size)]
+        super().__init__(batch_size, max_n)
+        self.history = history
         self.first_seen = [-1] * batch_size  # context length at the row's first proposal
 
     def select_rows(self, rows: torch.Tensor) -> None:
@@ -171,12 +118,10 @@ class SuffixState(DraftState):
             for b in sorted(set(range(self.batch_size)) - set(keep)):
                 if self.first_seen[b] >= 0:
                     self.history.extend([SEP, *self.index[b].tokens[self.first_seen[b] :]])
-        self.index = [self.index[r] for r in keep]
         self.first_seen = [self.first_seen[r] for r in keep]
         super().select_rows(rows)
 
     def append(self, other: SuffixState) -> None:
-        self.index += other.index
         self.first_seen += other.first_seen
         super().append(other)
 
@@ -229,11 +174,9 @@ class SuffixDrafter:
 
     def propose(self, state: SuffixState, ctx: DraftContext, k: int) -> Proposal:
         trees, matched = [], []
-        for b, index in enumerate(state.index):
-            L = int(ctx.lengths[b])
-            index.extend(ctx.tokens[b, len(index.tokens) : L].tolist())
+        for b, index in enumerate(state.synced(ctx)):
             if state.first_seen[b] < 0:
-                state.first_seen[b] = L
+                state.first_seen[b] = len(index.tokens)
             n, conts = self.candidates(index, k)
             trees.append(frequency_tree(conts, k, self.min_prob, branch=self.tree))
             matched.append(n)

@@ -1,9 +1,8 @@
 """The lookup tree: several prompt-lookup matches merged into one trie within k nodes, and greedy
 decoding through it identical to plain decoding."""
 
-import torch
-
 from specdraft.drafters.lookup_tree import LookupTreeDrafter
+from specdraft.drafters.ngram import NgramIndex
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.engine import Engine
 from specdraft.policy import FixedK
@@ -19,7 +18,7 @@ def paths(tree) -> list[list[int]]:
 
 
 def test_candidates_longest_ngram_first_then_most_recent():
-    seq = torch.tensor([1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3, 8, 1, 2, 3])
+    seq = NgramIndex.of([1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3, 8, 1, 2, 3])
     d = LookupTreeDrafter(per_ngram=2)
     # 3-gram [1, 2, 3]: latest at 4 (-> 7 5), then 0 (-> 9 1); 2-gram [2, 3] adds 9 (-> 8 1);
     # the 1-gram [3] adds nothing new
@@ -27,19 +26,19 @@ def test_candidates_longest_ngram_first_then_most_recent():
 
 
 def test_tree_within_the_budget_and_prompt_lookup_on_its_main_branch():
-    seq = torch.tensor([1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3, 8, 1, 2, 3])
+    seq = NgramIndex.of([1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3, 8, 1, 2, 3])
     d = LookupTreeDrafter()
     for k in (1, 2, 3, 5, 8):
         tree = d.tree(seq, k)
         assert tree.num_nodes <= k
         assert set(tree.sources) == {"lookup"}
-        best = PromptLookupDrafter()._lookup(seq, k)[1].tolist()
+        best = PromptLookupDrafter().lookup(seq, k)[1]
         assert paths(tree)[0] == best[: k - (tree.num_nodes - len(paths(tree)[0]))]
     # the others take up to k // 2 nodes, the i-th at most k >> (i + 1) deep; the best the rest
     assert paths(d.tree(seq, 8)) == [[7, 5, 2, 3, 8], [9, 1], [8]]
     assert paths(d.tree(seq, 2)) == [[7], [9]]
-    assert paths(d.tree(torch.tensor([1, 2, 3, 9, 5, 6, 1, 2, 3]), 4)) == [[9, 5, 6, 1]]  # one candidate
-    assert d.tree(torch.tensor([1, 2, 3, 4]), 5) is None  # no match: nothing to propose
+    assert paths(d.tree(NgramIndex.of([1, 2, 3, 9, 5, 6, 1, 2, 3]), 4)) == [[9, 5, 6, 1]]  # one candidate
+    assert d.tree(NgramIndex.of([1, 2, 3, 4]), 5) is None  # no match: nothing to propose
 
 
 def test_propose_one_tree_per_row():

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from specdraft.drafters.base import DraftContext
+from specdraft.drafters.ngram import NgramIndex
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.verify import SamplingParams
 
@@ -19,7 +20,11 @@ def ctx_of(rows: list[list[int]], width: int = 20) -> DraftContext:
 
 def propose(rows, k, **kw):
     d = PromptLookupDrafter(**kw)
-    prop = d.propose(d.new_state(len(rows), 32), ctx_of(rows), k)
+    return propose_with(d, d.new_state(len(rows), 32), rows, k)
+
+
+def propose_with(d, state, rows, k):
+    prop = d.propose(state, ctx_of(rows, width=max(map(len, rows)) + 1), k)
     assert prop.probs is None  # no distribution: verified by exact match
     return [prop.tokens[b, : int(prop.num_valid[b])].tolist() for b in range(len(rows))]
 
@@ -82,5 +87,28 @@ def test_lookup_matches_the_definition_on_random_contexts(max_ngram, min_ngram):
             (int(torch.randint(1, 50, (1,), generator=g)),),
             generator=g,
         )
-        n, cont = d._lookup(seq, 4)
-        assert (n, cont.tolist()) == _reference(seq.tolist(), 4, max_ngram, min_ngram)
+        assert d.lookup(NgramIndex.of(seq.tolist(), max_ngram), 4) == _reference(
+            seq.tolist(), 4, max_ngram, min_ngram
+        )
+
+
+def test_the_state_follows_growing_dropped_and_joining_rows():
+    """The per-row indexes are brought up to the committed tokens at each proposal: the proposals
+    equal the definition's at every step while rows grow by 1-4 tokens, leave and join."""
+    g = torch.Generator().manual_seed(7)
+    d = PromptLookupDrafter()
+
+    def grow(row: list[int], n: int) -> list[int]:
+        return row + torch.randint(0, 4, (n,), generator=g).tolist()
+
+    rows = [grow([], 5) for _ in range(3)]
+    state = d.new_state(3, 64)
+    for step in range(30):
+        assert propose_with(d, state, rows, 3) == [_reference(r, 3, 3, 1)[1] for r in rows]
+        rows = [grow(r, int(torch.randint(1, 5, (1,), generator=g))) for r in rows]
+        if step == 10:  # the middle row leaves
+            state.select_rows(torch.tensor([0, 2]))
+            rows = [rows[0], rows[2]]
+        if step == 20:  # two rows join
+            state.append(d.new_state(2, 64))
+            rows += [grow([], 9), grow([], 2)]

@@ -8,7 +8,8 @@ import torch
 from specdraft import api
 from specdraft.drafters import suffix
 from specdraft.drafters.base import DraftContext
-from specdraft.drafters.suffix import SEP, NgramIndex, SuffixDrafter, first_path, frequency_tree
+from specdraft.drafters.ngram import SEP, NgramIndex
+from specdraft.drafters.suffix import SuffixDrafter, first_path, frequency_tree
 from specdraft.errors import SpecdraftError
 from specdraft.registry import DraftSpec
 from specdraft.verify import SamplingParams
