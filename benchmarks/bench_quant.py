@@ -27,6 +27,8 @@ In one run, on the same chat-templated token ids and thread count:
   (avx2, and avxvnni / avx512vnni where it has them: the same bits, the integer products by
   ``vpdpbusd``) on the x8 layout the runtime loads, and with avx2 and the fastest variant on the
   file's own blocks, rounds alternating, medians, each over avx2 on the file's blocks;
+- ragged steps (``--sections ragged``): B = 1..8 rows, plain and with draft tokens in one row or
+  every row (each row feeds only its own tokens), and what a draft token adds to the step;
 - start to first token and peak RSS: a fresh Python process per runtime (warm caches), each
   running ``api.load(..., dtype="bf16" | "q")`` (what ``specdraft generate --dtype ...`` loads:
   for ``q`` the tokenizer only) and one prefill; peak RSS is the process's VmHWM (ru_maxrss
@@ -36,6 +38,7 @@ In one run, on the same chat-templated token ids and thread count:
     .venv/bin/python benchmarks/bench_quant.py --threads 2 --sections llamacpp --new-tokens 128
     .venv/bin/python benchmarks/bench_quant.py --threads 2 --sections llama-bench
     .venv/bin/python benchmarks/bench_quant.py --threads 2 --sections variants
+    .venv/bin/python benchmarks/bench_quant.py --threads 2 --sections ragged
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ print(int(out.logits[0, -1].argmax()), int(hwm.split()[1]) // 1024)
 """
 DTYPE = {"bf16 compact": "bf16", "quantized": "q"}
 LLAMA_BENCH = Path(__file__).resolve().parents[1] / "peers" / "build" / "bin" / "llama-bench"
-SECTIONS = ("decode", "agreement", "steps", "startup", "llamacpp", "llama-bench", "variants")
+SECTIONS = ("decode", "agreement", "steps", "startup", "llamacpp", "llama-bench", "variants", "ragged")
 VARIANT_STEPS = (1, 2, 5, 9, 64)  # new tokens per forward in the variants section
 
 
@@ -277,6 +280,8 @@ def main(argv=None) -> int:
         verification_cost(runtimes, args, report)
     if "variants" in sections:
         kernel_variants(gguf, args, report)
+    if "ragged" in sections:
+        ragged_steps(runtimes["quantized"], args, report)
     if "startup" in sections:
         startup_section(list(runtimes), args, report)
     if "llamacpp" in sections:
@@ -351,6 +356,26 @@ def kernel_variants(gguf: Path, args, report: dict) -> None:
     for n in VARIANT_STEPS:
         cells = [f"{times[r][n] * 1e3:7.2f} ms {times[r][n] / times['avx2 file'][n]:5.2f}x" for r in runtimes]
         print(f"  {n:<3d}" + "".join(f"{c:>22s}" for c in cells))
+
+
+def ragged_steps(runtime, args, report: dict) -> None:
+    """Ragged steps of B rows (each row feeds its own 1 + k_b tokens): plain, one row with 1 or 3
+    draft tokens, every row with 1; what a draft token adds, over a plain step's time per row, is
+    what --k auto's batch cut weighs (CostAwareK.slope)."""
+    print(f"\nragged steps, quantized, {args.context}-token context (medians of {args.rounds} rounds)")
+    report["ragged_step_ms"] = {}
+    for B in (1, 2, 3, 4, 8):
+        shapes = {"plain": [0] * B, "one row +1": [1] + [0] * (B - 1), "one row +3": [3] + [0] * (B - 1)}
+        shapes["every row +1"] = [1] * B
+        times = profile.ragged_forwards(runtime, shapes, args.context, args.rounds)
+        report["ragged_step_ms"][B] = {n: t * 1e3 for n, t in times.items()}
+        plain = times["plain"]
+        cells = [
+            f"{n} {t * 1e3:.2f} ms ({(t - plain) / max(sum(shapes[n]), 1) / (plain / B):.2f})"
+            for n, t in times.items()
+        ]
+        print(f"  B = {B}: " + ", ".join(cells))
+    print("  (in brackets: the time a draft token adds, over a plain step's time per row)")
 
 
 def tree_steps(times: dict, names: list[str], report: dict) -> None:

@@ -573,6 +573,23 @@ def compare_forwards(
     }
 
 
+def ragged_forwards(
+    runtime: Runtime, shapes: dict[str, list[int]], context: int, reps: int
+) -> dict[str, float]:
+    """Median seconds of one ragged forward per shape (row b feeds ``1 + shape[b]`` tokens at a
+    ``context``-token cache; all zeros: a plain step), shapes timed in turn each round. The runtime
+    must take ``lengths`` (:attr:`specdraft.engine.Engine.ragged`)."""
+    jobs = []
+    for name, extra in shapes.items():
+        B, k = len(extra), max(extra)
+        state = _prefilled(runtime, B, context, context + k + 1)
+        tokens = torch.zeros(B, k + 1, dtype=torch.int64)
+        positions = context + torch.arange(k + 1).expand(B, -1)
+        kw = {"lengths": 1 + torch.tensor(extra)} if k else {}
+        jobs.append((name, lambda s=state, t=tokens, p=positions, kw=kw: runtime.forward(s, t, p, **kw)))
+    return _round_robin(jobs, reps, warmup=1)
+
+
 # ------------------------------------------------------------------------------------ breakdown
 def draft_breakdown(
     drafter, context: int = 200, vocab: int | None = None, rounds: int = 7

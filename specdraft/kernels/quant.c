@@ -918,6 +918,16 @@ static void silu_mul(const float *gu, float *h, int M, int F, int j0, int j1) {
     }
 }
 
+/* Row b of a ragged step (attend_step) through rope_attend on nt threads. */
+static inline void attend_row(rope_attend_fn attend, const int64_t *off, const float *qkv, const int64_t *pos,
+                              const float *cosT, const float *sinT, float *kc, float *vc, float *att, int b, long Q,
+                              long cache_row, int H, int G, int D, int cap, int nt) {
+    const int n = (int)(off[b + 1] - off[b]);
+    if (n > 0)
+        attend(qkv + off[b] * Q, pos + off[b], cosT, sinT, kc + b * cache_row, vc + b * cache_row,
+               att + off[b] * (long)H * D, 1, n, H, G, D, cap, nt);
+}
+
 /* A step's attention: all B rows of T tokens in one call (a token-tree step, tree non-NULL, through
  * its kernel; a tree step is never ragged), or for a ragged step (off non-NULL: row b's tokens are
  * packed rows off[b] .. off[b + 1] - 1 of qkv and att) one call per row over its own tokens,
@@ -938,14 +948,16 @@ static void attend_step(rope_attend_fn attend, const tree_attend *tree, const in
         return;
     }
     const long Q = (long)(H + 2 * G) * D, cache_row = (long)G * cap * D;
-    const int by_row = B >= 2 * nt, inner = by_row ? 1 : nt;
-#pragma omp parallel for schedule(dynamic) num_threads(nt) if (by_row)
-    for (int b = 0; b < B; b++) {
-        const int n = (int)(off[b + 1] - off[b]);
-        if (n > 0)
-            attend(qkv + off[b] * Q, pos + off[b], cosT, sinT, kc + b * cache_row, vc + b * cache_row,
-                   att + off[b] * (long)H * D, 1, n, H, G, D, cap, inner);
+    if (B < 2 * nt) {
+        /* Outside any omp construct: inside a "parallel for ... if (0)", libgomp made rope_attend's
+         * region a nested team, created anew per call (a ragged 2-row step took 10-25x as long). */
+        for (int b = 0; b < B; b++)
+            attend_row(attend, off, qkv, pos, cosT, sinT, kc, vc, att, b, Q, cache_row, H, G, D, cap, nt);
+        return;
     }
+#pragma omp parallel for schedule(dynamic) num_threads(nt)
+    for (int b = 0; b < B; b++)
+        attend_row(attend, off, qkv, pos, cosT, sinT, kc, vc, att, b, Q, cache_row, H, G, D, cap, 1);
 }
 
 /* Threads: one parallel region per layer plus rope_attend's own, instead of one per matmul. In a
