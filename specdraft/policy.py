@@ -197,17 +197,13 @@ class _Fit2:
 @dataclass
 class _StepLine:
     """A ragged step's time at one batch size B, ``T = t_plain + s x`` for x draft tokens over the
-    batch: ``t_plain`` the running average of plain steps, s the least-squares slope through it of
-    the speculative steps (decayed sums of x^2 and x (T - t_plain), kept however many plain steps
-    follow). Until one is seen, s = t_plain / B, what a token costs in a plain step: the reading
-    that never favours speculation."""
+    batch: ``t_plain`` the running average of plain steps, s the median of ``(T - t_plain) / x`` over
+    the last speculative steps (``latency_window`` of them, kept however many plain steps follow:
+    one slow step, which a shared machine has, cannot make drafts look dear at B for the rest of
+    a run, when their dearness stops them being timed again). :meth:`CostAwareK.slope` reads s."""
 
     t_plain: float | None = None
-    xx: float = 0.0
-    xy: float = 0.0
-
-    def slope(self, B: int) -> float:
-        return max(self.xy / self.xx, 0.0) if self.xx > 0 else self.t_plain / B
+    per_token: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -550,7 +546,8 @@ class CostAwareK:
         latency_window: ``T_target(n)`` is the median of the last this many steps that fed n
             tokens per row. One slow step (a busy machine) could otherwise stick to a size the
             policy then stops choosing: a size not chosen is not measured again, so an
-            exponential average kept the slow step's share until the end of a run.
+            exponential average kept the slow step's share until the end of a run. Ragged steps:
+            a draft token's cost at B rows, the same way (:class:`_StepLine`).
     """
 
     def __init__(
@@ -622,7 +619,20 @@ class CostAwareK:
         line = self.step_lines.get(B) if self.ragged else None
         if line is None or line.t_plain is None:
             return analytic.LatencyCurve({1: self.t_target})
-        return analytic.LatencyCurve({1: {1: line.t_plain, 2: line.t_plain + line.slope(B) * B}})
+        s = self.slope(B)
+        s = line.t_plain / B if s is None else s  # a plain step's cost per token: never favours drafts
+        return analytic.LatencyCurve({1: {1: line.t_plain, 2: line.t_plain + s * B}})
+
+    def slope(self, B: int) -> float | None:
+        """Seconds per draft token of a ragged step at B rows (:class:`_StepLine`): as measured at
+        B, else at the nearest batch size where it was (the smaller on a tie: a token's share of
+        the weights' reading is larger there); None before any speculative ragged step. Borrowed
+        because the batch shrinks as rows finish: a new size needs only its plain step timed."""
+        measured = [b for b, line in self.step_lines.items() if line.per_token]
+        if not measured:
+            return None
+        line = self.step_lines[min(measured, key=lambda b: (abs(b - B), b))]
+        return max(statistics.median(line.per_token), 0.0)
 
     def _plain_timed(self, B: int | None = None) -> bool:
         """Whether plain steps have been timed (ragged: at B rows, default the batch's size)."""
@@ -630,6 +640,12 @@ class CostAwareK:
             return 1 in self.t_target
         line = self.step_lines.get(B or self._batch)
         return line is not None and line.t_plain is not None
+
+    def _drafts_timed(self) -> bool:
+        """Whether what a draft token adds to a step was measured (ragged: :meth:`slope`; else the
+        table's reading is optimistic until then). Before, trim() cuts nothing: the step that
+        times them has to verify some (a plain step's share per token would cut them all)."""
+        return not self.ragged or any(line.per_token for line in self.step_lines.values())
 
     def _step_times(self) -> list[float]:
         """``T_target(1 .. k_max + 1)`` at the current batch size, cached until the next update."""
@@ -757,7 +773,7 @@ class CostAwareK:
         self, num_valid: torch.Tensor, bucket: torch.Tensor | None, rows: list[int] | None = None
     ) -> torch.Tensor:
         out = num_valid
-        if bucket is not None and self.t_draft is not None and self._plain_timed():
+        if bucket is not None and self.t_draft is not None and self._plain_timed() and self._drafts_timed():
             best: dict[int, int] = {}
             caps = []
             for b in bucket.tolist():
@@ -788,7 +804,12 @@ class CostAwareK:
         earlier steps taught and the rows' classes, as the per-row cut does. Ragged steps:
         :meth:`_ragged_cap`."""
         longest = int(caps.max()) if caps.numel() else 0
-        if caps.numel() < 2 or longest == 0 or not self._plain_timed(caps.numel()):
+        if (
+            caps.numel() < 2
+            or longest == 0
+            or not self._plain_timed(caps.numel())
+            or not self._drafts_timed()
+        ):
             return caps
         curve = self.latency(caps.numel())
         classes = bucket.tolist() if bucket is not None else [None] * caps.numel()
@@ -848,10 +869,10 @@ class CostAwareK:
         if k > 0:  # the drafter ran, whatever trim() kept
             self.draft_fit.add(1 if self.per_block else k, self._catch, draft_time)
             self.t_draft, self.t_lag = self.draft_fit.solve()
+            if self.classes is None:  # known from its first proposal, even one trim() cut
+                self.classes = bucket is not None
         if k == 0 or drafted == 0:
             return
-        if self.classes is None:
-            self.classes = bucket is not None
         classes = bucket.tolist() if bucket is not None else [None] * num_drafted.numel()
         ids = rows if rows is not None and self.watch is not None else [None] * num_drafted.numel()
         for b, d, a, r in zip(classes, num_drafted.tolist(), num_accepted.tolist(), ids):
@@ -877,9 +898,7 @@ class CostAwareK:
         if x == 0:
             line.t_plain = self._ema(line.t_plain, seconds)
         elif line.t_plain is not None:
-            y = seconds - line.t_plain
-            line.xx = self.decay * line.xx + x * x
-            line.xy = self.decay * line.xy + x * y
+            line.per_token = [*line.per_token, (seconds - line.t_plain) / x][-self.latency_window :]
 
     def _learn(self, b: int | None, d: int, a: int) -> None:
         """Add one row's proposal of class b (d drafts verified, a accepted) to the class's curve."""

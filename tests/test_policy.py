@@ -331,7 +331,8 @@ def test_ragged_steps_keep_each_rows_paying_positions():
 def test_ragged_step_time_is_a_line_in_the_draft_tokens_the_batch_fed():
     """A ragged step's time is a line per batch size in the draft tokens the batch fed, through
     the plain steps' time; until a speculative step is seen, a draft token costs what a token of a
-    plain step does (the reading that never favours speculation)."""
+    plain step does (the reading that never favours speculation); a batch size without one of its
+    own reads the slope of the nearest size that has one."""
     p = model(k_max=4)
     p.ragged = True
     p.update(0, t(0, 0, 0, 0), t(0, 0, 0, 0), 0.0, 0.010)
@@ -342,11 +343,39 @@ def test_ragged_step_time_is_a_line_in_the_draft_tokens_the_batch_fed():
     p.update(2, t(2, 2, 2, 2), t(1, 1, 1, 1), 0.001, 0.018)  # 8: on the same line
     assert p.latency().time(5) == pytest.approx(0.026)
     assert p.latency(8).time(1) == pytest.approx(0.010)  # no step at 8 rows yet: T(1) as measured
-    p.update(0, t(*[0] * 8), t(*[0] * 8), 0.0, 0.016)  # 8 rows have a line of their own
-    assert p.latency(8).time(2) == pytest.approx(0.032) and p.latency(4).time(5) == pytest.approx(0.026)
+    p.update(0, t(*[0] * 8), t(*[0] * 8), 0.0, 0.016)  # 8 rows have a line of their own, 4 rows' slope
+    assert p.latency(8).time(2) == pytest.approx(0.016 + 0.001 * 8) and p.latency(4).time(5) == pytest.approx(
+        0.026
+    )
+    p.update(1, t(*[1] * 8), t(*[0] * 8), 0.001, 0.020)  # and then a slope of its own: 0.0005 s a token
+    assert p.latency(8).time(2) == pytest.approx(0.020) and p.latency(4).time(5) == pytest.approx(0.026)
+    assert p.slope(6) == pytest.approx(0.001) and p.slope(7) == pytest.approx(0.0005)  # the nearest
     for _ in range(100):  # plain steps move the line's anchor, not its slope
         p.update(0, t(0, 0, 0, 0), t(0, 0, 0, 0), 0.0, 0.012)  # the anchor: an average, 0.9 per step
     assert p.latency(4).time(5) == pytest.approx(0.028, rel=1e-4)  # 0.012 + 0.001 * 4 * 4
+    p.update(2, t(2, 0, 0, 0), t(1, 0, 0, 0), 0.001, 0.5)  # a step a busy machine made 40 times slower
+    assert p.slope(4) == pytest.approx(0.001)  # the median of the last steps' cost per token
+
+
+def test_a_batch_times_its_first_draft_tokens_before_it_cuts_any():
+    """Ragged steps at B >= 2 before any draft token was timed: a token reads as costing a plain
+    step's share, which no proposal beats, so the batch cut kept none, no speculative step was ever
+    timed and the policy never drafted again (prompt lookup at batch 8 drafted 3 tokens in 384
+    steps). The first proposal goes through uncut, its time gives the slope, and the classes it
+    showed are learned from then on."""
+    p = model(k_max=4)
+    p.ragged = True
+    rows = list(range(8))
+    assert p.choose(rows) == p.k_start  # the draft's time first
+    # nothing matched: each row fed one token, which times a plain step at 8 rows
+    p.update(p.k_start, t(*[0] * 8), t(*[0] * 8), 1e-4, 0.016, t(*[0] * 8), rows)
+    k = p.choose(rows)
+    assert k > 0 and p.classes  # classes known from the first proposal, though it had no drafts
+    caps = p.trim(t(*[k] * 8), t(*[3] * 8), rows)
+    assert caps.tolist() == [k] * 8  # not cut: nothing timed yet
+    p.update(k, caps, caps, 1e-4, 0.016 + 0.0002 * 8 * k, t(*[3] * 8), rows)  # all accepted, cheap
+    assert p.slope(8) == pytest.approx(0.0002)
+    assert p.choose(rows) > 0 and p.trim(t(*[4] * 8), t(*[3] * 8), rows).min() > 0
 
 
 def test_a_new_batch_size_is_timed_with_a_plain_step_first():
@@ -359,4 +388,4 @@ def test_a_new_batch_size_is_timed_with_a_plain_step_first():
     rows = list(range(8))
     assert p.choose(rows) == 0
     p.update(0, t(*[0] * 8), t(*[0] * 8), 0.0, 0.012)
-    assert p.latency(8).time(2) == pytest.approx(0.024)  # a draft token at a plain token's cost
+    assert p.latency(8).time(2) == pytest.approx(0.012 + 0.0005 * 8)  # a draft token as at 1 row
