@@ -48,6 +48,24 @@ def expected_tokens_from_rates(rates, k: int) -> float:
     return total
 
 
+def best_k_from_rates(rates, t_draft: float, times, draft_calls=None) -> int:
+    """The k in ``0..len(rates)`` with the highest E[tokens | k] / T_step(k) (the first on a tie),
+    in one pass: :func:`expected_tokens_from_rates` over :func:`step_time` with ``times[n - 1]``
+    the forward over n tokens (at least ``len(rates) + 1`` of them) and ``draft_calls(k)`` the
+    draft forwards of k tokens (default k). The same sums in the same order as those two, so the
+    same choice; a policy asks it per class at every step."""
+    best, best_rate = 0, 1.0 / times[0]  # k = 0: one token in T_target(1)
+    total, survive = 1.0, 1.0
+    for k, c in enumerate(rates, 1):
+        survive *= c
+        total += survive
+        calls = k if draft_calls is None else draft_calls(k)
+        rate = total / (calls * t_draft + times[k])
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
+
+
 def alpha_from_mean_accepted(mean_tokens: float, k: int, tol: float = 1e-6) -> float:
     """Invert :func:`expected_tokens`: the alpha whose E[tokens | k] equals ``mean_tokens``.
 

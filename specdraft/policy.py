@@ -676,16 +676,9 @@ class CostAwareK:
 
     def _best(self, bucket: int | None, t_draft: float) -> int:
         """The k in 0..k_max with the highest E[tokens | k] / T_step(k) for a class."""
-        times, rates = self._step_times(), self.rates(bucket)
-        return max(
-            range(self.k_max + 1),
-            key=lambda k: (
-                analytic.expected_tokens_from_rates(rates, k)
-                / analytic.step_time(
-                    k, t_draft, lambda n: times[n - 1], min(k, 1) if self.per_block else None
-                )
-            ),
-        )
+        calls = (lambda k: min(k, 1)) if self.per_block else None
+        rates = self.rates(bucket)[: self.k_max]
+        return analytic.best_k_from_rates(rates, t_draft, self._step_times(), calls)
 
     def _probe_overhead(self) -> float:
         """What a probe costs beyond a plain step, in plain steps: its draft tokens, the draft's
@@ -760,34 +753,44 @@ class CostAwareK:
             k = self.probe_k if any(s.probing for s in states) else 0
         elif not self.classes:  # a drafter without classes: decide here
             k = self._probe(self._curve(None), self._best(None, self.t_draft))
-        else:  # ask for what the most promising class seen would use; trim() cuts each row
-            # (probe_k while no class has been learned: rows' first proposals wait in _Row.pending)
-            k = max(
-                [self.probe_k]
-                + [self._best(b, self.t_draft) for b, cur in self.curves.items() if cur.reached[0] > 0]
-            )
+        else:
+            k = self._class_k(states)
         self.last_k = k
         return k
+
+    def _class_k(self, states: list[_Row]) -> int:
+        """A drafter with classes (known only once it has proposed): what the most promising class
+        learned would use, trim() cutting each row to its own class's; ``probe_k`` while no class
+        is learned, or when a class that does not pay is due for its probe (:meth:`_probe`, a tick
+        per step) or a row is; else 0: no proposal would be verified, so none is made (at batch 8
+        proposing and cutting cost ~1% of a quantized SmolLM2 step)."""
+        learned = [(b, cur) for b, cur in self.curves.items() if cur.reached[0] > 0]
+        if not learned:
+            return self.probe_k
+        k = max(self._probe(cur, self._best(b, self.t_draft)) for b, cur in learned)
+        return max(k, self.probe_k if any(s.probing for s in states) else 0)
 
     def trim(
         self, num_valid: torch.Tensor, bucket: torch.Tensor | None, rows: list[int] | None = None
     ) -> torch.Tensor:
         out = num_valid
+        classes = bucket.tolist() if bucket is not None else [None] * num_valid.numel()
+        fresh = set()  # classes not learned yet: their first proposals teach them, uncut
         if bucket is not None and self.t_draft is not None and self._plain_timed() and self._drafts_timed():
-            best: dict[int, int] = {}
-            caps = []
-            for b in bucket.tolist():
-                if b not in best:
-                    best[b] = self._best(b, 0.0)  # the drafting is done: only verification counts now
-                caps.append(self._probe(self._curve(b), best[b]))
-            out = torch.minimum(num_valid, torch.tensor(caps, dtype=num_valid.dtype))
+            caps: dict[int, int] = {}  # by class: its best k now the drafting is done, or its probe
+            for b in set(classes):
+                cur, best = self._curve(b), self._best(b, 0.0)
+                if cur.reached[0] == 0:
+                    fresh.add(b)
+                caps[b] = best or (self.probe_k if cur.probing or b in fresh else 0)
+            out = torch.minimum(num_valid, torch.tensor([caps[b] for b in classes], dtype=num_valid.dtype))
         if rows is None or self.watch is None:
             return out
         # a row that is off verifies nothing, or probe_k tokens when its probe is due
         row_caps, probing = [], []
-        for r, cap in zip(rows, out.tolist()):
+        for r, cap, b in zip(rows, out.tolist(), classes):
             row = self.row_state.get(r)
-            probing.append(row is not None and row.off and row.probing)
+            probing.append(b in fresh or (row is not None and row.off and row.probing))
             if row is None or not row.off:
                 row_caps.append(cap)
             else:
@@ -800,7 +803,8 @@ class CostAwareK:
     ) -> torch.Tensor:
         """Cut the rows to one length K when that pays for the batch: a chain step pads every row
         to the longest, so K maximises the rows' summed expected tokens per padded step time
-        (:meth:`latency` at this batch size). Rows due for a probe keep theirs. It reads only what
+        (:meth:`latency` at this batch size). Rows due for a probe keep theirs, as do rows of a class
+        not learned yet (else a batch where drafts look dear would never learn one). It reads only what
         earlier steps taught and the rows' classes, as the per-row cut does. Ragged steps:
         :meth:`_ragged_cap`."""
         longest = int(caps.max()) if caps.numel() else 0

@@ -1,6 +1,7 @@
 """The analytic throughput model: Leviathan et al.'s expected tokens and its inverse, best k."""
 
 import pytest
+import torch
 
 from specdraft import analytic
 
@@ -91,3 +92,22 @@ def test_latency_curve_round_trips_through_json():
     curve = analytic.LatencyCurve({1: {1: 0.01, 2: 0.0125}, 2: {1: 0.02}})
     back = analytic.LatencyCurve.from_dict(json.loads(json.dumps(curve.to_dict())))
     assert back == curve and back.time(2, 2) == curve.time(2, 2)
+
+
+def test_best_k_from_rates_is_the_argmax_of_the_two_formulas():
+    """The one-pass choice equals max over k of expected_tokens_from_rates / step_time, ties to the
+    smaller k, for chain and block drafters (random rates and step times)."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        rates = torch.rand(8, generator=g).tolist()
+        times = (0.01 + torch.rand(9, generator=g).sort().values * 0.02).tolist()
+        t_draft = float(torch.rand(1, generator=g)) * 0.003
+        for calls in (None, lambda k: min(k, 1)):
+
+            def rate(k, rates=rates, times=times, t_draft=t_draft, calls=calls):
+                c = None if calls is None else calls(k)
+                tokens = analytic.expected_tokens_from_rates(rates, k)
+                return tokens / analytic.step_time(k, t_draft, lambda n: times[n - 1], c)
+
+            assert analytic.best_k_from_rates(rates, t_draft, times, calls) == max(range(9), key=rate)
+    assert analytic.best_k_from_rates([1.0, 1.0], 0.0, [1.0, 2.0, 3.0]) == 0  # a tie: the smaller k

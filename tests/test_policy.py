@@ -126,6 +126,27 @@ def test_classes_get_their_own_curves_and_rows_are_trimmed_to_them():
     assert p.trim(t(8, 8), None).tolist() == [8, 8]
 
 
+def test_nothing_is_proposed_when_no_class_pays_but_each_class_is_probed():
+    """A step so dear that neither class pays (each token costs a plain step's time): most steps
+    propose nothing (trim() would cut every row, and proposing costs time of its own), and each
+    class is probed on its own schedule, its probe let through by trim()."""
+    p = two_class_policy(lambda n: 0.010 * n)
+    assert max(p._best(b, 0.0) for b in (1, 3)) == 0
+    ks, verified = [], []
+    for i in range(200):
+        k = p.choose()
+        ks.append(k)
+        if k:
+            bucket = t(3 if i % 2 else 1)
+            nv = p.trim(t(k), bucket)
+            verified.append(int(nv[0]))
+            p.update(k, nv, t(0), 1e-5, 0.010 * (int(nv[0]) + 1), bucket)
+        else:
+            p.update(0, t(0), t(0), 0.0, 0.010)
+    assert ks.count(0) > 0.8 * len(ks) and set(ks) == {0, p.probe_k}
+    assert p.probe_k in verified  # a probe got through for a class due
+
+
 def test_cost_aware_probes_while_at_zero():
     def flat(n):
         return 0.03
