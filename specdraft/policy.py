@@ -762,8 +762,8 @@ class CostAwareK:
         """A drafter with classes (known only once it has proposed): what the most promising class
         learned would use, trim() cutting each row to its own class's; ``probe_k`` while no class
         is learned, or when a class that does not pay is due for its probe (:meth:`_probe`, a tick
-        per step) or a row is; else 0: no proposal would be verified, so none is made (at batch 8
-        proposing and cutting cost ~1% of a quantized SmolLM2 step)."""
+        per step) or a row is; else 0: no proposal would be verified, so none is made (proposing
+        and cutting take time of their own: results/batch-overhead-2026-12-05/README.md)."""
         learned = [(b, cur) for b, cur in self.curves.items() if cur.reached[0] > 0]
         if not learned:
             return self.probe_k

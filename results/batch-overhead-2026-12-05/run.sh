@@ -1,8 +1,8 @@
 #!/bin/bash
 # Prompt lookup at batch 8 with k = auto, and what a ragged step of B rows costs (issue 17's
 # ">= 1.0x plain at batch 1-8"). Ratios compare within one file (one process) only.
-# usage: results/batch-overhead-2026-12-05/run.sh ragged|ragged-before|policy|before|split
-#   ragged-before and before run the same command on main before this work (48f1a0f), in a worktree
+# usage: results/batch-overhead-2026-12-05/run.sh ragged|ragged-before|policy|before|split|propose
+#   ragged-before, before and propose (also) run the same command on main before this work (48f1a0f), in a worktree
 #   beside this checkout (../sd-48f1a0f, so that ../shared is found), with this checkout's venv.
 set -u
 OUT=$(cd "$(dirname "$0")" && pwd)
@@ -13,9 +13,9 @@ F=designed:smollm2-135m-feature-4k-second
 c=$(git rev-parse --short HEAD)
 BASE=48f1a0f
 WT="$ROOT/../sd-$BASE"
-before() {  # before CMD...: CMD in a worktree of $BASE
-  [ -d "$WT" ] || git worktree add --detach "$WT" "$BASE" >/dev/null
-  (cd "$WT" && "$@")
+worktree() { [ -d "$WT" ] || git worktree add --detach -q "$WT" "$BASE"; }
+before() {  # before LOG CMD...: step LOG CMD... in a worktree of $BASE (the log's header names $BASE)
+  worktree && (cd "$WT" && step "$@")
 }
 case "${1:-}" in
   ragged)  # ragged steps by shape on the quantized runtime (bench_quant.py --sections ragged)
@@ -23,8 +23,8 @@ case "${1:-}" in
       --context 200 --json "$OUT/ragged-$c.json" ;;
   ragged-before)  # the same, with the kernel before c4028cd (2-3 rows: a nested omp team per call):
     # HEAD's bench_quant.py and bench/profile.py (its ragged section) copied into the worktree
-    before true && cp benchmarks/bench_quant.py "$WT/benchmarks/" && cp specdraft/bench/profile.py "$WT/specdraft/bench/"
-    step "$OUT/ragged-$BASE.txt" before "$ROOT/.venv/bin/python" benchmarks/bench_quant.py --threads 2 \
+    worktree && cp benchmarks/bench_quant.py "$WT/benchmarks/" && cp specdraft/bench/profile.py "$WT/specdraft/bench/"
+    before "$OUT/ragged-$BASE.txt" "$ROOT/.venv/bin/python" benchmarks/bench_quant.py --threads 2 \
       --sections ragged --context 200 --json "$OUT/ragged-$BASE.json" ;;
   policy)  # k = auto (and without its safe arm, or k = 1) against plain decoding, in one process each
     while read -r d T B P tag; do
@@ -40,7 +40,7 @@ $F auto 1 auto,1
 END
     ;;
   before)  # prompt lookup at batch 8 on main before this work
-    step "$OUT/policy_lookup_auto_b8-$BASE.txt" before "$ROOT/.venv/bin/python" benchmarks/bench_policy.py \
+    before "$OUT/policy_lookup_auto_b8-$BASE.txt" "$ROOT/.venv/bin/python" benchmarks/bench_policy.py \
       --draft lookup --dtype auto --batch 8 --policies auto,auto-unguarded --limit 2 --max-new-tokens 128 \
       --threads 2 </dev/null ;;
   split)  # batch 8: each method's decode time split into the target's forwards, drafting and the rest
@@ -77,5 +77,32 @@ for n in names:
           f"{a['draft']:7.3f}  {a['steps']:5d}  {a['spec']:11d}  {a['target'] / a['steps'] * 1e3:14.2f}  {rest:12.2f}")
 PY
     ;;
-  *) echo "usage: $0 ragged|ragged-before|policy|before|split" >&2; exit 2 ;;
+  propose)  # prompt lookup's proposals for 8 rows, each growing a token per step, at HEAD (an n-gram
+    # index per row) and at $BASE (a numpy scan of the context)
+    for where in head base; do
+      log="$OUT/propose-$([ $where = head ] && echo "$c" || echo $BASE).txt"
+      run=$([ $where = head ] && echo step || echo before)
+      $run "$log" "$ROOT/.venv/bin/python" -c "$(cat <<'PY'
+import statistics, time
+import torch
+from specdraft.drafters.base import DraftContext
+from specdraft.drafters.prompt_lookup import PromptLookupDrafter
+from specdraft.verify import SamplingParams
+
+B, steps, g = 8, 128, torch.Generator().manual_seed(0)
+print("rows  context  ms per proposal of k = 4 for every row (median of the last 100 of 128 steps)")
+for L in (128, 512, 2048):
+    tokens = torch.randint(0, 2000, (B, L + steps), generator=g)  # a 2000-token vocabulary: matches occur
+    d = PromptLookupDrafter()
+    state, times = d.new_state(B, L + steps), []
+    for i in range(steps):
+        ctx = DraftContext(tokens, torch.full((B,), L + i), [SamplingParams()] * B, [None] * B)
+        t = time.perf_counter()
+        d.propose(state, ctx, 4)
+        times.append(time.perf_counter() - t)
+    print(f"{B:4d}  {L:7d}  {statistics.median(times[-100:]) * 1e3:.3f}")
+PY
+)"
+    done ;;
+  *) echo "usage: $0 ragged|ragged-before|policy|before|split|propose" >&2; exit 2 ;;
 esac

@@ -1,10 +1,9 @@
 """An n-gram index over a growing token list, and the per-row state of the drafters that read one.
 
 Prompt lookup, the lookup tree and suffix decoding all ask the same question of a row's context:
-where did its trailing n-gram occur before, and what followed? Scanning the whole context at every
-step costs O(L) per row (at batch 8, a 400-token prompt, numpy scans took ~2% of a quantized
-SmolLM2 step on a Zen 2, and proposing is done at every step for rows the policy switched off);
-the index answers from a dict and is brought up to date with the tokens committed since.
+where did its trailing n-gram occur before, and what followed? Scanning the whole context costs
+O(L) per row at every step (prompt lookup also proposes for rows the policy switched off); the
+index answers from a dict and is brought up to date with the tokens committed since.
 """
 
 from __future__ import annotations
