@@ -1,7 +1,7 @@
 #!/bin/bash
 # Prompt lookup at batch 8 with k = auto, and what a ragged step of B rows costs (issue 17's
 # ">= 1.0x plain at batch 1-8"). Ratios compare within one file (one process) only.
-# usage: results/batch-overhead-2026-12-05/run.sh ragged|ragged-before|policy|before|split|propose
+# usage: results/batch-overhead-2026-12-05/run.sh ragged|ragged-before|policy|before|split|propose|detection|collapse
 #   ragged-before, before and propose (also) run the same command on main before this work (48f1a0f), in a worktree
 #   beside this checkout (../sd-48f1a0f, so that ../shared is found), with this checkout's venv.
 set -u
@@ -104,5 +104,17 @@ for L in (128, 512, 2048):
 PY
 )"
     done ;;
-  *) echo "usage: $0 ragged|ragged-before|policy|before|split|propose" >&2; exit 2 ;;
+  detection)  # the defense after the policy's changes: recorded clean requests replayed with always-wrong ones
+    step "$OUT/detection-$c.txt" .venv/bin/python benchmarks/bench_detection.py --drafts "lookup" --limit 52 \
+      --gsm8k 20 --max-new-tokens 128 --threads 2 ;;
+  collapse)  # under attack (WrongRows): drafter, batch, rows attacked, rounds (median decode seconds)
+    while read -r d B A R; do
+      step "$OUT/collapse_${d##*:}_b$B-$c.txt" .venv/bin/python benchmarks/bench_collapse.py --draft "$d" \
+        --batch "$B" --attacked "$A" --max-new-tokens 128 --threads 2 --rounds "$R" </dev/null
+    done <<END
+lookup 8 4 3
+lookup 1 1 9
+END
+    ;;
+  *) echo "usage: $0 ragged|ragged-before|policy|before|split|propose|detection|collapse" >&2; exit 2 ;;
 esac
