@@ -107,15 +107,12 @@ PY
   detection)  # the defense after the policy's changes: recorded clean requests replayed with always-wrong ones
     step "$OUT/detection-$c.txt" .venv/bin/python benchmarks/bench_detection.py --drafts "lookup" --limit 52 \
       --gsm8k 20 --max-new-tokens 128 --threads 2 ;;
-  collapse)  # under attack (WrongRows): drafter, batch, rows attacked, rounds (median decode seconds)
-    while read -r d B A R; do
-      step "$OUT/collapse_${d##*:}_b$B-$c.txt" .venv/bin/python benchmarks/bench_collapse.py --draft "$d" \
-        --batch "$B" --attacked "$A" --max-new-tokens 128 --threads 2 --rounds "$R" </dev/null
-    done <<END
-lookup 8 4 3
-lookup 1 1 9
-END
-    ;;
+  collapse)  # under attack (WrongRows): 4 of 8 rows (3 rounds), 1 of 1 (9 rounds); median decode seconds
+    for BAR in "8 4 3" "1 1 9"; do
+      set -- $BAR
+      step "$OUT/collapse_lookup_b$1-$c.txt" .venv/bin/python benchmarks/bench_collapse.py --draft lookup \
+        --batch "$1" --attacked "$2" --max-new-tokens 128 --threads 2 --rounds "$3" </dev/null
+    done ;;
   collapse-b1)  # batch 1 again, 25 rounds: one prompt's decode is ~1 s, and 9 rounds spread by several per cent
     step "$OUT/collapse_lookup_b1_r25-$c.txt" .venv/bin/python benchmarks/bench_collapse.py --draft lookup \
       --batch 1 --attacked 1 --max-new-tokens 128 --threads 2 --rounds 25 </dev/null ;;
