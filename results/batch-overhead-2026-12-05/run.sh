@@ -1,7 +1,7 @@
 #!/bin/bash
 # Prompt lookup at batch 8 with k = auto, and what a ragged step of B rows costs (issue 17's
 # ">= 1.0x plain at batch 1-8"). Ratios compare within one file (one process) only.
-# usage: results/batch-overhead-2026-12-05/run.sh ragged|ragged-before|policy|before|split|propose|detection|collapse|collapse-b1
+# usage: results/batch-overhead-2026-12-05/run.sh ragged|ragged-before|policy|repeat|before|split|propose|detection|collapse|collapse-b1
 #   ragged-before, before and propose (also) run the same command on main before this work (48f1a0f), in a worktree
 #   beside this checkout (../sd-48f1a0f, so that ../shared is found), with this checkout's venv.
 set -u
@@ -39,6 +39,12 @@ $F bf16 1 auto,1
 $F auto 1 auto,1
 END
     ;;
+  repeat)  # prompt lookup at batch 8, three more runs of the first policy line (how far runs spread)
+    for tag in 3 4 5; do
+      n=lookup_auto_b8-$c-$tag
+      step "$OUT/policy_$n.txt" .venv/bin/python benchmarks/bench_policy.py --draft lookup --dtype auto \
+        --batch 8 --policies auto,auto-unguarded --limit 2 --max-new-tokens 128 --threads 2 </dev/null
+    done ;;
   before)  # prompt lookup at batch 8 on main before this work
     before "$OUT/policy_lookup_auto_b8-$BASE.txt" "$ROOT/.venv/bin/python" benchmarks/bench_policy.py \
       --draft lookup --dtype auto --batch 8 --policies auto,auto-unguarded --limit 2 --max-new-tokens 128 \
@@ -116,5 +122,5 @@ PY
   collapse-b1)  # batch 1 again, 25 rounds: one prompt's decode is ~1 s, and 9 rounds spread by several per cent
     step "$OUT/collapse_lookup_b1_r25-$c.txt" .venv/bin/python benchmarks/bench_collapse.py --draft lookup \
       --batch 1 --attacked 1 --max-new-tokens 128 --threads 2 --rounds 25 </dev/null ;;
-  *) echo "usage: $0 ragged|ragged-before|policy|before|split|propose|detection|collapse|collapse-b1" >&2; exit 2 ;;
+  *) echo "usage: $0 ragged|ragged-before|policy|repeat|before|split|propose|detection|collapse|collapse-b1" >&2; exit 2 ;;
 esac
