@@ -43,8 +43,9 @@ class PromptLookupDrafter:
         found = [self.lookup(index, k) for index in state.synced(ctx)]
         # a longer match is accepted far more often (SmolLM2 on Spec-Bench: the first token ~0.8 of
         # the time after 3 matched tokens, ~0.2 after 1): the policy learns each class's curve
+        padded = [cont + [0] * (k - len(cont)) for _, cont in found]
         return Proposal(
-            tokens=torch.tensor([c + [0] * (k - len(c)) for _, c in found], dtype=torch.int64).reshape(-1, k),
+            tokens=torch.tensor(padded, dtype=torch.int64).reshape(len(found), k),
             probs=None,
             num_valid=torch.tensor([len(cont) for _, cont in found], dtype=torch.int64),
             bucket=torch.tensor([n for n, _ in found], dtype=torch.int64),
