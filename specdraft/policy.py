@@ -645,7 +645,7 @@ class CostAwareK:
         """Whether what a draft token adds to a step was measured (ragged: :meth:`slope`; else the
         table's reading is optimistic until then). Before, trim() cuts nothing: the step that
         times them has to verify some (a plain step's share per token would cut them all)."""
-        return not self.ragged or any(line.per_token for line in self.step_lines.values())
+        return not self.ragged or self.slope(self._batch) is not None
 
     def _step_times(self) -> list[float]:
         """``T_target(1 .. k_max + 1)`` at the current batch size, cached until the next update."""

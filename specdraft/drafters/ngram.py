@@ -90,8 +90,8 @@ class NgramState(DraftState):
         """Every row's index, brought up to ``ctx``'s committed tokens (what was committed since
         the last call; committed tokens never change)."""
         tokens = ctx.tokens.numpy()
-        for b, index in enumerate(self.index):
-            index.extend(tokens[b, len(index.tokens) : int(ctx.lengths[b])].tolist())
+        for b, (index, L) in enumerate(zip(self.index, ctx.lengths.tolist())):
+            index.extend(tokens[b, len(index.tokens) : L].tolist())
         return self.index
 
     def select_rows(self, rows: torch.Tensor) -> None:
