@@ -212,7 +212,11 @@ def interp(points: Mapping[float, float], x: float, beyond: str = "clamp") -> fl
         raise ValueError(f"beyond must be 'clamp' or 'linear', got {beyond!r}")
     if x in points:
         return points[x]
-    xs = sorted(points)
+    return _interp_sorted(sorted(points), points, x, beyond)
+
+
+def _interp_sorted(xs: list, points: Mapping[float, float], x: float, beyond: str) -> float:
+    """:func:`interp` at an x not in ``points``, their xs sorted (``xs``) by the caller."""
     if not xs:
         raise ValueError("no measured points to interpolate")
     if len(xs) == 1:
@@ -267,6 +271,18 @@ class LatencyCurve:
         if batch in self.points:
             return row(batch)
         return interp({b: row(b) for b in self.points}, batch, "clamp")
+
+    def times(self, n_max: int, batch: int = 1) -> list[float]:
+        """``[T_target(batch, n) for n in 1 .. n_max]``, as :meth:`time` reads each, the measured
+        sizes sorted once (the cost-aware policy reads them at every step)."""
+        row = self.points.get(batch)
+        if not row:
+            return [self.time(n, batch) for n in range(1, n_max + 1)]
+        xs, mode = sorted(row), "linear" if self.beyond == "linear" else "clamp"
+        return [
+            max(row[n] if n in row else _interp_sorted(xs, row, n, mode), MIN_SECONDS)
+            for n in range(1, n_max + 1)
+        ]
 
     def to_dict(self) -> dict[int, dict[int, float]]:
         """``{b: {n: seconds}}``, as stored in JSON (keys become strings there)."""

@@ -317,9 +317,10 @@ class Engine:
         its last one (its first draft token's fate under verification)."""
         if prop.trees is not None or prop.tokens.shape[1] == 0:
             return
-        valid = prop.num_valid
-        told = [b for b in rows if valid is None or int(valid[b]) > 0]
-        hits = [int(prop.tokens[b, 0]) == committed[b][0] for b in told]
+        valid = prop.num_valid.tolist() if prop.num_valid is not None else None
+        firsts = prop.tokens[:, 0].tolist()  # lists, not per-row tensor ops (see _commit)
+        told = [b for b in rows if valid is None or valid[b] > 0]
+        hits = [firsts[b] == committed[b][0] for b in told]
         self.policy.shadow([ids[b] for b in told], hits)
 
     def _write_features(self, columns: torch.Tensor | None, emitted: torch.Tensor) -> None:
@@ -378,19 +379,18 @@ class Engine:
         """Score ``[last committed, d_1..d_k]`` at positions ``L-1 .. L-1+k`` and verify the chain
         (``forward``: the target's forward, or one that does more, as :meth:`_flex_step`'s)."""
         B, L = self.active, self.lengths
-        draft_tokens = torch.zeros(B, 0, dtype=torch.int64)
-        draft_probs, num_valid, bucket, proposed = None, torch.zeros(B, dtype=torch.int64), None, 0
+        draft_probs, bucket, proposed = None, None, 0
         if prop is not None:
-            draft_tokens, draft_probs = prop.tokens, prop.probs
             num_valid = prop.num_valid if prop.num_valid is not None else torch.full((B,), k)
             proposed = int(num_valid.max())  # the draft time was spent on these
             bucket = prop.bucket
             num_valid = self.policy.trim(num_valid, bucket, ids)
             k = int(num_valid.max())  # trim columns nobody proposed or verifies
-            draft_tokens = draft_tokens[:, :k]
-            draft_probs = draft_probs[:, :k] if draft_probs is not None else None
-        else:
-            k = 0
+            draft_tokens = prop.tokens[:, :k]
+            draft_probs = prop.probs[:, :k] if prop.probs is not None else None
+        if prop is None or k == 0:
+            k, num_valid = 0, torch.zeros(B, dtype=torch.int64)
+            draft_tokens = torch.zeros(B, 0, dtype=torch.int64)
         t1 = time.perf_counter()
         last = self.tokens.gather(1, (L - 1).unsqueeze(1))  # (B, 1)
         inp = torch.cat([last, draft_tokens], dim=1)  # (B, k + 1)
@@ -403,15 +403,15 @@ class Engine:
         target_time = time.perf_counter() - t1
         nv = num_valid if k else None
         verdict = verify(draft_tokens, draft_probs, out.logits, params, self.generators, nv)
-        n = verdict.num_accepted  # (B,)
+        accepted = verdict.num_accepted.tolist()  # lists, not per-row tensor ops (see _commit)
         name = self.drafter.name if self.drafter is not None else "draft"
-        tokens = [verdict.tokens[b, : int(n[b]) + 1].tolist() for b in range(B)]
-        sources = [[name] * int(n[b]) + ["target"] for b in range(B)]
+        tokens = [row[: a + 1] for row, a in zip(verdict.tokens.tolist(), accepted)]
+        sources = [[name] * a + ["target"] for a in accepted]
         verified = None
         if proposed > 0:
-            fed = [inp[b, : 1 + int(num_valid[b])].tolist() for b in range(B)]
+            fed = [row[: 1 + v] for row, v in zip(inp.tolist(), num_valid.tolist())]
             verified = _verified(fed, [list(range(-1, len(f) - 1)) for f in fed], out.logits, tokens)
-        num_valid = num_valid if k else torch.zeros(B, dtype=torch.int64)
+        n = verdict.num_accepted
         return _Outcome(tokens, n, sources, verified, num_valid, proposed, bucket, target_time)
 
     def _drafts_in_forward(self) -> bool:
@@ -489,30 +489,31 @@ class Engine:
 
     def _commit(self, out: _Outcome) -> tuple[list[StepEvent], list[int], torch.Tensor]:
         """Append each row's verified tokens, cut at EOS and max_new_tokens; returns the events, the
-        rows that finished and ``(B,)`` tokens emitted per row."""
-        L = self.lengths
-        events, finished = [], []
-        emitted = torch.zeros(self.active, dtype=torch.int64)
+        rows that finished and ``(B,)`` tokens emitted per row. Python lists and one numpy view of
+        the token buffer, not per-row tensor operations: each costs tens of microseconds right after
+        a forward has streamed the weights through the caches, and this runs at every step."""
+        lengths, generated = self.lengths.tolist(), self.generated.tolist()
+        accepted, buffer = out.num_accepted.tolist(), self.tokens.numpy()
+        events, finished, emitted = [], [], []
         for b, r in enumerate(self.requests):
-            toks = out.tokens[b]
-            room = r.max_new_tokens - int(self.generated[b])
-            toks = toks[:room]
+            room = r.max_new_tokens - generated[b]
+            toks = out.tokens[b][:room]
             reason = "length" if len(toks) == room else None
             for j, t in enumerate(toks):
                 if t in r.eos_ids:
                     toks, reason = toks[: j + 1], "stop"
                     break
-            emitted[b] = len(toks)
-            self.tokens[b, int(L[b]) : int(L[b]) + len(toks)] = torch.tensor(toks, dtype=torch.int64)
-            n = int(out.num_accepted[b])
-            from_draft = [j < n for j in range(len(toks))]
+            emitted.append(len(toks))
+            buffer[b, lengths[b] : lengths[b] + len(toks)] = toks
+            from_draft = [j < accepted[b] for j in range(len(toks))]
             source = out.sources[b][: len(toks)]
             events.append(StepEvent(r.id, toks, from_draft, reason is not None, reason, source=source))
             if reason is not None:
                 finished.append(b)
             if out.verified is not None:
                 out.verified.committed[b] = toks
-        self.lengths = L + emitted
+        emitted = torch.tensor(emitted, dtype=torch.int64)
+        self.lengths = self.lengths + emitted
         self.generated = self.generated + emitted
         return events, finished, emitted
 

@@ -650,8 +650,7 @@ class CostAwareK:
     def _step_times(self) -> list[float]:
         """``T_target(1 .. k_max + 1)`` at the current batch size, cached until the next update."""
         if self._times is None:
-            curve = self.latency()
-            self._times = [curve.time(n) for n in range(1, self.k_max + 2)]
+            self._times = self.latency().times(self.k_max + 1)
         return self._times
 
     def _curve(self, bucket: int | None) -> _Curve:
@@ -773,72 +772,60 @@ class CostAwareK:
     def trim(
         self, num_valid: torch.Tensor, bucket: torch.Tensor | None, rows: list[int] | None = None
     ) -> torch.Tensor:
-        out = num_valid
-        classes = bucket.tolist() if bucket is not None else [None] * num_valid.numel()
-        fresh = set()  # classes not learned yet: their first proposals teach them, uncut
+        valid = num_valid.tolist()  # lists, not tensors: this runs at every speculative step
+        classes = bucket.tolist() if bucket is not None else [None] * len(valid)
+        caps, fresh = valid, set()  # fresh: classes not learned yet, their first proposals teach them, uncut
         if bucket is not None and self.t_draft is not None and self._plain_timed() and self._drafts_timed():
-            caps: dict[int, int] = {}  # by class: its best k now the drafting is done, or its probe
+            by_class: dict[int, int] = {}  # its best k now the drafting is done, or its probe
             for b in set(classes):
                 cur, best = self._curve(b), self._best(b, 0.0)
                 if cur.reached[0] == 0:
                     fresh.add(b)
-                caps[b] = best or (self.probe_k if cur.probing or b in fresh else 0)
-            out = torch.minimum(num_valid, torch.tensor([caps[b] for b in classes], dtype=num_valid.dtype))
+                by_class[b] = best or (self.probe_k if cur.probing or b in fresh else 0)
+            caps = [min(v, by_class[b]) for v, b in zip(valid, classes)]
         if rows is None or self.watch is None:
-            return out
+            return num_valid if caps is valid else torch.tensor(caps, dtype=num_valid.dtype)
         # a row that is off verifies nothing, or probe_k tokens when its probe is due
         row_caps, probing = [], []
-        for r, cap, b in zip(rows, out.tolist(), classes):
+        for r, cap, v, b in zip(rows, caps, valid, classes):
             row = self.row_state.get(r)
-            probing.append(b in fresh or (row is not None and row.off and row.probing))
-            if row is None or not row.off:
-                row_caps.append(cap)
-            else:
-                row_caps.append(self.probe_k if row.probing else 0)
-        out = torch.minimum(num_valid, torch.tensor(row_caps, dtype=num_valid.dtype))
-        return self._batch_cap(out, bucket, probing)
+            off = row is not None and row.off
+            probing.append(b in fresh or (off and row.probing))
+            row_caps.append(min(v, self.probe_k if row.probing else 0) if off else cap)
+        return torch.tensor(self._batch_cap(row_caps, classes, probing), dtype=num_valid.dtype)
 
-    def _batch_cap(
-        self, caps: torch.Tensor, bucket: torch.Tensor | None, probing: list[bool]
-    ) -> torch.Tensor:
+    def _batch_cap(self, caps: list[int], classes: list, probing: list[bool]) -> list[int]:
         """Cut the rows to one length K when that pays for the batch: a chain step pads every row
         to the longest, so K maximises the rows' summed expected tokens per padded step time
         (:meth:`latency` at this batch size). Rows due for a probe keep theirs, as do rows of a class
         not learned yet (else a batch where drafts look dear would never learn one). It reads only what
         earlier steps taught and the rows' classes, as the per-row cut does. Ragged steps:
         :meth:`_ragged_cap`."""
-        longest = int(caps.max()) if caps.numel() else 0
-        if (
-            caps.numel() < 2
-            or longest == 0
-            or not self._plain_timed(caps.numel())
-            or not self._drafts_timed()
-        ):
+        B = len(caps)
+        if B < 2 or max(caps) == 0 or not self._plain_timed(B) or not self._drafts_timed():
             return caps
-        curve = self.latency(caps.numel())
-        classes = bucket.tolist() if bucket is not None else [None] * caps.numel()
+        curve = self.latency(B)
         if self.ragged:
             return self._ragged_cap(caps, classes, probing, curve)
 
         def rate(K: int) -> float:
-            tokens = sum(self.expected_tokens(min(K, c), b) for c, b in zip(caps.tolist(), classes))
+            tokens = sum(self.expected_tokens(min(K, c), b) for c, b in zip(caps, classes))
             return tokens / curve.time(K + 1)
 
-        K = max(range(longest + 1), key=rate)
-        keep = torch.tensor(probing, dtype=torch.bool)
-        return torch.where(keep, caps, caps.clamp(max=K))
+        K = max(range(max(caps) + 1), key=rate)
+        return [c if p else min(c, K) for c, p in zip(caps, probing)]
 
-    def _ragged_cap(self, caps: torch.Tensor, classes: list, probing: list[bool], curve) -> torch.Tensor:
+    def _ragged_cap(self, caps: list[int], classes: list, probing: list[bool], curve) -> list[int]:
         """A ragged step costs ``T(1 + n / B) = t_plain + s n`` for n draft tokens over B rows
         (:class:`_StepLine`), whichever rows feed them; draft position j of a row gains
         ``P_j = c_1 ... c_j`` expected tokens (non-increasing in j). So the n positions kept are the n
         best gains of the batch (a prefix of each row), n maximising
         ``(B + sum of their gains) / T(1 + n / B)``. Rows due for a probe keep theirs."""
-        B = caps.numel()
-        out = [c if p else 0 for c, p in zip(caps.tolist(), probing)]
+        B = len(caps)
+        out = [c if p else 0 for c, p in zip(caps, probing)]
         gains = sorted(
             (-gain, j, row)
-            for row, (c, b, p) in enumerate(zip(caps.tolist(), classes, probing))
+            for row, (c, b, p) in enumerate(zip(caps, classes, probing))
             if not p
             for j, gain in enumerate(itertools.accumulate(self.rates(b)[:c], operator.mul))
         )
@@ -850,22 +837,22 @@ class CostAwareK:
             rates.append(tokens / curve.time(1 + (fixed + n) / B))
         for _, _, row in gains[: max(range(len(rates)), key=rates.__getitem__)]:
             out[row] += 1
-        return torch.tensor(out, dtype=caps.dtype)
+        return out
 
     def update(
         self, k, num_drafted, num_accepted, draft_time, target_time, bucket=None, rows=None, width=None
     ) -> None:
-        self._batch = num_accepted.numel() or self._batch
+        drafts, accepts = num_drafted.tolist(), num_accepted.tolist()  # lists: this runs at every step
+        self._batch = len(accepts) or self._batch
         if self.rate is not None:
-            committed = int(num_accepted.sum()) + num_accepted.numel()
-            self.rate.observe(k, committed, num_accepted.numel(), draft_time + target_time)
-        drafted = int(num_drafted.max()) if num_drafted.numel() else 0
+            self.rate.observe(k, sum(accepts) + len(accepts), len(accepts), draft_time + target_time)
+        drafted = max(drafts, default=0)
         # the target scored drafted + 1 tokens per row (fewer than k + 1 when a drafter such as
         # prompt lookup found less to propose or trim() cut it), or a tree's nodes + 1 (width):
         # that is the size this time belongs to
         fed = drafted + 1 if width is None else width
         if self.ragged:  # rows fed 1 + num_drafted[b] each (a tree: width each)
-            self._line(num_accepted.numel(), num_drafted, width, target_time)
+            self._line(len(accepts), sum(drafts), width, target_time)
         if not self.ragged or fed == 1:
             last = [*self._target_samples.get(fed, []), target_time][-self.latency_window :]
             self._target_samples[fed], self.t_target[fed] = last, statistics.median(last)
@@ -877,9 +864,9 @@ class CostAwareK:
                 self.classes = bucket is not None
         if k == 0 or drafted == 0:
             return
-        classes = bucket.tolist() if bucket is not None else [None] * num_drafted.numel()
-        ids = rows if rows is not None and self.watch is not None else [None] * num_drafted.numel()
-        for b, d, a, r in zip(classes, num_drafted.tolist(), num_accepted.tolist(), ids):
+        classes = bucket.tolist() if bucket is not None else [None] * len(drafts)
+        ids = rows if rows is not None and self.watch is not None else [None] * len(drafts)
+        for b, d, a, r in zip(classes, drafts, accepts, ids):
             if d == 0:
                 continue
             if r is not None:
@@ -895,10 +882,11 @@ class CostAwareK:
                 row.pending = []
             self._learn(b, d, a)
 
-    def _line(self, B: int, num_drafted: torch.Tensor, width: int | None, seconds: float) -> None:
-        """A ragged step into the line of its batch size (:class:`_StepLine`)."""
+    def _line(self, B: int, drafted: int, width: int | None, seconds: float) -> None:
+        """A ragged step (``drafted`` draft tokens over B rows) into its batch size's line
+        (:class:`_StepLine`)."""
         line = self.step_lines.setdefault(B, _StepLine())
-        x = B * (width - 1) if width is not None else int(num_drafted.sum())
+        x = B * (width - 1) if width is not None else drafted
         if x == 0:
             line.t_plain = self._ema(line.t_plain, seconds)
         elif line.t_plain is not None:
@@ -1113,9 +1101,9 @@ class VerifyCost:
 
         ns = tuple(sorted({1, 2, 3, 5, n_max + 1}))
         lat = measure_latency(target, {"draft": draft}, ns=ns, context=context, reps=reps)
-        curve = lat.curve()
-        t1 = max(curve.time(1), 1e-9)
-        return cls([curve.time(n) / t1 for n in range(1, n_max + 2)], lat.draft["draft"] / t1)
+        times = lat.curve().times(n_max + 1)
+        t1 = max(times[0], 1e-9)
+        return cls([t / t1 for t in times], lat.draft["draft"] / t1)
 
 
 def best_prefix(conf: torch.Tensor, cost: VerifyCost) -> torch.Tensor:

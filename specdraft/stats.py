@@ -68,25 +68,23 @@ class SpecStats:
             depth: ``(B,)`` a token tree's depth per row: the per-position counts are then per
                 depth (a row "drafted position i" when its tree reaches depth i + 1). None: a chain.
         """
-        reach = num_drafted if depth is None else depth
-        k = int(reach.max()) if reach.numel() else 0
+        drafted, accepted = num_drafted.tolist(), num_accepted.tolist()  # lists: this runs every step
+        reach = drafted if depth is None else depth.tolist()
+        k = max(reach, default=0)
         self.target_forwards += 1
         self.k_history.append(k)
-        self.steps += num_drafted.numel()
-        self.drafted += int(num_drafted.sum())
-        self.accepted += int(num_accepted.sum())
-        self.generated += int(num_emitted.sum())
+        self.steps += len(drafted)
+        self.drafted += sum(drafted)
+        self.accepted += sum(accepted)
+        self.generated += sum(num_emitted.tolist())
         if k:
             grow = k - len(self.drafted_per_position)
             if grow > 0:
                 self.drafted_per_position += [0] * grow
                 self.accepted_per_position += [0] * grow
-            pos = torch.arange(k)
-            drafted = (pos < reach.unsqueeze(1)).sum(0)  # (k,)
-            accepted = (pos < num_accepted.unsqueeze(1)).sum(0)
             for i in range(k):
-                self.drafted_per_position[i] += int(drafted[i])
-                self.accepted_per_position[i] += int(accepted[i])
+                self.drafted_per_position[i] += sum(r > i for r in reach)
+                self.accepted_per_position[i] += sum(a > i for a in accepted)
 
     def merge(self, other: SpecStats) -> None:
         """Add another run's counters (e.g. per-prompt stats into a benchmark total)."""

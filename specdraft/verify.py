@@ -118,6 +118,8 @@ def verify_greedy(
         num_valid: ``(B,)`` how many draft tokens each row really proposed (None = all k).
     """
     target_tokens = greedy_tokens(target_logits)  # (B, k + 1)
+    if draft_tokens.shape[1] == 0:  # a plain step: nothing to compare (each tensor op counts here)
+        return Verdict(num_accepted=torch.zeros(len(target_tokens), dtype=torch.int64), tokens=target_tokens)
     n = _first_rejection(draft_tokens == target_tokens[:, :-1], num_valid)
     # accepted drafts equal the target's choice, so the target's argmax row is the output
     return Verdict(num_accepted=n, tokens=target_tokens)

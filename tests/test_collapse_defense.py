@@ -294,15 +294,25 @@ def test_wrong_rows_shifts_the_chosen_rows_tokens_with_their_distribution():
     class Fixed:
         name, vocab_size = "fixed", 4
 
+        def new_state(self, batch_size, capacity):
+            return DraftState(batch_size)
+
         def propose(self, state, ctx, k):
             probs = torch.tensor([[0.1, 0.2, 0.3, 0.4]]).expand(2, k, 4)
             return Proposal(torch.tensor([[3, 1], [3, 1]])[:, :k], probs)
 
     ctx = SimpleNamespace(tokens=torch.tensor([[5, 6, 0], [7, 8, 0]]), lengths=torch.tensor([2, 2]))
-    prop = WrongRows(Fixed(), [[7, 8]], 4).propose(None, ctx, 2)
+    wrong = WrongRows(Fixed(), [[7, 8]], 4)
+    state = wrong.new_state(2, 3)
+    prop = wrong.propose(state, ctx, 2)
     assert prop.tokens.tolist() == [[3, 1], [0, 2]]  # row 1 shifted, wrapping at the vocabulary
     q = prop.probs.gather(-1, prop.tokens.unsqueeze(-1)).squeeze(-1)
     assert torch.allclose(q, torch.tensor([[0.4, 0.2], [0.4, 0.2]]))  # each token keeps its own q
+    # the verdict is each row's, kept as rows leave and join (decided at a row's first proposal)
+    state.select_rows(torch.tensor([1]))
+    state.append(wrong.new_state(1, 3))
+    ctx = SimpleNamespace(tokens=torch.tensor([[7, 8, 0], [5, 6, 0]]), lengths=torch.tensor([2, 2]))
+    assert wrong.propose(state, ctx, 2).tokens.tolist() == [[0, 2], [3, 1]]
 
 
 def test_rows_that_never_hit_do_not_teach_the_class_curve():

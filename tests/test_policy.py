@@ -335,18 +335,18 @@ def test_ragged_steps_keep_each_rows_paying_positions():
     ragged_lines(p, step_t, (8, 2, 3))
     one_good = p.trim(t(*[8] * 8), t(3, *[1] * 7), rows=list(range(8)))
     assert one_good[0] >= 3 and one_good[1:].tolist() == [0] * 7
-    assert p._batch_cap(t(8, 8, 8), t(3, 1, 1), [False] * 3).tolist()[1:] == [0, 0]
-    assert p._batch_cap(t(8, 2), t(3, 1), [False, True]).tolist()[1] == 2
+    assert p._batch_cap([8, 8, 8], [3, 1, 1], [False] * 3)[1:] == [0, 0]
+    assert p._batch_cap([8, 2], [3, 1], [False, True])[1] == 2
     # against every n kept (a prefix of the sorted gains), the one chosen has the best rate
-    caps, classes = t(6, 4, 5), [3, 1, 3]
-    kept = p._batch_cap(caps, t(*classes), [False] * 3)
+    caps, classes = [6, 4, 5], [3, 1, 3]
+    kept = p._batch_cap(caps, classes, [False] * 3)
     curve = p.latency()
 
     def rate(ks):
         return sum(p.expected_tokens(k, b) for k, b in zip(ks, classes)) / curve.time(1 + sum(ks) / 3)
 
-    best = max((list(ks) for ks in product(*[range(c + 1) for c in caps.tolist()])), key=rate)
-    assert rate(kept.tolist()) == pytest.approx(rate(best))
+    best = max((list(ks) for ks in product(*[range(c + 1) for c in caps])), key=rate)
+    assert rate(kept) == pytest.approx(rate(best))
 
 
 def test_ragged_step_time_is_a_line_in_the_draft_tokens_the_batch_fed():
