@@ -1,0 +1,105 @@
+"""Where a decode step's time goes: the target's forward, drafting, and the rest (the engine's
+bookkeeping, the policy, verification), plain decoding against a drafter with ``k = auto``.
+
+Each method decodes the same Spec-Bench first turns (greedy, ``--batch`` rows at a time) for
+``--rounds`` rounds in a rotating order (:func:`specdraft.bench.harness.interleave`), one policy
+per method for the whole run. Per step: the target's forward (``SpecStats.target_time``), the
+drafter's proposals (``draft_time``) and the rest of the decode's wall time. The rest is Python
+and small tensor operations; right after a forward has streamed the weights through the caches
+each of those costs several times what it does warm, so it is measured here, in place, not in a
+micro-benchmark. ``--attack`` decodes with every row's drafts spoiled
+(:class:`specdraft.drafters.adversarial.WrongRows`), the collapse defense's worst case.
+
+    .venv/bin/python benchmarks/bench_step_overhead.py --batch 1 --limit 1 --rounds 2 --threads 2
+
+Spec-Bench is evaluation-only here; nothing is tuned on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from specdraft import api
+from specdraft.bench import harness, profile
+from specdraft.bench.prompts import fit_context, load_prompts
+from specdraft.drafters.adversarial import WrongRows
+from specdraft.policy import CostAwareK
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--draft", default="lookup")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--limit", type=int, default=1, help="prompts per Spec-Bench category")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--attack", action="store_true", help="spoil every row's drafts (WrongRows)")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", type=Path, default=None)
+    return ap.parse_args(argv)
+
+
+def split(method: harness.Method, prompts: list[list[int]], batch: int, max_new: int) -> collections.Counter:
+    """One pass over the prompts, ``batch`` at a time: decode seconds split per step."""
+    out = collections.Counter()
+    for i in range(0, len(prompts), batch):
+        run = method.run_batch(prompts[i : i + batch], max_new)
+        out["decode"] += run.seconds - run.first_token_seconds
+        out["target"] += run.stats.target_time
+        out["draft"] += run.stats.draft_time
+        out["steps"] += len(run.stats.k_history)
+        out["speculative"] += sum(1 for k in run.stats.k_history if k)
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    given = sys.argv[1:] if argv is None else argv
+    print("command: python benchmarks/bench_step_overhead.py " + " ".join(given))
+    print(f"cpu: {profile.cpu_name()}, threads {args.threads}", flush=True)
+    pipe = api.load(args.target, args.draft, dtype=args.dtype, threads=args.threads)
+    rt = pipe.runtime
+    plain = harness.engine_method("plain", rt, None, eos_ids=pipe.eos_ids)
+    budget = harness.prompt_budget(rt, [plain], args.max_new_tokens, 512)
+    prompts = [fit_context(pipe.encode(p.turns[0]), budget).ids for p in load_prompts(None, None, args.limit)]
+    drafter = WrongRows(pipe.drafter, prompts, rt.vocab_size) if args.attack else pipe.drafter
+    auto = harness.engine_method("auto", rt, drafter, CostAwareK(), eos_ids=pipe.eos_ids)
+    harness.warm_up([plain, auto], prompts[0][:64], 16)
+    agg = {"plain": collections.Counter(), "auto": collections.Counter()}
+    for r in range(args.rounds):
+        for m in harness.interleave([plain, auto], r):
+            agg[m.name] += split(m, prompts, args.batch, args.max_new_tokens)
+    report(args, len(prompts), agg)
+    if args.json:
+        record = {"args": vars(args) | {"json": str(args.json)}, "totals": agg}
+        args.json.write_text(json.dumps(record, indent=1))
+    return 0
+
+
+def report(args, n: int, agg: dict) -> None:
+    attacked = ", every row's drafts spoiled (WrongRows)" if args.attack else ""
+    print(
+        f"{n} Spec-Bench first turns x {args.rounds} rounds, batch {args.batch}, {args.max_new_tokens} new "
+        f"tokens, draft {args.draft}{attacked}"
+    )
+    print("method  decode s  vs plain  steps  speculative  target ms/step  draft ms/step  rest ms/step")
+    for name, a in agg.items():
+        s = a["steps"]
+        rest = (a["decode"] - a["target"] - a["draft"]) / s * 1e3
+        print(
+            f"{name:6s}  {a['decode']:8.2f}  {agg['plain']['decode'] / a['decode']:7.3f}x  {s:5d}  "
+            f"{a['speculative']:11d}  {a['target'] / s * 1e3:14.3f}  {a['draft'] / s * 1e3:13.3f}  "
+            f"{rest:12.3f}"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
