@@ -2,8 +2,9 @@
 bookkeeping, the policy, verification), plain decoding against a drafter with ``k = auto``.
 
 Each method decodes the same Spec-Bench first turns (greedy, ``--batch`` rows at a time) for
-``--rounds`` rounds in a rotating order (:func:`specdraft.bench.harness.interleave`), one policy
-per method for the whole run. Per step: the target's forward (``SpecStats.target_time``), the
+``--rounds`` rounds, each batch by both methods in a rotating order
+(:func:`specdraft.bench.harness.interleave`: a shared machine's slow minutes hit both alike), one
+policy per method for the whole run. Per step: the target's forward (``SpecStats.target_time``), the
 drafter's proposals (``draft_time``) and the rest of the decode's wall time. The rest is Python
 and small tensor operations; right after a forward has streamed the weights through the caches
 each of those costs several times what it does warm, so it is measured here, in place, not in a
@@ -47,17 +48,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def split(method: harness.Method, prompts: list[list[int]], batch: int, max_new: int) -> collections.Counter:
-    """One pass over the prompts, ``batch`` at a time: decode seconds split per step."""
-    out = collections.Counter()
-    for i in range(0, len(prompts), batch):
-        run = method.run_batch(prompts[i : i + batch], max_new)
-        out["decode"] += run.seconds - run.first_token_seconds
-        out["target"] += run.stats.target_time
-        out["draft"] += run.stats.draft_time
-        out["steps"] += len(run.stats.k_history)
-        out["speculative"] += sum(1 for k in run.stats.k_history if k)
-    return out
+def split(run: harness.BatchRun) -> collections.Counter:
+    """One batch's decode seconds, split per step."""
+    ks = run.stats.k_history
+    return collections.Counter(
+        decode=run.seconds - run.stats.prefill_time,  # every step, the first included
+        target=run.stats.target_time,
+        draft=run.stats.draft_time,
+        steps=len(ks),
+        speculative=sum(1 for k in ks if k),
+    )
 
 
 def main(argv=None) -> int:
@@ -74,9 +74,10 @@ def main(argv=None) -> int:
     auto = harness.engine_method("auto", rt, drafter, CostAwareK(), eos_ids=pipe.eos_ids)
     harness.warm_up([plain, auto], prompts[0][:64], 16)
     agg = {"plain": collections.Counter(), "auto": collections.Counter()}
-    for r in range(args.rounds):
-        for m in harness.interleave([plain, auto], r):
-            agg[m.name] += split(m, prompts, args.batch, args.max_new_tokens)
+    batches = [prompts[i : i + args.batch] for i in range(0, len(prompts), args.batch)]
+    for i, batch in enumerate(batches * args.rounds):  # each batch by both methods, in turn first
+        for m in harness.interleave([plain, auto], i):
+            agg[m.name] += split(m.run_batch(batch, args.max_new_tokens))
     report(args, len(prompts), agg)
     if args.json:
         record = {"args": vars(args) | {"json": str(args.json)}, "totals": agg}
