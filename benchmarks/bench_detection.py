@@ -7,8 +7,14 @@ policy (:func:`specdraft.attack.detection.replay`) in file order, with an always
 (every proposal rejected: what a collapse attack aims at) after every ``--every``-th clean one; a
 drafter whose proposals are free (prompt lookup) has its off requests watched at every step.
 Prints per drafter the mean first-token acceptance, the share of clean requests flagged
-(false positives), of always-wrong ones flagged, and the median steps to the flag; ``--out``
-writes the recorded outcomes (the distribution tests/attack/test_detection.py replays).
+(false positives), of always-wrong ones flagged, and the median steps to the flag.
+
+``--out`` writes the recorded outcomes (tests/attack/test_detection.py replays such a file),
+``--hits`` replays one instead of recording. ``--alphas`` and ``--concentrations`` replay the
+same records once per ``RowWatch.detect_alpha`` and ``detect_concentration`` (``none``: a
+binomial). ``--calibration N`` records training prompts instead of the evaluation set: the first
+N / 2 HellaSwag contexts and N / 2 GSM8K train questions after those the evaluation set reads
+(the detection thresholds are chosen on these, never on Spec-Bench).
 
     .venv/bin/python benchmarks/bench_detection.py --drafts 'lookup;designed:auto;prune:0-14' \\
         --limit 52 --gsm8k 20 --max-new-tokens 128 --threads 2 --out results/attack-2026-12-01/hits.json
@@ -17,6 +23,7 @@ writes the recorded outcomes (the distribution tests/attack/test_detection.py re
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -28,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specdraft import api
 from specdraft.attack.detection import HitRecorder, rates, replay
 from specdraft.bench import harness, profile
-from specdraft.bench.prompts import default_prompts_path, read_prompts
+from specdraft.bench.prompts import data_file, default_prompts_path, read_prompts
+from specdraft.policy import RowWatch
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -42,15 +50,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--every", type=int, default=4, help="an always-wrong request after every N clean")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=None, help="JSON file for the recorded outcomes")
+    p.add_argument("--hits", default=None, help="replay this --out file instead of recording")
+    p.add_argument("--alphas", default=None, help="detect_alpha values to replay, comma-separated")
+    p.add_argument("--concentrations", default=None, help="detect_concentration values ('none': binomial)")
+    p.add_argument("--calibration", type=int, default=0, help="record N training prompts instead")
     return p.parse_args(argv)
 
 
+def gsm8k_questions(start: int, n: int) -> list[str]:
+    with data_file("gsm8k/train.jsonl").open(encoding="utf-8") as f:
+        return [json.loads(line)["question"] for line in itertools.islice(f, start, start + n)]
+
+
 def prompt_texts(limit: int, gsm8k: int) -> list[str]:
-    texts = [p.turns[0] for p in read_prompts(default_prompts_path())[:limit]]
-    path = default_prompts_path().parents[1] / "gsm8k" / "train.jsonl"
-    with path.open(encoding="utf-8") as f:
-        texts += [json.loads(line)["question"] for line, _ in zip(f, range(gsm8k))]
-    return texts
+    """The evaluation set: the first ``limit`` Spec-Bench first turns, the first ``gsm8k`` questions."""
+    return [p.turns[0] for p in read_prompts(default_prompts_path())[:limit]] + gsm8k_questions(0, gsm8k)
+
+
+def calibration_texts(n: int, skip_gsm8k: int) -> list[str]:
+    """Training prompts apart from the evaluation set (module docstring)."""
+    hellaswag = [p.turns[0] for p in read_prompts(data_file("hellaswag_prompts.jsonl"))[: n // 2]]
+    return hellaswag + gsm8k_questions(skip_gsm8k, n - n // 2)
 
 
 def record(pipe, texts: list[str], k: int, max_new: int) -> list[list[int]]:
@@ -75,29 +95,51 @@ def with_attacks(clean: list[list[int]], every: int, length: int) -> tuple[list[
     return requests, adversarial
 
 
+def recordings(args) -> tuple[dict[str, list[list[int]]], int, dict[str, bool]]:
+    """Outcomes by draft spec, new tokens per request, and whether each spec's proposals are free
+    (a free drafter's off rows are watched at every step): read from ``--hits``, or recorded on
+    the evaluation prompts (``--calibration``: the training prompts)."""
+    if args.hits:
+        doc = json.loads(Path(args.hits).read_text())
+        return doc["hits"], doc["max_new_tokens"], doc.get("proposes_free", {})
+    cal = args.calibration
+    texts = calibration_texts(cal, args.gsm8k) if cal else prompt_texts(args.limit, args.gsm8k)
+    recorded, free = {}, {}
+    for spec in [s for s in args.drafts.split(";") if s]:
+        pipe = api.load(args.target, spec, threads=args.threads)
+        recorded[spec] = record(pipe, texts, args.k, args.max_new_tokens)
+        free[spec] = getattr(pipe.drafter, "proposes_free", False)
+    return recorded, args.max_new_tokens, free
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     print("command: python benchmarks/bench_detection.py " + " ".join(sys.argv[1:] if argv is None else argv))
     print(f"cpu: {profile.cpu_name()}, threads {args.threads}", flush=True)
-    texts = prompt_texts(args.limit, args.gsm8k)
-    recorded = {}
-    print("drafter            requests  first-token acc.  false positives  detected  median steps to flag")
-    for spec in [s for s in args.drafts.split(";") if s]:
-        pipe = api.load(args.target, spec, threads=args.threads)
-        clean = record(pipe, texts, args.k, args.max_new_tokens)
-        recorded[spec] = clean
-        requests, adversarial = with_attacks(clean, args.every, args.max_new_tokens)
-        free = getattr(pipe.drafter, "proposes_free", False)  # off rows are watched at every step
-        r = rates(replay(requests, tokens=args.max_new_tokens, shadow=free), adversarial)
+    recorded, max_new, free = recordings(args)
+    default = RowWatch()
+    alphas = [float(a) for a in args.alphas.split(",")] if args.alphas else [default.detect_alpha]
+    spreads = (
+        [None if c == "none" else float(c) for c in args.concentrations.split(",")]
+        if args.concentrations
+        else [default.detect_concentration]
+    )
+    print("drafter            requests  concentration  alpha  first-token acc.  false positives  detected")
+    for spec, clean in recorded.items():
+        requests, adversarial = with_attacks(clean, args.every, max_new)
         hits = [h for req in clean for h in req]
         acc = sum(hits) / len(hits) if hits else float("nan")
-        print(
-            f"{spec:18s} {len(clean):8d}  {acc:16.3f}  {r['false_positive_rate']:15.3f}  "
-            f"{r['detected_rate']:8.3f}  {r['median_steps_to_flag']}",
-            flush=True,
-        )
+        for spread, alpha in itertools.product(spreads, alphas):
+            watch = RowWatch(detect_alpha=alpha, detect_concentration=spread)
+            r = rates(replay(requests, watch, tokens=max_new, shadow=free.get(spec, False)), adversarial)
+            print(
+                f"{spec:18s} {len(clean):8d}  {spread or 'none':>13}  {alpha:5g}  {acc:16.3f}  "
+                f"{r['false_positive_rate']:15.3f}  {r['detected_rate']:8.3f}  "
+                f"(median {r['median_steps_to_flag']} steps to flag)",
+                flush=True,
+            )
     if args.out:
-        doc = {"command": " ".join(sys.argv), "k": args.k, "max_new_tokens": args.max_new_tokens}
+        doc = {"command": " ".join(sys.argv), "k": args.k, "max_new_tokens": max_new, "proposes_free": free}
         Path(args.out).write_text(json.dumps(doc | {"hits": recorded}) + "\n")
     return 0
 

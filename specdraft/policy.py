@@ -226,15 +226,24 @@ class RowWatch:
     A row is flagged once as collapsed (:attr:`CostAwareK.collapsed`) when its first-token
     acceptance over all its proposals, h hits of n, is below ``detect_fraction`` of the drafter's
     running average p (rows that are on, decay ``average_decay`` per proposal) and so unlikely
-    under p that ``P(X <= h | Binomial(n, p)) < detect_alpha``: a row that is merely unlucky is
-    not flagged, one that is always wrong is after ``log(alpha) / log(1 - p)`` proposals
-    (3 at p = 0.9, 13 at p = 0.3). A row that is off proposes only at its probes (intervals
-    ``probe_every``, doubling), so in steps that is 3 at p = 0.9, 13 at p = 0.6 (6 proposals: off
-    after 5, a probe 8 steps later), and later than most requests end below that;
-    probing faster would buy detection with draft work (a probe of a model draft costs
-    ``probe_k`` draft forwards), which the defense must not spend. A drafter whose average
-    acceptance is low cannot tell an attacked request from an unlucky one quickly (75 proposals
-    at p = 0.06): it is also the drafter with little to collapse.
+    that ``P(X <= h) < detect_alpha``, for X the hits of a request whose own acceptance is drawn
+    from a Beta with mean p and concentration ``detect_concentration`` (:func:`beta_binomial_cdf`).
+    Requests differ: prompt lookup on SmolLM2 accepts 0.05 of one
+    request's first tokens and 0.6 of another's, so a test that reads every request as accepting p
+    (a binomial, ``detect_concentration=None``) flagged 5.6% of clean requests and 13% of the
+    calibration prompts at its ``detect_alpha`` 0.01. The defaults were chosen on 200 training
+    prompts (HellaSwag contexts, GSM8K train questions) as the grid point with the most room to
+    issue 17's bounds (<= 5% of clean requests flagged, >= 90% of always-wrong ones), never on
+    Spec-Bench: ``results/detection-calibration-2026-12-05/``. A row that is merely unlucky is
+    not flagged, one that is always wrong is after n proposals with ``P(X = 0) < detect_alpha``
+    (4 at p = 0.9, 9 at p = 0.6, 30 at p = 0.3). A row that is off proposes only at its probes
+    (intervals ``probe_every``, doubling), so in steps that is later still (at p = 0.6: off after
+    5, probes 8, 16, 32 and 64 steps apart), and later than most requests end; probing faster would
+    buy detection with draft work (a probe of a model draft costs ``probe_k`` draft forwards),
+    which the defense must not spend. A drafter whose proposals are free (prompt lookup) is
+    watched at every step instead (:meth:`CostAwareK.shadow`). A drafter whose average acceptance
+    is low cannot tell an attacked request from an unlucky one quickly: it is also the drafter
+    with little to collapse.
 
     Cold: nothing is flagged until the average rests on ``detect_warmup`` decayed proposals (the
     first requests a policy sees); those requests are still switched off by ``floor``, so an
@@ -249,6 +258,8 @@ class RowWatch:
         evidence: decayed proposals needed before a row can be switched off.
         detect_fraction: flagged only below this fraction of the drafter's average acceptance.
         detect_alpha: and only when that few hits are this unlikely at the average.
+        detect_concentration: ``a + b`` of the Beta the requests' acceptance is read from (the
+            smaller, the more requests differ; None: all at the average, a binomial test).
         average_decay: weight of history in the drafter's average (per row proposal).
         detect_warmup: decayed proposals the average needs before any row is flagged.
         off_alpha: a row goes off only after a run of rejections this unlikely at the average.
@@ -259,11 +270,12 @@ class RowWatch:
     floor: float = 0.1
     evidence: float = 2.0
     detect_fraction: float = 0.25
-    detect_alpha: float = 0.01
+    detect_alpha: float = 0.002
     average_decay: float = 0.98
     detect_warmup: float = 10.0
     off_alpha: float = 0.02
     off_max: int = 8
+    detect_concentration: float | None = 20.0
 
     def __post_init__(self):
         if not (0 < self.decay < 1 and 0 < self.average_decay < 1 and 0 <= self.floor < 1):
@@ -272,10 +284,11 @@ class RowWatch:
             raise SpecdraftError("RowWatch: need 0 < off_alpha <= 1 and off_max >= 1")
         if not (self.evidence > 0 and 0 < self.detect_fraction <= 1 and 0 < self.detect_alpha < 1) or (
             self.detect_warmup < 0
+            or (self.detect_concentration is not None and self.detect_concentration <= 0)
         ):
             raise SpecdraftError(
                 "RowWatch: need evidence > 0, 0 < detect_fraction <= 1, 0 < detect_alpha < 1, "
-                "detect_warmup >= 0"
+                "detect_warmup >= 0, detect_concentration > 0 or None"
             )
 
 
@@ -479,6 +492,20 @@ class RealisedRate:
 def binomial_cdf(h: int, n: int, p: float) -> float:
     """``P(X <= h)`` for ``X ~ Binomial(n, p)``."""
     return sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(h + 1))
+
+
+def beta_binomial_cdf(h: int, n: int, p: float, concentration: float) -> float:
+    """``P(X <= h)`` for X the hits of n trials whose success rate is drawn once from a Beta with
+    mean p and ``a + b = concentration`` (requests whose acceptance differs from request to request
+    around the drafter's average p); :func:`binomial_cdf` as the concentration grows. Written out
+    (a few log-gamma terms) rather than taken from scipy, which nothing else here needs."""
+    a, b = max(p, 1e-9) * concentration, max(1 - p, 1e-9) * concentration
+    log_beta = math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b)
+    return sum(
+        math.comb(n, i)
+        * math.exp(math.lgamma(i + a) + math.lgamma(n - i + b) - math.lgamma(n + a + b) - log_beta)
+        for i in range(h + 1)
+    )
 
 
 class CostAwareK:
@@ -987,10 +1014,16 @@ class CostAwareK:
         if r in self.collapsed or self.average[0] < max(w.detect_warmup, 1.0):
             return
         p = self.average[1] / self.average[0]
-        if row.hits < w.detect_fraction * p * row.proposals and (
-            binomial_cdf(row.hits, row.proposals, p) < w.detect_alpha
-        ):
+        if row.hits < w.detect_fraction * p * row.proposals and self._unlikely(row.hits, row.proposals, p):
             self.collapsed.add(r)
+
+    def _unlikely(self, h: int, n: int, p: float) -> bool:
+        """Whether h hits of n are below ``detect_alpha`` at the drafter's average p, requests
+        spread around it as :attr:`RowWatch.detect_concentration` says (None: a binomial)."""
+        w = self.watch
+        if w.detect_concentration is None:
+            return binomial_cdf(h, n, p) < w.detect_alpha
+        return beta_binomial_cdf(h, n, p, w.detect_concentration) < w.detect_alpha
 
     @property
     def probe_interval(self) -> int:

@@ -10,7 +10,7 @@ import torch
 
 from specdraft.attack.detection import HitRecorder, rates, replay
 from specdraft.errors import SpecdraftError
-from specdraft.policy import RowWatch
+from specdraft.policy import RowWatch, beta_binomial_cdf, binomial_cdf
 
 RECORDED = Path(__file__).parent / "data" / "lookup_hits.json"
 
@@ -25,17 +25,30 @@ def steady_requests(p: float, n: int, length: int = 64) -> list[list[int]]:
     return [[int(math.floor((i + 1) * p) > math.floor(i * p)) for i in range(length)] for _ in range(n)]
 
 
-@pytest.mark.parametrize("p, within", [(0.9, 3), (0.6, 5 + 8)])
-def test_an_always_wrong_request_is_flagged_within_the_documented_steps(p, within):
-    """After warm-up: log(alpha) / log(1 - p) proposals (3 at 0.9, 6 at 0.6); a row is off after a
-    run of rejections rare at p (3 at 0.9, 5 at 0.6) and then proposes only at its probes (8, 16,
-    32 steps apart)."""
+@pytest.mark.parametrize("p", [0.9, 0.6])
+def test_an_always_wrong_request_is_flagged_after_the_documented_proposals(p):
+    """After warm-up, at about the n-th proposal, n the first with ``P(X = 0) < detect_alpha`` for
+    a request drawn around the average p (RowWatch: 4 at 0.9, 9 at 0.6). Watched at every step (a
+    free drafter's unverified proposals) that is about its n-th step; with its probes alone, later."""
+    w = RowWatch()
+    k = w.detect_concentration
+    n = next(n for n in range(1, 200) if beta_binomial_cdf(0, n, p, k) < w.detect_alpha)
+    assert n == {0.9: 4, 0.6: 9}[p]
     requests = steady_requests(p, 10) + [[0] * 128]
-    flags = replay(requests, tokens=128)
-    assert all(f.step is None for f in flags[:-1])
-    assert flags[-1].step is not None and flags[-1].step <= within
-    # and not before the binomial test allows: (1 - p)^n < alpha needs n >= log(alpha) / log(1 - p)
-    assert flags[-1].proposal >= math.log(RowWatch().detect_alpha) / math.log(1 - p) - 1
+    shadowed = replay(requests, tokens=128, shadow=True)
+    assert all(f.step is None for f in shadowed[:-1])
+    # a little after n: the row's own misses, counted while it is on, lower the average it is read at
+    assert n <= shadowed[-1].proposal <= n + 3 and shadowed[-1].step <= shadowed[-1].proposal
+    probed = replay(requests, tokens=128)[-1]  # probes 8, 16, 32, 64 steps apart: at 0.6, after step 128
+    assert probed.step > shadowed[-1].step if p == 0.9 else probed.step is None
+
+
+def test_the_beta_binomial_is_the_binomial_for_a_large_concentration_and_wider_for_a_small_one():
+    assert beta_binomial_cdf(3, 10, 0.4, 1e7) == pytest.approx(binomial_cdf(3, 10, 0.4), rel=1e-4)
+    assert beta_binomial_cdf(0, 20, 0.4, 20.0) > 10 * binomial_cdf(0, 20, 0.4)  # a low request is likelier
+    assert beta_binomial_cdf(20, 20, 0.4, 20.0) == pytest.approx(1.0)
+    with pytest.raises(SpecdraftError, match="detect_concentration"):
+        RowWatch(detect_concentration=0.0)
 
 
 def test_cold_policy_flags_nothing():
@@ -68,6 +81,11 @@ def test_recorded_clean_distribution_flags_at_most_five_percent():
             adversarial.append(True)
     r = rates(replay(requests, tokens=doc["max_new_tokens"]), adversarial)
     assert r["false_positive_rate"] <= 0.05, r
+    # requests differ: reading each as accepting the average (a binomial test, the rule before
+    # results/detection-calibration-2026-12-05) flags more than 5% of these
+    binomial = RowWatch(detect_concentration=None, detect_alpha=0.01)
+    flagged = rates(replay(requests, binomial, tokens=doc["max_new_tokens"], shadow=True), adversarial)
+    assert flagged["false_positive_rate"] > 0.05, flagged
     # the test can fail: looser thresholds flag many of these clean requests
     loose = RowWatch(detect_alpha=0.2, detect_fraction=0.5)
     assert (
@@ -75,7 +93,7 @@ def test_recorded_clean_distribution_flags_at_most_five_percent():
     )
     # prompt lookup proposes for free, so a request that is off is watched at every step (the
     # engine's unverified proposals): issue 17's >= 90% flagged, <= 5% false positives. With its
-    # probes alone, an always-wrong request makes too few proposals in 64 steps to be flagged.
+    # probes alone, an always-wrong request makes too few proposals in 128 steps to be flagged.
     shadowed = rates(replay(requests, tokens=doc["max_new_tokens"], shadow=True), adversarial)
     assert shadowed["detected_rate"] >= 0.9 and shadowed["false_positive_rate"] <= 0.05, shadowed
     assert r["detected_rate"] < 0.5, r
