@@ -9,7 +9,8 @@ drafter's proposals (``draft_time``) and the rest of the decode's wall time. The
 and small tensor operations; right after a forward has streamed the weights through the caches
 each of those costs several times what it does warm, so it is measured here, in place, not in a
 micro-benchmark. ``--attack`` decodes with every row's drafts spoiled
-(:class:`specdraft.drafters.adversarial.WrongRows`), the collapse defense's worst case.
+(:class:`specdraft.drafters.adversarial.WrongRows`), the collapse defense's worst case. ``--cold``
+times instead a few small tensor operations right after a one-token forward and again at once.
 
     .venv/bin/python benchmarks/bench_step_overhead.py --batch 1 --limit 1 --rounds 2 --threads 2
 
@@ -21,8 +22,12 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -43,6 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--attack", action="store_true", help="spoil every row's drafts (WrongRows)")
+    ap.add_argument("--cold", action="store_true", help="small tensor operations after a forward, then warm")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", type=Path, default=None)
     return ap.parse_args(argv)
@@ -60,6 +66,35 @@ def split(run: harness.BatchRun) -> collections.Counter:
     )
 
 
+EIGHT = torch.arange(8)
+OPS = {
+    "torch.zeros(3)": lambda logits: torch.zeros(3),
+    "torch.tensor([1, 2])": lambda logits: torch.tensor([1, 2]),
+    "(8 ints).tolist()": lambda logits: EIGHT.tolist(),
+    "logits.numpy().argmax(-1)": lambda logits: logits.numpy().argmax(-1),
+}
+
+
+def cold(rt, forwards: int = 50) -> None:
+    """Median microseconds of each of :data:`OPS` (on the forward's logits) as the first thing after a
+    one-token forward, and the same call repeated at once."""
+    state = rt.new_state(1, forwards + 8)
+    rt.forward(state, torch.ones(1, 4, dtype=torch.int64), torch.arange(4).unsqueeze(0))
+    first, again = collections.defaultdict(list), collections.defaultdict(list)
+    for i in range(forwards):
+        for name, op in OPS.items():
+            logits = rt.forward(state, torch.ones(1, 1, dtype=torch.int64), torch.tensor([[4 + i]])).logits
+            for record in (first, again):
+                t = time.perf_counter()
+                op(logits)
+                record[name].append(time.perf_counter() - t)
+    print(f"operation                  after a forward (us)  again (us); medians of {forwards} forwards")
+    for name in OPS:
+        print(
+            f"{name:26s} {statistics.median(first[name]) * 1e6:20.1f}  {statistics.median(again[name]) * 1e6:10.1f}"
+        )
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     given = sys.argv[1:] if argv is None else argv
@@ -67,6 +102,9 @@ def main(argv=None) -> int:
     print(f"cpu: {profile.cpu_name()}, threads {args.threads}", flush=True)
     pipe = api.load(args.target, args.draft, dtype=args.dtype, threads=args.threads)
     rt = pipe.runtime
+    if args.cold:
+        cold(rt)
+        return 0
     plain = harness.engine_method("plain", rt, None, eos_ids=pipe.eos_ids)
     budget = harness.prompt_budget(rt, [plain], args.max_new_tokens, 512)
     prompts = [fit_context(pipe.encode(p.turns[0]), budget).ids for p in load_prompts(None, None, args.limit)]

@@ -2,6 +2,8 @@
 # A decode step's time split into the target's forward, drafting and the rest (Python, small tensor
 # operations), plain decoding against prompt lookup with k = auto (benchmarks/bench_step_overhead.py).
 # usage: results/step-overhead-2026-12-05/run.sh after|before [tag]
+#        results/step-overhead-2026-12-05/run.sh collapse after|before  (bench_collapse.py, batch 1, 25 rounds)
+#        results/step-overhead-2026-12-05/run.sh cold  (small tensor operations right after a forward, and warm)
 #   before: the same benchmark on main before this work (c338216), in a worktree beside this checkout
 #   (../sd-c338216, so that ../shared is found), with this checkout's venv and benchmark script.
 set -u
@@ -11,6 +13,12 @@ cd "$OUT/../.."
 ROOT=$(pwd)
 BASE=c338216
 WT="$ROOT/../sd-$BASE"
+mode=steps
+if [ "${1:-}" = cold ]; then
+  step "$OUT/cold-$(git rev-parse --short HEAD).txt" .venv/bin/python benchmarks/bench_step_overhead.py --cold --threads 2
+  exit
+fi
+if [ "${1:-}" = collapse ]; then mode=collapse; shift; fi
 where=${1:-}
 tag=${2:-}
 case "$where" in
@@ -20,6 +28,11 @@ case "$where" in
     cp benchmarks/bench_step_overhead.py "$WT/benchmarks/" ;;
   *) echo "usage: $0 after|before [tag]" >&2; exit 2 ;;
 esac
+if [ $mode = collapse ]; then
+  (cd "$dir" && step "$OUT/collapse_lookup_b1_r25-$c.txt" "$ROOT/.venv/bin/python" benchmarks/bench_collapse.py \
+    --draft lookup --batch 1 --attacked 1 --max-new-tokens 128 --threads 2 --rounds 25) </dev/null
+  exit
+fi
 while read -r name args; do
   log="$OUT/$name-$c$tag.txt"
   (cd "$dir" && step "$log" "$ROOT/.venv/bin/python" benchmarks/bench_step_overhead.py $args --threads 2 \
