@@ -90,9 +90,8 @@ def cold(rt, forwards: int = 50) -> None:
                 record[name].append(time.perf_counter() - t)
     print(f"operation                  after a forward (us)  again (us); medians of {forwards} forwards")
     for name in OPS:
-        print(
-            f"{name:26s} {statistics.median(first[name]) * 1e6:20.1f}  {statistics.median(again[name]) * 1e6:10.1f}"
-        )
+        a, b = statistics.median(first[name]) * 1e6, statistics.median(again[name]) * 1e6
+        print(f"{name:26s} {a:20.1f}  {b:10.1f}")
 
 
 def main(argv=None) -> int:
