@@ -45,7 +45,7 @@ class PromptLookupDrafter:
         # a longer match is accepted far more often (SmolLM2 on Spec-Bench: the first token ~0.8 of
         # the time after 3 matched tokens, ~0.2 after 1): the policy learns each class's curve
         padded = [cont + [0] * (k - len(cont)) for _, cont in found]
-        # numpy first: torch.tensor(list) costs ~8 us a call on a Zen 2 core, a third of this method
+        # numpy first: torch.tensor(list) is several times dearer after a forward (bench_step_overhead --cold)
         return Proposal(
             tokens=torch.from_numpy(np.array(padded, dtype=np.int64).reshape(len(found), k)),
             probs=None,
