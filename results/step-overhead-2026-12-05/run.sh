@@ -2,7 +2,8 @@
 # A decode step's time split into the target's forward, drafting and the rest (Python, small tensor
 # operations), plain decoding against prompt lookup with k = auto (benchmarks/bench_step_overhead.py).
 # usage: results/step-overhead-2026-12-05/run.sh after|before [tag]
-#        results/step-overhead-2026-12-05/run.sh collapse after|before  (bench_collapse.py, batch 1, 25 rounds)
+#        results/step-overhead-2026-12-05/run.sh collapse after|before [tag [lookup|feature]]  (bench_collapse.py,
+#          batch 1, 25 rounds)
 #        results/step-overhead-2026-12-05/run.sh cold  (small tensor operations right after a forward, and warm)
 #   before: the same benchmark on main before this work (c338216), in a worktree beside this checkout
 #   (../sd-c338216, so that ../shared is found), with this checkout's venv and benchmark script.
@@ -29,8 +30,10 @@ case "$where" in
   *) echo "usage: $0 after|before [tag]" >&2; exit 2 ;;
 esac
 if [ $mode = collapse ]; then
-  (cd "$dir" && step "$OUT/collapse_lookup_b1_r25-$c.txt" "$ROOT/.venv/bin/python" benchmarks/bench_collapse.py \
-    --draft lookup --batch 1 --attacked 1 --max-new-tokens 128 --threads 2 --rounds 25) </dev/null
+  draft=${3:-lookup}  # run.sh collapse after|before TAG DRAFT: another drafter (the feature draft F: feature)
+  [ "$draft" = feature ] && spec=designed:smollm2-135m-feature-4k-second || spec=$draft
+  (cd "$dir" && step "$OUT/collapse_${draft}_b1_r25-$c$tag.txt" "$ROOT/.venv/bin/python" benchmarks/bench_collapse.py \
+    --draft "$spec" --batch 1 --attacked 1 --max-new-tokens 128 --threads 2 --rounds 25) </dev/null
   exit
 fi
 while read -r name args; do
