@@ -757,7 +757,8 @@ class CostAwareK:
     def choose(self, rows: list[int] | None = None, lag: torch.Tensor | None = None) -> int:
         if rows is not None and len(rows) != self._batch:
             self._batch, self._times = len(rows), None
-        self._catch = 0 if lag is None else lag.numel() * max(int(lag.max()) - 1, 0)
+        lags = [] if lag is None else lag.tolist()
+        self._catch = len(lags) * max(max(lags, default=0) - 1, 0)
         states = self._follow(rows) if rows is not None and self.watch is not None else []
         if self.rate is None:
             return self._choose(states)

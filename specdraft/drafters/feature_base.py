@@ -82,8 +82,13 @@ class FeatureDraftState(DraftState):
         """Pairs ``fed .. L - 2`` not fed yet, at most ``max_lag`` (the context starts over beyond);
         a row that has not proposed counts the prompt pairs it will read (``prompt_pairs``, at most
         ``L - 1``; the few answer pairs before it are left out)."""
-        fed = (lengths - 1 - self.fed).clamp(max=self.max_lag)
-        return torch.where(self.fed >= 0, fed, (lengths - 1).clamp(max=self.prompt_pairs))
+        # lists, not tensor operations: the engine asks at every step, right after a forward
+        # (results/step-overhead-2026-12-05)
+        lag = [
+            min(L - 1 - f, self.max_lag) if f >= 0 else min(L - 1, self.prompt_pairs)
+            for L, f in zip(lengths.tolist(), self.fed.tolist())
+        ]
+        return torch.tensor(lag, dtype=torch.int64)
 
 
 @dataclass
