@@ -1,7 +1,7 @@
 #!/bin/bash
 # A decode step's time split into the target's forward, drafting and the rest (Python, small tensor
 # operations), plain decoding against prompt lookup with k = auto (benchmarks/bench_step_overhead.py).
-# usage: results/step-overhead-2026-12-05/run.sh after|before [tag]
+# usage: results/step-overhead-2026-12-05/run.sh after|before [tag [name]]
 #        results/step-overhead-2026-12-05/run.sh collapse after|before [tag [lookup|feature]]  (bench_collapse.py,
 #          batch 1, 25 rounds)
 #        results/step-overhead-2026-12-05/run.sh cold  (small tensor operations right after a forward, and warm)
@@ -36,7 +36,9 @@ if [ $mode = collapse ]; then
     --draft "$spec" --batch 1 --attacked 1 --max-new-tokens 128 --threads 2 --rounds 25) </dev/null
   exit
 fi
+only=${3:-}  # run.sh after|before TAG NAME: only that line below
 while read -r name args; do
+  [ -n "$only" ] && [ "$name" != "$only" ] && continue
   log="$OUT/$name-$c$tag.txt"
   (cd "$dir" && step "$log" "$ROOT/.venv/bin/python" benchmarks/bench_step_overhead.py $args --threads 2 \
     --json "$OUT/$name-$c$tag.json") </dev/null
@@ -44,4 +46,5 @@ done <<END
 b1 --batch 1 --limit 1 --rounds 2
 b1-attack --batch 1 --limit 1 --rounds 2 --attack
 b8 --batch 8 --limit 2 --rounds 2
+b1-feature --batch 1 --limit 1 --rounds 2 --draft designed:smollm2-135m-feature-4k-second
 END
