@@ -5,6 +5,7 @@
 #        results/step-overhead-2026-12-05/run.sh collapse after|before [tag [lookup|feature]]  (bench_collapse.py,
 #          batch 1, 25 rounds)
 #        results/step-overhead-2026-12-05/run.sh cold  (small tensor operations right after a forward, and warm)
+#        results/step-overhead-2026-12-05/run.sh feature-k  (bench_policy.py: F with k = auto and k = 1, batch 1)
 #   before: the same benchmark on main before this work (c338216), in a worktree beside this checkout
 #   (../sd-c338216, so that ../shared is found), with this checkout's venv and benchmark script.
 set -u
@@ -15,6 +16,12 @@ ROOT=$(pwd)
 BASE=c338216
 WT="$ROOT/../sd-$BASE"
 mode=steps
+if [ "${1:-}" = feature-k ]; then  # the feature draft F beside the quantized target: k = auto and k = 1
+  step "$OUT/policy_feature_b1-$(git rev-parse --short HEAD).txt" .venv/bin/python benchmarks/bench_policy.py \
+    --draft designed:smollm2-135m-feature-4k-second --dtype auto --batch 1 --policies auto,1 --limit 1 \
+    --max-new-tokens 128 --threads 2 </dev/null
+  exit
+fi
 if [ "${1:-}" = cold ]; then
   step "$OUT/cold-$(git rev-parse --short HEAD).txt" .venv/bin/python benchmarks/bench_step_overhead.py --cold --threads 2
   exit
