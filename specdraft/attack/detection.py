@@ -2,8 +2,10 @@
 
 The rule is :class:`specdraft.policy.RowWatch`'s (its thresholds are documented there): a request
 is flagged as collapsed when its first-draft-token hits h of n proposals are below
-``detect_fraction`` of the drafter's running average p *and* ``P(X <= h | Binomial(n, p)) <
-detect_alpha``, once the average rests on ``detect_warmup`` decayed proposals.
+``detect_fraction`` of the drafter's running average p *and* ``P(X <= h) < detect_alpha`` for a
+request whose acceptance spreads around p as a Beta of concentration ``detect_concentration``
+(a beta-binomial; None: a binomial), once the average rests on ``detect_warmup`` decayed
+proposals.
 
 To check it without a model, a request is recorded as the sequence of its proposals' first-token
 outcomes (1: the target accepted the first draft token, 0: it did not) under a fixed k
