@@ -6,6 +6,7 @@
 #          batch 1, 25 rounds)
 #        results/step-overhead-2026-12-05/run.sh cold  (small tensor operations right after a forward, and warm)
 #        results/step-overhead-2026-12-05/run.sh feature-k  (bench_policy.py: F with k = auto and k = 1, batch 1)
+#        results/step-overhead-2026-12-05/run.sh collapse-b8  (bench_collapse.py: batch 8, 4 rows attacked)
 #   before: the same benchmark on main before this work (c338216), in a worktree beside this checkout
 #   (../sd-c338216, so that ../shared is found), with this checkout's venv and benchmark script.
 set -u
@@ -20,6 +21,11 @@ if [ "${1:-}" = feature-k ]; then  # the feature draft F beside the quantized ta
   step "$OUT/policy_feature_b1-$(git rev-parse --short HEAD).txt" .venv/bin/python benchmarks/bench_policy.py \
     --draft designed:smollm2-135m-feature-4k-second --dtype auto --batch 1 --policies auto,1 --limit 1 \
     --max-new-tokens 128 --threads 2 </dev/null
+  exit
+fi
+if [ "${1:-}" = collapse-b8 ]; then  # batch 8, 4 rows attacked, 3 rounds (prompt lookup)
+  step "$OUT/collapse_lookup_b8-$(git rev-parse --short HEAD).txt" .venv/bin/python benchmarks/bench_collapse.py \
+    --draft lookup --batch 8 --attacked 4 --max-new-tokens 128 --threads 2 --rounds 3 </dev/null
   exit
 fi
 if [ "${1:-}" = cold ]; then
