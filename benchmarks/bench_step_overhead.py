@@ -43,6 +43,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--draft", default="lookup")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument(
+        "--draft-dtypes",
+        default="auto",
+        help="','-separated draft precisions, one k = auto method each (auto, q, bf16, ...: --draft-dtype)",
+    )
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--limit", type=int, default=1, help="prompts per Spec-Bench category")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -107,13 +112,12 @@ def main(argv=None) -> int:
     plain = harness.engine_method("plain", rt, None, eos_ids=pipe.eos_ids)
     budget = harness.prompt_budget(rt, [plain], args.max_new_tokens, 512)
     prompts = [fit_context(pipe.encode(p.turns[0]), budget).ids for p in load_prompts(None, None, args.limit)]
-    drafter = WrongRows(pipe.drafter, prompts, rt.vocab_size) if args.attack else pipe.drafter
-    auto = harness.engine_method("auto", rt, drafter, CostAwareK(), eos_ids=pipe.eos_ids)
-    harness.warm_up([plain, auto], prompts[0][:64], 16)
-    agg = {"plain": collections.Counter(), "auto": collections.Counter()}
+    methods = [plain, *speculative(args, pipe, prompts)]
+    harness.warm_up(methods, prompts[0][:64], 16)
+    agg = {m.name: collections.Counter() for m in methods}
     batches = [prompts[i : i + args.batch] for i in range(0, len(prompts), args.batch)]
-    for i, batch in enumerate(batches * args.rounds):  # each batch by both methods, in turn first
-        for m in harness.interleave([plain, auto], i):
+    for i, batch in enumerate(batches * args.rounds):  # each batch by every method, in turn first
+        for m in harness.interleave(methods, i):
             agg[m.name] += split(m.run_batch(batch, args.max_new_tokens))
     report(args, len(prompts), agg)
     if args.json:
@@ -122,18 +126,33 @@ def main(argv=None) -> int:
     return 0
 
 
+def speculative(args, pipe, prompts: list[list[int]]) -> list[harness.Method]:
+    """A ``k = auto`` method per ``--draft-dtypes`` entry (``auto``: the loaded pipeline's drafter;
+    another precision: the same draft built at it, named ``auto@PRECISION``)."""
+    out = []
+    for name in args.draft_dtypes.split(","):
+        drafter = pipe.drafter
+        if name != "auto":
+            drafter = api.make_drafter(args.draft, pipe.target, pipe.runtime, name)
+        if args.attack:
+            drafter = WrongRows(drafter, prompts, pipe.runtime.vocab_size)
+        label = "auto" if name == "auto" else f"auto@{name}"
+        out.append(harness.engine_method(label, pipe.runtime, drafter, CostAwareK(), eos_ids=pipe.eos_ids))
+    return out
+
+
 def report(args, n: int, agg: dict) -> None:
     attacked = ", every row's drafts spoiled (WrongRows)" if args.attack else ""
     print(
         f"{n} Spec-Bench first turns x {args.rounds} rounds, batch {args.batch}, {args.max_new_tokens} new "
-        f"tokens, draft {args.draft}{attacked}"
+        f"tokens, draft {args.draft} (precision {args.draft_dtypes}){attacked}"
     )
-    print("method  decode s  vs plain  steps  speculative  target ms/step  draft ms/step  rest ms/step")
+    print("method     decode s  vs plain  steps  speculative  target ms/step  draft ms/step  rest ms/step")
     for name, a in agg.items():
         s = a["steps"]
         rest = (a["decode"] - a["target"] - a["draft"]) / s * 1e3
         print(
-            f"{name:6s}  {a['decode']:8.2f}  {agg['plain']['decode'] / a['decode']:7.3f}x  {s:5d}  "
+            f"{name:9s}  {a['decode']:8.2f}  {agg['plain']['decode'] / a['decode']:7.3f}x  {s:5d}  "
             f"{a['speculative']:11d}  {a['target'] / s * 1e3:14.3f}  {a['draft'] / s * 1e3:13.3f}  "
             f"{rest:12.3f}"
         )

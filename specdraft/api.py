@@ -101,8 +101,8 @@ the float32 transformers model."""
 
 QUANT_DRAFT_KINDS = ("self", "prune", "designed", "model", "tree", "ouroboros")
 """Draft kinds with a model that ``--draft-dtype q`` runs on GGUF blocks beside a quantized target
-(``prune:`` on the target's own, ``designed`` on Q8_0 blocks made at load, a model alias or path on
-its own GGUF; ``tree`` and ``ouroboros`` through the draft they wrap)."""
+(``prune:`` on the target's own, ``designed`` (token-level and feature drafts) on Q8_0 blocks made at
+load, a model alias or path on its own GGUF; ``tree`` and ``ouroboros`` through the draft they wrap)."""
 
 MODEL_FREE_KINDS = ("none", "lookup", "lookup-tree", "bigram", "suffix")
 """Draft kinds without a model: the draft precision changes nothing for them."""
@@ -126,7 +126,8 @@ def is_quantized(runtime: Runtime | None) -> bool:
 def _auto_runs_quantized(spec: registry.DraftSpec, runtime: Runtime) -> bool:
     """Whether ``--draft-dtype auto`` runs ``spec``'s draft on GGUF blocks beside the quantized
     ``runtime``: its model kind is in :data:`specdraft.dtypes.AUTO_QUANT_DRAFTS`, and a designed
-    draft is a token-level one (``designed:auto`` without a committed draft for this target: no)."""
+    draft is a token-level or a feature one (``designed:auto`` without a committed draft for this
+    target: no)."""
     kind = model_kind(spec)
     if kind != "designed":
         return kind in AUTO_QUANT_DRAFTS
@@ -134,7 +135,7 @@ def _auto_runs_quantized(spec: registry.DraftSpec, runtime: Runtime) -> bool:
 
     inner = registry.DraftSpec.parse(registry.tree_parts(spec.arg)[2]) if spec.kind == "tree" else spec
     path = find_draft(inner.arg, runtime.w)
-    return path is not None and read_meta(path).kind == "layers"
+    return path is not None and read_meta(path).kind in ("layers", "feature")
 
 
 def draft_precision(name: str | torch.dtype, runtime: Runtime | None, spec) -> torch.dtype | str:

@@ -92,7 +92,7 @@ the draft runs on GGUF blocks in :class:`specdraft.models.quant.QuantRuntime`.""
 
 AUTO_QUANT_DRAFTS: dict[str, str] = {
     "prune": "a layer-pruned draft runs the quantized target's own layers (no bf16 copy of them)",
-    "designed": "a token-level designed draft runs as Q8_0 blocks made at load (feature, dream, ctc, "
+    "designed": "a token-level or feature designed draft runs as Q8_0 blocks made at load (dream, ctc, "
     "diffusion and flex drafts have no quantized path and keep bf16)",
 }
 """Draft kinds that ``--draft-dtype auto`` runs on GGUF blocks (``q``) beside a quantized target ->

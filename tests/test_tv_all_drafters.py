@@ -15,10 +15,10 @@ its EAGLE-2 token tree, and both drafting from the features of plain steps they 
 DREAM-style draft, the feature draft with a local head fused in, FlexDraft (drafting in the
 verification forward, and sequentially), the block-diffusion drafter (one pass per block, cut by its
 length head), the drafts on GGUF blocks beside a quantized target (``--draft-dtype q``: prune views,
-their head subsets, Q8_0 designed drafts; token trees verified on the quantized target's tree
-attention), the Ouroboros and suffix drafters' token trees (point masses from a phrase pool / a
-history), the cost-aware policy's per-class trim, its per-row cut of rows whose drafts fail (issue
-17; for a free drafter, with the unverified proposals of the rows it cut), its safe arm's plain
+their head subsets, Q8_0 designed drafts, token-level and feature ones; token trees verified on the
+quantized target's tree attention), the Ouroboros and suffix drafters' token trees (point masses from a
+phrase pool / a history), the cost-aware policy's per-class trim, its per-row cut of rows whose drafts
+fail (issue 17; for a free drafter, with the unverified proposals of the rows it cut), its safe arm's plain
 steps when speculation is measured slower (issue 17) and the server's per-row caps. Each case also
 checks that its cut really happened, and the old gating rule is shown to fail the same test."""
 
@@ -573,15 +573,16 @@ def quant_target(tmp_path_factory):
     return rt, exact_distribution(rt), model
 
 
-QUANT_DRAFTS = ["q-prune", "q-prune-head", "q-designed"]
+QUANT_DRAFTS = ["q-prune", "q-prune-head", "q-designed", "q-feature"]
 
 
 def quant_draft(name: str, rt, model):
     """The drafts of ``--draft-dtype q`` (issue 15): ``prune:0`` as a view of the target's blocks,
     with a head subset (``head=N``: its rows of the quantized head), and a designed draft's matrices
-    as Q8_0 blocks made at load (a changed copy of the target's layer 1; head ids 0 1 2 4 6)."""
+    as Q8_0 blocks made at load (a changed copy of the target's layer 1; head ids 0 1 2 4 6), and a
+    feature draft's the same way (its layer and input projection; the GGUF's embedding)."""
     from specdraft.design.prune import depth_prune
-    from specdraft.models.quant import QuantRuntime, QuantWeights
+    from specdraft.models.quant import QuantRuntime, QuantWeights, quantize_matrix
     from specdraft.models.subset_head import SubsetHeadRuntime
 
     head = torch.tensor([0, 1, 2, 4, 6])
@@ -593,7 +594,12 @@ def quant_draft(name: str, rt, model):
     draft = depth_prune(model, [1])
     draft.model.layers[0].mlp.up_proj.weight.data.mul_(1.5)
     w = QuantWeights.from_llama(draft.state_dict(), draft.config.to_dict(), rt.w, head)
-    return ModelDrafter(SubsetHeadRuntime(QuantRuntime(w), head, V), "designed")
+    runtime = SubsetHeadRuntime(QuantRuntime(w), head, V)
+    if name == "q-designed":
+        return ModelDrafter(runtime, "designed")
+    C = w.hidden
+    fc = torch.cat([0.1 * torch.randn(C, C, generator=torch.Generator().manual_seed(0)), torch.eye(C)], 1)
+    return FeatureDrafter(runtime, quantize_matrix(fc).repacked(), rt.w.embed, "q-feature")
 
 
 @pytest.mark.skipif(not kernels.available(), reason=f"native kernels unavailable ({kernels.status()})")
@@ -604,7 +610,7 @@ def test_quantized_drafts_follow_the_target_distribution(quant_target, name):
     idx, _, stats = sample_outputs(rt, Case(drafter, FixedK(2)), N)
     assert_within_bound(idx, exact)
     assert 0 < stats.accepted < stats.drafted
-    if name != "q-prune":  # the head subset is in place: q = 0 outside ids 0 1 2 4 6
+    if name in ("q-prune-head", "q-designed"):  # the head subset is in place: q = 0 outside 0 1 2 4 6
         x = torch.tensor([PROMPT])
         logits = drafter.runtime.forward(drafter.runtime.new_state(1, 8), x, torch.arange(5)[None]).logits
         assert torch.isinf(logits[..., [3, 5, 7]]).all()

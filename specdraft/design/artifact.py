@@ -63,6 +63,7 @@ from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 from specdraft.dtypes import QUANT
 from specdraft.errors import SpecdraftError
 from specdraft.models.llama import LlamaRuntime
+from specdraft.models.quant import QuantRuntime, QuantWeights, quantize_matrix
 from specdraft.models.runtime import compact_runtime
 from specdraft.models.subset_head import SubsetHeadRuntime, draft_weights
 
@@ -408,9 +409,10 @@ def _target_model(target):
     return loaded.model if loaded.model is not None else loaded.transformers_model()
 
 
-def quant_drafter(path: Path, target) -> GatedDrafter:
-    """A token-level (``layers``) designed draft beside a quantized target (``--draft-dtype q``):
-    its matrices as Q8_0 blocks made at load, the target GGUF's embedding rows and head rows
+def quant_drafter(path: Path, target):
+    """A token-level (``layers``) or ``feature`` designed draft beside a quantized target
+    (``--draft-dtype q``): its matrices (a feature draft's input projection included) as Q8_0
+    blocks made at load, the target GGUF's embedding rows and head rows
     (:meth:`specdraft.models.quant.QuantWeights.from_llama`); no transformers model is built.
 
     Raises:
@@ -419,12 +421,10 @@ def quant_drafter(path: Path, target) -> GatedDrafter:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    from specdraft.models.quant import QuantRuntime, QuantWeights
-
     meta = read_meta(path)
-    if meta.kind != "layers":
+    if meta.kind not in ("layers", "feature"):
         raise SpecdraftError(
-            f"--draft-dtype q runs token-level designed drafts, not {meta.kind} ones: use bf16"
+            f"--draft-dtype q runs token-level and feature designed drafts, not {meta.kind} ones: use bf16"
         )
     check_compatible(meta, target.runtime.w, str(path))
     try:
@@ -439,6 +439,9 @@ def quant_drafter(path: Path, target) -> GatedDrafter:
     rt = QuantRuntime(QuantWeights.from_llama(state, config, target.runtime.w, head), target.runtime.variant)
     if head is not None:
         rt = SubsetHeadRuntime(rt, head, meta.vocab_size)
+    if meta.kind == "feature":
+        extra = {k: t for k, t in state.items() if not k.startswith("model.")}
+        return _feature_drafter(meta, extra, rt, target.runtime.w, path)
     return GatedDrafter(rt, f"designed:{path.name}", target_runtime=target.runtime)
 
 
@@ -450,8 +453,12 @@ def _feature_drafter(meta: DraftMeta, extra: dict, rt, w, path: Path):
     if lacking:
         raise SpecdraftError(f"{meta.kind} draft {path} lacks {lacking[0]}: corrupted")
     fc, name = extra["fc.weight"], f"designed:{path.name}"
-    if meta.kind == "feature":  # its fc runs as the layers' matmuls do: bf16 weights stay bf16
-        fc = fc.to(w.dtype if w.dtype.is_floating_point else w.compute_dtype)
+    if meta.kind == "feature":  # its fc runs as the layers' matmuls do: bf16 weights stay bf16, and
+        # beside a quantized target (w: its QuantWeights) it is Q8_0 blocks as the layers are
+        if isinstance(w, QuantWeights):
+            fc = quantize_matrix(fc).repacked()
+        else:
+            fc = fc.to(w.dtype if w.dtype.is_floating_point else w.compute_dtype)
         return FeatureDrafter(rt, fc, w.embed, name, prompt_pairs=meta.arch.get("prompt_pairs", 0))
     fc = fc.to(w.compute_dtype)  # ctc and dream run theirs in torch, on the activations' dtype
     if meta.kind == "ctc":

@@ -216,6 +216,15 @@ def dequantize_rows(w: QuantMatrix, ids: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def embed_rows(embed: QuantMatrix | torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of an embedding table as fp32 ``ids.shape + (C,)``: a GGUF matrix's blocks
+    de-quantized, or a float table's own rows (a feature draft hands its runtime the inputs it should
+    read as the table: :class:`specdraft.drafters.feature_base.FeatureDrafterBase`)."""
+    if isinstance(embed, QuantMatrix):
+        return dequantize_rows(embed, ids)
+    return embed[ids].float()
+
+
 def _drop_pages(mm: np.memmap, view: np.ndarray) -> None:
     """Let the kernel drop this process's resident pages of ``view``, a part of the read-only file
     map ``mm`` (``MADV_DONTNEED``: read again from the file if touched), so that a matrix's file
@@ -387,13 +396,14 @@ class QuantWeights:
 
     Attributes:
         path: the GGUF file; ``mm`` its read-only memory map (every matrix is a view of it).
-        embed: ``(V, C)`` token embedding; ``head`` the LM head (the same matrix when tied).
+        embed: ``(V, C)`` token embedding (a float table when a feature draft sets its inputs:
+            :func:`embed_rows`); ``head`` the LM head (the same matrix when tied).
         inv_freq: ``(D/2,)`` RoPE inverse frequencies (llama3-style ``rope_freqs`` applied).
     """
 
     path: Path
     mm: np.ndarray
-    embed: QuantMatrix
+    embed: QuantMatrix | torch.Tensor
     head: QuantMatrix
     norm: torch.Tensor
     layers: list[QuantLayer]
@@ -582,10 +592,11 @@ class QuantWeights:
 
     @property
     def types(self) -> dict[str, int]:
-        """How many matrices of each block type."""
+        """How many matrices of each block type (the embedding's only while it is GGUF blocks)."""
         out: dict[str, int] = {}
         for m in [self.embed, *(getattr(ly, n) for ly in self.layers for n in MATRICES)]:
-            out[QTYPES[m.type]] = out.get(QTYPES[m.type], 0) + 1
+            if isinstance(m, QuantMatrix):
+                out[QTYPES[m.type]] = out.get(QTYPES[m.type], 0) + 1
         return out
 
     @property
@@ -828,7 +839,7 @@ class QuantRuntime:
             raise SpecdraftError(f"cache has {state.batch_size} rows, tokens {B}")
         keep = _ragged_rows(lengths, B, T, attn_mask is not None or logits_index is not None)  # (B, T)
         pos = (positions if keep is None else positions[keep]).to(torch.int64).contiguous()
-        x = dequantize_rows(w.embed, tokens if keep is None else tokens[keep])  # (B, T, C) or (N, C)
+        x = embed_rows(w.embed, tokens if keep is None else tokens[keep])  # (B, T, C) or (N, C)
         off = None if keep is None else torch.cat([torch.zeros(1), lengths.cumsum(0)]).to(torch.int64)
         tree = (
             None

@@ -1,8 +1,8 @@
 """Drafts beside a quantized target run on GGUF blocks too (``--draft-dtype q``, issue 15 item 4):
 a layer-pruned draft is a view of the target's own blocks (no copy, no transformers model, also
-with a head subset), a designed draft's matrices are Q8_0 blocks made at load with the GGUF's
-embedding, a GGUF draft model runs its own blocks; greedy speculative output equals plain decoding
-for each, and bad input gets one clear error."""
+with a head subset), a designed draft's matrices (a feature draft's input projection too) are Q8_0
+blocks made at load with the GGUF's embedding, a GGUF draft model runs its own blocks; greedy
+speculative output equals plain decoding for each, and bad input gets one clear error."""
 
 from __future__ import annotations
 
@@ -17,12 +17,14 @@ from specdraft.bench import harness
 from specdraft.design import artifact
 from specdraft.design.prune import depth_prune, with_head
 from specdraft.design.vocab import VocabSubset
+from specdraft.drafters.feature import FeatureDrafter
 from specdraft.drafters.gated import GatedDrafter
 from specdraft.drafters.model import ModelDrafter
 from specdraft.dtypes import QUANT
 from specdraft.engine import Engine
 from specdraft.errors import SpecdraftError
 from specdraft.models import loading, quant
+from specdraft.models.llama import LlamaRuntime, LlamaWeights
 from specdraft.models.quant import QuantRuntime, QuantWeights, dequantize_rows
 from specdraft.models.subset_head import SubsetHeadRuntime
 from specdraft.policy import FixedK, VerifyCost
@@ -181,6 +183,41 @@ def test_designed_draft_runs_q8_0_blocks_without_the_transformers_model(target, 
     same_as_plain(pipe)
 
 
+def feature_draft(tmp_path, model):
+    """A one-layer feature draft of the tiny target (its layer 1; an input projection reading the
+    token's embedding and a little of the feature), saved as ``specdraft design`` saves one; its
+    directory, transformers layers and projection."""
+    draft = depth_prune(model, [1])
+    C = model.config.hidden_size
+    fc = torch.cat([0.1 * torch.randn(C, C, generator=torch.Generator().manual_seed(0)), torch.eye(C)], 1)
+    meta = artifact.DraftMeta.for_target(model, "tiny-gguf", kind="feature", init_layers=[1])
+    return artifact.save_draft(tmp_path / "f", draft, meta, extra={"fc.weight": fc}), draft, fc
+
+
+def test_a_feature_draft_runs_q8_0_blocks_beside_the_quantized_target(target, tmp_path):
+    """``--draft-dtype auto`` (q) runs a feature draft's layer and input projection as Q8_0 blocks
+    over the GGUF's embedding, without the transformers model: it computes what the same draft
+    computes densely, and greedy speculative output equals plain decoding."""
+    path, model = target
+    d, draft, fc = feature_draft(tmp_path, model)
+    pipe = api.load(str(path), f"designed:{d}", threads=1)
+    drafter = pipe.drafter
+    assert isinstance(drafter, FeatureDrafter) and pipe.target.model is None
+    assert isinstance(drafter.fc, quant.QuantMatrix) and harness.runtime_precision(drafter.runtime) == "q8_0"
+    V, C = pipe.runtime.w.embed.rows, pipe.runtime.w.embed.cols
+    embed = dequantize_rows(pipe.runtime.w.embed, torch.arange(V))
+    dense = FeatureDrafter(LlamaRuntime(LlamaWeights.from_hf(draft, torch.float32)), fc, embed, "dense")
+    feats = torch.randn(1, 4, C, generator=torch.Generator().manual_seed(1))
+    tokens = torch.tensor([[5, 6, 7, 8]])
+    got, want = drafter.inputs(feats, tokens), dense.inputs(feats, tokens)
+    assert (got - want).abs().max() / want.abs().max() < 0.02
+    pos = torch.arange(4)[None]
+    got = drafter._forward(drafter.new_state(1, 8), want, pos)[0]
+    want = dense._forward(dense.new_state(1, 8), want, pos)[0]
+    assert (got - want).abs().max() / want.abs().max() < 0.05
+    same_as_plain(pipe)
+
+
 def test_the_quantized_embeddings_fingerprint_is_the_designed_drafts(target):
     path, model = target
     w = QuantWeights.from_gguf(path)
@@ -197,8 +234,11 @@ def test_a_designed_draft_for_another_target_or_kind_is_refused(target, tmp_path
     (d / artifact.META_FILE).write_text(json.dumps({**meta, "embed_fingerprint": [1.0] * 10}))
     with pytest.raises(SpecdraftError, match="embedding differs"):
         api.load(str(path), f"designed:{d}", threads=1, draft_dtype="q")
-    (d / artifact.META_FILE).write_text(json.dumps({**meta, "kind": "feature"}))
-    with pytest.raises(SpecdraftError, match="token-level designed drafts"):
+    (d / artifact.META_FILE).write_text(json.dumps({**meta, "kind": "dream"}))
+    with pytest.raises(SpecdraftError, match="token-level and feature designed drafts, not dream"):
+        api.load(str(path), f"designed:{d}", threads=1, draft_dtype="q")
+    (d / artifact.META_FILE).write_text(json.dumps({**meta, "kind": "feature"}))  # no input projection
+    with pytest.raises(SpecdraftError, match="lacks fc.weight"):
         api.load(str(path), f"designed:{d}", threads=1, draft_dtype="q")
 
 
@@ -255,11 +295,10 @@ def test_engine_with_a_quantized_view_draft_matches_plain_on_every_variant(targe
         rt.w.with_layers([0, 2])
 
 
-def test_auto_runs_token_level_designed_drafts_on_q8_0_blocks_and_keeps_bf16_for_feature_ones(
-    target, tmp_path
-):
+def test_auto_runs_token_level_designed_drafts_on_q8_0_blocks_and_keeps_bf16_for_dream_ones(target, tmp_path):
     """``--draft-dtype auto`` beside a quantized target: a token-level designed draft (and a tree of
-    it) runs on GGUF blocks; a feature draft, which has no quantized path, keeps the dense auto."""
+    it) and a feature draft run on GGUF blocks; a DREAM draft, which has no quantized path, keeps the
+    dense auto."""
     path, model = target
     d, _ = designed_draft(tmp_path, model, None)
     rt = QuantRuntime(path)
@@ -269,4 +308,6 @@ def test_auto_runs_token_level_designed_drafts_on_q8_0_blocks_and_keeps_bf16_for
     assert harness.runtime_precision(pipe.drafter.runtime) == "q8_0" and pipe.target.model is None
     meta = json.loads((d / artifact.META_FILE).read_text())
     (d / artifact.META_FILE).write_text(json.dumps({**meta, "kind": "feature"}))
+    assert api.draft_precision("auto", rt, f"designed:{d}") == QUANT
+    (d / artifact.META_FILE).write_text(json.dumps({**meta, "kind": "dream"}))
     assert api.draft_precision("auto", rt, f"designed:{d}") == api.resolve_dtype("auto", draft=True)
