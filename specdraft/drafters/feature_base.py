@@ -97,18 +97,18 @@ class RealPairs:
 
     Attributes:
         have: ``(B,)`` rows with pairs to feed (the others propose nothing).
-        count: ``(B,)`` real pairs per row (1 for rows without: a padding pair).
+        last: ``(B, 1)`` each row's last real pair's column (0 for rows without: a padding pair).
         positions: ``(B, P)`` their positions ``fed .. L - 2``, padding continuing after.
-        valid: ``(B, P)`` which columns are real pairs.
+        tokens: ``(B, P)`` each pair's token, the one at position p + 1.
         feats: ``(B, P, C)`` the target's final hidden state at each (zeros at padding).
         memory: ``(B, P, M, C)`` the target's :attr:`~FeatureDrafterBase.layers` at each (None
             without layers).
     """
 
     have: torch.Tensor
-    count: torch.Tensor
+    last: torch.Tensor
     positions: torch.Tensor
-    valid: torch.Tensor
+    tokens: torch.Tensor
     feats: torch.Tensor
     memory: torch.Tensor | None
 
@@ -234,47 +234,53 @@ class FeatureDrafterBase:
     def _real_pairs(self, state: FeatureDraftState, ctx: DraftContext) -> RealPairs | None:
         """The pairs the draft's cache lacks: positions ``state.fed .. L - 2`` (from ``prompt_pairs``
         before the row's last prompt position at its first proposal), however many steps ran since
-        (the last ``max_lag`` of them after a longer stretch: its context starts over there);
-        None when the engine keeps none of the target layers this drafter reads."""
+        (the last ``max_lag`` of them after a longer stretch: its context starts over there), marked
+        fed; None when the engine keeps none of the target layers this drafter reads, or no row has a
+        pair to feed. Per-row arithmetic in Python lists, a few tensors built at the end: this runs
+        at every proposal, right after a forward (``results/step-overhead-2026-12-05``)."""
         kept = ctx.features
         if kept is None or not all(i in kept.hidden for i in self.hidden_layers):
             return None
-        L, new = ctx.lengths, state.fed < 0
-        first = (kept.answer - self.prompt_pairs).clamp(min=0)
-        far = ~new & (L - 1 - state.fed > self.max_lag)  # the context starts over (max_lag)
-        first = torch.where(far, L - 1 - self.max_lag, first)
-        state.start = torch.where(new | far, first, state.start)
-        state.fed = torch.where(new | far, first, state.fed)
-        count = L - 1 - state.fed  # (B,)
-        have = count > 0
-        count = torch.where(have, count, torch.ones_like(count))
-        j = torch.arange(int(count.max()))
-        valid = j < count.unsqueeze(1)  # (B, P)
-        top = min(kept.hidden[-1].shape[1], state.kv.capacity) - 1  # padding stays inside the cache
-        positions = (state.fed.unsqueeze(1) + j).clamp(max=top)  # (B, P)
+        lengths, fed, start = ctx.lengths.tolist(), state.fed.tolist(), state.start.tolist()
+        for b, (L, f, answer) in enumerate(zip(lengths, fed, kept.answer.tolist())):
+            if f < 0 or L - 1 - f > self.max_lag:  # a first proposal, or the context starts over
+                start[b] = fed[b] = L - 1 - self.max_lag if f >= 0 else max(answer - self.prompt_pairs, 0)
+        count = [L - 1 - f for L, f in zip(lengths, fed)]
+        if max(count) <= 0:
+            state.fed, state.start = torch.tensor(fed), torch.tensor(start)
+            return None
+        P, top = max(count), min(kept.hidden[-1].shape[1], state.kv.capacity) - 1  # padding stays inside
+        positions = [[min(f + j, top) for j in range(P)] for f in fed]
+        cols = ctx.tokens.shape[1] - 1
+        tokens = ctx.tokens.gather(1, torch.tensor([[min(p + 1, cols) for p in row] for row in positions]))
+        state.start = torch.tensor(start)
+        state.fed = torch.tensor([L - 1 if c > 0 else f for L, f, c in zip(lengths, fed, count)])
+        where = torch.tensor(positions).unsqueeze(-1)  # (B, P, 1)
+        n = [max(c, 1) for c in count]  # a row without pairs feeds one padding pair
+        valid = None if min(n) == P else torch.tensor([[j < c for j in range(P)] for c in n])
 
         def at(i: int) -> torch.Tensor:  # (B, P, C) layer i at the pairs' positions, zeros at padding
             h = kept.hidden[i]
-            return h.gather(1, positions.unsqueeze(-1).expand(-1, -1, h.shape[2])) * valid.unsqueeze(-1)
+            h = h.gather(1, where.expand(-1, -1, h.shape[2]))
+            return h if valid is None else h * valid.unsqueeze(-1)
 
         memory = torch.stack([at(i) for i in self.layers], 2) if self.layers else None
-        return RealPairs(have, count, positions, valid, at(-1), memory)
+        last = torch.tensor([[c - 1] for c in n])
+        have = torch.tensor([c > 0 for c in count])
+        return RealPairs(have, last, where.squeeze(-1), tokens, at(-1), memory)
 
     def start(self, state: FeatureDraftState, ctx: DraftContext) -> Start | None:
         """Feed the pairs not fed yet (:meth:`_real_pairs`) in one forward: where drafting continues
-        (None when no row has features yet)."""
+        (None when no row has a pair to feed)."""
         pairs = self._real_pairs(state, ctx)
-        if pairs is None or not bool(pairs.have.any()):
+        if pairs is None:
             return None
         B, L = ctx.lengths.shape[0], ctx.lengths
-        tok = ctx.tokens.gather(1, (pairs.positions + 1).clamp(max=ctx.tokens.shape[1] - 1))  # p + 1
-        last = (pairs.count - 1).unsqueeze(1)  # (B, 1) the last real pair
-        x = self.inputs(pairs.feats, tok, pairs.memory)
-        logits, f = self._forward(state, x, pairs.positions, last)
-        state.fed = torch.where(pairs.have, L - 1, state.fed)
+        x = self.inputs(pairs.feats, pairs.tokens, pairs.memory)
+        logits, f = self._forward(state, x, pairs.positions, pairs.last)
         memory = pairs.memory
         if memory is not None:  # drafted pairs read the last real pair's target layers
-            memory = memory.gather(1, last.view(B, 1, 1, 1).expand(-1, 1, *memory.shape[2:]))
+            memory = memory.gather(1, pairs.last.view(B, 1, 1, 1).expand(-1, 1, *memory.shape[2:]))
         W = self.local.window if self.local is not None else 1
         recent = ctx.tokens.gather(1, (L.unsqueeze(1) - W + torch.arange(W)).clamp(min=0))  # (B, W)
         if self.local is not None:

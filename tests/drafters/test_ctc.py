@@ -208,7 +208,7 @@ def test_tree_decoding_is_lossless_and_the_next_pairs_follow_the_accepted_path(t
             full = tiny_pipe.runtime.forward(
                 st, tokens[b : b + 1, :L], torch.arange(L).unsqueeze(0), hidden_layers=(-1,)
             )
-            n = int(pairs.count[b])
+            n = int(pairs.last[b, 0]) + 1
             want = full.hidden[-1][0, pairs.positions[b, :n]]
             assert torch.allclose(feats[b, :n], want, atol=1e-4)
             checked += n
