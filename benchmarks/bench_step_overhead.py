@@ -1,8 +1,9 @@
 """Where a decode step's time goes: the target's forward, drafting, and the rest (the engine's
-bookkeeping, the policy, verification), plain decoding against a drafter with ``k = auto``.
+bookkeeping, the policy, verification), plain decoding against a drafter with ``k = auto`` (or other
+``--policies``, at one or more ``--draft-dtypes``).
 
 Each method decodes the same Spec-Bench first turns (greedy, ``--batch`` rows at a time) for
-``--rounds`` rounds, each batch by both methods in a rotating order
+``--rounds`` rounds, each batch by every method in a rotating order
 (:func:`specdraft.bench.harness.interleave`: a shared machine's slow minutes hit both alike), one
 policy per method for the whole run. Per step: the target's forward (``SpecStats.target_time``), the
 drafter's proposals (``draft_time``) and the rest of the decode's wall time. The rest is Python
@@ -35,7 +36,7 @@ from specdraft import api
 from specdraft.bench import harness, profile
 from specdraft.bench.prompts import fit_context, load_prompts
 from specdraft.drafters.adversarial import WrongRows
-from specdraft.policy import CostAwareK
+from specdraft.policy import make_policy
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,6 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--limit", type=int, default=1, help="prompts per Spec-Bench category")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--policies", default="auto", help="','-separated k policies: auto, or a fixed k")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--attack", action="store_true", help="spoil every row's drafts (WrongRows)")
     ap.add_argument("--cold", action="store_true", help="small tensor operations after a forward, then warm")
@@ -127,8 +129,8 @@ def main(argv=None) -> int:
 
 
 def speculative(args, pipe, prompts: list[list[int]]) -> list[harness.Method]:
-    """A ``k = auto`` method per ``--draft-dtypes`` entry (``auto``: the loaded pipeline's drafter;
-    another precision: the same draft built at it, named ``auto@PRECISION``)."""
+    """A method per ``--policies`` entry and ``--draft-dtypes`` entry (``auto``: the loaded pipeline's
+    drafter; another precision: the same draft built at it), named ``POLICY`` or ``POLICY@PRECISION``."""
     out = []
     for name in args.draft_dtypes.split(","):
         drafter = pipe.drafter
@@ -136,8 +138,10 @@ def speculative(args, pipe, prompts: list[list[int]]) -> list[harness.Method]:
             drafter = api.make_drafter(args.draft, pipe.target, pipe.runtime, name)
         if args.attack:
             drafter = WrongRows(drafter, prompts, pipe.runtime.vocab_size)
-        label = "auto" if name == "auto" else f"auto@{name}"
-        out.append(harness.engine_method(label, pipe.runtime, drafter, CostAwareK(), eos_ids=pipe.eos_ids))
+        for k in args.policies.split(","):
+            label = k if name == "auto" else f"{k}@{name}"
+            policy = make_policy(k)
+            out.append(harness.engine_method(label, pipe.runtime, drafter, policy, eos_ids=pipe.eos_ids))
     return out
 
 

@@ -2,7 +2,7 @@
 # The feature draft F beside the quantized target on Q8_0 blocks (--draft-dtype q, now what auto picks)
 # against bf16, plain decoding beside both, k = auto, batches interleaved by method
 # (benchmarks/bench_step_overhead.py --draft-dtypes q,bf16).
-# usage: results/feature-q8-2026-12-05/run.sh [b1|b1-attack|b8] [tag]
+# usage: results/feature-q8-2026-12-05/run.sh [b1|b1-k1|b1-attack|b8] [tag]
 set -u
 OUT=$(cd "$(dirname "$0")" && pwd)
 cd "$OUT/../.."
@@ -10,9 +10,10 @@ cd "$OUT/../.."
 name=${1:-b1}
 case "$name" in
   b1) args="--batch 1 --limit 1 --rounds 2" ;;
+  b1-k1) args="--batch 1 --limit 1 --rounds 2 --policies auto,1" ;;  # k = auto and k = 1
   b1-attack) args="--batch 1 --limit 1 --rounds 2 --attack" ;;
   b8) args="--batch 8 --limit 2 --rounds 1" ;;
-  *) echo "usage: $0 [b1|b1-attack|b8] [tag]" >&2; exit 2 ;;
+  *) echo "usage: $0 [b1|b1-k1|b1-attack|b8] [tag]" >&2; exit 2 ;;
 esac
 log="$OUT/$name-$(git rev-parse --short HEAD)${2:-}"
 step "$log.txt" .venv/bin/python benchmarks/bench_step_overhead.py --draft designed:smollm2-135m-feature-4k-second \
