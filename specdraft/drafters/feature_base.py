@@ -34,7 +34,8 @@ The draft's context starts ``prompt_pairs`` pairs before the last prompt positio
 the prefill's features): 0 for a draft trained on the answer's pairs only, more for one trained to
 read the prompt too (it can copy from it, as EAGLE does). Rows without features yet propose nothing.
 After a stretch of more than ``max_lag`` steps without drafts, a row's context starts over at its
-last ``max_lag`` pairs instead of feeding them all (:attr:`FeatureDrafterBase.max_lag`).
+last ``max_lag`` pairs instead of feeding them all (:attr:`FeatureDrafterBase.max_lag`); so does a row
+whose first proposal comes that late (it feeds its ``prompt_pairs`` when they are more).
 Wrong or missing features can only cost acceptance: verification is unchanged, so every drafter
 built on this base is lossless.
 """
@@ -58,6 +59,8 @@ class FeatureDraftState(DraftState):
             has not proposed yet); pairs ``start .. fed - 1`` are in it.
         start: ``(B,)`` first position of the draft's context (the row's first with target
             features); cache slots before it are masked (-1: no context yet).
+        answer: each row's last prompt position as :meth:`lag` first saw it (at the row's first
+            step its length is its prompt's); -1 before.
     """
 
     def __init__(self, runtime, batch_size: int, capacity: int, prompt_pairs: int = 0, max_lag: int = 16):
@@ -66,28 +69,41 @@ class FeatureDraftState(DraftState):
         self.kv = runtime.new_state(batch_size, capacity)
         self.fed = torch.full((batch_size,), -1, dtype=torch.int64)
         self.start = torch.full((batch_size,), -1, dtype=torch.int64)
+        self.answer = [-1] * batch_size
 
     def select_rows(self, rows: torch.Tensor) -> None:
         super().select_rows(rows)
         self.kv.select_rows(rows)
         self.fed, self.start = self.fed[rows], self.start[rows]
+        self.answer = [self.answer[r] for r in rows.tolist()]
 
     def append(self, other: FeatureDraftState) -> None:
         super().append(other)
         self.kv.append(other.kv)
         self.fed = torch.cat([self.fed, other.fed])
         self.start = torch.cat([self.start, other.start])
+        self.answer = self.answer + other.answer
+
+    @property
+    def first_bound(self) -> int:
+        """The most pairs a row's first proposal feeds: its ``prompt_pairs``, or ``max_lag`` answer
+        pairs when its first proposal comes after a longer stretch without drafts."""
+        return max(self.max_lag, self.prompt_pairs)
 
     def lag(self, lengths: torch.Tensor) -> torch.Tensor:
         """Pairs ``fed .. L - 2`` not fed yet, at most ``max_lag`` (the context starts over beyond);
-        a row that has not proposed counts the prompt pairs it will read (``prompt_pairs``, at most
-        ``L - 1``; the few answer pairs before it are left out)."""
+        a row that has not proposed counts the pairs its first proposal will feed, from
+        ``prompt_pairs`` before its last prompt position on, at most :attr:`first_bound`."""
         # lists, not tensor operations: the engine asks at every step, right after a forward
         # (results/step-overhead-2026-12-05)
-        lag = [
-            min(L - 1 - f, self.max_lag) if f >= 0 else min(L - 1, self.prompt_pairs)
-            for L, f in zip(lengths.tolist(), self.fed.tolist())
-        ]
+        lag = []
+        for b, (L, f) in enumerate(zip(lengths.tolist(), self.fed.tolist())):
+            if f >= 0:
+                lag.append(min(L - 1 - f, self.max_lag))
+                continue
+            if self.answer[b] < 0:  # the row's first step
+                self.answer[b] = L - 1
+            lag.append(min(L - 1 - max(self.answer[b] - self.prompt_pairs, 0), self.first_bound))
         return torch.tensor(lag, dtype=torch.int64)
 
 
@@ -150,7 +166,8 @@ class FeatureDrafterBase:
         prompt_pairs: prompt pairs read before the last prompt position (module docstring).
 
     Attributes:
-        max_lag: the most pairs a row that has proposed before feeds at once. After a longer
+        max_lag: the most pairs a row feeds at once (a first proposal: its ``prompt_pairs`` when
+            they are more: :attr:`FeatureDraftState.first_bound`). After a longer
             stretch of steps without drafts (``--k auto`` at k = 0, a row switched off) its context
             starts over at its last ``max_lag`` pairs: the target's features carry the context,
             and the draft's attention over its older pairs adds little. A catch-up forward over P
@@ -243,8 +260,10 @@ class FeatureDrafterBase:
             return None
         lengths, fed, start = ctx.lengths.tolist(), state.fed.tolist(), state.start.tolist()
         for b, (L, f, answer) in enumerate(zip(lengths, fed, kept.answer.tolist())):
-            if f < 0 or L - 1 - f > self.max_lag:  # a first proposal, or the context starts over
-                start[b] = fed[b] = L - 1 - self.max_lag if f >= 0 else max(answer - self.prompt_pairs, 0)
+            if f < 0:  # a first proposal: prompt_pairs before the answer, at most first_bound back
+                start[b] = fed[b] = max(answer - self.prompt_pairs, 0, L - 1 - state.first_bound)
+            elif L - 1 - f > self.max_lag:  # the context starts over
+                start[b] = fed[b] = L - 1 - self.max_lag
         count = [L - 1 - f for L, f in zip(lengths, fed)]
         if max(count) <= 0:
             state.fed, state.start = torch.tensor(fed), torch.tensor(start)

@@ -101,7 +101,9 @@ def fed_at_once(rec: Recording, target, tokens: list[int], start: int, k: int, c
     buf = torch.zeros(1, capacity, dtype=torch.int64)
     buf[0, :L] = torch.tensor(tokens)
     ctx = DraftContext(buf, torch.tensor([L]), [SamplingParams()], [None], features=kept)
-    prop = drafter.propose(drafter.new_state(1, capacity), ctx, k)
+    state = drafter.new_state(1, capacity)
+    state.max_lag = capacity  # every pair from start on, however many
+    prop = drafter.propose(state, ctx, k)
     return _rows(prop, 0), rec.begun.logits[0]
 
 
@@ -172,3 +174,43 @@ def test_after_a_stretch_longer_than_max_lag_the_context_starts_over(name):
     state = rec.new_state(1, 64)
     state.fed[0] = 3
     assert state.lag(torch.tensor([40])).tolist() == [4]
+
+
+class LagPattern(Pattern):
+    """:class:`Pattern`, keeping the catch-up ``lag`` the engine priced at each step that drafts."""
+
+    def __init__(self, k: int, pattern: tuple[int, ...]):
+        super().__init__(k, pattern)
+        self.lags: list[list[int]] = []
+
+    def choose(self, rows=None, lag=None) -> int:
+        k = super().choose(rows, lag)
+        if k:
+            self.lags.append(lag.tolist())
+        return k
+
+
+@pytest.mark.parametrize("name", ["feature", "ctc"])
+def test_a_first_proposal_after_more_than_max_lag_steps_feeds_its_last_max_lag_pairs(name):
+    """A row that first proposes after more than ``max_lag`` (here 4) steps without drafts feeds its
+    last ``max_lag`` pairs, not every answer pair so far, and the catch-up the policy prices
+    (``lag``) says so from the row's first step on: before, it read 0 for a row that had not
+    proposed (a draft reading no prompt pairs), so a late first proposal's catch-up was charged to
+    the draft token (``results/feature-q8-2026-12-05/README.md``)."""
+    target = peaked(seed=10, scale=12.0)
+    case = make_case(name, target)
+    case.drafter.max_lag = 4
+    rec = Recording(case.drafter)
+    prompts = [PROMPT + [i] * (1 + 2 * i) for i in range(2)]
+    policy = LagPattern(case.policy.k_max, (0, 0, 0, 0, 0, 0, 0, 1))  # first drafts at step 8
+    engine = Engine(target, rec, policy, hidden_layers=rec.hidden_layers)
+    assert run(engine, prompts, [30, 26], 1) == run(Engine(target), prompts, [30, 26], 1)
+    assert rec.seen and policy.lags and all(lag == [4, 4] for lag in policy.lags)
+    for tokens, first, k, capacity, prop, logits in rec.seen:
+        assert first == len(tokens) - 1 - 4
+        want, want_logits = fed_at_once(rec, target, tokens, first, k, capacity)
+        assert prop == want
+        assert torch.allclose(logits, want_logits, atol=1e-4)
+    state = rec.new_state(1, 64)
+    assert state.lag(torch.tensor([10])).tolist() == [0]  # its first step: nothing to feed yet
+    assert state.lag(torch.tensor([12])).tolist() == [2] and state.lag(torch.tensor([40])).tolist() == [4]
