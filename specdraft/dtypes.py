@@ -101,7 +101,9 @@ why (:func:`specdraft.api.draft_precision`). Other kinds keep the ``auto`` of
 turn (``results/quant-draft-2026-12-02/quant_draft_t2.txt``, ``benchmarks/bench_quant_draft.py``): draft
 step 1.41 ms on Q8_0 blocks against 1.67 ms in bf16 for ``designed:smollm2-135m-l2``, 1.50 against
 2.37 ms for ``prune:0,1,2,29,head=8192`` (target step 7.14 ms); peak RSS of ``specdraft generate``
-413 against 737 MB and 382 against 1546 MB (``rss_t2.txt``)."""
+413 against 737 MB and 382 against 1546 MB (``rss_t2.txt``). The feature draft F on Q8_0 blocks, k = 1:
+1.018x and 1.044x plain decoding against 0.991x and 1.022x in bf16 (AMD EPYC Zen 2, 2 threads,
+``results/feature-q8-2026-12-05/README.md``)."""
 
 AUTO_KEEPS_BF16: dict[str, str] = {
     "prune": "a layer-pruned draft at --draft-dtype bf16, fp32 or int8 runs the target's own layers "
