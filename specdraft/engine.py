@@ -274,9 +274,9 @@ class Engine:
             out = self._chain_step(prop, k, params, ids)
 
         # 4. commit: truncate at EOS and max_new_tokens, write into the token buffer
-        events, finished, emitted = self._commit(out)
+        events, finished, emitted, spans = self._commit(out)
         if self.drafter is not None and self.hidden_layers:  # k = 0 steps too
-            self._write_features(out.columns, emitted)
+            self._write_features(out.columns, spans)
         if out.proposed > 0:  # the drafter proposed, even if trim() left nothing to verify
             self.drafter.observe(self.draft_state, out.num_accepted, out.verified)
         t3 = time.perf_counter()
@@ -323,31 +323,32 @@ class Engine:
         hits = [firsts[b] == committed[b][0] for b in told]
         self.policy.shadow([ids[b] for b in told], hits)
 
-    def _write_features(self, columns: torch.Tensor | None, emitted: torch.Tensor) -> None:
-        """Keep the target's hidden states at the positions this step committed (a chain's columns
-        ``0 .. emitted - 1``; a tree's accepted path, ``columns (B, T)``) in :attr:`features`, so that
-        a feature drafter's context is exact whatever steps ran since it last proposed."""
+    def _write_features(self, columns: torch.Tensor | None, spans: list[tuple[int, int]]) -> None:
+        """Keep the target's hidden states at the positions this step committed (``spans``: each
+        row's position of column 0 and tokens emitted; a chain's columns ``0 .. emitted - 1``, a
+        tree's accepted path ``columns (B, T)``) in :attr:`features`, so that a feature drafter's
+        context is exact whatever steps ran since it last proposed."""
         hidden = {i: self.target_hidden[i] for i in self.hidden_layers if i in self.target_hidden}
         if not hidden:
             return
         B, S = self.active, self.tokens.shape[1]
-        first = self.lengths - emitted - 1  # (B,) the position of column 0
         if self.features is None:  # every prompt was one token (no prefill): column 0 is its position
+            first = torch.tensor([f for f, _ in spans], dtype=torch.int64)
             self.features = TargetFeatures(
                 {i: h.new_zeros(B, S, h.shape[2]) for i, h in hidden.items()}, first
             )
         if columns is None:  # a chain: row b's columns 0 .. emitted_b - 1 at positions first_b on, a
             # slice copy per row (the gather below costs 4% of a quantized target's step at batch 1),
             # through numpy views where it can (each tensor operation is dear right after a forward)
-            spans = list(enumerate(zip(first.tolist(), emitted.tolist())))
             for i, h in hidden.items():
                 dst, src = self.features.hidden[i], h
                 if dst.dtype == src.dtype == torch.float32:
                     dst, src = dst.numpy(), src.numpy()
-                for b, (f, e) in spans:
+                for b, (f, e) in enumerate(spans):
                     dst[b, f : f + e] = src[b, :e]
             return
         T = columns.shape[1]
+        first, emitted = torch.tensor(spans, dtype=torch.int64).unbind(1)
         committed = torch.arange(T) < emitted.unsqueeze(1)  # (B, T)
         rows = torch.arange(B).unsqueeze(1).expand(B, T)[committed]
         pos = (first.unsqueeze(1) + torch.arange(T))[committed]
@@ -492,9 +493,12 @@ class Engine:
             tokens, n, sources, verified, num_valid, proposed, None, target_time, depth, N + 1, columns
         )
 
-    def _commit(self, out: _Outcome) -> tuple[list[StepEvent], list[int], torch.Tensor]:
+    def _commit(
+        self, out: _Outcome
+    ) -> tuple[list[StepEvent], list[int], torch.Tensor, list[tuple[int, int]]]:
         """Append each row's verified tokens, cut at EOS and max_new_tokens; returns the events, the
-        rows that finished and ``(B,)`` tokens emitted per row. Python lists and one numpy view of
+        rows that finished, ``(B,)`` tokens emitted per row, and per row the position of the step's
+        column 0 (its length before, less one) with the tokens emitted. Python lists and one numpy view of
         the token buffer, not per-row tensor operations: each costs tens of microseconds right after
         a forward has streamed the weights through the caches (results/step-overhead-2026-12-05),
         and this runs at every step."""
@@ -518,10 +522,11 @@ class Engine:
                 finished.append(b)
             if out.verified is not None:
                 out.verified.committed[b] = toks
+        spans = [(L - 1, e) for L, e in zip(lengths, emitted)]
         emitted = torch.tensor(emitted, dtype=torch.int64)
         self.lengths = self.lengths + emitted
         self.generated = self.generated + emitted
-        return events, finished, emitted
+        return events, finished, emitted, spans
 
 
 @dataclass

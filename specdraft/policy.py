@@ -643,12 +643,20 @@ class CostAwareK:
         the last step's), the line of the steps seen at B (:class:`_StepLine`); the table above
         while no plain step at B is seen."""
         B = B or self._batch
+        line = self._ragged_line(B)
+        if line is None:
+            return analytic.LatencyCurve({1: self.t_target})
+        return analytic.LatencyCurve({1: {1: line[0], 2: line[0] + line[1]}})
+
+    def _ragged_line(self, B: int) -> tuple[float, float] | None:
+        """``(t_plain, s B)`` of a ragged step at B rows (:meth:`latency`); None when steps are not
+        ragged or no plain step at B is timed yet."""
         line = self.step_lines.get(B) if self.ragged else None
         if line is None or line.t_plain is None:
-            return analytic.LatencyCurve({1: self.t_target})
+            return None
         s = self.slope(B)
         s = line.t_plain / B if s is None else s  # a plain step's cost per token: never favours drafts
-        return analytic.LatencyCurve({1: {1: line.t_plain, 2: line.t_plain + s * B}})
+        return line.t_plain, s * B
 
     def slope(self, B: int) -> float | None:
         """Seconds per draft token of a ragged step at B rows (:class:`_StepLine`): as measured at
@@ -675,9 +683,16 @@ class CostAwareK:
         return not self.ragged or self.slope(self._batch) is not None
 
     def _step_times(self) -> list[float]:
-        """``T_target(1 .. k_max + 1)`` at the current batch size, cached until the next update."""
+        """``T_target(1 .. k_max + 1)`` at the current batch size, cached until the next update (a
+        ragged step's line written out: what :meth:`latency` reads, without building the curve at
+        every step)."""
         if self._times is None:
-            self._times = self.latency().times(self.k_max + 1)
+            line = self._ragged_line(self._batch)
+            if line is None:
+                self._times = self.latency().times(self.k_max + 1)
+            else:
+                t, per = line
+                self._times = [max(t + per * n, analytic.MIN_SECONDS) for n in range(self.k_max + 1)]
         return self._times
 
     def _curve(self, bucket: int | None) -> _Curve:
