@@ -200,10 +200,20 @@ class _StepLine:
     batch: ``t_plain`` the running average of plain steps, s the median of ``(T - t_plain) / x`` over
     the last speculative steps (``latency_window`` of them, kept however many plain steps follow:
     one slow step, which a shared machine has, cannot make drafts look dear at B for the rest of
-    a run, when their dearness stops them being timed again). :meth:`CostAwareK.slope` reads s."""
+    a run, when their dearness stops them being timed again). :meth:`CostAwareK.slope` reads s.
+
+    A draft token's cost is not one s: it grows with x (the quantized target at batch 1, 2 threads:
+    0.79 ms for the first draft token, 1.33 and 1.84 ms for the next two,
+    ``results/feature-q8-2026-12-05/latency-0b2ca67.txt``), so a line through steps of 2 draft tokens
+    read a 1-token step as dear as half of one of them, and the policy cut 1-token drafts that pay
+    (prompt lookup at batch 1: k = auto 1.08x plain decoding, k = 1 1.13x,
+    ``results/feature-q8-2026-12-05/lookup-k-0b2ca67.txt``). So steps of x draft tokens keep their own
+    samples too (``by_x``, the last ``latency_window`` of each x); an x with a majority of them
+    (a median one slow step cannot move) is read from its own (:meth:`CostAwareK.latency`)."""
 
     t_plain: float | None = None
     per_token: list[float] = field(default_factory=list)
+    by_x: dict[int, list[float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -643,31 +653,39 @@ class CostAwareK:
         the last step's), the line of the steps seen at B (:class:`_StepLine`); the table above
         while no plain step at B is seen."""
         B = B or self._batch
-        line = self._ragged_line(B)
-        if line is None:
-            return analytic.LatencyCurve({1: self.t_target})
-        return analytic.LatencyCurve({1: {1: line[0], 2: line[0] + line[1]}})
+        points = self._ragged_points(B)
+        return analytic.LatencyCurve({1: self.t_target if points is None else points})
 
-    def _ragged_line(self, B: int) -> tuple[float, float] | None:
-        """``(t_plain, s B)`` of a ragged step at B rows (:meth:`latency`); None when steps are not
-        ragged or no plain step at B is timed yet."""
+    def _ragged_points(self, B: int) -> dict[float, float] | None:
+        """A ragged step's time at B rows by tokens per row n = 1 + x / B (:meth:`latency`): through
+        ``t_plain`` and, for each x that has its own cost (:class:`_StepLine`), ``t_plain`` plus it;
+        the line of :meth:`slope` while none has. None when steps are not ragged or no plain step at
+        B is timed yet."""
         line = self.step_lines.get(B) if self.ragged else None
         if line is None or line.t_plain is None:
             return None
+        t, nearest = line.t_plain, self._nearest_line(B)
+        need = self.latency_window // 2 + 1
+        own = {} if nearest is None else {x: v for x, v in nearest.by_x.items() if len(v) >= need}
+        if own:
+            return {1: t, **{1 + x / B: t + max(statistics.median(v), 0.0) * x for x, v in own.items()}}
         s = self.slope(B)
-        s = line.t_plain / B if s is None else s  # a plain step's cost per token: never favours drafts
-        return line.t_plain, s * B
+        s = t / B if s is None else s  # a plain step's cost per token: never favours drafts
+        return {1: t, 2: t + s * B}
+
+    def _nearest_line(self, B: int) -> _StepLine | None:
+        """The line of the batch size nearest B with speculative steps timed (the smaller on a tie:
+        a token's share of the weights' reading is larger there); None before any."""
+        measured = [b for b, line in self.step_lines.items() if line.per_token]
+        return self.step_lines[min(measured, key=lambda b: (abs(b - B), b))] if measured else None
 
     def slope(self, B: int) -> float | None:
-        """Seconds per draft token of a ragged step at B rows (:class:`_StepLine`): as measured at
-        B, else at the nearest batch size where it was (the smaller on a tie: a token's share of
-        the weights' reading is larger there); None before any speculative ragged step. Borrowed
-        because the batch shrinks as rows finish: a new size needs only its plain step timed."""
-        measured = [b for b, line in self.step_lines.items() if line.per_token]
-        if not measured:
-            return None
-        line = self.step_lines[min(measured, key=lambda b: (abs(b - B), b))]
-        return max(statistics.median(line.per_token), 0.0)
+        """Seconds per draft token of a ragged step at B rows (:class:`_StepLine`), all x together:
+        as measured at B, else at the nearest batch size where it was (:meth:`_nearest_line`); None
+        before any speculative ragged step. Borrowed because the batch shrinks as rows finish: a new
+        size needs only its plain step timed."""
+        line = self._nearest_line(B)
+        return None if line is None else max(statistics.median(line.per_token), 0.0)
 
     def _plain_timed(self, B: int | None = None) -> bool:
         """Whether plain steps have been timed (ragged: at B rows, default the batch's size)."""
@@ -685,13 +703,13 @@ class CostAwareK:
     def _step_times(self) -> list[float]:
         """``T_target(1 .. k_max + 1)`` at the current batch size, cached until the next update (a
         ragged step's line written out: what :meth:`latency` reads, without building the curve at
-        every step)."""
+        every step while it is a line)."""
         if self._times is None:
-            line = self._ragged_line(self._batch)
-            if line is None:
+            points = self._ragged_points(self._batch)
+            if points is None or points.keys() != {1, 2}:
                 self._times = self.latency().times(self.k_max + 1)
-            else:
-                t, per = line
+            else:  # a line
+                t, per = points[1], points[2] - points[1]
                 self._times = [max(t + per * n, analytic.MIN_SECONDS) for n in range(self.k_max + 1)]
         return self._times
 
@@ -933,7 +951,9 @@ class CostAwareK:
         if x == 0:
             line.t_plain = self._ema(line.t_plain, seconds)
         elif line.t_plain is not None:
-            line.per_token = [*line.per_token, (seconds - line.t_plain) / x][-self.latency_window :]
+            cost = (seconds - line.t_plain) / x
+            line.per_token = [*line.per_token, cost][-self.latency_window :]
+            line.by_x[x] = [*line.by_x.get(x, []), cost][-self.latency_window :]
 
     def _learn(self, b: int | None, d: int, a: int) -> None:
         """Add one row's proposal of class b (d drafts verified, a accepted) to the class's curve."""

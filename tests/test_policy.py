@@ -1,5 +1,6 @@
 """Draft-length policies: fixed, transformers' heuristic, and the cost-aware choice including k = 0."""
 
+from dataclasses import replace
 from itertools import pairwise, product
 
 import pytest
@@ -376,6 +377,32 @@ def test_ragged_step_time_is_a_line_in_the_draft_tokens_the_batch_fed():
     assert p.latency(4).time(5) == pytest.approx(0.028, rel=1e-4)  # 0.012 + 0.001 * 4 * 4
     p.update(2, t(2, 0, 0, 0), t(1, 0, 0, 0), 0.001, 0.5)  # a step a busy machine made 40 times slower
     assert p.slope(4) == pytest.approx(0.001)  # the median of the last steps' cost per token
+
+
+def test_steps_of_x_draft_tokens_are_read_from_their_own_times_once_they_have_a_majority():
+    """A draft token's cost grows with the draft tokens a step feeds (the quantized target at batch 1:
+    0.79 ms for the first, 1.33 for the second): the line through every step's cost per token read a
+    1-token step as dear as half a 2-token one, and cut 1-token drafts that pay. Steps of x draft
+    tokens are read from their own times once they have a majority of the last ``latency_window``
+    (one slow step cannot move that), the line before."""
+    p = model(k_max=4)
+    p.ragged = True
+    p.update(0, t(0), t(0), 0.0, 0.006)
+    for _ in range(2):
+        p.update(1, t(1), t(0), 1e-5, 0.0065)  # a 1-token step: 0.5 ms beyond a plain one
+        p.update(2, t(2), t(0), 1e-5, 0.008)  # a 2-token step: 2 ms
+    assert p.latency().time(2) == pytest.approx(0.006 + p.slope(1))  # two of five: the line
+    p.update(1, t(1), t(0), 1e-5, 0.0065)
+    p.update(2, t(2), t(0), 1e-5, 0.5)  # a slow step among the 2-token ones
+    p.update(2, t(2), t(0), 1e-5, 0.008)
+    curve = p.latency()
+    assert curve.time(2) == pytest.approx(0.0065) and curve.time(3) == pytest.approx(0.008)
+    assert curve.time(4) == pytest.approx(0.0095)  # beyond: the last segment extended
+    p.curves[None] = replace(p._curve(None), reached=[10.0] * 4, accepted=[1.0, 0.2, 0.0, 0.0])
+    p._times = None
+    assert p._best(None, 1e-5) == 1  # 0.14 of a token for 8% of a step pays
+    line = [0.006 + 0.001 * n for n in range(5)]  # the line at 1 ms a token: 17% of a step
+    assert analytic.best_k_from_rates(p.rates()[:4], 1e-5, line) == 0
 
 
 def test_a_batch_times_its_first_draft_tokens_before_it_cuts_any():
