@@ -202,8 +202,8 @@ class _StepLine:
     one slow step, which a shared machine has, cannot make drafts look dear at B for the rest of
     a run, when their dearness stops them being timed again). :meth:`CostAwareK.slope` reads s.
 
-    A draft token's cost is not one s: it grows with x (the quantized target at batch 1, 2 threads:
-    0.79 ms for the first draft token, 1.33 and 1.84 ms for the next two,
+    A draft token's cost is not one s: it grows with x (the quantized target's forward at batch 1, 2
+    threads: 6.07 ms over 1 token, 6.86, 8.19 and 10.03 ms over 2, 3 and 4,
     ``results/feature-q8-2026-12-05/latency-0b2ca67.txt``), so a line through steps of 2 draft tokens
     read a 1-token step as dear as half of one of them, and the policy cut 1-token drafts that pay
     (prompt lookup at batch 1: k = auto 1.08x plain decoding, k = 1 1.13x,

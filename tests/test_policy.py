@@ -381,8 +381,8 @@ def test_ragged_step_time_is_a_line_in_the_draft_tokens_the_batch_fed():
 
 def test_steps_of_x_draft_tokens_are_read_from_their_own_times_once_they_have_a_majority():
     """A draft token's cost grows with the draft tokens a step feeds (the quantized target at batch 1:
-    0.79 ms for the first, 1.33 for the second): the line through every step's cost per token read a
-    1-token step as dear as half a 2-token one, and cut 1-token drafts that pay. Steps of x draft
+    ``results/feature-q8-2026-12-05/latency-0b2ca67.txt``): the line through every step's cost per
+    token read a 1-token step as dear as half a 2-token one, and cut 1-token drafts that pay. Steps of x draft
     tokens are read from their own times once they have a majority of the last ``latency_window``
     (one slow step cannot move that), the line before."""
     p = model(k_max=4)
