@@ -650,8 +650,9 @@ class CostAwareK:
         while only one n is measured (optimistic until the next size is measured).
 
         Ragged steps: ``T(n) = t_plain + s B (n - 1)`` at n mean tokens per row over B rows (default:
-        the last step's), the line of the steps seen at B (:class:`_StepLine`); the table above
-        while no plain step at B is seen."""
+        the last step's), the line of the steps seen at B (:class:`_StepLine`), or once some counts
+        x of draft tokens have costs of their own, the curve through them at n = 1 + x / B
+        (:meth:`_ragged_points`); the table above while no plain step at B is seen."""
         B = B or self._batch
         points = self._ragged_points(B)
         return analytic.LatencyCurve({1: self.t_target if points is None else points})
