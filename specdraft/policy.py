@@ -702,16 +702,9 @@ class CostAwareK:
         return not self.ragged or self.slope(self._batch) is not None
 
     def _step_times(self) -> list[float]:
-        """``T_target(1 .. k_max + 1)`` at the current batch size, cached until the next update (a
-        ragged step's line written out: what :meth:`latency` reads, without building the curve at
-        every step while it is a line)."""
+        """``T_target(1 .. k_max + 1)`` at the current batch size, cached until the next update."""
         if self._times is None:
-            points = self._ragged_points(self._batch)
-            if points is None or points.keys() != {1, 2}:
-                self._times = self.latency().times(self.k_max + 1)
-            else:  # a line
-                t, per = points[1], points[2] - points[1]
-                self._times = [max(t + per * n, analytic.MIN_SECONDS) for n in range(self.k_max + 1)]
+            self._times = self.latency().times(self.k_max + 1)
         return self._times
 
     def _curve(self, bucket: int | None) -> _Curve:
