@@ -261,8 +261,12 @@ class Engine:
             ctx = DraftContext(
                 self.tokens, self.lengths, params, self.generators, self.target_hidden, self.kv, self.features
             )
+            if hasattr(self.policy, "hindsight_rows"):
+                ctx.hindsight = self.policy.hindsight_rows(ids)
             prop = self.drafter.propose(self.draft_state, ctx, max(k, 1))
         shadow, prop = prop, (prop if k > 0 else None)  # k = 0: proposed for the off rows only
+        if prop is not None and prop.hindsight is not None:  # before trim(): it may switch rows on
+            self.policy.hindsight(ids, prop.hindsight)
         t1 = time.perf_counter()
 
         # 2. score and 3. verify: a chain [last, d_1..d_k], or a token tree per row

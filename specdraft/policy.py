@@ -306,8 +306,9 @@ class RowWatch:
 class _Row:
     """One request's record: ``reached`` / ``accepted`` decayed counts of its proposals and of
     those whose first token was accepted (the on/off switch), ``proposals`` / ``hits`` the same
-    without decay (detection), ``misses`` its current run of rejected proposals, and its probe
-    schedule while off."""
+    without decay (detection), ``misses`` its current run of rejected proposals, its probe
+    schedule while off, and whether its last step verified no draft token (``idle``:
+    :meth:`CostAwareK.hindsight_rows`)."""
 
     probe_interval: int
     reached: float = 0.0
@@ -318,6 +319,7 @@ class _Row:
     off: bool = False
     since_probe: int = 0
     probing: bool = False
+    idle: bool = False
     pending: list = field(default_factory=list)  # (class, drafted, accepted) not yet taught to the class
 
 
@@ -899,6 +901,10 @@ class CostAwareK:
     ) -> None:
         drafts, accepts = num_drafted.tolist(), num_accepted.tolist()  # lists: this runs at every step
         self._batch = len(accepts) or self._batch
+        if rows is not None and self.watch is not None:
+            for r, d in zip(rows, drafts):
+                if r in self.row_state:
+                    self.row_state[r].idle = k == 0 or d == 0
         if self.rate is not None:
             self.rate.observe(k, sum(accepts) + len(accepts), len(accepts), draft_time + target_time)
         drafted = max(drafts, default=0)
@@ -952,6 +958,11 @@ class CostAwareK:
     def _learn(self, b: int | None, d: int, a: int) -> None:
         """Add one row's proposal of class b (d drafts verified, a accepted) to the class's curve."""
         cur = self._curve(b)
+        self._add(cur, d, a)
+        self._probed(b, cur)
+
+    def _add(self, cur: _Curve, d: int, a: int) -> None:
+        """One proposal (d drafts verified, a accepted) into a curve's decayed counts."""
         cur.rates = None
         for j in range(self.k_max):
             cur.reached[j] *= self.decay
@@ -960,6 +971,10 @@ class CostAwareK:
             # (a fractional count spreads over two positions)
             cur.reached[j] += min(max(a - j + 1, 0.0), 1.0)
             cur.accepted[j] += min(max(a - j, 0.0), 1.0)
+
+    def _probed(self, b: int | None, cur: _Curve) -> None:
+        """A class's probe ends at its first lesson: the interval starts over if it pays now, else
+        doubles."""
         if cur.probing:  # did the probe change the verdict?
             cur.probing = False
             pays = self._best(b, self.t_draft if b is None else 0.0) > 0
@@ -1029,6 +1044,42 @@ class CostAwareK:
                 continue
             self._back_on(row, self._count(row, hit))
             self._detect(r, row)
+
+    def hindsight_rows(self, rows: list[int]) -> list[bool] | None:
+        """Of ``rows`` (request ids, after :meth:`choose`), those whose last step verified no draft
+        token (the policy at k = 0, or the row off): a feature drafter's catch-up at this step
+        runs over positions the target committed by itself and can read back how proposals
+        there would have fared (``Proposal.hindsight``, :meth:`hindsight`). Only those: after a
+        speculative step, the positions a catch-up reads follow accepted drafts, which acceptance
+        (in bursts) favours. None without a row watch."""
+        if self.watch is None:
+            return None
+        state = self.row_state
+        return [r in state and state[r].idle for r in rows]
+
+    def hindsight(self, rows: list[int], outcomes: list[list[bool]]) -> None:
+        """First-token outcomes a drafter read back at positions committed without a proposal
+        (:meth:`hindsight_rows`; greedy rows), told before :meth:`trim`. A row that is off takes
+        them as :meth:`shadow` outcomes (they may switch it back on; they count toward detection),
+        one that is on as proposals of its own (:meth:`_observe_row`: the drafter's average, the
+        switch, detection), and a drafter without classes learns them at its curve's first
+        position: a probe after a stretch at k = 0 teaches what ``max_lag`` proposals there would
+        have, where it taught one (a feature draft F near its break-even stayed at k = 0 for most
+        of a run on an estimate of about ten decayed proposals, results/feature-q8-2026-12-05/)."""
+        for r, hits in zip(rows, outcomes):
+            row = self.row_state.get(r) if self.watch is not None else None
+            if row is None or not row.idle or not hits:
+                continue
+            cur, learned = (None if self.classes else self._curve(None)), False
+            for hit in hits:
+                if row.off:
+                    self._back_on(row, self._count(row, hit))
+                    self._detect(r, row)
+                elif self._observe_row(r, hit) and row.hits > 0 and cur is not None:
+                    self._add(cur, 1, int(hit))
+                    learned = True
+            if learned:
+                self._probed(None, cur)
 
     def _rare_run(self, misses: int) -> bool:
         """Whether a run of ``misses`` rejected proposals is rare for a row of this drafter
@@ -1132,6 +1183,13 @@ class CappedPolicy:
     def shadow(self, rows: list[int], hits: list[bool]) -> None:
         if hasattr(self.inner, "shadow"):
             self.inner.shadow(rows, hits)
+
+    def hindsight_rows(self, rows: list[int]) -> list[bool] | None:
+        return self.inner.hindsight_rows(rows) if hasattr(self.inner, "hindsight_rows") else None
+
+    def hindsight(self, rows: list[int], outcomes: list[list[bool]]) -> None:
+        if hasattr(self.inner, "hindsight"):
+            self.inner.hindsight(rows, outcomes)
 
     def __repr__(self) -> str:
         return f"CappedPolicy({self.inner!r})"

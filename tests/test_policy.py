@@ -8,7 +8,7 @@ import torch
 
 from specdraft import analytic
 from specdraft.errors import SpecdraftError
-from specdraft.policy import CostAwareK, FixedK, HeuristicK, make_policy
+from specdraft.policy import CostAwareK, FixedK, HeuristicK, RowWatch, make_policy
 
 
 def t(*xs):
@@ -218,6 +218,34 @@ def test_a_probe_waits_its_cost_in_plain_steps_times_the_interval():
     # what such a probe costs beyond two plain steps takes at most 1 / probe_max of the steps
     p.probe_max = 64
     assert probe_gaps(p, 301, 500, 0.003)[:2] == [141, 141]  # 64 (3.2 - 1) plain steps
+
+
+def test_a_probe_after_a_stretch_at_zero_learns_the_stretch_in_hindsight():
+    """A class at k = 0 after a run of rejections learns, at its next probe, the outcomes a feature
+    drafter reads back over the stretch (:meth:`CostAwareK.hindsight`: what proposals there would
+    have got): a stretch where they would have been accepted brings speculation back at the next
+    step, where the probe's own outcome alone leaves the class at 0. Only rows whose last step
+    verified nothing are asked for them, and only those rows' outcomes are taken."""
+
+    def at_probe(read: bool) -> int:
+        p = model(k_max=4, probe_every=4, probe_max=4, watch=RowWatch(floor=0.0))  # the row stays on
+        hit = True  # a hit (the row teaches its class from then on), then rejections: k = 0
+        for _ in range(30):
+            k = p.choose([7])
+            p.update(k, t(k), t(int(hit and k > 0)), k * 0.005, 0.03 + 0.005 * k, rows=[7])
+            hit = hit and k == 0
+        assert p.rates()[0] < 0.2
+        while (k := p.choose([7])) == 0:
+            p.update(0, t(0), t(0), 0.0, 0.03, rows=[7])
+        assert p.hindsight_rows([7, 8]) == [True, False]  # 8: a row the policy has not seen
+        if read:
+            p.hindsight([7], [[True] * 12])
+        p.update(k, t(k), t(0), k * 0.005, 0.03 + 0.005 * k, rows=[7])  # the probe is rejected
+        assert p.hindsight_rows([7]) == [False]  # its last step verified drafts
+        return p.choose([7])
+
+    assert at_probe(read=False) == 0
+    assert at_probe(read=True) > 0
 
 
 def test_make_policy():

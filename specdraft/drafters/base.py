@@ -42,6 +42,10 @@ class Proposal:
             propose), at most k nodes each, hung below the last committed token: the engine then
             verifies every node in one target forward and ``tokens`` may be an empty ``(B, 0)``
             tensor. ``policy.trim`` does not cut trees. None: a chain proposal (``tokens``).
+        hindsight: per row, first-draft-token outcomes read off positions the target committed
+            without a proposal (rows ``DraftContext.hindsight`` asks for; ``[]`` for the others):
+            whether the greedy draft token a proposal there would have made is the token committed
+            (:meth:`specdraft.drafters.feature_base.FeatureDrafterBase.start`). None: not read.
     """
 
     tokens: torch.Tensor
@@ -50,6 +54,7 @@ class Proposal:
     steps: torch.Tensor | None = None
     bucket: torch.Tensor | None = None
     trees: list[TokenTree | None] | None = None
+    hindsight: list[list[bool]] | None = None
 
 
 @dataclass
@@ -106,6 +111,9 @@ class DraftContext:
             drafter that reads them (FlexDraft's sequential mode, :mod:`specdraft.drafters.flex`).
         features: the target's hidden states at every committed position (:class:`TargetFeatures`),
             kept by the engine for drafters that declare ``hidden_layers``; None otherwise.
+        hindsight: ``(B,)`` rows whose first-token outcomes at positions committed without a
+            proposal the policy would read (:meth:`specdraft.policy.CostAwareK.hindsight_rows`);
+            a drafter that can tell them cheaply returns them in ``Proposal.hindsight``. None: none.
     """
 
     tokens: torch.Tensor
@@ -115,6 +123,7 @@ class DraftContext:
     target_hidden: dict | None = None
     target_state: object = None
     features: TargetFeatures | None = None
+    hindsight: list[bool] | None = None
 
     @property
     def all_greedy(self) -> bool:

@@ -49,6 +49,7 @@ import torch
 
 from specdraft.drafters.base import DraftContext, DraftState, Proposal, Verified, take_token
 from specdraft.models.subset_head import SubsetHeadRuntime
+from specdraft.verify import greedy_tokens
 
 
 class FeatureDraftState(DraftState):
@@ -141,6 +142,8 @@ class Start:
         memory: ``(B, 1, M, C)`` the target's :attr:`~FeatureDrafterBase.layers` at the last real
             pair, which drafted pairs read (None without layers).
         recent: ``(B, W)`` the tokens before the first draft token (a local head's window).
+        hindsight: first-token outcomes read back at the real pairs (``Proposal.hindsight``), None
+            when none were asked for.
     """
 
     have: torch.Tensor
@@ -148,6 +151,7 @@ class Start:
     feature: torch.Tensor
     memory: torch.Tensor | None
     recent: torch.Tensor
+    hindsight: list[list[bool]] | None = None
 
 
 class FeatureDrafterBase:
@@ -288,15 +292,31 @@ class FeatureDrafterBase:
         have = torch.tensor([c > 0 for c in count])
         return RealPairs(have, last, where.squeeze(-1), tokens, at(-1), memory)
 
-    def start(self, state: FeatureDraftState, ctx: DraftContext) -> Start | None:
+    def start(self, state: FeatureDraftState, ctx: DraftContext, hindsight: bool = False) -> Start | None:
         """Feed the pairs not fed yet (:meth:`_real_pairs`) in one forward: where drafting continues
-        (None when no row has a pair to feed)."""
+        (None when no row has a pair to feed). With ``hindsight``, the rows ``ctx.hindsight`` asks
+        for also get their first-token outcomes at the pairs before their last (:meth:`_asked`).
+
+        Why they are free to read: the pair at position p predicts the token at p + 2, so each real
+        pair but the last predicts a token the target has committed already; the draft token a
+        proposal at that length would have made is that prediction (same pairs in the cache
+        before it), and greedy verification accepts it exactly when it is the committed token. A
+        catch-up after steps without drafts thus tells what proposals there would have got, for
+        the head's rows over the extra pairs (results/hindsight-2026-12-05/)."""
         pairs = self._real_pairs(state, ctx)
         if pairs is None:
             return None
         B, L = ctx.lengths.shape[0], ctx.lengths
         x = self.inputs(pairs.feats, pairs.tokens, pairs.memory)
-        logits, f = self._forward(state, x, pairs.positions, pairs.last)
+        asked = self._asked(pairs, ctx) if hindsight else None
+        if asked is None:
+            logits, f, seen = *self._forward(state, x, pairs.positions, pairs.last), None
+        else:  # logits at every pair: the last real one continues, the others are read back
+            P = x.shape[1]
+            every, feats = self._run(state, x, pairs.positions, index=torch.arange(P).expand(B, P))
+            logits = every.gather(1, pairs.last.view(B, 1, 1).expand(-1, 1, every.shape[-1]))[:, 0]
+            f = feats.gather(1, pairs.last.view(B, 1, 1).expand(-1, 1, feats.shape[-1]))[:, 0]
+            seen = self._read_back(every, pairs, asked)
         memory = pairs.memory
         if memory is not None:  # drafted pairs read the last real pair's target layers
             memory = memory.gather(1, pairs.last.view(B, 1, 1, 1).expand(-1, 1, *memory.shape[2:]))
@@ -304,12 +324,34 @@ class FeatureDrafterBase:
         recent = ctx.tokens.gather(1, (L.unsqueeze(1) - W + torch.arange(W)).clamp(min=0))  # (B, W)
         if self.local is not None:
             logits = self.local.fuse(logits, recent)
-        return Start(pairs.have, logits, f, memory, recent)
+        return Start(pairs.have, logits, f, memory, recent, seen)
+
+    def _asked(self, pairs: RealPairs, ctx: DraftContext) -> list[bool] | None:
+        """Rows to read back (:meth:`start`): asked by ``ctx.hindsight``, greedy (a sampled row's
+        acceptance needs the target's probabilities there, which are not kept) and with a real pair
+        before their last; None when no row is, or a local head is fused into the logits (its
+        window differs per pair)."""
+        if ctx.hindsight is None or self.local is not None:
+            return None
+        last = pairs.last.view(-1).tolist()
+        asked = [w and p.greedy and n >= 1 for w, p, n in zip(ctx.hindsight, ctx.params, last)]
+        return asked if any(asked) else None
+
+    @staticmethod
+    def _read_back(logits: torch.Tensor, pairs: RealPairs, asked: list[bool]) -> list[list[bool]]:
+        """Per asked row, whether the greedy token at each real pair j but the last (``logits``
+        ``(B, P, V)``) is pair j + 1's token, the one committed at ``positions[j] + 2``."""
+        guess = greedy_tokens(logits[:, :-1]).tolist()
+        tokens, last = pairs.tokens.tolist(), pairs.last.view(-1).tolist()
+        return [
+            [guess[b][j] == tokens[b][j + 1] for j in range(last[b])] if asked[b] else []
+            for b in range(len(asked))
+        ]
 
     def propose(self, state: FeatureDraftState, ctx: DraftContext, k: int) -> Proposal:
         B, L = ctx.lengths.shape[0], ctx.lengths
         draft = torch.zeros(B, k, dtype=torch.int64)
-        begun = self.start(state, ctx)
+        begun = self.start(state, ctx, hindsight=True)
         if begun is None:
             return Proposal(tokens=draft, num_valid=torch.zeros(B, dtype=torch.int64))
         logits, f, recent, probs = begun.logits, begun.feature, begun.recent, None
@@ -321,4 +363,5 @@ class FeatureDrafterBase:
                 if self.local is not None:  # the tokens before draft i + 1
                     recent = torch.cat([recent[:, 1:], draft[:, i : i + 1]], 1)
                     logits = self.local.fuse(logits, recent)
-        return Proposal(tokens=draft, probs=probs, num_valid=torch.where(begun.have, k, 0))
+        valid = torch.where(begun.have, k, 0)
+        return Proposal(tokens=draft, probs=probs, num_valid=valid, hindsight=begun.hindsight)

@@ -62,8 +62,8 @@ class Recording:
         base = getattr(inner, "feature", inner)  # a tree drafter's feature draft
         start = base.start
 
-        def recorded(state, ctx):
-            self.begun = start(state, ctx)
+        def recorded(state, ctx, **kw):
+            self.begun = start(state, ctx, **kw)
             return self.begun
 
         base.start = recorded
@@ -214,3 +214,52 @@ def test_a_first_proposal_after_more_than_max_lag_steps_feeds_its_last_max_lag_p
     state = rec.new_state(1, 64)
     assert state.lag(torch.tensor([10])).tolist() == [0]  # its first step: nothing to feed yet
     assert state.lag(torch.tensor([12])).tolist() == [2] and state.lag(torch.tensor([40])).tolist() == [4]
+
+
+class Asking(Pattern):
+    """:class:`Pattern` that asks every row for its outcomes in hindsight (``hindsight_rows``)."""
+
+    def hindsight_rows(self, rows):
+        return [True] * len(rows)
+
+    def hindsight(self, rows, outcomes):
+        pass
+
+
+class ReadBack(Recording):
+    """:class:`Recording`, keeping each row's tokens, context start, cache capacity and hindsight."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.read = []
+
+    def propose(self, state, ctx, k):
+        prop = super().propose(state, ctx, k)
+        for b, L in enumerate(ctx.lengths.tolist()):
+            if prop.hindsight is not None and prop.hindsight[b]:
+                row = (ctx.tokens[b, :L].tolist(), int(state.start[b]), state.kv.capacity)
+                self.read.append((*row, prop.hindsight[b]))
+        return prop
+
+
+@pytest.mark.parametrize("name", ["feature", "dream"])
+def test_hindsight_tells_what_proposals_at_the_catch_up_positions_would_have_got(name):
+    """A proposal after steps without drafts reads back, at each real pair but its last, whether the
+    greedy token there is the one the target committed: the n outcomes of a row of length L are
+    those of proposals at lengths L - n .. L - 1, each what a fresh draft fed the row's pairs up to
+    there proposes, against the committed token. Both outcomes occur, so the check can fail."""
+    target = peaked(seed=10, scale=12.0)
+    case = make_case(name, target)
+    rec = ReadBack(case.drafter)
+    prompts = [PROMPT + [i] * (1 + 2 * i) for i in range(3)]
+    lengths = [30, 12, 22]
+    engine = Engine(target, rec, Asking(1, (1, 0, 0, 0)), hidden_layers=rec.hidden_layers)
+    assert run(engine, prompts, lengths, 2) == run(Engine(target), prompts, lengths, 2)
+    outcomes = []
+    for tokens, first, capacity, read in rec.read:
+        L, n = len(tokens), len(read)
+        for j, hit in enumerate(read):
+            want, _ = fed_at_once(rec, target, tokens[: L - n + j], first, 1, capacity)
+            assert hit == (want[0] == tokens[L - n + j])
+            outcomes.append(hit)
+    assert len(outcomes) >= 20 and 0 < sum(outcomes) < len(outcomes), outcomes
