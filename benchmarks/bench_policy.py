@@ -4,7 +4,8 @@ One drafter (prompt lookup by default), several policies (``--policies auto,2,4,
 cost-aware policy, fixed k, transformers' heuristic; ``auto-batch`` without its per-row watch,
 ``auto-padded`` on the runtime without ragged steps, ``auto-off3`` with the row watch before 1d59d9d
 (a row off after any three rejections in a row), ``auto-window`` with the safe arm's verdict before
-its CUSUM (a decayed ratio judged at every step), ``auto-unguarded`` without its safe arm, the
+its CUSUM (a decayed ratio judged at every step), ``auto-blind`` without the first-token outcomes a
+feature draft reads back in hindsight, ``auto-unguarded`` without its safe arm, the
 check of realised speed against plain decoding: ``auto`` against it is that check's cost or gain),
 Spec-Bench first turns, greedy, batch 1 (or ``--batch N``: the prompts decoded N rows at a time,
 overall figures only).
@@ -67,6 +68,13 @@ class WindowVerdict(RealisedRate):
         return band.saved < (1 - self.arm.margin) * band.spent
 
 
+class Blind(CostAwareK):
+    """The cost-aware policy before 9f84c7a: it asks no row for outcomes in hindsight."""
+
+    def hindsight_rows(self, rows):
+        return None
+
+
 def window_policy() -> CostAwareK:
     policy = CostAwareK()
     policy.rate = WindowVerdict(SafeArm())
@@ -78,8 +86,10 @@ def window_policy() -> CostAwareK:
 # auto-padded: the cost-aware policy on the runtime without ragged steps (Padded); auto-unguarded:
 # without the safe arm (SafeArm: the model's choice unchecked by the clock); auto-off3: a row goes off
 # after three rejected proposals in a row whatever the drafter's average (RowWatch before 1d59d9d);
-# auto-window: the safe arm's verdict before its CUSUM (WindowVerdict)
+# auto-window: the safe arm's verdict before its CUSUM (WindowVerdict); auto-blind: no row asked for
+# the outcomes a feature draft reads back at its catch-up (Blind)
 POLICIES: dict = {
+    "auto-blind": Blind,
     "auto-batch": lambda: CostAwareK(watch=None),
     "auto-off3": lambda: CostAwareK(watch=RowWatch(off_max=3)),
     "auto-padded": CostAwareK,
