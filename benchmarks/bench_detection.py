@@ -14,7 +14,9 @@ Prints per drafter the mean first-token acceptance, the share of clean requests 
 same records once per ``RowWatch.detect_alpha`` and ``detect_concentration`` (``none``: a
 binomial). ``--calibration N`` records training prompts instead of the evaluation set: the first
 N / 2 HellaSwag contexts and N / 2 GSM8K train questions after those the evaluation set reads
-(the detection thresholds are chosen on these, never on Spec-Bench).
+(the detection thresholds are chosen on these, never on Spec-Bench). ``--hindsight``: a feature
+drafter's outcomes are recorded with what its catch-ups read back (at ``--k 1``, one per position)
+and replayed with its catch-ups (``replay(catch_up=max_lag)``).
 
     .venv/bin/python benchmarks/bench_detection.py --drafts 'lookup;designed:auto;prune:0-14' \\
         --limit 52 --gsm8k 20 --max-new-tokens 128 --threads 2 --out results/attack-2026-12-01/hits.json
@@ -54,6 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--alphas", default=None, help="detect_alpha values to replay, comma-separated")
     p.add_argument("--concentrations", default=None, help="detect_concentration values ('none': binomial)")
     p.add_argument("--calibration", type=int, default=0, help="record N training prompts instead")
+    p.add_argument("--hindsight", action="store_true", help="record and replay a feature draft's read-backs")
     return p.parse_args(argv)
 
 
@@ -73,11 +76,12 @@ def calibration_texts(n: int, skip_gsm8k: int) -> list[str]:
     return hellaswag + gsm8k_questions(skip_gsm8k, n - n // 2)
 
 
-def record(pipe, texts: list[str], k: int, max_new: int) -> list[list[int]]:
-    """Each clean request's first-token outcomes under a fixed k, one request at a time."""
+def record(pipe, texts: list[str], k: int, max_new: int, hindsight: bool) -> list[list[int]]:
+    """Each clean request's first-token outcomes under a fixed k, one request at a time (with
+    ``hindsight``, the outcomes its catch-ups read back too)."""
     out = []
     for text in texts:
-        recorder = HitRecorder(k)
+        recorder = HitRecorder(k, hindsight)
         method = harness.engine_method("rec", pipe.runtime, pipe.drafter, recorder, pipe.eos_ids)
         method.run(pipe.encode(text), max_new)
         out.append(next(iter(recorder.hits.values()), []))
@@ -95,28 +99,30 @@ def with_attacks(clean: list[list[int]], every: int, length: int) -> tuple[list[
     return requests, adversarial
 
 
-def recordings(args) -> tuple[dict[str, list[list[int]]], int, dict[str, bool]]:
-    """Outcomes by draft spec, new tokens per request, and whether each spec's proposals are free
-    (a free drafter's off rows are watched at every step): read from ``--hits``, or recorded on
-    the evaluation prompts (``--calibration``: the training prompts)."""
+def recordings(args) -> tuple[dict[str, list[list[int]]], int, dict[str, bool], dict[str, int]]:
+    """Outcomes by draft spec, new tokens per request, whether each spec's proposals are free (a
+    free drafter's off rows are watched at every step) and its catch-up read back (``--hindsight``:
+    its ``max_lag``, else 0): read from ``--hits``, or recorded on the evaluation prompts
+    (``--calibration``: the training prompts)."""
     if args.hits:
         doc = json.loads(Path(args.hits).read_text())
-        return doc["hits"], doc["max_new_tokens"], doc.get("proposes_free", {})
+        return doc["hits"], doc["max_new_tokens"], doc.get("proposes_free", {}), doc.get("catch_up", {})
     cal = args.calibration
     texts = calibration_texts(cal, args.gsm8k) if cal else prompt_texts(args.limit, args.gsm8k)
-    recorded, free = {}, {}
+    recorded, free, catch_up = {}, {}, {}
     for spec in [s for s in args.drafts.split(";") if s]:
         pipe = api.load(args.target, spec, threads=args.threads)
-        recorded[spec] = record(pipe, texts, args.k, args.max_new_tokens)
+        recorded[spec] = record(pipe, texts, args.k, args.max_new_tokens, args.hindsight)
         free[spec] = getattr(pipe.drafter, "proposes_free", False)
-    return recorded, args.max_new_tokens, free
+        catch_up[spec] = getattr(pipe.drafter, "max_lag", 0) if args.hindsight else 0
+    return recorded, args.max_new_tokens, free, catch_up
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     print("command: python benchmarks/bench_detection.py " + " ".join(sys.argv[1:] if argv is None else argv))
     print(f"cpu: {profile.cpu_name()}, threads {args.threads}", flush=True)
-    recorded, max_new, free = recordings(args)
+    recorded, max_new, free, catch_up = recordings(args)
     default = RowWatch()
     alphas = [float(a) for a in args.alphas.split(",")] if args.alphas else [default.detect_alpha]
     spreads = (
@@ -124,22 +130,25 @@ def main(argv=None) -> int:
         if args.concentrations
         else [default.detect_concentration]
     )
-    print("drafter            requests  concentration  alpha  first-token acc.  false positives  detected")
+    head = "drafter            requests  catch-up  concentration  alpha  first-token acc."
+    print(head + "  false positives  detected")
     for spec, clean in recorded.items():
         requests, adversarial = with_attacks(clean, args.every, max_new)
         hits = [h for req in clean for h in req]
         acc = sum(hits) / len(hits) if hits else float("nan")
-        for spread, alpha in itertools.product(spreads, alphas):
+        # a feature drafter's read-backs replayed, and left out (its probes alone, as before them)
+        for lag, spread, alpha in itertools.product(sorted({catch_up.get(spec, 0), 0}), spreads, alphas):
             watch = RowWatch(detect_alpha=alpha, detect_concentration=spread)
-            r = rates(replay(requests, watch, tokens=max_new, shadow=free.get(spec, False)), adversarial)
+            r = rates(replay(requests, watch, max_new, free.get(spec, False), lag), adversarial)
             print(
-                f"{spec:18s} {len(clean):8d}  {spread or 'none':>13}  {alpha:5g}  {acc:16.3f}  "
+                f"{spec:18s} {len(clean):8d}  {lag:8d}  {spread or 'none':>13}  {alpha:5g}  {acc:16.3f}  "
                 f"{r['false_positive_rate']:15.3f}  {r['detected_rate']:8.3f}  "
                 f"(median {r['median_steps_to_flag']} steps to flag)",
                 flush=True,
             )
     if args.out:
         doc = {"command": " ".join(sys.argv), "k": args.k, "max_new_tokens": max_new, "proposes_free": free}
+        doc["catch_up"] = catch_up
         Path(args.out).write_text(json.dumps(doc | {"hits": recorded}) + "\n")
     return 0
 

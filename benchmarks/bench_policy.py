@@ -5,7 +5,8 @@ cost-aware policy, fixed k, transformers' heuristic; ``auto-batch`` without its 
 ``auto-padded`` on the runtime without ragged steps, ``auto-off3`` with the row watch before 1d59d9d
 (a row off after any three rejections in a row), ``auto-window`` with the safe arm's verdict before
 its CUSUM (a decayed ratio judged at every step), ``auto-blind`` without the first-token outcomes a
-feature draft reads back in hindsight, ``auto-unguarded`` without its safe arm, the
+feature draft reads back in hindsight, ``auto-before`` without them and with the safe arm judging
+probes too, ``auto-unguarded`` without its safe arm, the
 check of realised speed against plain decoding: ``auto`` against it is that check's cost or gain),
 Spec-Bench first turns, greedy, batch 1 (or ``--batch N``: the prompts decoded N rows at a time,
 overall figures only).
@@ -75,6 +76,21 @@ class Blind(CostAwareK):
         return None
 
 
+class CountedProbes(RealisedRate):
+    """The safe arm before probes were left out of its verdict: a probe is speculation it judges."""
+
+    def chose(self, k, probe=False):
+        super().chose(k, False)
+
+
+def before_policy() -> CostAwareK:
+    """The cost-aware policy at the start of 2026-12-05's last session (a5819de): no hindsight, probes
+    counted by the safe arm."""
+    policy = Blind()
+    policy.rate = CountedProbes(SafeArm())
+    return policy
+
+
 def window_policy() -> CostAwareK:
     policy = CostAwareK()
     policy.rate = WindowVerdict(SafeArm())
@@ -87,8 +103,10 @@ def window_policy() -> CostAwareK:
 # without the safe arm (SafeArm: the model's choice unchecked by the clock); auto-off3: a row goes off
 # after three rejected proposals in a row whatever the drafter's average (RowWatch before 1d59d9d);
 # auto-window: the safe arm's verdict before its CUSUM (WindowVerdict); auto-blind: no row asked for
-# the outcomes a feature draft reads back at its catch-up (Blind)
+# the outcomes a feature draft reads back at its catch-up (Blind); auto-before: Blind with probes counted
+# by the safe arm (before_policy)
 POLICIES: dict = {
+    "auto-before": before_policy,
     "auto-blind": Blind,
     "auto-batch": lambda: CostAwareK(watch=None),
     "auto-off3": lambda: CostAwareK(watch=RowWatch(off_max=3)),

@@ -329,20 +329,20 @@ class SafeArm:
     model of ``T(n)`` and acceptance predicts (issue 17): a bandit with a safe arm.
 
     Each step is timed from :meth:`CostAwareK.choose` to :meth:`CostAwareK.update` (drafting,
-    verification, commit: what the model does not price included; never less than the draft and
-    target times reported). Plain steps (k = 0, which happen anyway while the model says 0) give
-    the time of a plain step at each batch size B, ``T_plain(B)``; a speculative step that commits
-    m tokens over B rows would have cost plain decoding ``m T_plain(B) / B``, and its loss is the
-    seconds it took beyond that (negative: a gain). Per band of batch sizes (1, 2-3, 4-7, 8-15,
-    ...) the verdict is a CUSUM over the speculative steps: the loss accumulated since speculation
-    was last ahead, ``S = max(0, S + loss)``. Speculation stays on while ``S <= max_loss
-    T_plain(B)``; once it has lost more than ``max_loss`` plain steps' time since it was last ahead,
-    the band decodes plainly for ``backoff`` steps, then tries speculation again (a trial); each
-    trial that loses as much doubles the back-off (up to ``backoff_max``), one that is ahead after
-    ``evidence`` steps resets it. A plain step is also taken after ``refresh`` speculative ones (and
-    before the first), so that ``T_plain(B)`` follows the context's growth; a size not measured yet
-    is read off the measured ones on the side that favours plain decoding
-    (:meth:`RealisedRate.plain_time`).
+    verification, commit: what the model does not price included; never less than the draft and target
+    times reported). Plain steps (k = 0, which happen anyway while the model says 0) give the time of a
+    plain step at each batch size B, ``T_plain(B)``; a speculative step that commits m tokens over B
+    rows would have cost plain decoding ``m T_plain(B) / B``, and its loss is the seconds it took beyond
+    that (negative: a gain). Probes (a k the model did not choose) are left out: the probe schedule
+    bounds what they cost (:meth:`RealisedRate.chose`). Per band of batch sizes (1, 2-3, 4-7, 8-15, ...)
+    the verdict is a CUSUM over the speculative steps: the loss accumulated since speculation was last
+    ahead, ``S = max(0, S + loss)``. Speculation stays on while ``S <= max_loss T_plain(B)``; once it
+    has lost more than ``max_loss`` plain steps' time since it was last ahead, the band decodes plainly
+    for ``backoff`` steps, then tries speculation again (a trial); each trial that loses as much doubles
+    the back-off (up to ``backoff_max``), one that is ahead after ``evidence`` steps resets it. A plain
+    step is also taken after ``refresh`` speculative ones (and before the first), so that ``T_plain(B)``
+    follows the context's growth; a size not measured yet is read off the measured ones on the side that
+    favours plain decoding (:meth:`RealisedRate.plain_time`).
 
     Why a CUSUM: the verdict before it judged a decayed ratio (about 20 steps long) at every step
     after the first ``evidence``, so a stretch of rejected drafts in a run that pays read as a loss.
@@ -352,7 +352,9 @@ class SafeArm:
 
     The guarantee: an always-losing speculation loses at most ``max_loss`` plain steps' time plus
     one step per trial, per band, with trials after 16, 32, 64, ... plain steps (about
-    ``1 + log2(N / backoff)`` trials in N steps). Its cost on clean traffic is the refresh steps
+    ``1 + log2(N / backoff)`` trials in N steps), and the probes its model makes while it says 0
+    (what they cost beyond two plain steps is at most ``1 / probe_max`` of the time,
+    :meth:`CostAwareK._probe_wait`). Its cost on clean traffic is the refresh steps
     (1 in ``refresh``) and the verdicts noisy timings end early
     (``benchmarks/bench_policy.py --policies auto,auto-unguarded`` measures it).
 
@@ -418,6 +420,7 @@ class RealisedRate:
         self.forced = 0  # plain steps this check imposed
         self._start: float | None = None
         self._chosen = 0
+        self._probe_step = False
 
     def _band(self, B: int) -> _Band:
         return self.bands.setdefault(B.bit_length(), _Band(self.arm.backoff))
@@ -436,9 +439,15 @@ class RealisedRate:
         self.forced += 1
         return False
 
-    def chose(self, k: int) -> None:
-        """The k the policy asked for at the step being timed."""
-        self._chosen = k
+    def chose(self, k: int, probe: bool = False) -> None:
+        """The k the policy asked for at the step being timed, and whether that is a probe (its
+        model said 0): a probe is exploration, which the probe schedule prices and spaces
+        (:meth:`CostAwareK._probe_wait`), so it is left out of the verdict on the model's choices.
+        Before, a probe that failed counted as a lost speculative step: a feature draft's probe,
+        a catch-up over up to ``max_lag`` pairs and a draft of ``probe_k`` tokens, loses about one
+        plain step when rejected, so four failed probes ended speculation for a back-off that
+        doubled, however well the model's own choices did (results/hindsight-2026-12-05/)."""
+        self._chosen, self._probe_step = k, probe
 
     def observe(self, k: int, committed: int, B: int, reported: float) -> None:
         """A step of B rows, k draft tokens proposed (0: none), ``committed`` tokens, ``reported``
@@ -447,6 +456,8 @@ class RealisedRate:
             return
         seconds = max(self.arm.clock() - self._start, reported)
         self._start, band = None, self._band(B)
+        if self._probe_step:
+            return
         if k == 0 and self._chosen == 0:  # a plain step
             last = [*self.samples.get(B, []), seconds][-self.arm.plain_window :]
             self.samples[B], self.plain[B] = last, statistics.median(last)
@@ -642,6 +653,7 @@ class CostAwareK:
         self.per_block = False
         self.rate = RealisedRate(guard) if guard is not None else None  # the safe arm's record
         self._batch = 1  # rows at the last update (the batch size when choose() is not told the rows)
+        self._probing = False  # the k chosen is a probe (the model said 0)
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
@@ -795,36 +807,40 @@ class CostAwareK:
             self.last_k = 0  # the safe arm: plain decoding (SafeArm)
             return 0
         k = self._choose(states)
-        self.rate.chose(k)
+        self.rate.chose(k, self._probing)
         return k
 
     def _choose(self, states: list[_Row]) -> int:
         """The model's k (the row watch's and the probes' included) for rows ``states``, before the
         safe arm's check."""
+        model = 0  # the k the model chose, probes aside (_probing: a k > 0 it did not choose)
         if self.t_draft is None or not self._plain_timed():
             # measure: a speculative step first, then one plain step (at each new batch size when
             # steps are ragged) for T_target(1)
-            k = self.k_start if self.t_draft is None else 0
+            k = model = self.k_start if self.t_draft is None else 0
         elif states and all(s.off for s in states):  # nobody drafts but the rows due for a probe
             k = self.probe_k if any(s.probing for s in states) else 0
         elif not self.classes:  # a drafter without classes: decide here
-            k = self._probe(self._curve(None), self._best(None, self.t_draft))
+            model = self._best(None, self.t_draft)
+            k = self._probe(self._curve(None), model)
         else:
-            k = self._class_k(states)
-        self.last_k = k
+            k, model = self._class_k(states)
+        self.last_k, self._probing = k, k > 0 and model == 0
         return k
 
-    def _class_k(self, states: list[_Row]) -> int:
+    def _class_k(self, states: list[_Row]) -> tuple[int, int]:
         """A drafter with classes (known only once it has proposed): what the most promising class
         learned would use, trim() cutting each row to its own class's; ``probe_k`` while no class
         is learned, or when a class that does not pay is due for its probe (:meth:`_probe`, a tick
         per step) or a row is; else 0: no proposal would be verified, so none is made (proposing
-        and cutting take time of their own: results/batch-overhead-2026-12-05/README.md)."""
+        and cutting take time of their own: results/batch-overhead-2026-12-05/README.md). Also the
+        k the model chose, probes aside."""
         learned = [(b, cur) for b, cur in self.curves.items() if cur.reached[0] > 0]
         if not learned:
-            return self.probe_k
-        k = max(self._probe(cur, self._best(b, self.t_draft)) for b, cur in learned)
-        return max(k, self.probe_k if any(s.probing for s in states) else 0)
+            return self.probe_k, self.probe_k
+        best = {b: self._best(b, self.t_draft) for b, _ in learned}
+        k = max(self._probe(cur, best[b]) for b, cur in learned)
+        return max(k, self.probe_k if any(s.probing for s in states) else 0), max(best.values())
 
     def trim(
         self, num_valid: torch.Tensor, bucket: torch.Tensor | None, rows: list[int] | None = None

@@ -119,6 +119,22 @@ def test_an_always_wrong_drafter_costs_at_most_the_trials(B, watch):
         assert alone.spec_steps > steps / 2 and alone.vs_plain < 0.8
 
 
+def test_probes_are_left_out_of_the_verdict():
+    """Once the model says k = 0 (acceptance 0.05), it still probes on its schedule, and here each
+    probe also pays three plain steps' time it is not told of (a feature draft catching up after a
+    stretch without drafts). Probes are exploration, spaced by their price
+    (:meth:`CostAwareK._probe_wait`): they do not count as lost speculation, so they start no
+    back-off (which would also hold back the next probe that finds a paying stretch); before, two
+    of them did. What they cost stays within the probe schedule's bound."""
+    clock = Clock()
+    policy = guarded(clock, watch=None)
+    simulate(policy, clock, World(1, alpha=0.05, slope=0.25), 100)
+    before = policy.rate.fallbacks
+    run = simulate(policy, clock, World(1, alpha=0.05, slope=0.25, extra=3 * T1), 500)
+    assert run.spec_steps >= 5 and policy.rate.fallbacks == before, (run, policy.rate.fallbacks)
+    assert run.vs_plain > 0.9
+
+
 @pytest.mark.parametrize("B", [1, 8])
 def test_speculation_the_profile_says_pays_but_the_clock_says_loses_is_switched_off(B):
     """Acceptance 0.6 is real, but verification costs half a step per extra token while the model

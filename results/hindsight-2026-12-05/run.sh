@@ -1,6 +1,7 @@
 #!/bin/bash
 # First-token outcomes a feature draft reads back at its catch-up pairs (hindsight, 9f84c7a): the feature
-# draft F with k = auto (hindsight), auto-blind (without: the policy before) and k = 1, quantized target,
+# draft F with k = auto (hindsight), auto-blind (without), auto-before (without, and the safe arm judging
+# probes too: the policy before) and k = 1, quantized target,
 # batch 1, one process (bench_policy.py); and collapse detection for F on recorded requests
 # (bench_detection.py --hindsight: outcomes recorded at k = 1 per position, replayed with catch-ups).
 # usage: results/hindsight-2026-12-05/run.sh policy|detection [tag]
@@ -12,6 +13,8 @@ F=designed:smollm2-135m-feature-4k-second
 c=$(git rev-parse --short HEAD)${2:-}
 case "${1:-}" in
   policy) step "$OUT/policy-$c.txt" .venv/bin/python benchmarks/bench_policy.py --draft $F --policies \
-    auto,auto-blind,1 --limit 2 --max-new-tokens 128 --threads 2 --json "$OUT/policy-$c.json" </dev/null ;;
+    ${POLICIES:-auto,auto-blind,auto-before,1} --limit 2 --max-new-tokens 128 --threads 2 --json "$OUT/policy-$c.json" </dev/null ;;
+  detection) step "$OUT/detection-$c.txt" .venv/bin/python benchmarks/bench_detection.py --drafts $F --k 1 \
+    --hindsight --limit 52 --gsm8k 20 --max-new-tokens 128 --threads 2 --out "$OUT/detection-hits.json" </dev/null ;;
   *) echo "usage: $0 policy|detection [tag]" >&2; exit 2 ;;
 esac

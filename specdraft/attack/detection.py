@@ -15,7 +15,11 @@ batch 1 would (the policy, and so the running average, is shared by all of them)
 scheduling each request's proposals: a request that is switched off verifies only its probes, which
 take the next outcomes of its record; for a drafter whose proposals are free (``shadow=True``,
 prompt lookup) it also takes one at every step it is off, as the engine's unverified proposals for
-such a row do (:meth:`specdraft.policy.CostAwareK.shadow`). It returns, per request, the step and
+such a row do (:meth:`specdraft.policy.CostAwareK.shadow`); for a feature drafter (``catch_up``:
+its ``max_lag``) a proposal after s steps without one first reads back the outcomes of those
+positions, up to ``catch_up - 1`` of them, as its catch-up does
+(:meth:`specdraft.policy.CostAwareK.hindsight`; recorded with ``HitRecorder(1, hindsight=True)``,
+one outcome per position). It returns, per request, the step and
 the proposal at which it was flagged (None: never), from which :func:`rates` gives the
 false-positive rate over clean requests and the detection rate over adversarial ones.
 """
@@ -46,11 +50,22 @@ class Flag:
 
 class HitRecorder(FixedK):
     """A fixed-k policy that records, per request id, its proposals' first-token outcomes
-    (``hits[request_id]``: 1 accepted, 0 rejected, one per proposal)."""
+    (``hits[request_id]``: 1 accepted, 0 rejected, one per proposal). With ``hindsight`` it asks
+    every row for the outcomes a feature drafter reads back at its catch-up and records them in
+    order too: at k = 1 that is one outcome per position (a step that accepts its draft token
+    commits a bonus token, which the next catch-up reads back)."""
 
-    def __init__(self, k: int):
+    def __init__(self, k: int, hindsight: bool = False):
         super().__init__(k)
         self.hits: dict[int, list[int]] = {}
+        self.asks = hindsight
+
+    def hindsight_rows(self, rows: list[int]) -> list[bool] | None:
+        return [True] * len(rows) if self.asks else None
+
+    def hindsight(self, rows: list[int], outcomes: list[list[bool]]) -> None:
+        for r, hits in zip(rows, outcomes):
+            self.hits.setdefault(r, []).extend(int(h) for h in hits)
 
     def update(self, k, num_drafted, num_accepted, draft_time, target_time, bucket=None, rows=None, **kw):
         if rows is None or k == 0:
@@ -61,7 +76,11 @@ class HitRecorder(FixedK):
 
 
 def replay(
-    requests: list[list[int]], watch: RowWatch | None = None, tokens: int | None = None, shadow: bool = False
+    requests: list[list[int]],
+    watch: RowWatch | None = None,
+    tokens: int | None = None,
+    shadow: bool = False,
+    catch_up: int = 0,
 ) -> list[Flag]:
     """Replay recorded requests through one fresh policy, one after another (module docstring).
 
@@ -72,17 +91,24 @@ def replay(
             record runs out before that decodes plainly for the rest.
         shadow: a request that is off takes an outcome at every step (a free drafter's
             unverified proposals), not only at its probes.
+        catch_up: a feature drafter's ``max_lag``: a proposal after s steps without one first
+            takes ``min(s, catch_up - 1)`` outcomes in hindsight (0: none).
     """
     policy = CostAwareK(watch=watch or RowWatch())
     one, zero = torch.tensor([1]), torch.tensor([0])
     flags = []
     for rid, hits in enumerate(requests):
         n_steps = len(hits) if tokens is None else tokens
-        used, flag = 0, Flag(None, None, n_steps)
+        used, idle, flag = 0, 0, Flag(None, None, n_steps)
         for step in range(1, n_steps + 1):
-            policy.choose([rid])
+            k = policy.choose([rid])
+            if catch_up and k > 0 and policy.hindsight_rows([rid]) == [True]:
+                seen = hits[used : used + min(idle, catch_up - 1)]
+                policy.hindsight([rid], [[bool(h) for h in seen]])
+                used += len(seen)
             off = shadow and bool(policy.unverified([rid]))
             verify = used < len(hits) and int(policy.trim(one, None, [rid])[0]) > 0
+            idle = 0 if verify else idle + 1
             if verify:
                 policy.update(1, one, torch.tensor([hits[used]]), 1e-4, 1e-2, None, [rid])
                 used += 1

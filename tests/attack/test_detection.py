@@ -43,6 +43,21 @@ def test_an_always_wrong_request_is_flagged_after_the_documented_proposals(p):
     assert probed.step > shadowed[-1].step if p == 0.9 else probed.step is None
 
 
+def test_a_feature_drafters_catch_ups_flag_an_always_wrong_request_its_probes_alone_do_not():
+    """A feature drafter (F accepts about a third of its first tokens) is not free: a request that is
+    off proposes only at its probes, too few in 128 steps at the default thresholds. Each probe's
+    catch-up reads back the outcomes of the positions since the last one (up to ``max_lag - 1`` =
+    15, :meth:`CostAwareK.hindsight`): enough to flag it, and steady clean requests still are not."""
+    w = RowWatch()
+    spread, alpha = w.detect_concentration, w.detect_alpha
+    n = next(n for n in range(1, 200) if beta_binomial_cdf(0, n, 0.35, spread) < alpha)
+    requests = steady_requests(0.35, 10, 128) + [[0] * 128]
+    assert replay(requests, tokens=128)[-1].step is None
+    read = replay(requests, tokens=128, catch_up=16)
+    assert all(f.step is None for f in read[:-1])
+    assert read[-1].step is not None and read[-1].step < 64 and read[-1].proposal >= n, (n, read[-1])
+
+
 def test_the_beta_binomial_is_the_binomial_for_a_large_concentration_and_wider_for_a_small_one():
     assert beta_binomial_cdf(3, 10, 0.4, 1e7) == pytest.approx(binomial_cdf(3, 10, 0.4), rel=1e-4)
     assert beta_binomial_cdf(0, 20, 0.4, 20.0) > 10 * binomial_cdf(0, 20, 0.4)  # a low request is likelier
@@ -105,3 +120,12 @@ def test_hit_recorder_keeps_first_token_outcomes_per_request():
     rec.update(3, torch.tensor([3, 3, 3]), torch.tensor([1, 3, 0]), 0.0, 0.0, None, [4, 5, 6])
     rec.update(0, torch.tensor([0]), torch.tensor([0]), 0.0, 0.0, None, [4])
     assert rec.hits == {4: [0, 1], 5: [1], 6: [1, 0]} and rec.choose() == 3
+
+
+def test_hit_recorder_keeps_what_catch_ups_read_back_in_order_when_asked():
+    rec = HitRecorder(1, hindsight=True)
+    assert rec.hindsight_rows([4, 5]) == [True, True] and HitRecorder(1).hindsight_rows([4]) is None
+    rec.update(1, torch.tensor([1]), torch.tensor([1]), 0.0, 0.0, None, [4])
+    rec.hindsight([4], [[False]])  # the bonus token of the step that accepted its draft token
+    rec.update(1, torch.tensor([1]), torch.tensor([0]), 0.0, 0.0, None, [4])
+    assert rec.hits == {4: [1, 0, 0]}
