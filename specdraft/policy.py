@@ -251,9 +251,13 @@ class RowWatch:
     5, probes 8, 16, 32 and 64 steps apart), and later than most requests end; probing faster would
     buy detection with draft work (a probe of a model draft costs ``probe_k`` draft forwards),
     which the defense must not spend. A drafter whose proposals are free (prompt lookup) is
-    watched at every step instead (:meth:`CostAwareK.shadow`). A drafter whose average acceptance
-    is low cannot tell an attacked request from an unlucky one quickly: it is also the drafter
-    with little to collapse.
+    watched at every step instead (:meth:`CostAwareK.shadow`); a feature drafter's probe reads
+    back the outcomes of the positions since its last proposal from its catch-up (up to
+    ``max_lag - 1``, :meth:`CostAwareK.hindsight`): the feature draft F, recorded requests
+    replayed, 0.167 of always-wrong requests flagged on its probes alone and 0.944 with them, no
+    clean one either way (``results/hindsight-2026-12-05/detection-e2fbab2.txt``). A drafter
+    whose average acceptance is low cannot tell an attacked request from an unlucky one quickly:
+    it is also the drafter with little to collapse.
 
     Cold: nothing is flagged until the average rests on ``detect_warmup`` decayed proposals (the
     first requests a policy sees); those requests are still switched off by ``floor``, so an
