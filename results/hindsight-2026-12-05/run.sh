@@ -4,7 +4,8 @@
 # probes too: the policy before) and k = 1, quantized target,
 # batch 1, one process (bench_policy.py); and collapse detection for F on recorded requests
 # (bench_detection.py --hindsight: outcomes recorded at k = 1 per position, replayed with catch-ups).
-# usage: results/hindsight-2026-12-05/run.sh policy|detection|collapse [tag]
+# usage: results/hindsight-2026-12-05/run.sh policy|detection|collapse|lookup-b1|lookup-b8 [tag]
+#   lookup-b1, lookup-b8: prompt lookup (no read-backs: the change is the safe arm's) at batch 1 and 8
 #   collapse: F's throughput with every draft spoiled (bench_collapse.py, batch 1, 25 rounds)
 set -u
 OUT=$(cd "$(dirname "$0")" && pwd)
@@ -17,7 +18,10 @@ case "${1:-}" in
     ${POLICIES:-auto,auto-blind,auto-before,1} --limit 2 --max-new-tokens 128 --threads 2 --json "$OUT/policy-$c.json" </dev/null ;;
   detection) step "$OUT/detection-$c.txt" .venv/bin/python benchmarks/bench_detection.py --drafts $F --k 1 \
     --hindsight --limit 52 --gsm8k 20 --max-new-tokens 128 --threads 2 --out "$OUT/detection-hits.json" </dev/null ;;
+  lookup-b1|lookup-b8) B=${1#lookup-b}  # prompt lookup: the policy now and before (probes counted), k = 1
+    step "$OUT/$1-$c.txt" .venv/bin/python benchmarks/bench_policy.py --draft lookup --batch $B --policies \
+      auto,auto-before,1 --limit 2 --max-new-tokens 128 --threads 2 --json "$OUT/$1-$c.json" </dev/null ;;
   collapse) step "$OUT/collapse_feature_b1_r25-$c.txt" .venv/bin/python benchmarks/bench_collapse.py --draft $F \
     --batch 1 --attacked 1 --max-new-tokens 128 --threads 2 --rounds 25 </dev/null ;;  # F under attack
-  *) echo "usage: $0 policy|detection|collapse [tag]" >&2; exit 2 ;;
+  *) echo "usage: $0 policy|detection|collapse|lookup-b1|lookup-b8 [tag]" >&2; exit 2 ;;
 esac
