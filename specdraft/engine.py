@@ -254,7 +254,7 @@ class Engine:
         k = self.policy.choose(ids, self.draft_state.lag(self.lengths)) if self.drafter is not None else 0
 
         # 1. propose (for rows switched off too, when proposing is free: _shadowed)
-        shadowed = self._shadowed(ids)
+        shadowed = self._shadowed(ids, k)
         t0 = time.perf_counter()
         prop = None
         if k > 0 or shadowed:
@@ -306,15 +306,18 @@ class Engine:
         self.stats.total_time += t3 - t0
         return events
 
-    def _shadowed(self, ids: list[int]) -> list[int]:
-        """Rows (indices) that verify nothing at this step because the policy switched them off,
-        when the drafter's proposals cost nothing (``proposes_free``, prompt lookup): it proposes
-        for them anyway, and the policy is told how each proposal's first token fared
-        (:meth:`specdraft.policy.CostAwareK.shadow`). Nothing of it is verified."""
-        if not getattr(self.drafter, "proposes_free", False) or not hasattr(self.policy, "unverified"):
+    def _shadowed(self, ids: list[int], k: int) -> list[int]:
+        """Rows (indices) that verify nothing at this step because the policy switched them off and
+        whose first proposed token the policy is told of (:meth:`specdraft.policy.CostAwareK.shadow`;
+        nothing of it is verified): every such row when the drafter's proposals cost nothing
+        (``proposes_free``, prompt lookup: it proposes for them even at k = 0), and the greedy ones
+        when k > 0, where any drafter proposes for every row of the batch anyway (a sampled draft
+        token matching the target's sample is not how often it would be accepted)."""
+        free = getattr(self.drafter, "proposes_free", False)
+        if not (free or k > 0) or not hasattr(self.policy, "unverified"):
             return []
         off = set(self.policy.unverified(ids))
-        return [b for b, r in enumerate(ids) if r in off]
+        return [b for b, r in enumerate(ids) if r in off and (free or self.requests[b].params.greedy)]
 
     def _tell_shadow(self, prop: Proposal, rows: list[int], committed: list[list[int]], ids: list) -> None:
         """Each shadowed row's first proposed token against the token the target committed after

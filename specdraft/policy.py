@@ -1050,7 +1050,8 @@ class CostAwareK:
     def shadow(self, rows: list[int], hits: list[bool]) -> None:
         """First-token outcomes of proposals that were made but not verified for rows that are
         off (:meth:`unverified`): a drafter whose proposals cost nothing (prompt lookup,
-        ``proposes_free``) proposes for them anyway, and the engine compares each proposal's first
+        ``proposes_free``) proposes for them anyway, any drafter does at a step where the batch
+        drafts (greedy rows only: ``Engine._shadowed``), and the engine compares each proposal's first
         token with the token the target committed there, which is the first draft token's fate
         under verification (greedy; sampling with a point-mass draft: accepted with probability
         p(x), the probability that the target's own sample is x). Such an outcome counts as a

@@ -336,3 +336,21 @@ def test_rows_that_never_hit_do_not_teach_the_class_curve():
     assert p.row_state[3].pending == [(None, 2, 0)]
     p.update(2, torch.tensor([2]), torch.tensor([1]), 1e-4, 0.01, None, [3])
     assert p.row_state[3].pending == [] and p.rates()[0] < 0.8  # taught, miss included, after its hit
+
+
+def test_off_rows_of_a_batch_that_drafts_are_watched_at_every_step(tiny, reference):
+    """A drafter that is not free proposes for every row of a batch whenever the batch drafts (here
+    for its clean row): a spoiled row that is off is told how its unverified first token fared at
+    each such step, so its record grows by a proposal per step (the evidence detection needs) while
+    it verifies no more than its probes. Its greedy output is plain decoding's."""
+    policy = Recording(k_max=1, k_start=1, probe_k=1)  # the clean row decodes 2 tokens a step: 48 steps
+    drafter = WrongRows(Oracle(PROMPTS[:2], reference[:2]), PROMPTS[:1], V)
+    engine = Engine(tiny.target, drafter, policy)
+    ids, out = run(engine, PROMPTS[:2], steps=40)
+    row = policy.row_state[ids[0]]
+    verified = sum(n > 0 for n in policy.verified[ids[0]])
+    assert row.off and row.hits == 0 and not policy.row_state[ids[1]].off
+    assert verified <= 3 + probe_bound(40, policy), policy.verified[ids[0]]
+    assert row.proposals >= 39, row.proposals
+    finish(engine, out)
+    assert [out[i] for i in ids] == [r[:N] for r in reference[:2]]
