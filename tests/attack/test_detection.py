@@ -13,6 +13,9 @@ from specdraft.errors import SpecdraftError
 from specdraft.policy import RowWatch, beta_binomial_cdf, binomial_cdf
 
 RECORDED = Path(__file__).parent / "data" / "lookup_hits.json"
+# the feature draft F, one outcome per position (recorded at k = 1 with its catch-ups' read-backs):
+# results/hindsight-2026-12-05/detection-hits.json
+FEATURE = Path(__file__).parent / "data" / "feature_hits.json"
 
 
 def clean_requests(p: float, n: int, length: int = 64, seed: int = 0) -> list[list[int]]:
@@ -112,6 +115,23 @@ def test_recorded_clean_distribution_flags_at_most_five_percent():
     shadowed = rates(replay(requests, tokens=doc["max_new_tokens"], shadow=True), adversarial)
     assert shadowed["detected_rate"] >= 0.9 and shadowed["false_positive_rate"] <= 0.05, shadowed
     assert r["detected_rate"] < 0.5, r
+
+
+def test_recorded_feature_requests_are_flagged_with_their_catch_ups_and_not_without():
+    """F on SmolLM2-135M, Spec-Bench + GSM8K (``bench_detection.py --k 1 --hindsight``): replayed with
+    its catch-ups read back, issue 17's bounds hold (>= 90% of always-wrong requests flagged, <= 5% of
+    clean ones); on its probes alone most always-wrong requests go unflagged in 128 steps."""
+    doc = json.loads(FEATURE.read_text())
+    ((spec, clean),) = doc["hits"].items()
+    lag, n = doc["catch_up"][spec], doc["max_new_tokens"]
+    assert lag == 16 and len(clean) >= 70
+    requests, adversarial = [], []
+    for i, hits in enumerate(clean, 1):
+        requests += [hits] + ([[0] * n] if i % 4 == 0 else [])
+        adversarial += [False] + ([True] if i % 4 == 0 else [])
+    read = rates(replay(requests, tokens=n, catch_up=lag), adversarial)
+    assert read["detected_rate"] >= 0.9 and read["false_positive_rate"] <= 0.05, read
+    assert rates(replay(requests, tokens=n), adversarial)["detected_rate"] < 0.5
 
 
 def test_hit_recorder_keeps_first_token_outcomes_per_request():
