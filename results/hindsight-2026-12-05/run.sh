@@ -4,7 +4,7 @@
 # probes too: the policy before) and k = 1, quantized target,
 # batch 1, one process (bench_policy.py); and collapse detection for F on recorded requests
 # (bench_detection.py --hindsight: outcomes recorded at k = 1 per position, replayed with catch-ups).
-# usage: results/hindsight-2026-12-05/run.sh policy|detection|detection-calibration|collapse|collapse-b8|lookup-b1|lookup-b8 [tag]
+# usage: results/hindsight-2026-12-05/run.sh policy|detection|detection-calibration|collapse|collapse-b8|lookup-b1|lookup-b8|k0 [tag]
 #   lookup-b1, lookup-b8: prompt lookup (no read-backs: the change is the safe arm's) at batch 1 and 8
 #   collapse: F's throughput with every draft spoiled (bench_collapse.py, batch 1, 25 rounds); collapse-b8:
 #     4 of 8 rows spoiled, 3 rounds (run from a worktree of an earlier commit for the before)
@@ -29,5 +29,56 @@ case "${1:-}" in
     --batch 1 --attacked 1 --max-new-tokens 128 --threads 2 --rounds 25 </dev/null ;;  # F under attack
   collapse-b8) step "$OUT/collapse_feature_b8-$c.txt" .venv/bin/python benchmarks/bench_collapse.py --draft $F \
     --batch 8 --attacked 4 --max-new-tokens 128 --threads 2 --rounds 3 </dev/null ;;  # 4 of 8 rows attacked
-  *) echo "usage: $0 policy|detection|detection-calibration|collapse|collapse-b8|lookup-b1|lookup-b8 [tag]" >&2; exit 2 ;;
+  k0)  # what F costs at k = 0: plain decoding, the target handing out its final hidden state, F with k = 0
+    # (features kept, catch-up priced) under a fixed policy and under the cost-aware one held at 0; decode ms
+    # per step, 8 Spec-Bench first turns x 3 rounds, methods rotating per prompt
+    step "$OUT/k0-$c.txt" .venv/bin/python - <<'PY'
+import statistics, time
+from specdraft import api
+from specdraft.bench.prompts import fit_context, load_prompts
+from specdraft.engine import Engine, Request
+from specdraft.policy import CostAwareK, FixedK
+
+pipe = api.load("smollm2-135m", "designed:smollm2-135m-feature-4k-second", threads=2)
+prompts = [fit_context(pipe.encode(p.turns[0]), 512).ids for p in load_prompts(None, None, 1)][:8]
+
+
+class Zero(CostAwareK):  # the cost-aware policy, its model held at k = 0 (probes included)
+    def _choose(self, states):
+        self._probing = False
+        return 0
+
+
+layers = pipe.drafter.hidden_layers
+engines = {
+    "plain": Engine(pipe.runtime),
+    "plain, hidden out": Engine(pipe.runtime, None, hidden_layers=(-1,)),
+    "F, fixed k = 0": Engine(pipe.runtime, pipe.drafter, FixedK(0), hidden_layers=layers),
+    "F, auto held at 0": Engine(pipe.runtime, pipe.drafter, Zero(), hidden_layers=layers),
+}
+names, per_step = list(engines), {n: [] for n in engines}
+
+
+def decode(engine, ids):  # decode seconds per step (the prefill is add's)
+    engine.add([Request(ids, 128)])
+    t0, steps = time.perf_counter(), 0
+    while engine.active:
+        engine.step()
+        steps += 1
+    return (time.perf_counter() - t0) / steps
+
+
+for n in names:
+    decode(engines[n], prompts[0])
+for r in range(3):
+    for i, ids in enumerate(prompts):
+        for n in names[i % 4 :] + names[: i % 4]:
+            per_step[n].append(decode(engines[n], ids))
+base = statistics.mean(per_step["plain"])
+for n in names:
+    m = statistics.mean(per_step[n])
+    print(f"{n:20s} {m * 1e3:.3f} ms per step  {base / m:.3f}x plain")
+PY
+    ;;
+  *) echo "usage: $0 policy|detection|detection-calibration|collapse|collapse-b8|lookup-b1|lookup-b8|k0 [tag]" >&2; exit 2 ;;
 esac
