@@ -774,6 +774,8 @@ class CostAwareK:
         if best > 0:
             return best
         cur.since_probe += 1
+        if cur.since_probe < cur.probe_interval:  # the wait is never shorter (_probe_wait): not priced
+            return 0
         if cur.since_probe < self._probe_wait(cur.probe_interval, self._probe_overhead()):
             return 0
         cur.since_probe, cur.probing = 0, True
@@ -793,9 +795,10 @@ class CostAwareK:
             row = self.row_state[r]
             if row.off and not row.probing:
                 row.since_probe += 1
-                overhead = self._probe_overhead() if overhead is None else overhead
-                if row.since_probe >= self._probe_wait(row.probe_interval, overhead):
-                    row.since_probe, row.probing = 0, True
+                if row.since_probe >= row.probe_interval:  # the wait is never shorter (_probe_wait)
+                    overhead = self._probe_overhead() if overhead is None else overhead
+                    if row.since_probe >= self._probe_wait(row.probe_interval, overhead):
+                        row.since_probe, row.probing = 0, True
             out.append(row)
         return out
 

@@ -30,7 +30,8 @@ case "${1:-}" in
   collapse-b8) step "$OUT/collapse_feature_b8-$c.txt" .venv/bin/python benchmarks/bench_collapse.py --draft $F \
     --batch 8 --attacked 4 --max-new-tokens 128 --threads 2 --rounds 3 </dev/null ;;  # 4 of 8 rows attacked
   k0)  # what F costs at k = 0: plain decoding, the target handing out its final hidden state, F with k = 0
-    # (features kept, catch-up priced) under a fixed policy and under the cost-aware one held at 0; decode ms
+    # (features kept, catch-up priced) under a fixed policy, the cost-aware one with its model's choice skipped,
+    # and the cost-aware one choosing as it does while its model says 0 (every choice held at 0); decode ms
     # per step, 8 Spec-Bench first turns x 3 rounds, methods rotating per prompt
     step "$OUT/k0-$c.txt" .venv/bin/python - <<'PY'
 import statistics, time
@@ -43,8 +44,19 @@ pipe = api.load("smollm2-135m", "designed:smollm2-135m-feature-4k-second", threa
 prompts = [fit_context(pipe.encode(p.turns[0]), 512).ids for p in load_prompts(None, None, 1)][:8]
 
 
-class Zero(CostAwareK):  # the cost-aware policy, its model held at k = 0 (probes included)
+class Zero(CostAwareK):  # the cost-aware policy with its model's choice skipped: k = 0
     def _choose(self, states):
+        self._probing = False
+        return 0
+
+
+class Held(CostAwareK):  # the cost-aware policy choosing as it does at k = 0 (its model, its probe
+    def _best(self, bucket, t_draft):  # schedule), every choice then held at 0
+        super()._best(bucket, t_draft)
+        return 0
+
+    def _choose(self, states):
+        super()._choose(states)
         self._probing = False
         return 0
 
@@ -54,7 +66,8 @@ engines = {
     "plain": Engine(pipe.runtime),
     "plain, hidden out": Engine(pipe.runtime, None, hidden_layers=(-1,)),
     "F, fixed k = 0": Engine(pipe.runtime, pipe.drafter, FixedK(0), hidden_layers=layers),
-    "F, auto held at 0": Engine(pipe.runtime, pipe.drafter, Zero(), hidden_layers=layers),
+    "F, auto, no model": Engine(pipe.runtime, pipe.drafter, Zero(), hidden_layers=layers),
+    "F, auto held at 0": Engine(pipe.runtime, pipe.drafter, Held(), hidden_layers=layers),
 }
 names, per_step = list(engines), {n: [] for n in engines}
 
@@ -72,7 +85,7 @@ for n in names:
     decode(engines[n], prompts[0])
 for r in range(3):
     for i, ids in enumerate(prompts):
-        for n in names[i % 4 :] + names[: i % 4]:
+        for n in names[i % len(names) :] + names[: i % len(names)]:
             per_step[n].append(decode(engines[n], ids))
 base = statistics.mean(per_step["plain"])
 for n in names:
