@@ -1064,10 +1064,14 @@ class CostAwareK:
         the class curves (the row is off), and a miss does not lengthen the probe interval."""
         for r, hit in zip(rows, hits):
             row = self.row_state.get(r) if self.watch is not None else None
-            if row is None or not row.off:
-                continue
-            self._back_on(row, self._count(row, hit))
-            self._detect(r, row)
+            if row is not None and row.off:
+                self._off_outcome(r, row, hit)
+
+    def _off_outcome(self, r: int, row: _Row, hit: bool) -> None:
+        """An off row's first-token outcome of a proposal not verified: counted, maybe back on, and
+        toward detection (:meth:`shadow`, :meth:`hindsight`)."""
+        self._back_on(row, self._count(row, hit))
+        self._detect(r, row)
 
     def hindsight_rows(self, rows: list[int]) -> list[bool] | None:
         """Of ``rows`` (request ids, after :meth:`choose`), those whose last step verified no draft
@@ -1097,8 +1101,7 @@ class CostAwareK:
             cur, learned = (None if self.classes else self._curve(None)), False
             for hit in hits:
                 if row.off:
-                    self._back_on(row, self._count(row, hit))
-                    self._detect(r, row)
+                    self._off_outcome(r, row, hit)
                 elif self._observe_row(r, hit) and row.hits > 0 and cur is not None:
                     self._add(cur, 1, int(hit))
                     learned = True

@@ -314,8 +314,9 @@ class FeatureDrafterBase:
         else:  # logits at every pair: the last real one continues, the others are read back
             P = x.shape[1]
             every, feats = self._run(state, x, pairs.positions, index=torch.arange(P).expand(B, P))
-            logits = every.gather(1, pairs.last.view(B, 1, 1).expand(-1, 1, every.shape[-1]))[:, 0]
-            f = feats.gather(1, pairs.last.view(B, 1, 1).expand(-1, 1, feats.shape[-1]))[:, 0]
+            logits, f = (
+                t.gather(1, pairs.last.view(B, 1, 1).expand(-1, 1, t.shape[-1]))[:, 0] for t in (every, feats)
+            )
             seen = self._read_back(every, pairs, asked)
         memory = pairs.memory
         if memory is not None:  # drafted pairs read the last real pair's target layers
@@ -331,7 +332,7 @@ class FeatureDrafterBase:
         acceptance needs the target's probabilities there, which are not kept) and with a real pair
         before their last; None when no row is, or a local head is fused into the logits (its
         window differs per pair)."""
-        if ctx.hindsight is None or self.local is not None:
+        if ctx.hindsight is None or not any(ctx.hindsight) or self.local is not None:
             return None
         last = pairs.last.view(-1).tolist()
         asked = [w and p.greedy and n >= 1 for w, p, n in zip(ctx.hindsight, ctx.params, last)]
