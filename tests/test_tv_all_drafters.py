@@ -1,24 +1,25 @@
 """Every drafter, and every rule that cuts a proposal short, keeps speculative sampling lossless.
 
-Rejection sampling reproduces p only if each proposed token is distributed as the q it is
-verified against. A rule that decides whether to propose position i from the token drawn there
-(the gated draft once used the sampled token's own q) breaks that: the proposed tokens are then a
-filtered sample. So the rule deciding position i may only read what was known before token i was
-drawn (earlier tokens, the draft's distribution at i, the request, the policy's history).
+Rejection sampling reproduces p only if each proposed token is distributed as the q it is verified
+against. A rule that decides whether to propose position i from the token drawn there (the gated
+draft once used the sampled token's own q) breaks that: the proposed tokens are then a filtered
+sample. So the rule deciding position i may only read what was known before token i was drawn
+(earlier tokens, the draft's distribution at i, the request, the policy's history).
 
 The statistical test is the one of ``tests/test_sampling.py`` (target: a tiny Llama, vocabulary 8,
 its head scaled up; every output of NEW tokens enumerated exactly), run for every drafter class and
 every path that cuts a proposal: a model draft, prompt lookup (no q), the README's example bigram
 drafter (no q), the target drafting for itself, a layer-pruned draft (also with a head subset:
 prune:...,head=N), the gated designed draft (best prefix and early stop), the feature draft (also
-its EAGLE-2 token tree, and both drafting from the features of plain steps they never saw), the
-DREAM-style draft, the feature draft with a local head fused in, FlexDraft (drafting in the
-verification forward, and sequentially), the block-diffusion drafter (one pass per block, cut by its
-length head), the drafts on GGUF blocks beside a quantized target (``--draft-dtype q``: prune views,
-their head subsets, Q8_0 designed drafts, token-level and feature ones; token trees verified on the
-quantized target's tree attention), the Ouroboros and suffix drafters' token trees (point masses from a
-phrase pool / a history), the cost-aware policy's per-class trim, its per-row cut of rows whose drafts
-fail (issue 17; for a free drafter, with the unverified proposals of the rows it cut), its safe arm's plain
+with a head subset, drafting over the head's own rows, its EAGLE-2 token tree, and both drafting
+from the features of plain steps they never saw), the DREAM-style draft, the feature draft with a
+local head fused in, FlexDraft (drafting in the verification forward, and sequentially), the
+block-diffusion drafter (one pass per block, cut by its length head), the drafts on GGUF blocks
+beside a quantized target (``--draft-dtype q``: prune views, their head subsets, Q8_0 designed
+drafts, token-level and feature ones; token trees verified on the quantized target's tree
+attention), the Ouroboros and suffix drafters' token trees (point masses from a phrase pool / a
+history), the cost-aware policy's per-class trim, its per-row cut of rows whose drafts fail (issue
+17; for a free drafter, with the unverified proposals of the rows it cut), its safe arm's plain
 steps when speculation is measured slower (issue 17) and the server's per-row caps. Each case also
 checks that its cut really happened, and the old gating rule is shown to fail the same test."""
 
@@ -53,6 +54,7 @@ from specdraft.drafters.suffix import SuffixDrafter
 from specdraft.drafters.topk_tree import FeatureTreeDrafter, TopKTreeDrafter, TreeShape
 from specdraft.engine import Engine, Request
 from specdraft.models.llama import LlamaRuntime, LlamaWeights
+from specdraft.models.subset_head import SubsetHeadRuntime
 from specdraft.models.tiny import tiny_llama
 from specdraft.policy import CappedPolicy, CostAwareK, FixedK, RowWatch, SafeArm, VerifyCost, best_prefix
 from specdraft.stats import SpecStats
@@ -335,14 +337,19 @@ def make_case(name: str, target: LlamaRuntime, draft=None) -> Case:
         head = with_head(ModelDrafter(_distilled(), "d"), torch.tensor([0, 1, 2, 4, 6])).runtime
         gated = GatedDrafter(head, "gated", cost=VerifyCost([1.0, 1.6, 1.8, 2.4], 0.05))
         return Case(gated, FixedK(3), check=_early_stop)
-    if name in ("feature", "tree-feature"):
+    if name in ("feature", "tree-feature", "feature-head"):
         w = LlamaWeights.from_hf(tiny_llama(vocab_size=V, seed=12), torch.float32)
         w.lm_head = w.lm_head * 12.0
         fc = (
             torch.randn(w.embed.shape[1], 2 * w.embed.shape[1], generator=torch.Generator().manual_seed(0))
             * 0.1
         )
-        feature = FeatureDrafter(LlamaRuntime(w), fc, target.w.embed, "feature")
+        runtime = LlamaRuntime(w)
+        if name == "feature-head":  # a designed draft's head subset: drafting over its own rows
+            head = torch.tensor([0, 1, 2, 4, 6])
+            w.lm_head = w.lm_head[head]
+            runtime = SubsetHeadRuntime(LlamaRuntime(w), head, V)
+        feature = FeatureDrafter(runtime, fc, target.w.embed, name)
         if name == "tree-feature":  # EAGLE-2's tree of the feature draft's top tokens, point masses
             return Case(FeatureTreeDrafter(feature, TreeShape(True, 2, 2), name), FixedK(4), check=_branching)
         # rows without the target's features yet (the first step) propose nothing
@@ -496,6 +503,7 @@ CASES = [
     "gated-early-stop",
     "gated-head",
     "feature",
+    "feature-head",
     "feature-prompt",
     "tree-feature",
     "feature-after-plain",
@@ -583,7 +591,6 @@ def quant_draft(name: str, rt, model):
     feature draft's the same way (its layer and input projection; the GGUF's embedding)."""
     from specdraft.design.prune import depth_prune
     from specdraft.models.quant import QuantRuntime, QuantWeights, quantize_matrix
-    from specdraft.models.subset_head import SubsetHeadRuntime
 
     head = torch.tensor([0, 1, 2, 4, 6])
     pruned = ModelDrafter(QuantRuntime(rt.w.with_layers([0])), "prune:0")

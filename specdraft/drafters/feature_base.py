@@ -56,9 +56,9 @@ class FeatureDraftState(DraftState):
     """The feature draft's cache, and which pairs it holds.
 
     Attributes:
-        fed: ``(B,)`` first position whose real pair the cache does not hold yet (-1: a row that
-            has not proposed yet); pairs ``start .. fed - 1`` are in it.
-        start: ``(B,)`` first position of the draft's context (the row's first with target
+        fed: per row, the first position whose real pair the cache does not hold yet (-1: a row
+            that has not proposed yet); pairs ``start .. fed - 1`` are in it.
+        start: per row, the first position of the draft's context (the row's first with target
             features); cache slots before it are masked (-1: no context yet).
         answer: each row's last prompt position as :meth:`lag` first saw it (at the row's first
             step its length is its prompt's); -1 before.
@@ -68,21 +68,22 @@ class FeatureDraftState(DraftState):
         super().__init__(batch_size)
         self.prompt_pairs, self.max_lag = prompt_pairs, max_lag
         self.kv = runtime.new_state(batch_size, capacity)
-        self.fed = torch.full((batch_size,), -1, dtype=torch.int64)
-        self.start = torch.full((batch_size,), -1, dtype=torch.int64)
+        # lists, not tensors: read and written at every proposal, right after a forward
+        # (results/step-overhead-2026-12-05)
+        self.fed, self.start = [-1] * batch_size, [-1] * batch_size
         self.answer = [-1] * batch_size
 
     def select_rows(self, rows: torch.Tensor) -> None:
         super().select_rows(rows)
         self.kv.select_rows(rows)
-        self.fed, self.start = self.fed[rows], self.start[rows]
-        self.answer = [self.answer[r] for r in rows.tolist()]
+        keep = rows.tolist()
+        self.fed, self.start = [self.fed[r] for r in keep], [self.start[r] for r in keep]
+        self.answer = [self.answer[r] for r in keep]
 
     def append(self, other: FeatureDraftState) -> None:
         super().append(other)
         self.kv.append(other.kv)
-        self.fed = torch.cat([self.fed, other.fed])
-        self.start = torch.cat([self.start, other.start])
+        self.fed, self.start = self.fed + other.fed, self.start + other.start
         self.answer = self.answer + other.answer
 
     @property
@@ -98,7 +99,7 @@ class FeatureDraftState(DraftState):
         # lists, not tensor operations: the engine asks at every step, right after a forward
         # (results/step-overhead-2026-12-05)
         lag = []
-        for b, (L, f) in enumerate(zip(lengths.tolist(), self.fed.tolist())):
+        for b, (L, f) in enumerate(zip(lengths.tolist(), self.fed)):
             if f >= 0:
                 lag.append(min(L - 1 - f, self.max_lag))
                 continue
@@ -141,7 +142,8 @@ class Start:
             draft token's pair reads.
         memory: ``(B, 1, M, C)`` the target's :attr:`~FeatureDrafterBase.layers` at the last real
             pair, which drafted pairs read (None without layers).
-        recent: ``(B, W)`` the tokens before the first draft token (a local head's window).
+        recent: ``(B, W)`` the tokens before the first draft token (a local head's window; None
+            without a local head).
         hindsight: first-token outcomes read back at the real pairs (``Proposal.hindsight``), None
             when none were asked for.
     """
@@ -150,7 +152,7 @@ class Start:
     logits: torch.Tensor
     feature: torch.Tensor
     memory: torch.Tensor | None
-    recent: torch.Tensor
+    recent: torch.Tensor | None
     hindsight: list[list[bool]] | None = None
 
 
@@ -186,7 +188,8 @@ class FeatureDrafterBase:
 
     def __init__(self, runtime, embed: torch.Tensor, name: str, layers=(), local=None, prompt_pairs: int = 0):
         self.runtime = runtime
-        self.core = runtime.runtime if isinstance(runtime, SubsetHeadRuntime) else runtime
+        self.subset = runtime if isinstance(runtime, SubsetHeadRuntime) else None  # a head over some tokens
+        self.core = runtime if self.subset is None else runtime.runtime
         self.core.w = dataclasses.replace(self.core.w)  # its own weights record: .embed is rewritten per call
         self.embed = embed
         self.name = name
@@ -213,9 +216,14 @@ class FeatureDrafterBase:
     ) -> None:
         pass  # rollback is a length change: the next proposal reads the committed length (module docstring)
 
-    def _run(self, state, x: torch.Tensor, positions: torch.Tensor, mask=None, slots=None, index=None):
+    def _run(
+        self, state, x: torch.Tensor, positions: torch.Tensor, mask=None, slots=None, index=None, rows=False
+    ):
         """Run the draft over inputs ``x (B, T, C)`` at ``positions (B, T)``; its logits and features
-        at columns ``index (B, I)`` (None: every column), ``(B, I, V)`` and ``(B, I, C)``.
+        at columns ``index (B, I)`` (None: every column), ``(B, I, V)`` and ``(B, I, C)``; with
+        ``rows``, the logits over a subset head's own rows ``(B, I, N)`` (:attr:`subset`: not expanded
+        to the vocabulary, which filling and scanning would cost ~1.5% of a quantized SmolLM2 step at
+        k = 1 for a 8k-row head).
 
         Positions, cache ``slots`` (default: the positions) and ``mask (B, T, S)`` (None: causal from
         the row's ``state.start``) are the row's own. The cache holds the row's context from
@@ -224,17 +232,22 @@ class FeatureDrafterBase:
         positions): a causal step needs no mask and runs on the native kernels like a decode step.
         """
         B, T, C = x.shape
-        base = state.start.clamp(min=0).view(B, 1)
+        base = torch.tensor([[max(s, 0)] for s in state.start])  # (B, 1)
         kw = {}
         if mask is not None:  # slot s of the row's mask is slot s - start of its cache
             S = mask.shape[-1]
             shifted = torch.arange(S).view(1, 1, S) + base.view(B, 1, 1)  # (B, 1, S)
             mask = mask.gather(-1, shifted.clamp(max=S - 1).expand(B, T, S)) & (shifted < S)
             kw = {"attn_mask": mask, "slots": (positions if slots is None else slots) - base}
-        self.core.w.embed = x.reshape(B * T, C)
-        rows = torch.arange(B * T).view(B, T)  # (B, T) rows of the embedding table set above
-        out = self.runtime.forward(
-            state.kv, rows, positions - base, hidden_layers=(-1,), logits_index=index, **kw
+        self.core.w.embed = x.reshape(B * T, C)  # the tokens fed are its rows 0 .. B T - 1
+        model = self.core if rows else self.runtime
+        out = model.forward(
+            state.kv,
+            torch.arange(B * T).view(B, T),
+            positions - base,
+            hidden_layers=(-1,),
+            logits_index=index,
+            **kw,
         )
         f = (
             out.hidden[-1]
@@ -243,13 +256,13 @@ class FeatureDrafterBase:
         )
         return out.logits, f
 
-    def _forward(self, state, x: torch.Tensor, positions: torch.Tensor, index=None):
+    def _forward(self, state, x: torch.Tensor, positions: torch.Tensor, index=None, rows=False):
         """Run the draft causally over inputs ``x (B, T, C)`` (each query sees the row's context from
-        ``state.start`` up to its position); full logits at ``index`` (or the last column) and the
-        draft's feature there ``(B, C)``."""
+        ``state.start`` up to its position); logits at ``index`` (or the last column; over the vocabulary,
+        or a subset head's ``rows``: :meth:`_run`) and the draft's feature there ``(B, C)``."""
         B, T, _ = x.shape
         index = torch.full((B, 1), T - 1) if index is None else index
-        logits, f = self._run(state, x, positions, index=index)
+        logits, f = self._run(state, x, positions, index=index, rows=rows)
         return logits[:, 0], f[:, 0]
 
     def _real_pairs(self, state: FeatureDraftState, ctx: DraftContext) -> RealPairs | None:
@@ -262,7 +275,7 @@ class FeatureDrafterBase:
         kept = ctx.features
         if kept is None or not all(i in kept.hidden for i in self.hidden_layers):
             return None
-        lengths, fed, start = ctx.lengths.tolist(), state.fed.tolist(), state.start.tolist()
+        lengths, fed, start = ctx.lengths.tolist(), list(state.fed), list(state.start)
         for b, (L, f, answer) in enumerate(zip(lengths, fed, kept.answer.tolist())):
             if f < 0:  # a first proposal: prompt_pairs before the answer, at most first_bound back
                 start[b] = fed[b] = max(answer - self.prompt_pairs, 0, L - 1 - state.first_bound)
@@ -270,14 +283,14 @@ class FeatureDrafterBase:
                 start[b] = fed[b] = L - 1 - self.max_lag
         count = [L - 1 - f for L, f in zip(lengths, fed)]
         if max(count) <= 0:
-            state.fed, state.start = torch.tensor(fed), torch.tensor(start)
+            state.fed, state.start = fed, start
             return None
         P, top = max(count), min(kept.hidden[-1].shape[1], state.kv.capacity) - 1  # padding stays inside
         positions = [[min(f + j, top) for j in range(P)] for f in fed]
         cols = ctx.tokens.shape[1] - 1
         tokens = ctx.tokens.gather(1, torch.tensor([[min(p + 1, cols) for p in row] for row in positions]))
-        state.start = torch.tensor(start)
-        state.fed = torch.tensor([L - 1 if c > 0 else f for L, f, c in zip(lengths, fed, count)])
+        state.start = start
+        state.fed = [L - 1 if c > 0 else f for L, f, c in zip(lengths, fed, count)]
         where = torch.tensor(positions).unsqueeze(-1)  # (B, P, 1)
         n = [max(c, 1) for c in count]  # a row without pairs feeds one padding pair
         valid = None if min(n) == P else torch.tensor([[j < c for j in range(P)] for c in n])
@@ -292,10 +305,13 @@ class FeatureDrafterBase:
         have = torch.tensor([c > 0 for c in count])
         return RealPairs(have, last, where.squeeze(-1), tokens, at(-1), memory)
 
-    def start(self, state: FeatureDraftState, ctx: DraftContext, hindsight: bool = False) -> Start | None:
+    def start(
+        self, state: FeatureDraftState, ctx: DraftContext, hindsight: bool = False, rows: bool = False
+    ) -> Start | None:
         """Feed the pairs not fed yet (:meth:`_real_pairs`) in one forward: where drafting continues
         (None when no row has a pair to feed). With ``hindsight``, the rows ``ctx.hindsight`` asks
         for also get their first-token outcomes at the pairs before their last (:meth:`_asked`).
+        With ``rows`` (no local head), ``Start.logits`` are over a subset head's own rows (:meth:`_run`).
 
         Why they are free to read: the pair at position p predicts the token at p + 2, so each real
         pair but the last predicts a token the target has committed already; the draft token a
@@ -310,20 +326,21 @@ class FeatureDrafterBase:
         x = self.inputs(pairs.feats, pairs.tokens, pairs.memory)
         asked = self._asked(pairs, ctx) if hindsight else None
         if asked is None:
-            logits, f, seen = *self._forward(state, x, pairs.positions, pairs.last), None
+            logits, f, seen = *self._forward(state, x, pairs.positions, pairs.last, rows), None
         else:  # logits at every pair: the last real one continues, the others are read back
             P = x.shape[1]
-            every, feats = self._run(state, x, pairs.positions, index=torch.arange(P).expand(B, P))
+            every, feats = self._run(state, x, pairs.positions, index=torch.arange(P).expand(B, P), rows=rows)
             logits, f = (
                 t.gather(1, pairs.last.view(B, 1, 1).expand(-1, 1, t.shape[-1]))[:, 0] for t in (every, feats)
             )
-            seen = self._read_back(every, pairs, asked)
+            seen = self._read_back(every, pairs, asked, rows)
         memory = pairs.memory
         if memory is not None:  # drafted pairs read the last real pair's target layers
             memory = memory.gather(1, pairs.last.view(B, 1, 1, 1).expand(-1, 1, *memory.shape[2:]))
-        W = self.local.window if self.local is not None else 1
-        recent = ctx.tokens.gather(1, (L.unsqueeze(1) - W + torch.arange(W)).clamp(min=0))  # (B, W)
-        if self.local is not None:
+        recent = None
+        if self.local is not None:  # its window: the tokens before the first draft token
+            W = self.local.window
+            recent = ctx.tokens.gather(1, (L.unsqueeze(1) - W + torch.arange(W)).clamp(min=0))  # (B, W)
             logits = self.local.fuse(logits, recent)
         return Start(pairs.have, logits, f, memory, recent, seen)
 
@@ -338,11 +355,14 @@ class FeatureDrafterBase:
         asked = [w and p.greedy and n >= 1 for w, p, n in zip(ctx.hindsight, ctx.params, last)]
         return asked if any(asked) else None
 
-    @staticmethod
-    def _read_back(logits: torch.Tensor, pairs: RealPairs, asked: list[bool]) -> list[list[bool]]:
+    def _read_back(
+        self, logits: torch.Tensor, pairs: RealPairs, asked: list[bool], rows: bool
+    ) -> list[list[bool]]:
         """Per asked row, whether the greedy token at each real pair j but the last (``logits``
-        ``(B, P, V)``) is pair j + 1's token, the one committed at ``positions[j] + 2``."""
-        guess = greedy_tokens(logits[:, :-1]).tolist()
+        ``(B, P, V)``, or over a subset head's ``rows``) is pair j + 1's token, the one committed at
+        ``positions[j] + 2``."""
+        guess = greedy_tokens(logits[:, :-1])
+        guess = (self.subset.token_ids[guess] if rows and self.subset is not None else guess).tolist()
         tokens, last = pairs.tokens.tolist(), pairs.last.view(-1).tolist()
         return [
             [guess[b][j] == tokens[b][j + 1] for j in range(last[b])] if asked[b] else []
@@ -352,15 +372,16 @@ class FeatureDrafterBase:
     def propose(self, state: FeatureDraftState, ctx: DraftContext, k: int) -> Proposal:
         B, L = ctx.lengths.shape[0], ctx.lengths
         draft = torch.zeros(B, k, dtype=torch.int64)
-        begun = self.start(state, ctx, hindsight=True)
+        head = self.subset if self.local is None else None  # a local head fuses over the vocabulary
+        begun = self.start(state, ctx, hindsight=True, rows=head is not None)
         if begun is None:
             return Proposal(tokens=draft, num_valid=torch.zeros(B, dtype=torch.int64))
         logits, f, recent, probs = begun.logits, begun.feature, begun.recent, None
         for i in range(k):
-            probs, _ = take_token(logits, ctx, draft, probs, i)
+            probs, _ = take_token(logits, ctx, draft, probs, i, head)
             if i + 1 < k:  # pair (f_hat at L-2+i+1, d_i) at position L-1+i
                 x = self.inputs(f.unsqueeze(1), draft[:, i : i + 1], begun.memory)
-                logits, f = self._forward(state, x, (L - 1 + i).unsqueeze(1))
+                logits, f = self._forward(state, x, (L - 1 + i).unsqueeze(1), rows=head is not None)
                 if self.local is not None:  # the tokens before draft i + 1
                     recent = torch.cat([recent[:, 1:], draft[:, i : i + 1]], 1)
                     logits = self.local.fuse(logits, recent)

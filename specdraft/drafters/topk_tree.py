@@ -374,20 +374,21 @@ class FeatureTreeDrafter(TreeGrowth):
         begun = self.feature.start(state, ctx)
         if begun is None:
             return None
-        carry = (begun.feature.unsqueeze(1), begun.recent.unsqueeze(1), begun.memory)
-        first, lo = ctx.lengths - 1, state.start.clamp(min=0)
+        recent = None if begun.recent is None else begun.recent.unsqueeze(1)
+        carry = (begun.feature.unsqueeze(1), recent, begun.memory)
+        first, lo = ctx.lengths - 1, torch.tensor([max(s, 0) for s in state.start])
         return Root(begun.logits.unsqueeze(1), first, lo, begun.have, carry)
 
     def _feed(self, state, fed: torch.Tensor, rows: torch.Tensor, carry: tuple, where: Placement):
-        f, recent, memory = carry  # (B, f, C), (B, f, W), (B, 1, M, C) or None
+        f, recent, memory = carry  # (B, f, C), (B, f, W) or None (no local head), (B, 1, M, C) or None
         (B, w), C = fed.shape, f.shape[2]
         parent = f.gather(1, rows.unsqueeze(-1).expand(-1, -1, C))  # (B, w, C)
         mem = None if memory is None else memory.expand(-1, w, *memory.shape[2:])
         x = self.feature.inputs(parent, fed, mem)  # (B, w, C)
         logits, f = self.feature._run(state, x, where.positions, where.mask, where.slots)
-        recent = recent.gather(1, rows.unsqueeze(-1).expand(-1, -1, recent.shape[2]))  # (B, w, W)
-        recent = torch.cat([recent[..., 1:], fed.unsqueeze(-1)], -1)  # the tokens before each child
-        if self.feature.local is not None:
+        if recent is not None:  # a local head's window: the tokens before each child
+            recent = recent.gather(1, rows.unsqueeze(-1).expand(-1, -1, recent.shape[2]))  # (B, w, W)
+            recent = torch.cat([recent[..., 1:], fed.unsqueeze(-1)], -1)
             fused = self.feature.local.fuse(logits.flatten(0, 1), recent.flatten(0, 1))
             logits = fused.view(B, w, -1)
         return logits, (f, recent, memory)

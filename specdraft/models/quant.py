@@ -42,6 +42,7 @@ import os
 import subprocess
 import tempfile
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -124,7 +125,7 @@ def variants() -> list[str]:
     return ["ref", "avx2", *vnni]
 
 
-@dataclass
+@dataclass(frozen=True)
 class QuantMatrix:
     """One weight matrix in GGUF blocks: as the file stores it, or its rows repacked in groups of 8.
 
@@ -147,6 +148,12 @@ class QuantMatrix:
         return self.data.shape[0]
 
     def struct(self) -> QMat:
+        """The kernels' view of the matrix (:class:`QMat`), made once: building it reads numpy's
+        ``ctypes`` interface, ~20 us right after a forward, and every matmul and embedding read asks."""
+        return self._qmat
+
+    @cached_property
+    def _qmat(self) -> QMat:
         omap = None if self.omap is None else self.omap.data_ptr()
         return QMat(self.data.ctypes.data, self.type, self.rows, self.cols, self.data.shape[1], omap, self.x8)
 
@@ -208,7 +215,8 @@ def quant_matmul(
 def dequantize_rows(w: QuantMatrix, ids: torch.Tensor) -> torch.Tensor:
     """Rows ``ids`` of W as fp32, ``ids.shape + (K,)``: the exact block values (the embedding)."""
     ids64 = ids.to(torch.int64).contiguous()
-    if ids64.numel() and (int(ids64.min()) < 0 or int(ids64.max()) >= w.rows):
+    flat = ids64.view(-1).tolist()  # a list: two tensor reductions cost more at a step's few ids
+    if flat and (min(flat) < 0 or max(flat) >= w.rows):
         raise SpecdraftError(f"token id out of range for a {w.rows}-row embedding")
     out = torch.empty(*ids.shape, w.cols, dtype=torch.float32)
     s = w.struct()
@@ -722,7 +730,6 @@ class QuantRuntime:
         self._head = self.w.head.struct()
         self._rope_len = 0
         self._cos = self._sin = None
-        self._caches = None  # (cache data pointers, their pointer arrays)
 
     def __repr__(self) -> str:
         types = ", ".join(f"{n} {t}" for t, n in self.w.types.items())
@@ -741,16 +748,6 @@ class QuantRuntime:
             self._cos, self._sin = emb.cos().contiguous(), emb.sin().contiguous()
             self._rope_len = n
         return self._cos, self._sin
-
-    def _cache_arrays(self, state: LlamaKV):
-        key = tuple(t.data_ptr() for t in (*state.k, *state.v))
-        if self._caches is None or self._caches[0] != key:
-            for t in (*state.k, *state.v):
-                if t.dtype != torch.float32 or not t.is_contiguous():
-                    raise ValueError("QuantRuntime: caches must be contiguous float32")
-            n = len(state.k)
-            self._caches = (key, (ctypes.c_void_p * n)(*key[:n]), (ctypes.c_void_p * n)(*key[n:]))
-        return self._caches[1], self._caches[2]
 
     def _layers_call(self, x, pos, off, B, T, cap, first, last, kc, vc, cos, sin, tree):
         w = self.w
@@ -790,7 +787,7 @@ class QuantRuntime:
         """The decoder layers over ``x`` in place, split where ``hidden_layers`` are read; returns them."""
         w = self.w
         cos, sin = self._rope_tables(int(pos.max()) + 1)
-        kc, vc = self._cache_arrays(state)
+        kc, vc = state.pointers()
         hidden: dict[int, torch.Tensor] = {}
         first = 0
         for li in sorted({i for i in hidden_layers if i >= 0}) + [len(w.layers) - 1]:

@@ -109,7 +109,7 @@ def test_slots_match_the_training_model(tiny_pipe, data, subset):
     i, c = 1, 5  # sequence 1; the target verified c positions (P-1 .. P+c-2)
     P, hid, tokens = data.prompt_lens[i], data.hidden[i].float(), data.tokens[i]
     state = drafter.new_state(1, 64)
-    state.start[:] = P - 1
+    state.start = [P - 1]
     pos = torch.arange(P - 1, P - 1 + c).unsqueeze(0)
     drafter._forward(state, drafter.inputs(hid[:c].unsqueeze(0), tokens[P : P + c].unsqueeze(0)), pos)
     got = drafter.slot_logprobs(state, hid[c].unsqueeze(0), torch.tensor([P + c]))[0]  # (S, V + 1)

@@ -4,14 +4,13 @@ A step with k = 0 (``--k auto``, the safe arm's plain probes) never reaches the 
 target's features of the positions it commits must: the engine keeps every committed position's
 (:class:`~specdraft.drafters.base.TargetFeatures`) and the drafter feeds what it has not fed at its
 next proposal. So, whatever steps ran in between (k = 0 alternating with drafting, runs of several
-k = 0 steps, rows leaving and a row joining), every proposal of every feature kind (EAGLE-style,
-its EAGLE-2 tree, DREAM-style, with a local head fused in, CTC) is the one a fresh draft makes
-when fed every pair of the row's context at once from one full target forward; and it is not the
-one of a draft that started over from the last forward's pair (what happened before), so the test
-can fail. The context starts at the last prompt position, or ``prompt_pairs`` before it for a draft
-that reads the prompt (the engine keeps the prefill's features). Greedy output stays plain
-decoding's.
-"""
+k = 0 steps, rows leaving and a row joining), every proposal of every feature kind (EAGLE-style, with
+a head subset, its EAGLE-2 tree, DREAM-style, with a local head fused in, CTC) is the one a fresh
+draft makes when fed every pair of the row's context at once from one full target forward; and it is
+not the one of a draft that started over from the last forward's pair (what happened before), so the
+test can fail. The context starts at the last prompt position, or ``prompt_pairs`` before it for a
+draft that reads the prompt (the engine keeps the prefill's features). Greedy output stays plain
+decoding's."""
 
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ from specdraft.verify import SamplingParams
 from tests.helpers import kept_features
 from tests.test_tv_all_drafters import PROMPT, make_case, peaked
 
-KINDS = ["feature", "tree-feature", "dream", "local-fused", "ctc"]
+KINDS = ["feature", "feature-head", "tree-feature", "dream", "local-fused", "ctc"]
 
 
 class Pattern(FixedK):
@@ -242,7 +241,7 @@ class ReadBack(Recording):
         return prop
 
 
-@pytest.mark.parametrize("name", ["feature", "dream"])
+@pytest.mark.parametrize("name", ["feature", "feature-head", "dream"])
 def test_hindsight_tells_what_proposals_at_the_catch_up_positions_would_have_got(name):
     """A proposal after steps without drafts reads back, at each real pair but its last, whether the
     greedy token there is the one the target committed: the n outcomes of a row of length L are

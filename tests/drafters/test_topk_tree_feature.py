@@ -154,8 +154,9 @@ class Oracle(FeatureDrafter):
         self.ref = torch.stack(rows)  # (B, R) each row's reference sequence
         return super().start(state, ctx)
 
-    def _run(self, state, x, positions, mask=None, slots=None, index=None):
-        logits, f = super()._run(state, x, positions, mask, slots, index)
+    def _run(self, state, x, positions, mask=None, slots=None, index=None, rows=False):
+        assert self.subset is None  # the logits below are over the vocabulary whatever ``rows``
+        logits, f = super()._run(state, x, positions, mask, slots, index, rows)
         pos = positions if index is None else positions.gather(1, index)  # (B, I)
         true = self.ref.gather(
             1, (pos + 2).clamp(max=self.ref.shape[1] - 1)
