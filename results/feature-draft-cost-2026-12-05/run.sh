@@ -1,0 +1,35 @@
+#!/bin/bash
+# What the feature draft F costs per proposal beside the quantized target, before and after e37cb4f (greedy
+# tokens over its 8k-row head's own rows, fewer small tensor operations per proposal, the kernels' views of
+# weight matrices and KV caches made once), and F's speed over plain decoding with k = auto and k = 1.
+# usage: results/feature-draft-cost-2026-12-05/run.sh steps after|before [tag]
+#          benchmarks/bench_step_overhead.py: decode ms per step split into the target's forward, drafting
+#          and the rest; plain decoding, F at k = 1 and k = auto; 13 Spec-Bench first turns x 2 rounds, batch 1
+#        results/feature-draft-cost-2026-12-05/run.sh policy [tag]
+#          benchmarks/bench_policy.py: F with k = auto and k = 1, 26 Spec-Bench first turns, batch 1
+#   before: main before this work (a4fd01e), in a worktree beside this checkout (../sd-a4fd01e, so that
+#   ../shared is found), with this checkout's venv.
+set -u
+OUT=$(cd "$(dirname "$0")" && pwd)
+cd "$OUT/../.."
+. results/step.sh  # step LOG cmd...
+ROOT=$(pwd)
+BASE=a4fd01e
+WT="$ROOT/../sd-$BASE"
+F=designed:smollm2-135m-feature-4k-second
+case "${1:-}" in
+  steps)
+    case "${2:-}" in
+      after) dir=. ;;
+      before) dir=$WT; [ -d "$WT" ] || git worktree add --detach -q "$WT" "$BASE" ;;
+      *) echo "usage: $0 steps after|before [tag]" >&2; exit 2 ;;
+    esac
+    c=$(cd "$dir" && git rev-parse --short HEAD)
+    (cd "$dir" && step "$OUT/steps-$c${3:-}.txt" "$ROOT/.venv/bin/python" benchmarks/bench_step_overhead.py \
+      --draft $F --policies 1,auto --limit 1 --rounds 2 --max-new-tokens 128 --threads 2) </dev/null ;;
+  policy)
+    step "$OUT/policy-$(git rev-parse --short HEAD)${2:-}.txt" .venv/bin/python benchmarks/bench_policy.py --draft $F \
+      --policies auto,1 --limit 2 --max-new-tokens 128 --threads 2 \
+      --json "$OUT/policy-$(git rev-parse --short HEAD)${2:-}.json" </dev/null ;;
+  *) echo "usage: $0 steps after|before [tag] | policy [tag]" >&2; exit 2 ;;
+esac
