@@ -424,7 +424,6 @@ class DecodeLayers:
         self.H, self.G, self.D, self.eps = n_heads, n_kv_heads, head_dim, eps
         self._weights = [w for lw in layers for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)]
         self._ptrs = None  # (weight versions, keep-alive tensors, pointer arrays)
-        self._caches = None  # (cache data pointers and shapes, their checked pointer arrays)
 
     @staticmethod
     def supports(T: int, rows: int, n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
@@ -462,8 +461,7 @@ class DecodeLayers:
         self,
         x: torch.Tensor,
         positions: torch.Tensor,
-        k_caches: list,
-        v_caches: list,
+        kv,
         cos: torch.Tensor,
         sin: torch.Tensor,
         tree: TreeLayout | None = None,
@@ -471,7 +469,8 @@ class DecodeLayers:
     ) -> torch.Tensor:
         """``x (B, T, C)`` fp32 (the embeddings) -> the residual stream after the last layer,
         computed in place in ``x`` (made contiguous first); writes each layer's new keys and values
-        into its ``(B, G, cap, D)`` caches (at ``tree.slot`` for a token-tree step).
+        into its ``(B, G, cap, D)`` caches in ``kv`` (a :class:`~specdraft.models.llama.LlamaKV`; at
+        ``tree.slot`` for a token-tree step).
 
         ``span = (first, stop)`` runs layers ``first .. stop - 1`` only (``x``: layer ``first``'s
         input): consecutive spans give bit for bit what one call over all layers gives, since the
@@ -481,7 +480,7 @@ class DecodeLayers:
             raise ValueError(f"DecodeLayers: layer span {span} outside 0..{len(self.layers)}")
         B, T, C = x.shape
         F = self.layers[0].w_down.shape[1]
-        cap = k_caches[0].shape[2]
+        cap = kv.capacity
         last = int(positions.max()) if tree is None else max(int(positions.max()), int(tree.slot.max()))
         if last >= cap or cos.shape[0] <= last:
             raise ValueError(
@@ -489,16 +488,11 @@ class DecodeLayers:
             )
         if C % 8 or F % 8:
             raise ValueError("DecodeLayers: widths must be multiples of 8")
-        # the caches' pointer arrays, checked once per set of cache tensors (they change only when
-        # the cache is reallocated or its rows are selected)
-        key = (B, cap, *[t.data_ptr() for t in k_caches], *[t.data_ptr() for t in v_caches])
-        if self._caches is None or self._caches[0] != key:
-            for t in (*k_caches, *v_caches):
-                if t.dtype != torch.float32 or not t.is_contiguous() or t.shape[0] != B or t.shape[2] != cap:
-                    raise ValueError("DecodeLayers: caches must be contiguous float32 (B, G, cap, D)")
-            n = len(k_caches)
-            self._caches = (key, (ctypes.c_void_p * n)(*key[2 : 2 + n]), (ctypes.c_void_p * n)(*key[2 + n :]))
-        _, kc, vc = self._caches
+        if kv.batch_size != B or len(kv.k) != len(self.layers):
+            raise ValueError(
+                f"DecodeLayers: a cache of {kv.batch_size} rows and {len(kv.k)} layers for {B} rows"
+            )
+        kc, vc = kv.pointers()  # checked and made once per set of cache tensors
         if x.dtype != torch.float32 or cos.dtype != torch.float32 or sin.dtype != torch.float32:
             raise ValueError("DecodeLayers: activations and RoPE tables must be float32")
         x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()

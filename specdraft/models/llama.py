@@ -583,7 +583,7 @@ class LlamaRuntime:
         n = len(self.layers)
         first = 0
         for li in sorted({i for i in wanted if i >= 0} | {n - 1}):
-            x = self._decode_layers(x, positions, state.k, state.v, cos, sin, tree, span=(first, li + 1))
+            x = self._decode_layers(x, positions, state, cos, sin, tree, span=(first, li + 1))
             first = li + 1
             if li in wanted:
                 hidden[li] = x.clone()  # the next span updates x in place

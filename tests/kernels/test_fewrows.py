@@ -353,4 +353,4 @@ def test_native_decoder_layers_hand_out_intermediate_layers_bit_for_bit(monkeypa
     with pytest.raises(SpecdraftError, match="hidden layers"):
         step(rt, (4,))
     with pytest.raises(ValueError, match="span"):
-        rt._decode_layers(torch.zeros(1, 1, 64), pos[:1, :1], [], [], *rt._rope_tables(16), span=(2, 2))
+        rt._decode_layers(torch.zeros(1, 1, 64), pos[:1, :1], None, *rt._rope_tables(16), span=(2, 2))
