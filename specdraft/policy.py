@@ -643,6 +643,7 @@ class CostAwareK:
             None  # whether the drafter classifies its proposals (seen at the first update)
         )
         self._times: list[float] | None = None  # cached T_target(1 .. k_max + 1)
+        self._times_at = 0  # the batch size they were read at
         self.last_k = k_start
         self.watch = watch
         self.row_state: dict[int, _Row] = {}  # request id -> its own record
@@ -722,7 +723,7 @@ class CostAwareK:
     def _step_times(self) -> list[float]:
         """``T_target(1 .. k_max + 1)`` at the current batch size, cached until the next update."""
         if self._times is None:
-            self._times = self.latency().times(self.k_max + 1)
+            self._times, self._times_at = self.latency().times(self.k_max + 1), self._batch
         return self._times
 
     def _curve(self, bucket: int | None) -> _Curve:
@@ -935,12 +936,14 @@ class CostAwareK:
         # prompt lookup found less to propose or trim() cut it), or a tree's nodes + 1 (width):
         # that is the size this time belongs to
         fed = drafted + 1 if width is None else width
+        line = self.step_lines.get(len(accepts)) if self.ragged else None
+        plain_before = None if line is None else line.t_plain  # B's before this step (ragged steps)
         if self.ragged:  # rows fed 1 + num_drafted[b] each (a tree: width each)
             self._line(len(accepts), sum(drafts), width, target_time)
         if not self.ragged or fed == 1:
             last = [*self._target_samples.get(fed, []), target_time][-self.latency_window :]
             self._target_samples[fed], self.t_target[fed] = last, statistics.median(last)
-        self._times = None
+        self._times = self._shifted(len(accepts), plain_before, fed)
         if k > 0:  # the drafter ran, whatever trim() kept
             self.draft_fit.add(1 if self.per_block else k, self._catch, draft_time)
             self.t_draft, self.t_lag = self.draft_fit.solve()
@@ -965,6 +968,19 @@ class CostAwareK:
                     self._learn(*pending)
                 row.pending = []
             self._learn(b, d, a)
+
+    def _shifted(self, B: int, plain_before: float | None, fed: int) -> list[float] | None:
+        """The cached step times after a plain ragged step at B rows, the size they were read at,
+        moved by what the step moved B's ``t_plain``: once a draft token's cost is measured, every
+        point of :meth:`_ragged_points` is ``t_plain`` plus a cost that only speculative steps change,
+        so reading the curve again at every plain step (~0.1 ms right after a forward, ~1.5% of a
+        SmolLM2 step) gives the same times. None (read again) after any other step."""
+        if self._times is None or plain_before is None or fed != 1 or self._times_at != B:
+            return None
+        if self._nearest_line(B) is None:  # no cost measured: a plain step's share per token
+            return None
+        move = self.step_lines[B].t_plain - plain_before
+        return [t + move for t in self._times]
 
     def _line(self, B: int, drafted: int, width: int | None, seconds: float) -> None:
         """A ragged step (``drafted`` draft tokens over B rows) into its batch size's line

@@ -407,6 +407,32 @@ def test_ragged_step_time_is_a_line_in_the_draft_tokens_the_batch_fed():
     assert p.slope(4) == pytest.approx(0.001)  # the median of the last steps' cost per token
 
 
+def test_plain_steps_move_the_cached_step_times_as_a_fresh_reading_does():
+    """After a plain ragged step the cached ``T(1 .. k_max + 1)`` are moved by what the step moved
+    ``t_plain`` instead of read again (~0.1 ms a step): the same times as a fresh reading, at each
+    batch size, whether the costs are a line or each x's own; read again after a speculative step
+    and at another batch size."""
+    p = model(k_max=4)
+    p.ragged = True
+    p.update(0, t(0, 0), t(0, 0), 0.0, 0.010)
+    p.update(1, t(1, 0), t(0, 0), 1e-5, 0.011)  # the line: 1 ms a draft token
+    plain = [0.0104, 0.0097, 0.0121, 0.0090]
+    for step in range(12):
+        if step == 6:  # 2-token steps with a majority of their own: points, not the line
+            for _ in range(3):
+                p.update(2, t(2, 2), t(0, 0), 1e-5, 0.016)
+            assert p._times is None  # read again after a speculative step
+        p._step_times()  # as choose() reads them at every step
+        p.update(0, t(0, 0), t(0, 0), 0.0, plain[step % 4])
+        moved = p._times
+        assert moved is not None and p._times_at == 2  # moved, not dropped
+        assert moved == pytest.approx(p.latency().times(5), rel=1e-12, abs=1e-15)
+    p.update(0, t(0, 0, 0), t(0, 0, 0), 0.0, 0.012)  # 3 rows: its first plain step
+    assert p._times is None
+    p.choose(rows=[1, 2, 3])
+    assert p._step_times() == pytest.approx(p.latency(3).times(5))
+
+
 def test_steps_of_x_draft_tokens_are_read_from_their_own_times_once_they_have_a_majority():
     """A draft token's cost grows with the draft tokens a step feeds (the quantized target at batch 1:
     ``results/feature-q8-2026-12-05/latency-0b2ca67.txt``): the line through every step's cost per
