@@ -856,7 +856,9 @@ class CostAwareK:
         valid = num_valid.tolist()  # lists, not tensors: this runs at every speculative step
         classes = bucket.tolist() if bucket is not None else [None] * len(valid)
         caps, fresh = valid, set()  # fresh: classes not learned yet, their first proposals teach them, uncut
-        if bucket is not None and self.t_draft is not None and self._plain_timed() and self._drafts_timed():
+        # a drafter without classes too: a probe that read-backs (hindsight) ended before this trim
+        # verifies only what its curve now says pays (results/feature-draft-cost-2026-12-05/)
+        if self.t_draft is not None and self._plain_timed() and self._drafts_timed():
             by_class: dict[int, int] = {}  # its best k now the drafting is done, or its probe
             for b in set(classes):
                 cur, best = self._curve(b), self._best(b, 0.0)
@@ -973,8 +975,8 @@ class CostAwareK:
         """The cached step times after a plain ragged step at B rows, the size they were read at,
         moved by what the step moved B's ``t_plain``: once a draft token's cost is measured, every
         point of :meth:`_ragged_points` is ``t_plain`` plus a cost that only speculative steps change,
-        so reading the curve again at every plain step (~0.1 ms right after a forward, ~1.5% of a
-        SmolLM2 step) gives the same times. None (read again) after any other step."""
+        so reading the curve again at every plain step (work in Python right after a forward, where it
+        is slowest) gives the same times. None (read again) after any other step."""
         if self._times is None or plain_before is None or fed != 1 or self._times_at != B:
             return None
         if self._nearest_line(B) is None:  # no cost measured: a plain step's share per token

@@ -123,8 +123,8 @@ def test_classes_get_their_own_curves_and_rows_are_trimmed_to_them():
     assert p.rates(3)[0] > 0.6 and p.rates(1)[0] < 0.3  # 0.9 and 0.05, seen through ~10 decayed counts
     caps = p.trim(t(8, 8, 0), t(3, 1, 0)).tolist()
     assert caps[0] >= 5 and caps[1] == 0 and caps[2] == 0
-    # without classes nothing is trimmed
-    assert p.trim(t(8, 8), None).tolist() == [8, 8]
+    # proposals without a class: their curve is not learned yet, so its probe's length
+    assert p.trim(t(8, 8), None).tolist() == [p.probe_k] * 2
 
 
 def test_nothing_is_proposed_when_no_class_pays_but_each_class_is_probed():
@@ -246,6 +246,31 @@ def test_a_probe_after_a_stretch_at_zero_learns_the_stretch_in_hindsight():
 
     assert at_probe(read=False) == 0
     assert at_probe(read=True) > 0
+
+
+@pytest.mark.parametrize("read", [False, True])
+def test_a_probe_its_read_backs_ended_verifies_what_its_curve_now_says_pays(read):
+    """A drafter without classes probing at k = 0: the read-backs told before trim() end the probe,
+    and trim() then cuts the proposal to what the class's curve says pays now the drafting is spent:
+    nothing when they were rejections (the probe's verification, a wider target forward, is saved),
+    the probe's tokens when they were accepted. Without read-backs the probe is verified as it was."""
+    p = model(k_max=4, probe_every=4, probe_max=4, watch=RowWatch(floor=0.0))  # the row stays on
+    hit = True  # a hit (the row teaches its class from then on), then rejections: k = 0
+    for _ in range(30):
+        k = p.choose([7])
+        p.update(k, t(k), t(int(hit and k > 0)), k * 0.005, 0.03 + 0.005 * k, rows=[7])
+        hit = hit and k == 0
+    while (k := p.choose([7])) == 0:
+        p.update(0, t(0), t(0), 0.0, 0.03, rows=[7])
+    if not read:
+        assert p.trim(t(k), None, rows=[7]).tolist() == [k]  # a probe: verified
+        return
+    p.hindsight([7], [[False] * 12])
+    assert p.trim(t(k), None, rows=[7]).tolist() == [0]
+    while (k := p.choose([7])) == 0:
+        p.update(0, t(0), t(0), 0.0, 0.03, rows=[7])
+    p.hindsight([7], [[True] * 12])
+    assert p.trim(t(k), None, rows=[7]).tolist() == [k]
 
 
 def test_make_policy():

@@ -222,8 +222,8 @@ class FeatureDrafterBase:
         """Run the draft over inputs ``x (B, T, C)`` at ``positions (B, T)``; its logits and features
         at columns ``index (B, I)`` (None: every column), ``(B, I, V)`` and ``(B, I, C)``; with
         ``rows``, the logits over a subset head's own rows ``(B, I, N)`` (:attr:`subset`: not expanded
-        to the vocabulary, which filling and scanning would cost ~1.5% of a quantized SmolLM2 step at
-        k = 1 for a 8k-row head).
+        to the vocabulary: filling and scanning its V columns at every draft token is work the chain's
+        greedy and sampled tokens do not need, results/feature-draft-cost-2026-12-05/).
 
         Positions, cache ``slots`` (default: the positions) and ``mask (B, T, S)`` (None: causal from
         the row's ``state.start``) are the row's own. The cache holds the row's context from

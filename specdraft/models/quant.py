@@ -149,7 +149,8 @@ class QuantMatrix:
 
     def struct(self) -> QMat:
         """The kernels' view of the matrix (:class:`QMat`), made once: building it reads numpy's
-        ``ctypes`` interface, ~20 us right after a forward, and every matmul and embedding read asks."""
+        ``ctypes`` interface, slow right after a forward, and every matmul and embedding read asks
+        (results/feature-draft-cost-2026-12-05/)."""
         return self._qmat
 
     @cached_property
