@@ -7,6 +7,8 @@
 #          and the rest; plain decoding, F at k = 1 and k = auto; 13 Spec-Bench first turns x 2 rounds, batch 1
 #        results/feature-draft-cost-2026-12-05/run.sh policy [tag]
 #          benchmarks/bench_policy.py: F with k = auto and k = 1, 26 Spec-Bench first turns, batch 1
+#        results/feature-draft-cost-2026-12-05/run.sh policy-ab after|before B [tag]
+#          the same with k = auto only (k = 1 too at batch 1), batch B, at this checkout or at a4fd01e
 #   before: main before this work (a4fd01e), in a worktree beside this checkout (../sd-a4fd01e, so that
 #   ../shared is found), with this checkout's venv.
 set -u
@@ -31,5 +33,16 @@ case "${1:-}" in
     step "$OUT/policy-$(git rev-parse --short HEAD)${2:-}.txt" .venv/bin/python benchmarks/bench_policy.py --draft $F \
       --policies auto,1 --limit 2 --max-new-tokens 128 --threads 2 \
       --json "$OUT/policy-$(git rev-parse --short HEAD)${2:-}.json" </dev/null ;;
-  *) echo "usage: $0 steps after|before [tag] | policy [tag]" >&2; exit 2 ;;
+  policy-ab)
+    case "${2:-}" in
+      after) dir=. ;;
+      before) dir=$WT; [ -d "$WT" ] || git worktree add --detach -q "$WT" "$BASE" ;;
+      *) echo "usage: $0 policy-ab after|before B [tag]" >&2; exit 2 ;;
+    esac
+    B=${3:?batch size}
+    [ "$B" = 1 ] && pol=auto,1 || pol=auto
+    c=$(cd "$dir" && git rev-parse --short HEAD)
+    (cd "$dir" && step "$OUT/policy-b$B-$c${4:-}.txt" "$ROOT/.venv/bin/python" benchmarks/bench_policy.py --draft $F \
+      --batch "$B" --policies $pol --limit 2 --max-new-tokens 128 --threads 2) </dev/null ;;
+  *) echo "usage: $0 steps after|before [tag] | policy [tag] | policy-ab after|before B [tag]" >&2; exit 2 ;;
 esac
