@@ -546,13 +546,12 @@ class CostAwareK:
         E[tokens | k] = 1 + sum_{j<=k} prod_{i<=j} c_i          (analytic.expected_tokens_from_rates)
         T_step(k)     = k * T_draft + T_target(k + 1)           (analytic.step_time)
 
-    with ``T_target(n)`` measured per n (:meth:`latency`), a step that verifies drafts also paying what
-    its rest (verification, commit, bookkeeping) takes beyond a plain step's (:meth:`extra`). It asks
-    for the k that maximises E[tokens | k] / T_step(k) (the most any class would verify, for a
-    drafter with classes), and :meth:`trim` cuts each row to its class's best length, the draft
-    cost then being spent already. A single alpha, as before, misjudges drafts whose acceptance
-    comes in bursts: prompt lookup after a 3-token match is accepted ~0.8 of the time here, after a
-    1-token match ~0.2.
+    with ``T_target(n)`` measured per n (:meth:`latency`). It asks for the k that maximises
+    E[tokens | k] / T_step(k) (the most any class would verify, for a drafter with classes), and
+    :meth:`trim` cuts each row to its class's best length, the draft cost then being spent
+    already. A single alpha, as
+    before, misjudges drafts whose acceptance comes in bursts: prompt lookup after a 3-token match
+    is accepted ~0.8 of the time here, after a 1-token match ~0.2.
 
     Given the rows' request ids, it also watches each row (:class:`RowWatch`): a row whose drafts
     keep failing is cut to 0 while the others draft, probes, recovers, and may be flagged in
@@ -654,13 +653,6 @@ class CostAwareK:
         # the runtime): a line per batch size B in the draft tokens the batch fed (_StepLine)
         self.ragged = False
         self.step_lines: dict[int, _StepLine] = {}
-        # the rest of a step (the span from choose() to update() beyond drafting and the target's
-        # forward: verification, commit, bookkeeping), per batch size: plain steps' running average,
-        # and what a speculative step's rest exceeded it by, its last latency_window (_rest)
-        self.rest_clock = time.perf_counter  # seconds (a fake clock in tests)
-        self._began: float | None = None
-        self.rest_plain: dict[int, float] = {}
-        self.rest_extra: dict[int, list[float]] = {}
         # a block drafter (one draft forward per step whatever k; the engine sets it from the
         # drafter's ``drafts_blocks``): T_draft is per step, charged once (analytic.step_time)
         self.per_block = False
@@ -682,37 +674,7 @@ class CostAwareK:
         (:meth:`_ragged_points`); the table above while no plain step at B is seen."""
         B = B or self._batch
         points = self._ragged_points(B)
-        points = self.t_target if points is None else points
-        extra = self.extra(B)
-        if extra > 0:  # a speculative step's rest beyond a plain one's
-            points = {n: t + extra if n > 1 else t for n, t in points.items()}
-        return analytic.LatencyCurve({1: points})
-
-    def extra(self, B: int) -> float:
-        """Seconds a speculative step's rest (verification, commit, the bookkeeping of drafts: the
-        span from :meth:`choose` to :meth:`update` beyond drafting and the target's forward) takes
-        beyond a plain step's, at B rows: the median of the last ``latency_window`` speculative steps
-        at the nearest batch size with some (0 before any). :meth:`latency` adds it to every step
-        that verifies drafts; unpriced, it made steps that lose look as if they paid
-        (results/feature-draft-cost-2026-12-05/)."""
-        if not self.rest_extra:
-            return 0.0
-        near = min(self.rest_extra, key=lambda b: (abs(b - B), b))
-        return max(statistics.median(self.rest_extra[near]), 0.0)
-
-    def _rest(self, B: int, drafted: int, fed: int, draft_time: float, target_time: float) -> None:
-        """The step's rest (:meth:`extra`) into B's record: a plain step's into the running average,
-        a speculative step's as its excess over that."""
-        if self._began is None:
-            return
-        rest = max(self.rest_clock() - self._began - draft_time - target_time, 0.0)
-        self._began = None
-        if drafted == 0 and fed == 1:
-            self.rest_plain[B] = self._ema(self.rest_plain.get(B), rest)
-        elif drafted > 0 and B in self.rest_plain:
-            self.rest_extra[B] = [*self.rest_extra.get(B, []), rest - self.rest_plain[B]][
-                -self.latency_window :
-            ]
+        return analytic.LatencyCurve({1: self.t_target if points is None else points})
 
     def _ragged_points(self, B: int) -> dict[float, float] | None:
         """A ragged step's time at B rows by tokens per row n = 1 + x / B (:meth:`latency`): through
@@ -842,7 +804,6 @@ class CostAwareK:
         return out
 
     def choose(self, rows: list[int] | None = None, lag: torch.Tensor | None = None) -> int:
-        self._began = self.rest_clock()
         if rows is not None and len(rows) != self._batch:
             self._batch, self._times = len(rows), None
         lags = [] if lag is None else lag.tolist()
@@ -977,7 +938,6 @@ class CostAwareK:
         # prompt lookup found less to propose or trim() cut it), or a tree's nodes + 1 (width):
         # that is the size this time belongs to
         fed = drafted + 1 if width is None else width
-        self._rest(len(accepts), drafted, fed, draft_time, target_time)
         line = self.step_lines.get(len(accepts)) if self.ragged else None
         plain_before = None if line is None else line.t_plain  # B's before this step (ragged steps)
         if self.ragged:  # rows fed 1 + num_drafted[b] each (a tree: width each)

@@ -368,16 +368,6 @@ def test_a_batch_is_cut_to_the_length_that_pays_for_all_its_rows():
     assert all_good.min() >= 3 and len(set(all_good.tolist())) == 1
 
 
-class Clock:
-    """A fake clock the tests move."""
-
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def ragged_lines(p: CostAwareK, step_t, sizes) -> None:
     """Ragged steps seen at each batch size: a plain one and one with a draft token per row, timed
     as ``step_t(n)`` reads n tokens per row."""
@@ -466,39 +456,6 @@ def test_plain_steps_move_the_cached_step_times_as_a_fresh_reading_does():
     assert p._times is None
     p.choose(rows=[1, 2, 3])
     assert p._step_times() == pytest.approx(p.latency(3).times(5))
-
-
-def test_a_speculative_steps_rest_beyond_a_plain_ones_is_priced():
-    """What a step takes between choose() and update() beyond drafting and the target's forward (the
-    engine's verification, commit and bookkeeping) is measured per batch size: the excess of a
-    speculative step's over a plain step's is added to every step that verifies drafts, so a draft
-    that pays on the forward's time alone but not with that excess is no longer chosen."""
-    clock = Clock()
-    p = model(k_max=4)
-    p.rest_clock = clock
-
-    def step(k: int, drafted: int, forward: float, rest: float) -> None:
-        p.choose()
-        clock.t += forward + 1e-5 * k + rest
-        p.update(k, t(drafted), t(drafted), 1e-5 * k, forward)
-
-    step(1, 1, 0.0305, 0.0003)  # the first step: no plain rest to compare with yet
-    assert p.extra(1) == 0.0
-    for _ in range(5):
-        step(0, 0, 0.030, 0.0003)
-    assert p.latency().time(2) == pytest.approx(0.0305)
-    p.curves[None] = replace(p._curve(None), reached=[10.0] * 4, accepted=[1.0, 0.0, 0.0, 0.0], rates=None)
-    p._times = None
-    assert p._best(None, 1e-5) == 1  # 0.14 of a token for 1.7% more time
-    for _ in range(3):
-        step(1, 1, 0.0305, 0.0043)  # 4 ms more rest than a plain step's
-    assert p.extra(1) == pytest.approx(0.004) and p.extra(8) == pytest.approx(0.004)  # the nearest size's
-    assert p.latency().time(2) == pytest.approx(0.0305 + 0.004) and p.latency().time(1) == pytest.approx(
-        0.030
-    )
-    p.curves[None] = replace(p._curve(None), reached=[10.0] * 4, accepted=[1.0, 0.0, 0.0, 0.0], rates=None)
-    p._times = None
-    assert p._best(None, 1e-5) == 0
 
 
 def test_steps_of_x_draft_tokens_are_read_from_their_own_times_once_they_have_a_majority():
