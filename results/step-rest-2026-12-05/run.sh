@@ -4,20 +4,20 @@
 # (benchmarks/bench_policy.py, 26 Spec-Bench first turns, 128 new tokens), prompt lookup and the feature
 # draft F at batch 1 and 8.
 # usage: results/step-rest-2026-12-05/run.sh after|before lookup|feature B [tag]
-#   before: c78adb0 in a worktree beside this checkout (../sd-c78adb0, so that ../shared is found), with
-#   this checkout's venv.
+#   before: c78adb0, after: fb0c593 (the pricing, reverted since: 2a05647), each in a worktree beside this
+#   checkout (../sd-<commit>, so that ../shared is found), with this checkout's venv.
 set -u
 OUT=$(cd "$(dirname "$0")" && pwd)
 cd "$OUT/../.."
 . results/step.sh  # step LOG cmd...
 ROOT=$(pwd)
-BASE=c78adb0
-WT="$ROOT/../sd-$BASE"
 case "${1:-}" in
-  after) dir=. ;;
-  before) dir=$WT; [ -d "$WT" ] || git worktree add --detach -q "$WT" "$BASE" ;;
+  after) at=fb0c593 ;;
+  before) at=c78adb0 ;;
   *) echo "usage: $0 after|before lookup|feature B [tag]" >&2; exit 2 ;;
 esac
+dir="$ROOT/../sd-$at"
+[ -d "$dir" ] || git worktree add --detach -q "$dir" "$at"
 case "${2:-}" in
   lookup) spec=lookup ;;
   feature) spec=designed:smollm2-135m-feature-4k-second ;;
