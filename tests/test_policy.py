@@ -220,6 +220,25 @@ def test_a_probe_waits_its_cost_in_plain_steps_times_the_interval():
     assert probe_gaps(p, 301, 500, 0.003)[:2] == [141, 141]  # 64 (3.2 - 1) plain steps
 
 
+def at_zero_after_rejections() -> CostAwareK:
+    """A policy (no classes) whose one row, 7, had a draft accepted (so it teaches its class) and then
+    only rejections: the class is at k = 0, the row stays on."""
+    p = model(k_max=4, probe_every=4, probe_max=4, watch=RowWatch(floor=0.0))
+    hit = True
+    for _ in range(30):
+        k = p.choose([7])
+        p.update(k, t(k), t(int(hit and k > 0)), k * 0.005, 0.03 + 0.005 * k, rows=[7])
+        hit = hit and k == 0
+    return p
+
+
+def next_probe(p: CostAwareK) -> int:
+    """Plain steps until the policy probes; the probe's k."""
+    while (k := p.choose([7])) == 0:
+        p.update(0, t(0), t(0), 0.0, 0.03, rows=[7])
+    return k
+
+
 def test_a_probe_after_a_stretch_at_zero_learns_the_stretch_in_hindsight():
     """A class at k = 0 after a run of rejections learns, at its next probe, the outcomes a feature
     drafter reads back over the stretch (:meth:`CostAwareK.hindsight`: what proposals there would
@@ -228,15 +247,9 @@ def test_a_probe_after_a_stretch_at_zero_learns_the_stretch_in_hindsight():
     verified nothing are asked for them, and only those rows' outcomes are taken."""
 
     def at_probe(read: bool) -> int:
-        p = model(k_max=4, probe_every=4, probe_max=4, watch=RowWatch(floor=0.0))  # the row stays on
-        hit = True  # a hit (the row teaches its class from then on), then rejections: k = 0
-        for _ in range(30):
-            k = p.choose([7])
-            p.update(k, t(k), t(int(hit and k > 0)), k * 0.005, 0.03 + 0.005 * k, rows=[7])
-            hit = hit and k == 0
+        p = at_zero_after_rejections()
         assert p.rates()[0] < 0.2
-        while (k := p.choose([7])) == 0:
-            p.update(0, t(0), t(0), 0.0, 0.03, rows=[7])
+        k = next_probe(p)
         assert p.hindsight_rows([7, 8]) == [True, False]  # 8: a row the policy has not seen
         if read:
             p.hindsight([7], [[True] * 12])
@@ -254,21 +267,14 @@ def test_a_probe_its_read_backs_ended_verifies_what_its_curve_now_says_pays(read
     and trim() then cuts the proposal to what the class's curve says pays now the drafting is spent:
     nothing when they were rejections (the probe's verification, a wider target forward, is saved),
     the probe's tokens when they were accepted. Without read-backs the probe is verified as it was."""
-    p = model(k_max=4, probe_every=4, probe_max=4, watch=RowWatch(floor=0.0))  # the row stays on
-    hit = True  # a hit (the row teaches its class from then on), then rejections: k = 0
-    for _ in range(30):
-        k = p.choose([7])
-        p.update(k, t(k), t(int(hit and k > 0)), k * 0.005, 0.03 + 0.005 * k, rows=[7])
-        hit = hit and k == 0
-    while (k := p.choose([7])) == 0:
-        p.update(0, t(0), t(0), 0.0, 0.03, rows=[7])
+    p = at_zero_after_rejections()
+    k = next_probe(p)
     if not read:
         assert p.trim(t(k), None, rows=[7]).tolist() == [k]  # a probe: verified
         return
     p.hindsight([7], [[False] * 12])
     assert p.trim(t(k), None, rows=[7]).tolist() == [0]
-    while (k := p.choose([7])) == 0:
-        p.update(0, t(0), t(0), 0.0, 0.03, rows=[7])
+    k = next_probe(p)
     p.hindsight([7], [[True] * 12])
     assert p.trim(t(k), None, rows=[7]).tolist() == [k]
 
