@@ -7,6 +7,7 @@
 #          and the rest; plain decoding, F at k = 1 and k = auto; 13 Spec-Bench first turns x 2 rounds, batch 1
 #        results/feature-draft-cost-2026-12-05/run.sh policy [tag]
 #          benchmarks/bench_policy.py: F with k = auto and k = 1, 26 Spec-Bench first turns, batch 1
+#          (LIMIT=4 in the environment: 52)
 #        results/feature-draft-cost-2026-12-05/run.sh policy-ab after|before B [tag]
 #          the same with k = auto only (k = 1 too at batch 1), batch B, at this checkout or at a4fd01e
 #   before: main before this work (a4fd01e), in a worktree beside this checkout (../sd-a4fd01e, so that
@@ -29,10 +30,11 @@ case "${1:-}" in
     c=$(cd "$dir" && git rev-parse --short HEAD)
     (cd "$dir" && step "$OUT/steps-$c${3:-}.txt" "$ROOT/.venv/bin/python" benchmarks/bench_step_overhead.py \
       --draft $F --policies 1,auto --limit 1 --rounds 2 --max-new-tokens 128 --threads 2) </dev/null ;;
-  policy)
-    step "$OUT/policy-$(git rev-parse --short HEAD)${2:-}.txt" .venv/bin/python benchmarks/bench_policy.py --draft $F \
-      --policies auto,1 --limit 2 --max-new-tokens 128 --threads 2 \
-      --json "$OUT/policy-$(git rev-parse --short HEAD)${2:-}.json" </dev/null ;;
+  policy)  # LIMIT=4: 4 prompts per category (52), files policy-l4-*
+    L=${LIMIT:-2}; [ "$L" = 2 ] && name=policy || name=policy-l$L
+    step "$OUT/$name-$(git rev-parse --short HEAD)${2:-}.txt" .venv/bin/python benchmarks/bench_policy.py --draft $F \
+      --policies auto,1 --limit "$L" --max-new-tokens 128 --threads 2 \
+      --json "$OUT/$name-$(git rev-parse --short HEAD)${2:-}.json" </dev/null ;;
   policy-ab)
     case "${2:-}" in
       after) dir=. ;;
