@@ -46,27 +46,49 @@ class LookupResult:
 
 def lookup_steps(drafter: PromptLookupDrafter, prompt: list[int], y: list[int], k: int) -> list[tuple]:
     """Greedy prompt lookup with fixed ``k`` decoding ``y`` after ``prompt``, step by step:
-    ``(i, m)`` per step, ``y[i]`` the first token it drafted for and ``m`` the drafts accepted
-    (the prefix of its match's continuation that agrees with ``y``)."""
+    ``(i, m, n, end)`` per step, ``y[i]`` the first token it drafted for, ``m`` the drafts accepted
+    (the prefix of its match's continuation that agrees with ``y``), ``n`` the matched n-gram's
+    length and ``end`` where the match it copied ends in ``prompt + y`` (0 and -1: no match)."""
     index = NgramIndex.of(prompt, drafter.max_ngram)
-    n = len(y)
+    total = len(y)
     i, steps = 0, []
-    while i < n:
-        _, cont = drafter.lookup(index, k)
+    while i < total:
+        (n, cont), (_, end) = drafter.lookup(index, k), drafter.matched(index)
         m = 0
-        while m < min(len(cont), n - i - 1) and cont[m] == y[i + m]:
+        while m < min(len(cont), total - i - 1) and cont[m] == y[i + m]:
             m += 1
-        steps.append((i, m))
+        steps.append((i, m, n, end))
         index.extend(y[i : i + m + 1])
         i += m + 1
     return steps
+
+
+def out_of_reach(
+    drafter: PromptLookupDrafter, prompt: list[int], y: list[int], k: int
+) -> tuple[int, int, int]:
+    """How far decoys in the prompt can lower prompt lookup's acceptance on the answer ``y``
+    (:func:`lookup_steps`): ``(steps, accepted, fixed)``, ``fixed`` the accepted draft tokens copied
+    from a match inside the answer at the longest n-gram the drafter tries. No decoy changes those
+    steps' proposals while the answer stays ``y``: lookup takes the longest n first, then the latest
+    occurrence, and an occurrence inside the answer is later than any in the prompt. Every other
+    accepted token (copied from the prompt, or from the answer at a shorter n that a decoy's longer
+    match would take over) is within reach."""
+    steps = lookup_steps(drafter, prompt, y, k)
+    fixed = sum(m for _, m, n, end in steps if n == drafter.max_ngram and end >= len(prompt))
+    return len(steps), sum(m for _, m, _, _ in steps), fixed
+
+
+def least_accepted_length(steps: int, accepted: int, fixed: int) -> float:
+    """The lowest mean accepted length (bonus included) decoys could leave on the same answer
+    (:func:`out_of_reach`): every accepted token within reach rejected, each then a step of its own."""
+    return 1 + fixed / (steps + accepted - fixed)
 
 
 def simulated_lookup_length(drafter: PromptLookupDrafter, prompt: list[int], y: list[int], k: int) -> float:
     """Mean accepted length (bonus included) of greedy prompt lookup with fixed ``k`` decoding
     ``y`` after ``prompt`` (:func:`lookup_steps`)."""
     steps = lookup_steps(drafter, prompt, y, k)
-    return sum(m + 1 for _, m in steps) / len(steps) if steps else 0.0
+    return sum(m + 1 for _, m, _, _ in steps) / len(steps) if steps else 0.0
 
 
 def aimed_decoys(
@@ -77,7 +99,7 @@ def aimed_decoys(
     ``y[i]`` (the longest n-gram is tried first, so the decoy takes over a shorter match too)."""
     seq = prompt + y
     out = []
-    for i, m in sorted(lookup_steps(drafter, prompt, y, k), key=lambda s: -s[1]):
+    for i, m, _, _ in sorted(lookup_steps(drafter, prompt, y, k), key=lambda s: -s[1]):
         if m == 0:
             break
         at = len(prompt) + i

@@ -34,11 +34,17 @@ class PromptLookupDrafter:
     def new_state(self, batch_size: int, capacity: int) -> NgramState:
         return NgramState(batch_size, self.max_ngram)
 
-    def lookup(self, index: NgramIndex, k: int) -> tuple[int, list[int]]:
-        """The matched n (0: none) and the continuation (up to k tokens) of the latest earlier
-        match of the indexed sequence's trailing n-gram, the longest n first."""
+    def matched(self, index: NgramIndex) -> tuple[int, int]:
+        """The matched n (0: none) and where the match ends in the indexed sequence (-1: none): the
+        latest earlier occurrence of its trailing n-gram, the longest n first."""
         n, ends = index.match(index.tokens[-self.max_ngram :], 1, self.min_ngram)
-        return n, (index.continuations(ends, k)[0] if n else [])
+        return n, (ends[0] if n else -1)
+
+    def lookup(self, index: NgramIndex, k: int) -> tuple[int, list[int]]:
+        """The matched n (0: none) and the continuation (up to k tokens) of the match
+        (:meth:`matched`)."""
+        n, end = self.matched(index)
+        return n, (index.continuations([end], k)[0] if n else [])
 
     def propose(self, state: NgramState, ctx: DraftContext, k: int) -> Proposal:
         found = [self.lookup(index, k) for index in state.synced(ctx)]

@@ -7,7 +7,14 @@ import torch
 
 from specdraft.attack.continuous import ContinuousConfig, attack_continuous
 from specdraft.attack.discrete import DiscreteConfig, attack_discrete
-from specdraft.attack.lookup import aimed_decoys, attack_lookup, lookup_steps, simulated_lookup_length
+from specdraft.attack.lookup import (
+    aimed_decoys,
+    attack_lookup,
+    least_accepted_length,
+    lookup_steps,
+    out_of_reach,
+    simulated_lookup_length,
+)
 from specdraft.attack.losses import (
     Models,
     continuation_slice,
@@ -182,7 +189,7 @@ def test_lookup_decoys_lower_the_simulated_acceptance():
     assert found.decoys and found.simulated[0] == clean
     assert simulated_lookup_length(drafter, encode(found.text), Y, 4) == found.simulated[-1] < clean
     # aimed: the first decoy is the 3-gram before the step that accepted most, then wrong tokens
-    i, m = max(lookup_steps(drafter, encode(TEXT), Y, 4), key=lambda s: s[1])
+    i, m, _, _ = max(lookup_steps(drafter, encode(TEXT), Y, 4), key=lambda s: s[1])
     assert m == 4 and aimed_decoys(drafter, encode(TEXT), Y, 4, WRONG)[0] == [*Y[i - 3 : i], *WRONG[:4]]
 
 
@@ -201,3 +208,22 @@ def test_rouge_l():
     assert rouge_l([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
     assert rouge_l([1, 2, 3, 4], [5, 6]) == 0.0
     assert rouge_l([1, 2, 3, 4], [1, 3, 9, 4]) == pytest.approx(0.75)
+
+
+def test_lookup_steps_copied_from_the_answer_at_the_longest_n_are_out_of_a_decoys_reach():
+    """An answer that copies the prompt has nothing out of reach; one that repeats a phrase of its
+    own has its repeats at the longest n out of reach, and a decoy appended to the prompt (the
+    phrase with a wrong continuation) leaves them as they are; the least accepted length counts
+    every accepted token within reach as a step of its own."""
+    drafter = PromptLookupDrafter(3)
+    prompt = encode("the quick brown fox jumps over the lazy dog. ")
+    copied = encode("quick brown fox jumps over the lazy dog")
+    steps, accepted, fixed = out_of_reach(drafter, prompt, copied, 4)
+    assert fixed == 0 < accepted and least_accepted_length(steps, accepted, fixed) == 1.0
+    own = encode("ab12 cd ab12 cd ab12 cd ab12 cd")
+    steps, accepted, fixed = out_of_reach(drafter, prompt, own, 4)
+    assert 0 < fixed <= accepted
+    assert out_of_reach(drafter, prompt + encode("ab12 xx"), own, 4)[2] == fixed
+    mean = (steps + accepted) / steps
+    assert 1.0 < least_accepted_length(steps, accepted, fixed) <= mean
+    assert all(m == 0 or 0 <= end < len(prompt) + i for i, m, _, end in lookup_steps(drafter, prompt, own, 4))
