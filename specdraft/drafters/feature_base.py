@@ -172,6 +172,8 @@ class FeatureDrafterBase:
         prompt_pairs: prompt pairs read before the last prompt position (module docstring).
 
     Attributes:
+        subset: the runtime when it is a :class:`SubsetHeadRuntime` (a head over some of the
+            vocabulary, whose own rows :meth:`propose` drafts over), else None.
         max_lag: the most pairs a row feeds at once (a first proposal: its ``prompt_pairs`` when
             they are more: :attr:`FeatureDraftState.first_bound`). After a longer
             stretch of steps without drafts (``--k auto`` at k = 0, a row switched off) its context
