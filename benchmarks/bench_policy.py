@@ -204,9 +204,11 @@ def main(argv=None) -> int:
         )
         rate_check = getattr(policies[n], "rate", None)
         if rate_check is not None:  # the safe arm's record (SafeArm)
+            realised = rate_check.speedup(B)  # None: no speculative step judged in B's band
             print(
                 f"k {n}: safe arm: {rate_check.fallbacks} fall-backs to plain, {rate_check.forced} plain "
-                f"steps imposed, realised speedup at batch {B} {rate_check.speedup(B) or 0:.2f}x"
+                f"steps imposed, realised speedup at batch {B} "
+                + ("n/a (no speculative step judged)" if realised is None else f"{realised:.2f}x")
             )
     if args.json:
         per_forward = {n: overall[n].tokens / forwards[n] for n in names[1:]}
