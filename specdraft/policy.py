@@ -855,7 +855,8 @@ class CostAwareK:
     ) -> torch.Tensor:
         valid = num_valid.tolist()  # lists, not tensors: this runs at every speculative step
         classes = bucket.tolist() if bucket is not None else [None] * len(valid)
-        caps, fresh = valid, set()  # fresh: classes not learned yet, their first proposals teach them, uncut
+        caps, fresh = valid, set()  # fresh: classes not learned yet, their first proposals teach them
+        # (cut to their best, or to a probe's length, never to 0)
         # a drafter without classes too: a probe that read-backs (hindsight) ended before this trim
         # verifies only what its curve now says pays (results/feature-draft-cost-2026-12-05/)
         if self.t_draft is not None and self._plain_timed() and self._drafts_timed():

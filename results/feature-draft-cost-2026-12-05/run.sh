@@ -18,15 +18,15 @@ cd "$OUT/../.."
 . results/step.sh  # step LOG cmd...
 ROOT=$(pwd)
 BASE=a4fd01e
-WT="$ROOT/../sd-$BASE"
 F=designed:smollm2-135m-feature-4k-second
+usage="usage: $0 steps after|before [tag] | policy [tag] | policy-ab after|before B [tag]"
+case "${1:-}:${2:-}" in  # where a before/after mode runs: this checkout, or a worktree of BASE
+  steps:after|policy-ab:after) dir=. ;;
+  steps:before|policy-ab:before) dir=$(checkout_at $BASE) ;;
+  steps:*|policy-ab:*) echo "$usage" >&2; exit 2 ;;
+esac
 case "${1:-}" in
   steps)
-    case "${2:-}" in
-      after) dir=. ;;
-      before) dir=$WT; [ -d "$WT" ] || git worktree add --detach -q "$WT" "$BASE" ;;
-      *) echo "usage: $0 steps after|before [tag]" >&2; exit 2 ;;
-    esac
     c=$(cd "$dir" && git rev-parse --short HEAD)
     (cd "$dir" && step "$OUT/steps-$c${3:-}.txt" "$ROOT/.venv/bin/python" benchmarks/bench_step_overhead.py \
       --draft $F --policies 1,auto --limit 1 --rounds 2 --max-new-tokens 128 --threads 2) </dev/null ;;
@@ -36,15 +36,10 @@ case "${1:-}" in
       --policies auto,1 --limit "$L" --max-new-tokens 128 --threads 2 \
       --json "$OUT/$name-$(git rev-parse --short HEAD)${2:-}.json" </dev/null ;;
   policy-ab)
-    case "${2:-}" in
-      after) dir=. ;;
-      before) dir=$WT; [ -d "$WT" ] || git worktree add --detach -q "$WT" "$BASE" ;;
-      *) echo "usage: $0 policy-ab after|before B [tag]" >&2; exit 2 ;;
-    esac
     B=${3:?batch size}
     [ "$B" = 1 ] && pol=auto,1 || pol=auto
     c=$(cd "$dir" && git rev-parse --short HEAD)
     (cd "$dir" && step "$OUT/policy-b$B-$c${4:-}.txt" "$ROOT/.venv/bin/python" benchmarks/bench_policy.py --draft $F \
       --batch "$B" --policies $pol --limit 2 --max-new-tokens 128 --threads 2) </dev/null ;;
-  *) echo "usage: $0 steps after|before [tag] | policy [tag] | policy-ab after|before B [tag]" >&2; exit 2 ;;
+  *) echo "$usage" >&2; exit 2 ;;
 esac

@@ -16,8 +16,7 @@ case "${1:-}" in
   before) at=c78adb0 ;;
   *) echo "usage: $0 after|before lookup|feature B [tag]" >&2; exit 2 ;;
 esac
-dir="$ROOT/../sd-$at"
-[ -d "$dir" ] || git worktree add --detach -q "$dir" "$at"
+dir=$(checkout_at $at)
 case "${2:-}" in
   lookup) spec=lookup ;;
   feature) spec=designed:smollm2-135m-feature-4k-second ;;

@@ -53,7 +53,8 @@ def lookup_steps(drafter: PromptLookupDrafter, prompt: list[int], y: list[int], 
     total = len(y)
     i, steps = 0, []
     while i < total:
-        (n, cont), (_, end) = drafter.lookup(index, k), drafter.matched(index)
+        n, end = drafter.matched(index)
+        _, cont = drafter.lookup(index, k, (n, end))
         m = 0
         while m < min(len(cont), total - i - 1) and cont[m] == y[i + m]:
             m += 1

@@ -40,10 +40,12 @@ class PromptLookupDrafter:
         n, ends = index.match(index.tokens[-self.max_ngram :], 1, self.min_ngram)
         return n, (ends[0] if n else -1)
 
-    def lookup(self, index: NgramIndex, k: int) -> tuple[int, list[int]]:
+    def lookup(
+        self, index: NgramIndex, k: int, match: tuple[int, int] | None = None
+    ) -> tuple[int, list[int]]:
         """The matched n (0: none) and the continuation (up to k tokens) of the match
-        (:meth:`matched`)."""
-        n, end = self.matched(index)
+        (:meth:`matched`, or ``match`` when the caller has it already)."""
+        n, end = match or self.matched(index)
         return n, (index.continuations([end], k)[0] if n else [])
 
     def propose(self, state: NgramState, ctx: DraftContext, k: int) -> Proposal:
