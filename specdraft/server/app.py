@@ -251,13 +251,13 @@ def _add_completion_routes(app: FastAPI, ctx: _Context) -> None:
         _check_content_type(request)
         body = await _read_body(request, ctx.config.max_body_bytes)
         if chat:
-            req, ids = await asyncio.to_thread(_prepare_chat, ctx, body)
+            req, prompts = await asyncio.to_thread(_prepare_chat, ctx, body)
             max_tokens = req.requested_max_tokens
         else:
-            req, ids = await asyncio.to_thread(_prepare_completion, ctx, body)
+            req, prompts = await asyncio.to_thread(_prepare_completion, ctx, body)
             max_tokens = req.max_tokens
         renderer = _Renderer("chatcmpl" if chat else "cmpl", ctx.config.model_name, chat=chat)
-        return await _serve(ctx, request, req, ids, max_tokens, renderer)
+        return await _serve(ctx, request, req, prompts, max_tokens, renderer)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -268,52 +268,78 @@ def _add_completion_routes(app: FastAPI, ctx: _Context) -> None:
         return await handle(request, chat=True)
 
 
-def _prepare_completion(ctx: _Context, body: bytes) -> tuple[P.CompletionRequest, list[int]]:
+def _prepare_completion(ctx: _Context, body: bytes) -> tuple[P.CompletionRequest, list[list[int]]]:
     req = P.parse_request(P.CompletionRequest, body)
-    _check_request(req, ctx.config)
-    prompt = req.single_prompt()
-    ids = _check_ids(prompt, ctx.pipe) if isinstance(prompt, list) else _encode(ctx.pipe, prompt, chat=False)
-    return req, ids
+    prompts = req.prompts()
+    _check_request(req, ctx, prompts=len(prompts))
+    return req, [
+        _check_ids(p, ctx.pipe) if isinstance(p, list) else _encode(ctx.pipe, p, chat=False) for p in prompts
+    ]
 
 
-def _prepare_chat(ctx: _Context, body: bytes) -> tuple[P.ChatCompletionRequest, list[int]]:
+def _prepare_chat(ctx: _Context, body: bytes) -> tuple[P.ChatCompletionRequest, list[list[int]]]:
     req = P.parse_request(P.ChatCompletionRequest, body)
-    _check_request(req, ctx.config)
+    _check_request(req, ctx, prompts=1)
     if not ctx.pipe.target.is_chat():
         raise P.APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-    return req, _encode(ctx.pipe, [m.as_template_message() for m in req.messages], chat=True)
+    return req, [_encode(ctx.pipe, [m.as_template_message() for m in req.messages], chat=True)]
 
 
 async def _serve(
-    ctx: _Context, request: Request, req, ids: list[int], max_tokens: int | None, renderer: _Renderer
+    ctx: _Context,
+    request: Request,
+    req,
+    prompts: list[list[int]],
+    max_tokens: int | None,
+    renderer: _Renderer,
 ):
-    """Submit the request's job to the scheduler; stream its output (SSE) or collect it."""
-    config = ctx.config
-    max_tokens = _check_context(len(ids), max_tokens, ctx.pipe.runtime.max_context, config.default_max_tokens)
-    params = SamplingParams(
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_k=max(req.top_k or 0, 0),
-        top_p=1.0 if req.top_p is None else req.top_p,
-        seed=req.seed,
-    )
-    loop = asyncio.get_running_loop()
-    job = Job(ids, max_tokens, params, req.stop_list, req.k_cap, loop, asyncio.Queue(), bool(req.ignore_eos))
-    ctx.scheduler.submit(job)
+    """Submit a job per choice to the scheduler, all at once; stream their outputs (SSE) or collect them."""
+    jobs = _jobs(ctx, req, prompts, max_tokens)
+    ctx.scheduler.submit(*jobs)
+    renderer.prompt_tokens = sum(len(ids) for ids in prompts)  # each prompt once, whatever n
     if req.stream:
         return StreamingResponse(
-            _stream(job, renderer, ctx.scheduler, req.include_usage),
+            _stream(jobs, renderer, ctx.scheduler, req.include_usage),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    return await _collect(request, job, renderer, ctx.scheduler)
+    return await _collect(request, jobs, renderer, ctx.scheduler)
+
+
+def _jobs(ctx: _Context, req, prompts: list[list[int]], max_tokens: int | None) -> list[Job]:
+    """A job per choice: ``n`` per prompt, choice ``i n + j`` the j-th of prompt i, seeded ``seed + j``
+    (:mod:`specdraft.server.protocol`); the choices share one output queue."""
+    context, default = ctx.pipe.runtime.max_context, ctx.config.default_max_tokens
+    n, loop, queue = req.n or 1, asyncio.get_running_loop(), asyncio.Queue()
+    jobs = []
+    for i, ids in enumerate(prompts):
+        budget = _check_context(len(ids), max_tokens, context, default)
+        for j in range(n):
+            params = SamplingParams(
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_k=max(req.top_k or 0, 0),
+                top_p=1.0 if req.top_p is None else req.top_p,
+                seed=None if req.seed is None else (req.seed + j) % 2**63,
+            )
+            job = Job(ids, budget, params, req.stop_list, req.k_cap, loop, queue, bool(req.ignore_eos))
+            job.index = i * n + j
+            jobs.append(job)
+    return jobs
 
 
 # --------------------------------------------------------------------------------------- helpers
-def _check_request(req, config: ServerConfig) -> None:
+def _check_request(req, ctx: _Context, prompts: int) -> None:
     req.check_supported()
-    if req.model is not None and req.model != config.model_name:
-        message = f"the model `{req.model}` does not exist; this server serves `{config.model_name}`"
+    if req.model is not None and req.model != ctx.config.model_name:
+        message = f"the model `{req.model}` does not exist; this server serves `{ctx.config.model_name}`"
         raise P.APIError(404, message, param="model", code="model_not_found")
+    room = ctx.scheduler.max_batch + ctx.scheduler.max_queue
+    if (req.n or 1) * prompts > room:
+        message = (
+            f"{req.n or 1} choices x {prompts} prompts: this server holds at most {room} sequences at once "
+            "(max batch + max queue)"
+        )
+        raise P.APIError(400, message, param="n")
 
 
 def _check_content_type(request: Request) -> None:
@@ -387,76 +413,88 @@ class _Renderer:
 
     def __init__(self, prefix: str, model: str, chat: bool):
         self.id, self.model, self.chat, self.created = P.new_id(prefix), model, chat, P.now()
+        self.prompt_tokens = 0  # the request's prompts' tokens, each prompt once (set by _serve)
 
-    def first(self) -> list[dict]:
+    def first(self, choices: int) -> list[dict]:
         if not self.chat:
             return []
-        return [P.chat_chunk(self.id, self.model, self.created, {"role": "assistant", "content": ""}, None)]
+        role = {"role": "assistant", "content": ""}
+        return [P.chat_chunk(self.id, self.model, self.created, role, None, i) for i in range(choices)]
 
     def chunks(self, out: Output) -> list[dict]:
         if not self.chat:
-            return [P.completion_chunk(self.id, self.model, self.created, out.text, out.finish_reason)]
+            return [
+                P.completion_chunk(self.id, self.model, self.created, out.text, out.finish_reason, out.index)
+            ]
         chunks = []
         if out.text:
-            chunks.append(P.chat_chunk(self.id, self.model, self.created, {"content": out.text}, None))
+            chunks.append(
+                P.chat_chunk(self.id, self.model, self.created, {"content": out.text}, None, out.index)
+            )
         if out.finish_reason:
-            chunks.append(P.chat_chunk(self.id, self.model, self.created, {}, out.finish_reason))
+            chunks.append(P.chat_chunk(self.id, self.model, self.created, {}, out.finish_reason, out.index))
         return chunks
 
-    def usage_chunk(self, job: Job) -> dict:
+    def usage_chunk(self, jobs: list[Job]) -> dict:
         """The extra last chunk of ``stream_options.include_usage``: no choices, the usage."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         chunk = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": []}
-        chunk["usage"] = P.usage(len(job.prompt), job.completion_tokens)
+        chunk["usage"] = P.usage(self.prompt_tokens, sum(job.completion_tokens for job in jobs))
         return chunk
 
-    def response(self, text: str, job: Job) -> dict:
+    def response(self, texts: list[str], jobs: list[Job]) -> dict:
+        """The whole answer: ``texts[i]`` is choice i's (job ``jobs[i]``)."""
         build = P.chat_response if self.chat else P.completion_response
-        return build(
-            self.id, self.model, self.created, text, job.finish_reason, len(job.prompt), job.completion_tokens
-        )
+        choices = [(text, job.finish_reason) for text, job in zip(texts, jobs)]
+        completion = sum(job.completion_tokens for job in jobs)
+        return build(self.id, self.model, self.created, choices, self.prompt_tokens, completion)
 
 
 def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _stream(job: Job, renderer: _Renderer, scheduler: Scheduler, include_usage: bool):
-    """SSE body: chunks as outputs arrive, then usage (if asked) and ``[DONE]``.
+async def _stream(jobs: list[Job], renderer: _Renderer, scheduler: Scheduler, include_usage: bool):
+    """SSE body: chunks as outputs arrive (the choices' interleaved, each chunk naming its
+    choice's index), then usage (if asked) and ``[DONE]``. One choice's error ends the stream.
 
     When the client disconnects, the response task is cancelled here and the ``finally`` drops the
-    job, which frees its cache row.
+    jobs, which frees their cache rows.
     """
     try:
-        for chunk in renderer.first():
+        for chunk in renderer.first(len(jobs)):
             yield _sse(chunk)
-        while True:
-            out: Output = await job.queue.get()
+        running = len(jobs)
+        while running:
+            out: Output = await jobs[0].queue.get()  # the jobs share it
             if out.error is not None:
                 yield _sse(out.error.body())
                 break
             for chunk in renderer.chunks(out):
                 yield _sse(chunk)
             if out.finish_reason is not None:
-                break
+                running -= 1
         if include_usage:
-            yield _sse(renderer.usage_chunk(job))
+            yield _sse(renderer.usage_chunk(jobs))
         yield _sse("[DONE]")
     finally:
-        scheduler.cancel(job)
+        for job in jobs:
+            scheduler.cancel(job)
 
 
 async def _collect(
-    request: Request, job: Job, renderer: _Renderer, scheduler: Scheduler, poll_s: float = 0.5
+    request: Request, jobs: list[Job], renderer: _Renderer, scheduler: Scheduler, poll_s: float = 0.5
 ):
-    """Non-streaming: wait for the whole output, checking now and then that the client is still there."""
-    parts: list[str] = []
+    """Non-streaming: wait for every choice's whole output, checking now and then that the client is
+    still there. One choice's error answers the request."""
+    parts: list[list[str]] = [[] for _ in jobs]
+    running = len(jobs)
     getter: asyncio.Future | None = None
     loop = asyncio.get_running_loop()
     next_check = loop.time() + poll_s
     try:
         while True:
-            getter = getter or asyncio.ensure_future(job.queue.get())
+            getter = getter or asyncio.ensure_future(jobs[0].queue.get())  # the jobs share it
             done, _ = await asyncio.wait({getter}, timeout=max(next_check - loop.time(), 0.0))
             if loop.time() >= next_check:  # outputs may arrive faster than poll_s: check by the clock
                 next_check = loop.time() + poll_s
@@ -468,13 +506,16 @@ async def _collect(
             getter = None
             if out.error is not None:
                 raise out.error
-            parts.append(out.text)
+            parts[out.index].append(out.text)
             if out.finish_reason is not None:
-                return JSONResponse(renderer.response("".join(parts), job))
+                running -= 1
+            if not running:
+                return JSONResponse(renderer.response(["".join(p) for p in parts], jobs))
     finally:
         if getter is not None:
             getter.cancel()
-        scheduler.cancel(job)
+        for job in jobs:
+            scheduler.cancel(job)
 
 
 # ------------------------------------------------------------------------------------ running it

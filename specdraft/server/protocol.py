@@ -3,7 +3,12 @@
 Requests are parsed from the raw body with ``model_validate_json`` in strict mode, so ``"5"`` is
 not an integer and ``true`` is not a number, as the OpenAI API behaves. Unknown fields are ignored
 (clients send fields this server has no use for, like ``user``); known fields the server cannot
-honour (``n > 1``, ``logprobs``, penalties) are refused with 400 instead of being silently dropped.
+honour (``logprobs``, penalties) are refused with 400 instead of being silently dropped.
+
+Several choices per request, as OpenAI and vLLM answer them: ``n`` samples of each prompt, and on
+``/v1/completions`` a list of prompts (texts or token-id lists); choice ``prompt_index * n + j`` is
+the j-th sample of that prompt, and with a ``seed`` it samples with ``seed + j`` (so ``n = 1`` keeps
+the seed's output). Each choice is its own row in the engine's batch.
 
 Extensions beyond the OpenAI API:
 
@@ -81,7 +86,7 @@ class _GenerationRequest(BaseModel):
     top_k: int | None = Field(None, ge=-1)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
-    n: int | None = None
+    n: int | None = Field(None, ge=1)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     speculation: Literal["off"] | Speculation | None = None
@@ -93,8 +98,6 @@ class _GenerationRequest(BaseModel):
 
     def check_supported(self) -> None:
         """Refuse options this server does not implement (rather than ignoring them)."""
-        if self.n not in (None, 1):
-            raise APIError(400, "only n=1 is supported", param="n")
         if self.logprobs not in (None, False, 0):
             raise APIError(400, "logprobs are not supported", param="logprobs")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -127,7 +130,7 @@ class _GenerationRequest(BaseModel):
 
 
 class CompletionRequest(_GenerationRequest):
-    """``POST /v1/completions``: ``prompt`` is text or token ids (one prompt per request)."""
+    """``POST /v1/completions``: ``prompt`` is text or token ids, or a list of either."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool | None = False
@@ -143,16 +146,16 @@ class CompletionRequest(_GenerationRequest):
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
 
-    def single_prompt(self) -> str | list[int]:
-        """The prompt as text or token ids; a list of prompts must hold exactly one."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each text or token ids (a list of texts or of id lists: several)."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise APIError(400, "only one prompt per request is supported", param="prompt")
-            p = p[0]
-        if not p or (isinstance(p, str) and not p.strip()):
-            raise APIError(400, "prompt is empty", param="prompt")
-        return p
+        several = isinstance(p, list) and p and isinstance(p[0], (str, list))
+        prompts = list(p) if several else [p]
+        for i, one in enumerate(prompts):
+            if not one or (isinstance(one, str) and not one.strip()):
+                where = f" (prompt {i})" if several else ""
+                raise APIError(400, f"prompt is empty{where}", param="prompt")
+        return prompts
 
 
 class TextPart(BaseModel):
@@ -222,13 +225,17 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": total}
 
 
-def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def completion_chunk(
+    rid: str, model: str, created: int, text: str, finish_reason: str | None, index: int = 0
+) -> dict:
+    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
 
 
-def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None) -> dict:
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+def chat_chunk(
+    rid: str, model: str, created: int, delta: dict, finish_reason: str | None, index: int = 0
+) -> dict:
+    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
     return {
         "id": rid,
         "object": "chat.completion.chunk",
@@ -238,21 +245,37 @@ def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: s
     }
 
 
-def completion_response(rid, model, created, text, finish_reason, prompt_tokens, completion_tokens) -> dict:
-    body = completion_chunk(rid, model, created, text, finish_reason)
+def completion_response(
+    rid, model, created, choices: list[tuple[str, str]], prompt_tokens, completion_tokens
+) -> dict:
+    """``choices``: (text, finish_reason) per choice index."""
+    body = {"id": rid, "object": "text_completion", "created": created, "model": model}
+    body["choices"] = [
+        {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+        for i, (text, reason) in enumerate(choices)
+    ]
     body["usage"] = usage(prompt_tokens, completion_tokens)
     return body
 
 
-def chat_response(rid, model, created, text, finish_reason, prompt_tokens, completion_tokens) -> dict:
-    message = {"role": "assistant", "content": text}
-    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+def chat_response(
+    rid, model, created, choices: list[tuple[str, str]], prompt_tokens, completion_tokens
+) -> dict:
+    """``choices``: (text, finish_reason) per choice index."""
     return {
         "id": rid,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [choice],
+        "choices": [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": reason,
+            }
+            for i, (text, reason) in enumerate(choices)
+        ],
         "usage": usage(prompt_tokens, completion_tokens),
     }
 

@@ -63,12 +63,14 @@ class Output:
         finish_reason: ``stop``, ``length``, ``cancelled``, ``abort`` (server shutdown), ``error`` or
             ``timeout`` (both with ``error`` set); None while generation continues.
         error: set when the request failed inside the scheduler.
+        index: the job's choice index in its HTTP request (:attr:`Job.index`, stamped by :meth:`Job.post`).
     """
 
     text: str
     num_tokens: int
     finish_reason: str | None = None
     error: APIError | None = None
+    index: int = 0
 
 
 @dataclass(eq=False)  # identity: a job is "in the queue" only as itself
@@ -82,7 +84,9 @@ class Job:
         stop: stop strings (the text before the first one is returned).
         k_cap: at most this many draft tokens per step; None: the server's policy decides.
         ignore_eos: generate past EOS until ``max_tokens``.
-        loop, queue: where outputs are posted.
+        loop, queue: where outputs are posted (the choices of one HTTP request share a queue).
+        index: which choice of its HTTP request this job is (``n`` samples per prompt, several
+            prompts: ``prompt_index * n + sample``), stamped on every output.
         deadline: ``time.monotonic()`` after which the job ends with a timeout (set on submit).
     """
 
@@ -94,6 +98,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     ignore_eos: bool = False
+    index: int = 0
     arrival: float = field(default_factory=time.monotonic)
     deadline: float | None = None
     row_id: int = -1
@@ -105,6 +110,7 @@ class Job:
     done: bool = False
 
     def post(self, item: Output) -> None:
+        item.index = self.index
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the event loop is gone (process exiting): nobody is listening
@@ -195,15 +201,16 @@ class Scheduler:
         with self._cond:
             return len(self._live) - len(self._waiting), len(self._waiting)
 
-    def submit(self, job: Job) -> None:
-        """Queue a job, or raise 429 when the system is full and 503 when shutting down."""
+    def submit(self, *jobs: Job) -> None:
+        """Queue jobs (all or none: the choices of one HTTP request), or raise 429 when the system
+        has no room for all of them and 503 when shutting down."""
         with self._cond:
             if self._dead is not None:
                 message = f"the scheduler stopped after an internal error ({self._dead}); restart the server"
                 raise APIError(503, message, type="server_error", code="unavailable")
             if not self.accepting:
                 raise APIError(503, "the server is shutting down", type="server_error", code="unavailable")
-            if len(self._live) >= self.max_batch + self.max_queue:
+            if len(self._live) + len(jobs) > self.max_batch + self.max_queue:
                 raise APIError(
                     429,
                     f"server busy: {self.max_batch} requests decoding and {self.max_queue} waiting; "
@@ -212,10 +219,11 @@ class Scheduler:
                     code="rate_limit_exceeded",
                     headers={"Retry-After": "1"},
                 )
-            if self.request_timeout is not None:
-                job.deadline = time.monotonic() + self.request_timeout
-            self._live.add(job)
-            self._waiting.append(job)
+            for job in jobs:
+                if self.request_timeout is not None:
+                    job.deadline = time.monotonic() + self.request_timeout
+                self._live.add(job)
+                self._waiting.append(job)
             self.metrics.waiting.set(len(self._waiting))
             self._cond.notify()
 

@@ -178,6 +178,54 @@ def test_seeded_sampling_is_reproducible(server):
     assert a != other
 
 
+def test_n_choices_sample_with_seed_plus_their_index(server, reference):
+    c = client(server)
+    kw = {"model": model_id(server), "prompt": "Several", "max_tokens": 24, "temperature": 0.9}
+    r = c.completions.create(n=3, seed=11, **kw)
+    alone = [c.completions.create(seed=11 + j, **kw) for j in range(3)]
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    assert [ch.text for ch in r.choices] == [a.choices[0].text for a in alone]
+    assert len({ch.text for ch in r.choices}) > 1
+    assert r.usage.prompt_tokens == len(reference.encode("Several", chat=False))  # once, whatever n
+    assert r.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+
+
+def test_a_list_of_prompts_gets_n_choices_each_in_order(server, reference):
+    prompts, n = ["The cat", "Once upon", "abc"], 2
+    r = client(server).completions.create(
+        model=model_id(server), prompt=prompts, n=n, max_tokens=20, temperature=0
+    )
+    assert [ch.index for ch in r.choices] == list(range(len(prompts) * n))
+    for ch in r.choices:
+        text, reason, _ = expected(reference, prompts[ch.index // n], 20)
+        assert (ch.text, ch.finish_reason) == (text, reason)
+    assert r.usage.prompt_tokens == sum(len(reference.encode(p, chat=False)) for p in prompts)
+
+
+def test_streamed_chat_choices_reassemble_by_index(server, reference):
+    messages = [{"role": "user", "content": "two answers"}]
+    text, reason, tokens = expected(reference, messages, 18, chat=True)
+    chunks = list(
+        client(server).chat.completions.create(
+            model=model_id(server),
+            messages=messages,
+            max_tokens=18,
+            temperature=0,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    usage = chunks.pop()
+    assert usage.choices == [] and usage.usage.completion_tokens == 2 * tokens
+    for i in range(2):
+        mine = [ch.choices[0] for ch in chunks if ch.choices[0].index == i]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(m.delta.content or "" for m in mine) == text
+        assert [m.finish_reason for m in mine][-1] == reason and mine[-1].delta.content is None
+    assert wait_idle(server)["running"] == 0
+
+
 def test_top_k_one_is_greedy(server, reference):
     r = client(server).completions.create(
         model=model_id(server),

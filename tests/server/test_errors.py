@@ -17,7 +17,8 @@ CASES = [
     ("missing prompt", "/v1/completions", b'{"max_tokens": 5}', 400, "prompt", "missing"),
     ("prompt of wrong type", "/v1/completions", b'{"prompt": 5}', 400, "prompt", None),
     ("empty prompt", "/v1/completions", b'{"prompt": ""}', 400, "prompt", None),
-    ("two prompts", "/v1/completions", b'{"prompt": ["a", "b"]}', 400, "prompt", None),
+    ("an empty prompt among several", "/v1/completions", b'{"prompt": ["a", " "]}', 400, "prompt", None),
+    ("an empty id list among several", "/v1/completions", b'{"prompt": [[1, 2], []]}', 400, "prompt", None),
     ("token id outside vocab", "/v1/completions", b'{"prompt": [1, 99999]}', 400, "prompt", None),
     (
         "negative max_tokens",
@@ -69,7 +70,16 @@ CASES = [
     ),
     ("top_p zero", "/v1/completions", b'{"prompt": "hi", "top_p": 0}', 400, "top_p", None),
     ("stop of wrong type", "/v1/completions", b'{"prompt": "hi", "stop": [1]}', 400, "stop.0", None),
-    ("n = 2", "/v1/completions", b'{"prompt": "hi", "n": 2}', 400, "n", None),
+    ("n = 0", "/v1/completions", b'{"prompt": "hi", "n": 0}', 400, "n", "greater_than_equal"),
+    # the test server holds 64 + 64 sequences: more choices than that could never all be admitted
+    (
+        "more choices than the server holds",
+        "/v1/completions",
+        b'{"prompt": ["a", "b"], "n": 65}',
+        400,
+        "n",
+        None,
+    ),
     ("logprobs", "/v1/completions", b'{"prompt": "hi", "logprobs": 2}', 400, "logprobs", None),
     ("echo", "/v1/completions", b'{"prompt": "hi", "echo": true}', 400, "echo", None),
     (

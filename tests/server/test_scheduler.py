@@ -176,12 +176,16 @@ def test_full_system_is_429(pipe):
     async def main():
         s._thread = type("Alive", (), {"is_alive": lambda self: True})()  # accept without decoding
         s.submit(new_job([1, 2]))
+        with pytest.raises(APIError) as both:  # one request's choices: all admitted or none
+            s.submit(new_job([1, 2]), new_job([1, 2]))
+        waiting = s.load()[1]
         s.submit(new_job([1, 2]))
         with pytest.raises(APIError) as e:
             s.submit(new_job([1, 2]))
-        return e.value
+        return both.value, waiting, e.value
 
-    err = asyncio.run(main())
+    both, waiting, err = asyncio.run(main())
+    assert both.status == 429 and waiting == 1
     assert err.status == 429 and err.headers["Retry-After"] == "1" and err.code == "rate_limit_exceeded"
 
 
