@@ -30,7 +30,7 @@ from specdraft.models.runtime import Runtime
 from specdraft.policy import FixedK, KPolicy
 from specdraft.stats import SpecStats
 from specdraft.tree import TokenTree, verify_tree
-from specdraft.verify import SamplingParams, greedy_tokens, verify
+from specdraft.verify import SamplingParams, TokenLogprob, greedy_tokens, token_logprobs, verify
 
 _ids = itertools.count()
 
@@ -69,6 +69,9 @@ class StepEvent:
         source: per token, where it came from: the drafter's name (or a tree node's tag, such as
             ``"lookup"`` or ``"pool"``) for accepted drafts, ``"target"`` for the recovered / bonus
             token.
+        logprobs: per token, its log-probability under the target and the most likely
+            alternatives' (:class:`~specdraft.verify.TokenLogprob`), read from the logits that
+            verified it; None unless the request's ``params.logprobs`` asks.
     """
 
     request_id: int
@@ -78,6 +81,7 @@ class StepEvent:
     finish_reason: str | None = None
     collapsed: bool = False
     source: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
 
 
 class Engine:
@@ -425,7 +429,7 @@ class Engine:
             fed = [row[: 1 + v] for row, v in zip(inp.tolist(), num_valid.tolist())]
             verified = _verified(fed, [list(range(-1, len(f) - 1)) for f in fed], out.logits, tokens)
         n = verdict.num_accepted
-        return _Outcome(tokens, n, sources, verified, num_valid, proposed, bucket, target_time)
+        return _Outcome(tokens, n, sources, verified, num_valid, proposed, bucket, target_time, out.logits)
 
     def _drafts_in_forward(self) -> bool:
         """Whether this step is a parallel draft-and-verify step (a drafter that drafts inside the
@@ -497,7 +501,18 @@ class Engine:
         num_valid = torch.tensor([t.num_nodes for t in trees])
         depth = torch.tensor([int(t.depth.max()) if t.num_nodes else 0 for t in trees])
         return _Outcome(
-            tokens, n, sources, verified, num_valid, proposed, None, target_time, depth, N + 1, columns
+            tokens,
+            n,
+            sources,
+            verified,
+            num_valid,
+            proposed,
+            None,
+            target_time,
+            out.logits,
+            depth,
+            N + 1,
+            columns,
         )
 
     def _commit(
@@ -524,7 +539,10 @@ class Engine:
             buffer[b, lengths[b] : lengths[b] + len(toks)] = toks
             from_draft = [j < accepted[b] for j in range(len(toks))]
             source = out.sources[b][: len(toks)]
-            events.append(StepEvent(r.id, toks, from_draft, reason is not None, reason, source=source))
+            ev = StepEvent(r.id, toks, from_draft, reason is not None, reason, source=source)
+            if r.params.logprobs is not None:
+                ev.logprobs = self._logprobs(out, b, toks, r.params.logprobs)
+            events.append(ev)
             if reason is not None:
                 finished.append(b)
             if out.verified is not None:
@@ -534,6 +552,15 @@ class Engine:
         self.lengths = self.lengths + emitted
         self.generated = self.generated + emitted
         return events, finished, emitted, spans
+
+    @staticmethod
+    def _logprobs(out: _Outcome, b: int, toks: list[int], top: int) -> list[TokenLogprob]:
+        """Row b's output tokens ``toks`` with their logprobs: token j was predicted by the step's
+        column j (a tree step: the accepted path's j-th column, :attr:`_Outcome.columns`)."""
+        rows = (
+            out.logits[b, : len(toks)] if out.columns is None else out.logits[b, out.columns[b, : len(toks)]]
+        )
+        return token_logprobs(rows, toks, top)
 
 
 @dataclass
@@ -549,6 +576,7 @@ class _Outcome:
         proposed: most tokens (nodes) any row proposed.
         bucket: the proposal's classes, for the policy.
         target_time: seconds of the target forward.
+        logits: ``(B, T, V)`` the target forward's (for :attr:`StepEvent.logprobs`).
         depth: ``(B,)`` tree depth per row, for per-depth statistics (None: a chain).
         width: tokens each row fed the target (a tree step: the most nodes + 1).
         columns: ``(B, T)`` per row, the target forward's columns of the committed positions in
@@ -563,6 +591,7 @@ class _Outcome:
     proposed: int
     bucket: torch.Tensor | None
     target_time: float
+    logits: torch.Tensor
     depth: torch.Tensor | None = None
     width: int = 0
     columns: torch.Tensor | None = None

@@ -22,6 +22,8 @@ import torch
 
 from specdraft.errors import SpecdraftError
 
+MAX_LOGPROBS = 20  # most alternatives reported per token (SamplingParams.logprobs), as OpenAI's top_logprobs
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -32,12 +34,18 @@ class SamplingParams:
         top_k: keep only the k most likely tokens (0 = off).
         top_p: keep the smallest set of tokens whose probability reaches top_p (1.0 = off).
         seed: seeds the row's own ``torch.Generator``; None draws a fresh seed.
+        logprobs: also report, for every output token, its log-probability under the target's raw
+            distribution (the logits' log-softmax, before temperature, top-k and top-p, as vLLM's
+            default ``raw_logprobs``) and the this-many most likely tokens' (0: the chosen token's
+            only); None: none (:attr:`specdraft.engine.StepEvent.logprobs`). Reporting changes
+            nothing about which tokens are chosen.
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    logprobs: int | None = None
 
     def __post_init__(self):
         if not self.temperature >= 0:
@@ -46,10 +54,35 @@ class SamplingParams:
             raise SpecdraftError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise SpecdraftError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise SpecdraftError(f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An output token's log-probability under the target (raw logits' log-softmax) and the
+    ``SamplingParams.logprobs`` most likely tokens' ``(id, logprob)``, most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Each of ``tokens`` (output token j predicted by ``logits[j]``, ``(T, V)``) with its logprob
+    and the ``top`` most likely tokens'."""
+    lp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens).unsqueeze(1))[:, 0].tolist()
+    best = lp.topk(top, dim=-1) if top else None
+    out = []
+    for j, (t, c) in enumerate(zip(tokens, chosen)):
+        alts = () if best is None else tuple(zip(best.indices[j].tolist(), best.values[j].tolist()))
+        out.append(TokenLogprob(t, c, alts))
+    return out
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from specdraft.drafters.base import TargetFeatures
-from specdraft.engine import Engine, Request, decode_requests
+from specdraft.engine import Engine, Request, decode_requests, generate
 from specdraft.models.llama import LlamaRuntime, LlamaWeights
 from specdraft.verify import SamplingParams
 
@@ -51,6 +51,39 @@ def decode(
     return decode_requests(
         engine, [Request(list(p), max_new_tokens, pp, eos_ids) for p, pp in zip(prompts, plist)]
     )
+
+
+def decode_logprobs(
+    engine: Engine, prompts: list[list[int]], max_new_tokens: int, params: list[SamplingParams]
+):
+    """Run ``prompts`` together to the end; per prompt, its output tokens' ``StepEvent.logprobs``
+    (None for a row whose params ask none)."""
+    requests = [Request(list(p), max_new_tokens, pp) for p, pp in zip(prompts, params)]
+    out: dict[int, list | None] = {}
+    for ev in generate(engine, requests):
+        got = out.setdefault(ev.request_id, None if ev.logprobs is None else [])
+        assert (got is None) == (ev.logprobs is None)
+        if got is not None:
+            got.extend(ev.logprobs)
+    return [out[r.id] for r in requests]
+
+
+def assert_target_logprobs(model, prompt: list[int], got: list, top: int) -> None:
+    """``got`` (a row's :class:`~specdraft.verify.TokenLogprob` s) against the transformers model's
+    log-softmax over ``prompt + output`` in one forward: each token's, and the ``top`` best."""
+    tokens = [g.token for g in got]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    lp = torch.log_softmax(logits.float(), dim=-1)  # (n, V): row j predicts output token j
+    want = lp.gather(1, torch.tensor(tokens).unsqueeze(1))[:, 0]
+    assert torch.allclose(torch.tensor([g.logprob for g in got]), want, atol=1e-4)
+    for j, g in enumerate(got):
+        assert len(g.top) == top
+        ids, values = [t for t, _ in g.top], torch.tensor([v for _, v in g.top])
+        assert torch.allclose(values, lp[j, ids], atol=1e-4)
+        assert values.tolist() == sorted(values.tolist(), reverse=True)
+        if top:
+            assert values[0] >= lp[j].max() - 1e-4  # the most likely token first
 
 
 def plain_greedy(runtime, prompt: list[int], max_new_tokens: int, eos_ids: tuple[int, ...] = ()) -> list[int]:

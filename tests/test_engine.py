@@ -16,7 +16,14 @@ from specdraft.models.llama import LlamaRuntime
 from specdraft.models.tiny import tiny_llama
 from specdraft.policy import CostAwareK, FixedK, HeuristicK
 from specdraft.verify import SamplingParams
-from tests.helpers import compact, decode, plain_greedy, random_prompts
+from tests.helpers import (
+    assert_target_logprobs,
+    compact,
+    decode,
+    decode_logprobs,
+    plain_greedy,
+    random_prompts,
+)
 
 N = 24  # new tokens per prompt
 # ragged: a one-token prompt (nothing to prefill), and a prompt that repeats itself (lookup hits)
@@ -140,6 +147,27 @@ def test_greedy_rows_stay_exact_next_to_sampling_rows(tiny, reference, drafter):
 
 
 # ------------------------------------------------------------------------------------- stopping
+@pytest.mark.parametrize("drafter", ["none", "prune", "lookup"])
+def test_logprobs_are_the_targets_for_the_rows_that_ask(tiny, reference, drafter):
+    """Greedy rows asking 3 and 0 alternatives, a sampled row asking 2, a row asking none; the
+    reported logprobs are the target's over the output in one forward, whatever was accepted."""
+    params = [
+        SamplingParams(logprobs=3),
+        SamplingParams(),
+        SamplingParams(logprobs=0),
+        SamplingParams(temperature=0.8, seed=4, logprobs=2),
+    ]
+    drafts = None if drafter == "none" else make_drafter(tiny, drafter)
+    got = decode_logprobs(Engine(tiny.target, drafts, FixedK(3)), PROMPTS, N, params)
+    assert got[1] is None
+    assert [g.token for g in got[0]] == reference[0] and [g.token for g in got[2]] == reference[2]
+    for prompt, row, p in zip(PROMPTS, got, params):
+        if p.logprobs is not None:
+            assert_target_logprobs(tiny.model, prompt, row, p.logprobs)
+            if p.logprobs and not p.temperature:  # greedy: the chosen token is the most likely
+                assert all(g.top[0][0] == g.token for g in row)
+
+
 def test_eos_stops_each_row_where_plain_decoding_does(tiny, reference):
     # pick, per row, a token from the middle of its plain output as that row's "EOS"
     eos = tuple(sorted({ref[len(ref) // 2] for ref in reference}))

@@ -14,7 +14,8 @@ from specdraft.errors import SpecdraftError
 from specdraft.models.hf import HFRuntime
 from specdraft.policy import CostAwareK, FixedK
 from specdraft.tree import TokenTree
-from tests.helpers import decode, plain_greedy, random_prompts
+from specdraft.verify import SamplingParams
+from tests.helpers import assert_target_logprobs, decode, decode_logprobs, plain_greedy, random_prompts
 
 K = 6
 
@@ -88,6 +89,17 @@ def test_tree_steps_give_plain_greedy_output_batch_1_and_3(tiny):
         assert out == [plain_greedy(tiny.target, p, 24) for p in batch]
         assert engine.stats.accepted > 5  # the trees were really accepted from (not only bonus tokens)
         assert engine.stats.mean_accepted_length > 1.2
+
+
+def test_tree_steps_report_the_targets_logprobs_along_the_accepted_path(tiny):
+    prompts = random_prompts([5, 9, 3], seed=11)
+    refs = _references(tiny, prompts, 24)
+    engine = Engine(tiny.target, OracleTrees(refs, seed=1), FixedK(K))
+    got = decode_logprobs(engine, prompts, 24, [SamplingParams(logprobs=2)] * 3)
+    assert engine.stats.accepted > 5
+    for prompt, row in zip(prompts, got):
+        assert [g.token for g in row] == plain_greedy(tiny.target, prompt, 24)
+        assert_target_logprobs(tiny.model, prompt, row, 2)
 
 
 @pytest.fixture(scope="module")

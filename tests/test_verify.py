@@ -258,7 +258,10 @@ def test_logits_to_probs_temperature_top_k_top_p():
     assert batched.argmax(-1).tolist() == [0, 4] and (batched.max(-1).values == 1).all()
 
 
-@pytest.mark.parametrize("kwargs", [{"temperature": -1}, {"top_k": -1}, {"top_p": 0.0}, {"top_p": 1.5}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"temperature": -1}, {"top_k": -1}, {"top_p": 0.0}, {"top_p": 1.5}, {"logprobs": -1}, {"logprobs": 21}],
+)
 def test_sampling_params_reject_bad_values(kwargs):
     with pytest.raises(SpecdraftError):
         SamplingParams(**kwargs)

@@ -256,7 +256,8 @@ def _add_completion_routes(app: FastAPI, ctx: _Context) -> None:
         else:
             req, prompts = await asyncio.to_thread(_prepare_completion, ctx, body)
             max_tokens = req.max_tokens
-        renderer = _Renderer("chatcmpl" if chat else "cmpl", ctx.config.model_name, chat=chat)
+        renderer = _Renderer("chatcmpl" if chat else "cmpl", ctx.config.model_name, chat, ctx.pipe.tokenizer)
+        renderer.logprobs = req.logprob_count is not None
         return await _serve(ctx, request, req, prompts, max_tokens, renderer)
 
     @app.post("/v1/completions")
@@ -320,6 +321,7 @@ def _jobs(ctx: _Context, req, prompts: list[list[int]], max_tokens: int | None) 
                 top_k=max(req.top_k or 0, 0),
                 top_p=1.0 if req.top_p is None else req.top_p,
                 seed=None if req.seed is None else (req.seed + j) % 2**63,
+                logprobs=req.logprob_count,
             )
             job = Job(ids, budget, params, req.stop_list, req.k_cap, loop, queue, bool(req.ignore_eos))
             job.index = i * n + j
@@ -411,9 +413,24 @@ def _check_context(prompt_len: int, max_tokens: int | None, context: int, defaul
 class _Renderer:
     """Builds OpenAI response bodies and stream chunks for one request."""
 
-    def __init__(self, prefix: str, model: str, chat: bool):
+    def __init__(self, prefix: str, model: str, chat: bool, tokenizer):
         self.id, self.model, self.chat, self.created = P.new_id(prefix), model, chat, P.now()
+        self.tokenizer = tokenizer
         self.prompt_tokens = 0  # the request's prompts' tokens, each prompt once (set by _serve)
+        self.logprobs = False  # the request asked for logprobs
+        self.offsets: dict[int, int] = {}  # choice -> its text's length so far (text_offset)
+
+    def _logprobs(self, entries: list, index: int) -> dict | None:
+        if not self.logprobs:
+            return None
+        if self.chat:
+            return P.chat_logprobs(entries, self._token_text)
+        out = P.completion_logprobs(entries, self._token_text, self.offsets.get(index, 0))
+        self.offsets[index] = self.offsets.get(index, 0) + sum(len(t) for t in out["tokens"])
+        return out
+
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
 
     def first(self, choices: int) -> list[dict]:
         if not self.chat:
@@ -422,15 +439,17 @@ class _Renderer:
         return [P.chat_chunk(self.id, self.model, self.created, role, None, i) for i in range(choices)]
 
     def chunks(self, out: Output) -> list[dict]:
+        logprobs = self._logprobs(out.logprobs, out.index)
         if not self.chat:
             return [
-                P.completion_chunk(self.id, self.model, self.created, out.text, out.finish_reason, out.index)
+                P.completion_chunk(
+                    self.id, self.model, self.created, out.text, out.finish_reason, out.index, logprobs
+                )
             ]
         chunks = []
-        if out.text:
-            chunks.append(
-                P.chat_chunk(self.id, self.model, self.created, {"content": out.text}, None, out.index)
-            )
+        if out.text or out.logprobs:
+            delta = {"content": out.text}
+            chunks.append(P.chat_chunk(self.id, self.model, self.created, delta, None, out.index, logprobs))
         if out.finish_reason:
             chunks.append(P.chat_chunk(self.id, self.model, self.created, {}, out.finish_reason, out.index))
         return chunks
@@ -442,10 +461,17 @@ class _Renderer:
         chunk["usage"] = P.usage(self.prompt_tokens, sum(job.completion_tokens for job in jobs))
         return chunk
 
-    def response(self, texts: list[str], jobs: list[Job]) -> dict:
-        """The whole answer: ``texts[i]`` is choice i's (job ``jobs[i]``)."""
+    def response(self, outputs: list[list[Output]], jobs: list[Job]) -> dict:
+        """The whole answer: ``outputs[i]`` are choice i's (job ``jobs[i]``)."""
         build = P.chat_response if self.chat else P.completion_response
-        choices = [(text, job.finish_reason) for text, job in zip(texts, jobs)]
+        choices = [
+            (
+                "".join(o.text for o in outs),
+                job.finish_reason,
+                self._logprobs([e for o in outs for e in o.logprobs], i),
+            )
+            for i, (outs, job) in enumerate(zip(outputs, jobs))
+        ]
         completion = sum(job.completion_tokens for job in jobs)
         return build(self.id, self.model, self.created, choices, self.prompt_tokens, completion)
 
@@ -487,7 +513,7 @@ async def _collect(
 ):
     """Non-streaming: wait for every choice's whole output, checking now and then that the client is
     still there. One choice's error answers the request."""
-    parts: list[list[str]] = [[] for _ in jobs]
+    outputs: list[list[Output]] = [[] for _ in jobs]
     running = len(jobs)
     getter: asyncio.Future | None = None
     loop = asyncio.get_running_loop()
@@ -506,11 +532,11 @@ async def _collect(
             getter = None
             if out.error is not None:
                 raise out.error
-            parts[out.index].append(out.text)
+            outputs[out.index].append(out)
             if out.finish_reason is not None:
                 running -= 1
             if not running:
-                return JSONResponse(renderer.response(["".join(p) for p in parts], jobs))
+                return JSONResponse(renderer.response(outputs, jobs))
     finally:
         if getter is not None:
             getter.cancel()

@@ -3,7 +3,13 @@
 Requests are parsed from the raw body with ``model_validate_json`` in strict mode, so ``"5"`` is
 not an integer and ``true`` is not a number, as the OpenAI API behaves. Unknown fields are ignored
 (clients send fields this server has no use for, like ``user``); known fields the server cannot
-honour (``logprobs``, penalties) are refused with 400 instead of being silently dropped.
+honour (penalties, ``logit_bias``) are refused with 400 instead of being silently dropped.
+
+Log-probabilities (``logprobs``: an int on ``/v1/completions``, ``true`` with ``top_logprobs`` on
+chat): the target's, read from the logits that verified each token (drafted or not), before
+temperature, top-k and top-p (vLLM's default ``raw_logprobs``), with up to
+:data:`~specdraft.verify.MAX_LOGPROBS` alternatives. A token's text is its own decode (a token that
+holds part of a UTF-8 character shows ``"\ufffd"``); ``text_offset`` sums those texts' lengths.
 
 Several choices per request, as OpenAI and vLLM answer them: ``n`` samples of each prompt, and on
 ``/v1/completions`` a list of prompts (texts or token-id lists); choice ``prompt_index * n + j`` is
@@ -27,6 +33,8 @@ import uuid
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from specdraft.verify import MAX_LOGPROBS, TokenLogprob
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256  # characters per stop string: each is searched in the text at every step
@@ -91,15 +99,12 @@ class _GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     speculation: Literal["off"] | Speculation | None = None
     ignore_eos: bool | None = False
-    logprobs: bool | int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
 
     def check_supported(self) -> None:
         """Refuse options this server does not implement (rather than ignoring them)."""
-        if self.logprobs not in (None, False, 0):
-            raise APIError(400, "logprobs are not supported", param="logprobs")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise APIError(400, f"{name} is not supported", param=name)
@@ -133,6 +138,7 @@ class CompletionRequest(_GenerationRequest):
     """``POST /v1/completions``: ``prompt`` is text or token ids, or a list of either."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
@@ -145,6 +151,11 @@ class CompletionRequest(_GenerationRequest):
             raise APIError(400, "only best_of=1 is supported", param="best_of")
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
+
+    @property
+    def logprob_count(self) -> int | None:
+        """Alternatives to report per token (:attr:`SamplingParams.logprobs`); None: no logprobs."""
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, each text or token ids (a list of texts or of id lists: several)."""
@@ -179,12 +190,21 @@ class ChatCompletionRequest(_GenerationRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.tools:
             raise APIError(400, "tools are not supported", param="tools")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+
+    @property
+    def logprob_count(self) -> int | None:
+        """Alternatives to report per token (:attr:`SamplingParams.logprobs`); None: no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -226,16 +246,28 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def completion_chunk(
-    rid: str, model: str, created: int, text: str, finish_reason: str | None, index: int = 0
+    rid: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: str | None,
+    index: int = 0,
+    logprobs: dict | None = None,
 ) -> dict:
-    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
 
 
 def chat_chunk(
-    rid: str, model: str, created: int, delta: dict, finish_reason: str | None, index: int = 0
+    rid: str,
+    model: str,
+    created: int,
+    delta: dict,
+    finish_reason: str | None,
+    index: int = 0,
+    logprobs: dict | None = None,
 ) -> dict:
-    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return {
         "id": rid,
         "object": "chat.completion.chunk",
@@ -245,23 +277,19 @@ def chat_chunk(
     }
 
 
-def completion_response(
-    rid, model, created, choices: list[tuple[str, str]], prompt_tokens, completion_tokens
-) -> dict:
-    """``choices``: (text, finish_reason) per choice index."""
+def completion_response(rid, model, created, choices: list[tuple], prompt_tokens, completion_tokens) -> dict:
+    """``choices``: (text, finish_reason, logprobs) per choice index."""
     body = {"id": rid, "object": "text_completion", "created": created, "model": model}
     body["choices"] = [
-        {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
-        for i, (text, reason) in enumerate(choices)
+        {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        for i, (text, reason, logprobs) in enumerate(choices)
     ]
     body["usage"] = usage(prompt_tokens, completion_tokens)
     return body
 
 
-def chat_response(
-    rid, model, created, choices: list[tuple[str, str]], prompt_tokens, completion_tokens
-) -> dict:
-    """``choices``: (text, finish_reason) per choice index."""
+def chat_response(rid, model, created, choices: list[tuple], prompt_tokens, completion_tokens) -> dict:
+    """``choices``: (text, finish_reason, logprobs) per choice index."""
     return {
         "id": rid,
         "object": "chat.completion",
@@ -271,12 +299,48 @@ def chat_response(
             {
                 "index": i,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": reason,
             }
-            for i, (text, reason) in enumerate(choices)
+            for i, (text, reason, logprobs) in enumerate(choices)
         ],
         "usage": usage(prompt_tokens, completion_tokens),
+    }
+
+
+def completion_logprobs(entries: list[TokenLogprob], decode, offset: int = 0) -> dict:
+    """The legacy completions ``logprobs`` object of ``entries``; ``decode(id) -> str``, ``offset``
+    the text's length before them."""
+    tokens = [decode(e.token) for e in entries]
+    offsets = [offset + sum(len(t) for t in tokens[:j]) for j in range(len(tokens))]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [_by_text(e.top, decode) for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def _by_text(top: tuple[tuple[int, float], ...], decode) -> dict[str, float]:
+    """``{text: logprob}`` of a token's alternatives (most likely first); of tokens with the same text
+    (bytes of split characters all read "\ufffd") the most likely one's."""
+    out: dict[str, float] = {}
+    for t, lp in top:
+        out.setdefault(decode(t), lp)
+    return out
+
+
+def chat_logprobs(entries: list[TokenLogprob], decode) -> dict:
+    """The chat ``logprobs`` object (``content``: a record per token) of ``entries``."""
+
+    def record(token: int, logprob: float) -> dict:
+        text = decode(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {
+        "content": [
+            record(e.token, e.logprob) | {"top_logprobs": [record(*t) for t in e.top]} for e in entries
+        ]
     }
 
 

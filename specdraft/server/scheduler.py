@@ -48,7 +48,7 @@ from specdraft.policy import CappedPolicy, KPolicy
 from specdraft.server.metrics import Metrics
 from specdraft.server.protocol import APIError
 from specdraft.stats import SpecStats
-from specdraft.verify import SamplingParams
+from specdraft.verify import SamplingParams, TokenLogprob
 
 log = logging.getLogger("specdraft.server")
 
@@ -64,6 +64,9 @@ class Output:
             ``timeout`` (both with ``error`` set); None while generation continues.
         error: set when the request failed inside the scheduler.
         index: the job's choice index in its HTTP request (:attr:`Job.index`, stamped by :meth:`Job.post`).
+        logprobs: the tokens generated since the previous output, with their logprobs, when the
+            request asked for them (``params.logprobs``); a token whose text is still held back
+            (an incomplete character, a possible stop string) comes with the output that has it.
     """
 
     text: str
@@ -71,6 +74,7 @@ class Output:
     finish_reason: str | None = None
     error: APIError | None = None
     index: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(eq=False)  # identity: a job is "in the queue" only as itself
@@ -108,9 +112,11 @@ class Job:
     last_output_at: float | None = None
     finish_reason: str | None = None
     done: bool = False
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # not yet posted (Output.logprobs)
 
     def post(self, item: Output) -> None:
         item.index = self.index
+        item.logprobs, self.logprobs = self.logprobs, []
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the event loop is gone (process exiting): nobody is listening
@@ -418,6 +424,7 @@ class Scheduler:
             else:
                 self.metrics.itl.observe(now - job.last_output_at)
             job.last_output_at = now
+        job.logprobs += ev.logprobs or []
         text, hit_stop = job.detok.push(ev.tokens, ev.finished)
         reason = "stop" if hit_stop else ev.finish_reason if ev.finished else None
         if reason is None:

@@ -12,7 +12,9 @@ import httpx
 import openai
 import pytest
 
+from specdraft.engine import Engine
 from specdraft.verify import SamplingParams
+from tests.helpers import decode_logprobs
 
 CONTEXT = 4096  # the tiny model's context window (conftest.CONTEXT)
 
@@ -224,6 +226,44 @@ def test_streamed_chat_choices_reassemble_by_index(server, reference):
         assert "".join(m.delta.content or "" for m in mine) == text
         assert [m.finish_reason for m in mine][-1] == reason and mine[-1].delta.content is None
     assert wait_idle(server)["running"] == 0
+
+
+def expected_logprobs(reference, prompt_ids: list[int], max_tokens: int, top: int) -> list:
+    """The target alone's logprobs of its greedy output (plain decoding, in this process)."""
+    params = [SamplingParams(logprobs=top)]
+    return decode_logprobs(Engine(reference.runtime), [prompt_ids], max_tokens, params)[0]
+
+
+def test_completion_logprobs_are_the_targets(server, reference):
+    want = expected_logprobs(reference, reference.encode("The cat", chat=False), 16, 3)
+    r = client(server).completions.create(
+        model=model_id(server), prompt="The cat", max_tokens=16, temperature=0, logprobs=3
+    )
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [reference.tokenizer.decode([w.token]) for w in want]
+    assert lp.token_logprobs == pytest.approx([w.logprob for w in want], abs=1e-4)
+    for top, w in zip(lp.top_logprobs, want):  # greedy: the chosen token is the most likely
+        assert 1 <= len(top) <= 3 and max(top.values()) == pytest.approx(w.logprob, abs=1e-4)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:j]) for j in range(len(lp.tokens))]
+
+
+def test_streamed_chat_logprobs_are_the_targets(server, reference):
+    messages = [{"role": "user", "content": "log probs"}]
+    want = expected_logprobs(reference, reference.encode(messages, chat=True), 14, 2)
+    chunks = client(server).chat.completions.create(
+        model=model_id(server),
+        messages=messages,
+        max_tokens=14,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+    )
+    records = [c for ch in chunks if ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert [c.logprob for c in records] == pytest.approx([w.logprob for w in want], abs=1e-4)
+    for c, w in zip(records, want):
+        assert c.token == reference.tokenizer.decode([w.token]) and c.bytes == list(c.token.encode())
+        assert [t.logprob for t in c.top_logprobs] == pytest.approx([v for _, v in w.top], abs=1e-4)
 
 
 def test_top_k_one_is_greedy(server, reference):
