@@ -26,7 +26,7 @@ import torch
 
 from specdraft.drafters.base import DraftContext, Drafter, Proposal, TargetFeatures, Verified
 from specdraft.errors import SpecdraftError
-from specdraft.models.runtime import Runtime
+from specdraft.models.runtime import KVState, Runtime
 from specdraft.policy import FixedK, KPolicy
 from specdraft.stats import SpecStats
 from specdraft.tree import TokenTree, verify_tree
@@ -177,18 +177,7 @@ class Engine:
         tokens = torch.zeros(n, capacity, dtype=torch.int64)
         for i, r in enumerate(requests):
             tokens[i, : len(r.prompt)] = torch.tensor(r.prompt)
-        kv = self.target.new_state(n, capacity)
-        P = int(lengths.max()) - 1
-        prefill = {}
-        if P > 0:  # the last prompt token is fed by the first step
-            positions = torch.arange(P).expand(n, P)  # right padding past each row's end is harmless
-            prefill = self.target.forward(
-                kv,
-                tokens[:, :P],
-                positions,
-                logits_index=(lengths - 2).clamp(min=0).unsqueeze(1),
-                hidden_layers=self.hidden_layers,
-            ).hidden
+        kv, prefill = self._prefill(requests, tokens, lengths, capacity)
         draft_state = self.drafter.new_state(n, capacity) if self.drafter is not None else None
 
         for r in requests:
@@ -213,6 +202,33 @@ class Engine:
         self.stats.prefill_time += spent
         self.stats.total_time += spent
         return [r.id for r in requests]
+
+    def _prefill(
+        self, requests: list[Request], tokens: torch.Tensor, lengths: torch.Tensor, capacity: int
+    ) -> tuple[KVState, dict[int, torch.Tensor]]:
+        """The target's cache of the new rows' prompts but the last token (the first step feeds it),
+        and the hidden states the drafter reads there. Rows with the same prompt (a server
+        request's ``n`` choices) share one forward: its cache rows are copied."""
+        first: dict[tuple[int, ...], int] = {}
+        source = [first.setdefault(tuple(r.prompt), len(first)) for r in requests]
+        unique = torch.tensor([source.index(u) for u in range(len(first))])  # a row per prompt
+        kv = self.target.new_state(len(first), capacity)
+        P = int(lengths.max()) - 1
+        prefill = {}
+        if P > 0:  # right padding past each row's end is harmless
+            positions = torch.arange(P).expand(len(first), P)
+            prefill = self.target.forward(
+                kv,
+                tokens[unique, :P],
+                positions,
+                logits_index=(lengths[unique] - 2).clamp(min=0).unsqueeze(1),
+                hidden_layers=self.hidden_layers,
+            ).hidden
+        if len(first) < len(requests):
+            rows = torch.tensor(source)
+            kv.select_rows(rows)
+            prefill = {i: h[rows] for i, h in prefill.items()}
+        return kv, prefill
 
     def _grow(self, capacity: int) -> None:
         if capacity > self.tokens.shape[1]:

@@ -298,6 +298,30 @@ def test_stats_count_the_bonus_token(tiny):
     assert sum(s.accepted_per_position) == s.accepted
 
 
+def test_requests_with_the_same_prompt_share_one_prefill(tiny, reference, monkeypatch):
+    """A server request's n choices join together with one prompt: its prefill runs once, and each
+    row decodes as it would alone (greedy rows and seeded sampling rows)."""
+    rows = []
+    forward = tiny.target.forward
+
+    def counting(state, tokens, positions, **kw):
+        rows.append(tuple(tokens.shape))
+        return forward(state, tokens, positions, **kw)
+
+    monkeypatch.setattr(tiny.target, "forward", counting)
+    prompts = [PROMPTS[2], PROMPTS[2], PROMPTS[0], PROMPTS[2], PROMPTS[2]]
+    sampled = [SamplingParams(temperature=0.9, seed=s) for s in (5, 6)]
+    params = [SamplingParams()] * 3 + sampled
+    out = decode(Engine(tiny.target, make_drafter(tiny, "prune"), FixedK(3)), prompts, N, params)
+    assert rows[0] == (2, len(PROMPTS[2]) - 1)  # one row per distinct prompt, its last token left
+    assert out[:3] == [reference[2], reference[2], reference[0]]
+    for got, p in zip(out[3:], sampled):
+        assert (
+            got == decode(Engine(tiny.target, make_drafter(tiny, "prune"), FixedK(3)), [PROMPTS[2]], N, p)[0]
+        )
+    assert out[3] != out[4]
+
+
 # ------------------------------------------------------------------------------------ bad input
 def test_engine_refuses_bad_requests(tiny):
     engine = Engine(tiny.target, make_drafter(tiny, "lookup"))
