@@ -7,7 +7,9 @@ cost-aware policy, fixed k, transformers' heuristic; ``auto-batch`` without its 
 its CUSUM (a decayed ratio judged at every step), ``auto-blind`` without the first-token outcomes a
 feature draft reads back in hindsight, ``auto-before`` without them and with the safe arm judging
 probes too, ``auto-unguarded`` without its safe arm, the
-check of realised speed against plain decoding: ``auto`` against it is that check's cost or gain),
+check of realised speed against plain decoding: ``auto`` against it is that check's cost or gain,
+``auto-undefended`` without both, issue 17's undefended engine: ``auto`` against it on clean prompts is
+the defense's cost),
 Spec-Bench first turns, greedy, batch 1 (or ``--batch N``: the prompts decoded N rows at a time,
 overall figures only).
 After an untimed warm-up of every method, each prompt runs every method once in a rotating order
@@ -100,7 +102,8 @@ def window_policy() -> CostAwareK:
 # name -> policy factory; a name not here goes to make_policy ("auto", "heuristic", "4").
 # auto-batch: the cost-aware policy without its per-row watch (one acceptance record for the batch);
 # auto-padded: the cost-aware policy on the runtime without ragged steps (Padded); auto-unguarded:
-# without the safe arm (SafeArm: the model's choice unchecked by the clock); auto-off3: a row goes off
+# without the safe arm (SafeArm: the model's choice unchecked by the clock); auto-undefended: without
+# both (issue 17's undefended engine); auto-off3: a row goes off
 # after three rejected proposals in a row whatever the drafter's average (RowWatch before 1d59d9d);
 # auto-window: the safe arm's verdict before its CUSUM (WindowVerdict); auto-blind: no row asked for
 # the outcomes a feature draft reads back at its catch-up (Blind); auto-before: Blind with probes counted
@@ -112,6 +115,7 @@ POLICIES: dict = {
     "auto-off3": lambda: CostAwareK(watch=RowWatch(off_max=3)),
     "auto-padded": CostAwareK,
     "auto-unguarded": lambda: CostAwareK(guard=None),
+    "auto-undefended": lambda: CostAwareK(watch=None, guard=None),
     "auto-window": window_policy,
 }
 RUNTIMES: dict = {"auto-padded": Padded}  # name -> the runtime a method decodes with
