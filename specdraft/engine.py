@@ -666,6 +666,20 @@ def generate(engine: Engine, requests: list[Request]) -> Iterator[StepEvent]:
                 engine.cancel(r.id)
 
 
+def prompt_logprobs(target: Runtime, prompt: list[int], top: int, chunk: int = 256) -> list[TokenLogprob]:
+    """Each prompt token's logprob given the tokens before it (the first token's: None) and the
+    ``top`` most likely alternatives' there: the target's forward over the prompt but its last token,
+    ``chunk`` positions at a time (a long prompt's logits are never held at once)."""
+    state = target.new_state(1, len(prompt))
+    out = [TokenLogprob(prompt[0], None)]
+    for s in range(0, len(prompt) - 1, chunk):
+        fed = prompt[s : min(s + chunk, len(prompt) - 1)]  # position p predicts token p + 1
+        positions = torch.arange(s, s + len(fed)).unsqueeze(0)
+        logits = target.forward(state, torch.tensor([fed]), positions).logits[0]
+        out += token_logprobs(logits, prompt[s + 1 : s + 1 + len(fed)], top)
+    return out
+
+
 def decode_requests(engine: Engine, requests: list[Request]) -> list[list[int]]:
     """Decode ``requests`` together to the end; the output tokens of each, in the given order."""
     out: dict[int, list[int]] = {}

@@ -64,11 +64,12 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """An output token's log-probability under the target (raw logits' log-softmax) and the
-    ``SamplingParams.logprobs`` most likely tokens' ``(id, logprob)``, most likely first."""
+    """A token's log-probability under the target (raw logits' log-softmax) and the
+    ``SamplingParams.logprobs`` most likely tokens' ``(id, logprob)``, most likely first; a prompt's
+    first token has none (``logprob`` None)."""
 
     token: int
-    logprob: float
+    logprob: float | None
     top: tuple[tuple[int, float], ...] = ()
 
 

@@ -9,7 +9,7 @@ import torch
 from specdraft import kernels
 from specdraft.drafters.model import ModelDrafter
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
-from specdraft.engine import Engine, Request, generate
+from specdraft.engine import Engine, Request, generate, prompt_logprobs
 from specdraft.errors import SpecdraftError
 from specdraft.models.hf import HFRuntime
 from specdraft.models.llama import LlamaRuntime
@@ -296,6 +296,14 @@ def test_stats_count_the_bonus_token(tiny):
     )
     assert s.accepted_per_position[0] >= s.accepted_per_position[1] >= s.accepted_per_position[2]
     assert sum(s.accepted_per_position) == s.accepted
+
+
+@pytest.mark.parametrize("chunk", [4, 256])
+def test_prompt_logprobs_are_the_targets_in_chunks_or_not(tiny, chunk):
+    prompt = PROMPTS[2]  # 13 tokens: chunks of 4 leave a last chunk of 0 .. 3
+    got = prompt_logprobs(tiny.target, prompt, 3, chunk=chunk)
+    assert [g.token for g in got] == prompt and got[0].logprob is None and got[0].top == ()
+    assert_target_logprobs(tiny.model, prompt[:1], got[1:], 3)
 
 
 def test_requests_with_the_same_prompt_share_one_prefill(tiny, reference, monkeypatch):

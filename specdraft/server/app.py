@@ -312,6 +312,9 @@ def _jobs(ctx: _Context, req, prompts: list[list[int]], max_tokens: int | None) 
     (:mod:`specdraft.server.protocol`); the choices share one output queue."""
     context, default = ctx.pipe.runtime.max_context, ctx.config.default_max_tokens
     n, loop, queue = req.n or 1, asyncio.get_running_loop(), asyncio.Queue()
+    echo = [None] * len(prompts)
+    if getattr(req, "echo", False):  # completions: the prompt as given (token ids: their text)
+        echo = [p if isinstance(p, str) else ctx.pipe.tokenizer.decode(p) for p in req.prompts()]
     jobs = []
     for i, ids in enumerate(prompts):
         budget = _check_context(len(ids), max_tokens, context, default)
@@ -324,7 +327,7 @@ def _jobs(ctx: _Context, req, prompts: list[list[int]], max_tokens: int | None) 
                 logprobs=req.logprob_count,
             )
             job = Job(ids, budget, params, req.stop_list, req.k_cap, loop, queue, bool(req.ignore_eos))
-            job.index = i * n + j
+            job.index, job.echo = i * n + j, echo[i]
             jobs.append(job)
     return jobs
 

@@ -10,6 +10,10 @@ chat): the target's, read from the logits that verified each token (drafted or n
 temperature, top-k and top-p (vLLM's default ``raw_logprobs``), with up to
 :data:`~specdraft.verify.MAX_LOGPROBS` alternatives. A token's text is its own decode (a token that
 holds part of a UTF-8 character shows ``"\ufffd"``); ``text_offset`` sums those texts' lengths.
+``echo`` (completions) returns the prompt before the completion, with its tokens' logprobs when
+``logprobs`` is set (the first token's null, as OpenAI's); ``max_tokens: 0`` with ``echo`` scores the
+prompt and decodes nothing, which is how evaluation harnesses (lm-evaluation-harness's
+``local-completions``) read a text's log-likelihood.
 
 Several choices per request, as OpenAI and vLLM answer them: ``n`` samples of each prompt, and on
 ``/v1/completions`` a list of prompts (texts or token-id lists); choice ``prompt_index * n + j`` is
@@ -138,6 +142,7 @@ class CompletionRequest(_GenerationRequest):
     """``POST /v1/completions``: ``prompt`` is text or token ids, or a list of either."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0: with echo, score the prompt and decode nothing
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
     best_of: int | None = None
@@ -145,8 +150,10 @@ class CompletionRequest(_GenerationRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise APIError(400, "echo is not supported", param="echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(
+                400, "max_tokens must be >= 1 (0 only with echo: scoring the prompt)", param="max_tokens"
+            )
         if self.best_of not in (None, 1):
             raise APIError(400, "only best_of=1 is supported", param="best_of")
         if self.suffix:
@@ -316,7 +323,7 @@ def completion_logprobs(entries: list[TokenLogprob], decode, offset: int = 0) ->
     return {
         "tokens": tokens,
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [_by_text(e.top, decode) for e in entries],
+        "top_logprobs": [None if e.logprob is None else _by_text(e.top, decode) for e in entries],
         "text_offset": offsets,
     }
 

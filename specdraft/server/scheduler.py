@@ -42,7 +42,7 @@ import torch
 
 from specdraft.api import Detokenizer, Pipeline
 from specdraft.drafters.capped import RowCappedDrafter
-from specdraft.engine import Engine, Request
+from specdraft.engine import Engine, Request, prompt_logprobs
 from specdraft.errors import SpecdraftError
 from specdraft.policy import CappedPolicy, KPolicy
 from specdraft.server.metrics import Metrics
@@ -91,6 +91,9 @@ class Job:
         loop, queue: where outputs are posted (the choices of one HTTP request share a queue).
         index: which choice of its HTTP request this job is (``n`` samples per prompt, several
             prompts: ``prompt_index * n + sample``), stamped on every output.
+        echo: the prompt's text, sent as the job's first output (with the prompt tokens' logprobs
+            when ``params.logprobs`` asks) before any generated text; None: no echo. With
+            ``max_tokens`` 0 that is all the job does (scoring a text: nothing is decoded).
         deadline: ``time.monotonic()`` after which the job ends with a timeout (set on submit).
     """
 
@@ -103,6 +106,7 @@ class Job:
     queue: asyncio.Queue
     ignore_eos: bool = False
     index: int = 0
+    echo: str | None = None
     arrival: float = field(default_factory=time.monotonic)
     deadline: float | None = None
     row_id: int = -1
@@ -354,7 +358,9 @@ class Scheduler:
         return True
 
     def _admit(self, jobs: list[Job]) -> None:
-        """Prefill new jobs together; if that fails, one by one, so one bad job fails alone."""
+        """Prefill new jobs together; if that fails, one by one, so one bad job fails alone. Jobs
+        that echo their prompt send it first (:meth:`_echo`)."""
+        jobs = [job for job in jobs if not self._echo(job)]
         requests = [
             Request(j.prompt, j.max_tokens, j.params, () if j.ignore_eos else self.pipe.eos_ids) for j in jobs
         ]
@@ -382,6 +388,27 @@ class Scheduler:
         with self._cond:
             self.metrics.waiting.set(len(self._waiting))
             self.metrics.running.set(len(self._live) - len(self._waiting))
+
+    def _echo(self, job: Job) -> bool:
+        """Post an echoing job's prompt text (and its tokens' logprobs); True when that ends it
+        (``max_tokens`` 0)."""
+        if job.echo is None:
+            return False
+        try:
+            if job.params.logprobs is not None:
+                job.logprobs = prompt_logprobs(self.pipe.runtime, job.prompt, job.params.logprobs)
+        except Exception as e:  # isolate the request, keep serving
+            log.exception("scoring the prompt failed for one request")
+            self._fail(
+                job, APIError(500, f"internal error while scoring the prompt: {e}", type="server_error")
+            )
+            return True
+        job.post(Output(job.echo, 0))
+        if job.max_tokens > 0:
+            return False
+        self.metrics.prompt_tokens.inc(len(job.prompt))  # a job decoding counts its own in _admit
+        self._finish(job, "length")
+        return True
 
     def _fail(self, job: Job, error: APIError) -> None:
         self._finish(job, "error", error=error)

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from specdraft.engine import Engine
+from specdraft.engine import Engine, prompt_logprobs
 from specdraft.verify import SamplingParams
 from tests.helpers import decode_logprobs
 
@@ -245,6 +245,33 @@ def test_completion_logprobs_are_the_targets(server, reference):
     for top, w in zip(lp.top_logprobs, want):  # greedy: the chosen token is the most likely
         assert 1 <= len(top) <= 3 and max(top.values()) == pytest.approx(w.logprob, abs=1e-4)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:j]) for j in range(len(lp.tokens))]
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt(server, reference):
+    prompt = "The cat sat on the mat."
+    ids = reference.encode(prompt, chat=False)
+    want = prompt_logprobs(reference.runtime, ids, 2)
+    r = client(server).completions.create(
+        model=model_id(server), prompt=prompt, max_tokens=0, echo=True, logprobs=2
+    )
+    ch = r.choices[0]
+    assert ch.text == prompt and ch.finish_reason == "length" and r.usage.completion_tokens == 0
+    assert ch.logprobs.tokens == [reference.tokenizer.decode([t]) for t in ids]
+    assert ch.logprobs.token_logprobs[0] is None and ch.logprobs.top_logprobs[0] is None
+    assert ch.logprobs.token_logprobs[1:] == pytest.approx([w.logprob for w in want[1:]], abs=1e-4)
+
+
+def test_echo_returns_the_prompt_before_the_completion(server, reference):
+    text, _, n = expected(reference, "Echo me", 10)
+    r = client(server).completions.create(
+        model=model_id(server), prompt="Echo me", max_tokens=10, temperature=0, echo=True, logprobs=0
+    )
+    assert r.choices[0].text == "Echo me" + text
+    assert len(r.choices[0].logprobs.token_logprobs) == len(reference.encode("Echo me", chat=False)) + n
+    streamed = client(server).completions.create(
+        model=model_id(server), prompt="Echo me", max_tokens=10, temperature=0, echo=True, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == "Echo me" + text
 
 
 def test_streamed_chat_logprobs_are_the_targets(server, reference):

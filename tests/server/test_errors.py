@@ -29,9 +29,9 @@ CASES = [
         "greater_than_equal",
     ),
     (
-        "zero max_tokens",
-        "/v1/completions",
-        b'{"prompt": "hi", "max_tokens": 0}',
+        "zero max_tokens on chat",
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}',
         400,
         "max_tokens",
         "greater_than_equal",
@@ -97,7 +97,14 @@ CASES = [
         "top_logprobs",
         None,
     ),
-    ("echo", "/v1/completions", b'{"prompt": "hi", "echo": true}', 400, "echo", None),
+    (
+        "max_tokens 0 without echo",
+        "/v1/completions",
+        b'{"prompt": "hi", "max_tokens": 0}',
+        400,
+        "max_tokens",
+        None,
+    ),
     (
         "bad speculation",
         "/v1/completions",
