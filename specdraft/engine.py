@@ -26,8 +26,10 @@ import torch
 
 from specdraft.drafters.base import DraftContext, Drafter, Proposal, TargetFeatures, Verified
 from specdraft.errors import SpecdraftError
+from specdraft.models.llama import LlamaKV
 from specdraft.models.runtime import KVState, Runtime
 from specdraft.policy import FixedK, KPolicy
+from specdraft.prefix_cache import PrefixCache
 from specdraft.stats import SpecStats
 from specdraft.tree import TokenTree, verify_tree
 from specdraft.verify import SamplingParams, TokenLogprob, greedy_tokens, token_logprobs, verify
@@ -94,6 +96,8 @@ class Engine:
         hidden_layers: target hidden states to hand to the drafter; None (the default): the ones the
             drafter names (``drafter.hidden_layers``: feature-level drafters), so every engine built
             over such a drafter feeds it.
+        prefix_cache: keeps the keys and values of the rows that leave, for later prompts that begin
+            with the same tokens (:mod:`specdraft.prefix_cache`); None: every prompt is prefilled whole.
     """
 
     def __init__(
@@ -103,6 +107,7 @@ class Engine:
         policy: KPolicy | None = None,
         *,
         hidden_layers: tuple[int, ...] | None = None,
+        prefix_cache: PrefixCache | None = None,
     ):
         if drafter is not None and drafter.vocab_size not in (None, target.vocab_size):
             raise SpecdraftError(
@@ -143,6 +148,7 @@ class Engine:
         self.target_hidden: dict = {}
         self.features: TargetFeatures | None = None  # every committed position's, for feature drafters
         self.collapsed: set[int] = set()  # request ids the policy flagged (rows that left included)
+        self.prefix_cache = prefix_cache
 
     # ------------------------------------------------------------------ batch membership
     @property
@@ -207,28 +213,49 @@ class Engine:
         self, requests: list[Request], tokens: torch.Tensor, lengths: torch.Tensor, capacity: int
     ) -> tuple[KVState, dict[int, torch.Tensor]]:
         """The target's cache of the new rows' prompts but the last token (the first step feeds it),
-        and the hidden states the drafter reads there. Rows with the same prompt (a server
-        request's ``n`` choices) share one forward: its cache rows are copied."""
+        and the hidden states the drafter reads there (``{layer: (n, P, C)}`` by position). Rows with
+        the same prompt (a server request's ``n`` choices) share one forward, its cache rows copied;
+        a prompt the prefix cache holds the start of prefills only the rest (:meth:`_cached`)."""
         first: dict[tuple[int, ...], int] = {}
         source = [first.setdefault(tuple(r.prompt), len(first)) for r in requests]
         unique = torch.tensor([source.index(u) for u in range(len(first))])  # a row per prompt
         kv = self.target.new_state(len(first), capacity)
-        P = int(lengths.max()) - 1
+        tokens, lengths = tokens[unique], lengths[unique]
+        start, cached = self._cached(kv, [requests[int(i)].prompt for i in unique])
+        P, T = int(lengths.max()) - 1, int((lengths - 1 - start).max())
         prefill = {}
-        if P > 0:  # right padding past each row's end is harmless
-            positions = torch.arange(P).expand(len(first), P)
+        if T > 0:  # positions start .. L - 2 of each row; right padding past a row's end is harmless
+            positions = (start.unsqueeze(1) + torch.arange(T)).clamp(max=capacity - 1)
             prefill = self.target.forward(
                 kv,
-                tokens[unique, :P],
+                tokens.gather(1, positions),
                 positions,
-                logits_index=(lengths[unique] - 2).clamp(min=0).unsqueeze(1),
+                logits_index=(lengths - 2 - start).clamp(min=0).unsqueeze(1),
                 hidden_layers=self.hidden_layers,
             ).hidden
+        if cached and self.hidden_layers:  # features by position: the cached ones, then the forward's
+            prefill = _by_position(self.hidden_layers, prefill, cached, start, lengths - 1, P)
         if len(first) < len(requests):
             rows = torch.tensor(source)
             kv.select_rows(rows)
             prefill = {i: h[rows] for i, h in prefill.items()}
         return kv, prefill
+
+    def _cached(self, kv: KVState, prompts: list[list[int]]) -> tuple[torch.Tensor, list]:
+        """Row b of ``kv`` takes the prefix cache's longest match with ``prompts[b]`` (at most its
+        positions before the last token): ``(B,)`` the positions filled, and per row its entry's
+        features ``{layer: (n, C)}`` (an empty list when nothing was filled)."""
+        start = torch.zeros(len(prompts), dtype=torch.int64)
+        if self.prefix_cache is None or not isinstance(kv, LlamaKV):
+            return start, []
+        found = [self.prefix_cache.match(p, self.hidden_layers) for p in prompts]
+        if not any(n for _, n in found):
+            return start, []
+        for b, ((entry, n), prompt) in enumerate(zip(found, prompts)):
+            start[b] = min(n, len(prompt) - 1)
+            if start[b] > 0:
+                self.prefix_cache.fill(entry, int(start[b]), kv, b)
+        return start, [entry.hidden if entry is not None else {} for entry, _ in found]
 
     def _grow(self, capacity: int) -> None:
         if capacity > self.tokens.shape[1]:
@@ -237,6 +264,8 @@ class Engine:
             self.tokens = grown
 
     def _keep(self, keep: list[int]) -> None:
+        if self.prefix_cache is not None and isinstance(self.kv, LlamaKV):
+            self._store([b for b in range(self.active) if b not in set(keep)])
         rows = torch.tensor(keep, dtype=torch.int64)
         self.requests = [self.requests[i] for i in keep]
         self.generators = [self.generators[i] for i in keep]
@@ -255,6 +284,15 @@ class Engine:
         else:
             self.kv = self.draft_state = self.features = None
             self.tokens = torch.zeros(0, 0, dtype=torch.int64)
+
+    def _store(self, leaving: list[int]) -> None:
+        """The prefix cache keeps each leaving row's committed tokens but the last (never fed: its
+        keys and values are not in the cache) with their keys, values and kept features."""
+        lengths = self.lengths.tolist()
+        for b in leaving:
+            n = lengths[b] - 1
+            hidden = {} if self.features is None else {i: h[b] for i, h in self.features.hidden.items()}
+            self.prefix_cache.store(self.tokens[b, :n].tolist(), self.kv, b, hidden)
 
     def cancel(self, request_id: int) -> StepEvent | None:
         """Drop a request between steps (client gone, stop string hit); frees its cache row."""
@@ -611,6 +649,30 @@ class _Outcome:
     depth: torch.Tensor | None = None
     width: int = 0
     columns: torch.Tensor | None = None
+
+
+def _by_position(
+    layers: tuple[int, ...],
+    hidden: dict[int, torch.Tensor],
+    cached: list[dict],
+    start: torch.Tensor,
+    end: torch.Tensor,
+    P: int,
+) -> dict[int, torch.Tensor]:
+    """Prefill features ``{layer: (B, P, C)}`` by position: row b's cached ones (``cached[b]``) at
+    positions below ``start[b]``, the forward's columns (``hidden``, none when no row needed a
+    forward; column j at ``start[b] + j``) from there to ``end[b]``."""
+    out = {}
+    for i in layers:
+        ref = hidden[i] if i in hidden else next(c[i] for c in cached if c)
+        by_pos = ref.new_zeros(len(cached), P, ref.shape[-1])
+        for b, (s, e) in enumerate(zip(start.tolist(), end.tolist())):
+            if s:
+                by_pos[b, :s] = cached[b][i][:s]
+            if e > s:
+                by_pos[b, s:e] = hidden[i][b, : e - s]
+        out[i] = by_pos
+    return out
 
 
 def _pad(tree: TokenTree, n: int) -> TokenTree:

@@ -38,6 +38,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="end a request still waiting or decoding after this long with a 408 (default: off)",
     )
+    p.add_argument(
+        "--prefix-cache-mb",
+        type=int,
+        default=512,
+        help="MB of earlier requests' keys and values kept for prompts that begin with the same tokens "
+        "(a chat's earlier turns); 0: off",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -58,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         shutdown_grace=args.shutdown_grace,
         api_key=api_key(args),
         request_timeout=args.request_timeout,
+        prefix_cache_mb=args.prefix_cache_mb,
     )
     pipe = load_pipeline(args)
     return run_server(create_app(pipe, config), args.host, args.port, args.log_level)

@@ -41,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specdraft.api import Pipeline
 from specdraft.errors import SpecdraftError
 from specdraft.policy import make_policy
+from specdraft.prefix_cache import PrefixCache
 from specdraft.server import protocol as P
 from specdraft.server.metrics import Metrics
 from specdraft.server.scheduler import Job, Output, Scheduler
@@ -66,6 +67,8 @@ class ServerConfig:
             otherwise); None: no authentication.
         request_timeout: seconds a request may wait and decode before it ends with a 408 and its
             row is freed; None: no limit.
+        prefix_cache_mb: megabytes of earlier requests' keys and values kept for prompts that begin
+            with the same tokens (a chat's earlier turns; :mod:`specdraft.prefix_cache`); 0: none.
     """
 
     model_name: str
@@ -77,6 +80,7 @@ class ServerConfig:
     shutdown_grace: float = 5.0
     api_key: str | None = None
     request_timeout: float | None = None
+    prefix_cache_mb: int = 512
 
     def __post_init__(self):
         if self.max_batch < 1:
@@ -91,6 +95,8 @@ class ServerConfig:
             raise SpecdraftError("the API key is empty; give a non-empty key or none")
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise SpecdraftError(f"request_timeout must be > 0 seconds, got {self.request_timeout}")
+        if self.prefix_cache_mb < 0:
+            raise SpecdraftError(f"prefix_cache_mb must be >= 0, got {self.prefix_cache_mb}")
 
 
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
@@ -152,6 +158,7 @@ def create_app(pipe: Pipeline, config: ServerConfig) -> FastAPI:
         max_queue=config.max_queue,
         metrics=metrics,
         request_timeout=config.request_timeout,
+        prefix_cache=PrefixCache(config.prefix_cache_mb << 20) if config.prefix_cache_mb else None,
     )
 
     @asynccontextmanager

@@ -130,6 +130,11 @@ class Metrics:
             ["position"],
             registry=r,
         )
+        self.prefix_cache_hits = Counter(
+            f"{p}prefix_cache_hits",
+            "Prompt tokens whose keys and values came from the prefix cache instead of a prefill",
+            registry=r,
+        )
         self.collapsed_requests = Counter(
             f"{p}spec_decode_collapsed_requests",
             "Requests whose draft acceptance collapsed far below the drafter's average (flagged once each)",

@@ -45,6 +45,7 @@ from specdraft.drafters.capped import RowCappedDrafter
 from specdraft.engine import Engine, Request, prompt_logprobs
 from specdraft.errors import SpecdraftError
 from specdraft.policy import CappedPolicy, KPolicy
+from specdraft.prefix_cache import PrefixCache
 from specdraft.server.metrics import Metrics
 from specdraft.server.protocol import APIError
 from specdraft.stats import SpecStats
@@ -149,6 +150,7 @@ class Scheduler:
             system, :meth:`submit` answers 429.
         metrics: where counters go.
         request_timeout: seconds a job may wait and decode before it ends with a 408; None: no limit.
+        prefix_cache: kept for every engine the scheduler makes (:mod:`specdraft.prefix_cache`).
     """
 
     def __init__(
@@ -160,6 +162,7 @@ class Scheduler:
         max_queue: int,
         metrics: Metrics,
         request_timeout: float | None = None,
+        prefix_cache: PrefixCache | None = None,
     ):
         if max_batch < 1 or max_queue < 0:
             raise SpecdraftError(
@@ -173,6 +176,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.metrics = metrics
         self.request_timeout = request_timeout
+        self.prefix_cache = prefix_cache
         self.drafter = RowCappedDrafter(pipe.drafter) if pipe.drafter is not None else None
         self.policy = CappedPolicy(policy)
         self.engine = self._new_engine()
@@ -188,7 +192,9 @@ class Scheduler:
 
     def _new_engine(self) -> Engine:
         hidden = getattr(self.pipe.drafter, "hidden_layers", ())  # feature drafters read target states
-        return Engine(self.pipe.runtime, self.drafter, self.policy, hidden_layers=hidden)
+        return Engine(
+            self.pipe.runtime, self.drafter, self.policy, hidden_layers=hidden, prefix_cache=self.prefix_cache
+        )
 
     # ------------------------------------------------------------------ event loop side
     def start(self) -> None:
@@ -364,6 +370,7 @@ class Scheduler:
         requests = [
             Request(j.prompt, j.max_tokens, j.params, () if j.ignore_eos else self.pipe.eos_ids) for j in jobs
         ]
+        reused = self.prefix_cache.reused_tokens if self.prefix_cache is not None else 0
         try:
             self.engine.add(requests)
             pairs = list(zip(jobs, requests))
@@ -385,6 +392,8 @@ class Scheduler:
             job.last_output_at = job.arrival
             self._rows[req.id] = job
             self.metrics.prompt_tokens.inc(len(job.prompt))
+        if self.prefix_cache is not None:
+            self.metrics.prefix_cache_hits.inc(self.prefix_cache.reused_tokens - reused)
         with self._cond:
             self.metrics.waiting.set(len(self._waiting))
             self.metrics.running.set(len(self._live) - len(self._waiting))

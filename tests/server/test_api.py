@@ -372,6 +372,23 @@ def test_latency_histograms_and_request_counters(server):
     assert _delta(after, before, "specdraft:prompt_tokens_total") == len("count me")
 
 
+def test_a_chats_second_turn_reuses_the_first_turns_cache(server, reference):
+    """The second request carries the first turn and its answer: its prompt's cached tokens are not
+    prefilled again (``prefix_cache_hits``), and its answer is still the target's alone."""
+    c = client(server)
+    turn = [{"role": "user", "content": "Tell me a long story about a cat " * 4}]
+    r1 = c.chat.completions.create(model=model_id(server), messages=turn, max_tokens=30, temperature=0)
+    turn += [
+        {"role": "assistant", "content": r1.choices[0].message.content},
+        {"role": "user", "content": "And then?"},
+    ]
+    before = metrics(server)
+    r2 = c.chat.completions.create(model=model_id(server), messages=turn, max_tokens=20, temperature=0)
+    reused = _delta(metrics(server), before, "specdraft:prefix_cache_hits_total")
+    assert reused >= len(reference.encode(turn[:1], chat=True)) - 1  # the first turn's prompt at least
+    assert r2.choices[0].message.content == expected(reference, turn, 20, chat=True)[0]
+
+
 # -------------------------------------------------------------------------------- concurrency
 PROMPTS = [f"request {i}: " + "xyz" * (i % 7) for i in range(64)]
 SPECULATION = [None, "off", {"num_speculative_tokens": 1}, {"num_speculative_tokens": 2}]
