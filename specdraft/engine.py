@@ -265,7 +265,8 @@ class Engine:
 
     def _keep(self, keep: list[int]) -> None:
         if self.prefix_cache is not None and isinstance(self.kv, LlamaKV):
-            self._store([b for b in range(self.active) if b not in set(keep)])
+            kept = set(keep)
+            self._store([b for b in range(self.active) if b not in kept])
         rows = torch.tensor(keep, dtype=torch.int64)
         self.requests = [self.requests[i] for i in keep]
         self.generators = [self.generators[i] for i in keep]
