@@ -26,6 +26,7 @@ accepted length (they only lower ``q(y_i)``).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -55,6 +56,9 @@ class ContinuousConfig:
             the target's token is at most this (0: none left to accept); None: run every step.
         shrink: when no iterate kept the target's argmax, the lowest-degradation iterate is halved
             up to this many times, and the first half that keeps it is the result (0: none).
+        seconds: the search stops before a step that would end past this many seconds from its
+            start, at the steps' mean pace (issue 17's attack cost: a long prompt's steps are
+            slower); None: no limit.
     """
 
     steps: int = 30
@@ -64,10 +68,12 @@ class ContinuousConfig:
     greedy: bool = True
     stop_matches: float | None = 0.0
     shrink: int = 6
+    seconds: float | None = None
 
     def __post_init__(self):
         bad_stop = self.stop_matches is not None and not 0 <= self.stop_matches <= 1
         bad = self.steps < 1 or self.eps < 0 or self.step_size <= 0 or self.lam < 0 or self.shrink < 0
+        bad = bad or (self.seconds is not None and not self.seconds > 0)
         if bad or bad_stop:
             raise SpecdraftError(f"bad continuous attack settings: {self}")
 
@@ -135,7 +141,11 @@ def attack_continuous(
     it = evaluate(delta)
     best = ContinuousResult(delta.detach().clone(), float(it.deg.detach()), 0.0)
     lowest = None  # (delta, degradation) of the lowest-degradation iterate that changed the argmax
+    start = time.perf_counter()
     for t in range(config.steps):
+        spent = time.perf_counter() - start
+        if config.seconds is not None and t and spent * (t + 1) / t > config.seconds:
+            break  # one more step at the pace so far would end past the budget
         delta = _step(delta, it, mask, radius, config, 1.0 - t / config.steps)
         it = evaluate(delta)
         best.history.append(it.record())

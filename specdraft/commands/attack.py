@@ -22,6 +22,13 @@ def _non_negative(text: str) -> float:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = _non_negative(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be > 0")
+    return value
+
+
 def _unit(text: str) -> float:
     value = _non_negative(text)
     if value > 1:
@@ -30,7 +37,7 @@ def _unit(text: str) -> float:
 
 
 METHOD_OPTIONS = {
-    "continuous": ("steps", "lam", "eps"),
+    "continuous": ("steps", "lam", "eps", "time_budget"),
     "discrete": ("steps", "lam", "suffix_len", "topk", "candidates", "seed"),
     "lookup": ("max_decoys", "min_rouge"),
 }
@@ -63,6 +70,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--eps", type=_non_negative, default=0.5, help="continuous: per-token L2 bound (x mean |row|)"
     )
+    p.add_argument(
+        "--time-budget",
+        type=_positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="continuous: stop the search before a step that would end past this (default: none)",
+    )
     p.add_argument("--suffix-len", type=positive_int, default=8, help="discrete: suffix tokens")
     p.add_argument("--topk", type=positive_int, default=32, help="discrete: swap tokens per position")
     p.add_argument("--candidates", type=positive_int, default=32, help="discrete: swaps evaluated per step")
@@ -89,7 +103,9 @@ def run(args: argparse.Namespace) -> int:
         raise SpecdraftError(
             f"--k {args.k}: the attack measures an undefended fixed k >= 1 (the defense runs --k auto itself)"
         )
-    continuous = ContinuousConfig(steps=args.steps or 30, eps=args.eps, lam=args.lam)
+    continuous = ContinuousConfig(
+        steps=args.steps or 30, eps=args.eps, lam=args.lam, seconds=args.time_budget
+    )
     discrete = DiscreteConfig(
         steps=args.steps or 20, topk=args.topk, candidates=args.candidates, lam=args.lam, seed=args.seed
     )

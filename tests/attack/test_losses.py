@@ -122,6 +122,19 @@ def test_continuous_stops_early_once_the_bound_on_matches_is_met(models):
     assert len(attack_continuous(models, PROMPT, y, ContinuousConfig(**kw, stop_matches=1.0)).history) == 1
 
 
+def test_continuous_stops_before_a_step_that_would_end_past_its_time_budget(models, monkeypatch):
+    clock = iter(range(1000))  # every reading of the clock a second later than the one before
+    monkeypatch.setattr("specdraft.attack.continuous.time.perf_counter", lambda: float(next(clock)))
+    y = greedy(models)
+    kw = {"steps": 5, "eps": 0.5, "step_size": 0.05, "lam": 1000.0, "stop_matches": None}
+    every = attack_continuous(models, PROMPT, y, ContinuousConfig(**kw)).history
+    # at its second step the search has read the clock twice since it started: 2 s, a step's pace so
+    # far, so one more would end at 4 s, past a 1.5 s budget
+    short = attack_continuous(models, PROMPT, y, ContinuousConfig(**kw, seconds=1.5)).history
+    assert short == every[:1]
+    assert attack_continuous(models, PROMPT, y, ContinuousConfig(**kw, seconds=60)).history == every
+
+
 def test_scoring_only_the_continuation_matches_the_full_forward(models):
     y = greedy(models)
     x = models.target_embedding[torch.tensor(PROMPT + y)].detach().unsqueeze(0)
