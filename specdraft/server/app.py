@@ -29,7 +29,7 @@ import socket
 import sys
 import threading
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -320,20 +320,21 @@ def _jobs(ctx: _Context, req, prompts: list[list[int]], max_tokens: int | None) 
     context, default = ctx.pipe.runtime.max_context, ctx.config.default_max_tokens
     n, loop, queue = req.n or 1, asyncio.get_running_loop(), asyncio.Queue()
     echo = [None] * len(prompts)
-    if getattr(req, "echo", False):  # completions: the prompt as given (token ids: their text)
+    if isinstance(req, P.CompletionRequest) and req.echo:  # the prompt as given (token ids: their text)
         echo = [p if isinstance(p, str) else ctx.pipe.tokenizer.decode(p) for p in req.prompts()]
+    params = SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_k=max(req.top_k or 0, 0),
+        top_p=1.0 if req.top_p is None else req.top_p,
+        logprobs=req.logprob_count,
+    )
+    seeds = [None if req.seed is None else (req.seed + j) % 2**63 for j in range(n)]
     jobs = []
     for i, ids in enumerate(prompts):
         budget = _check_context(len(ids), max_tokens, context, default)
-        for j in range(n):
-            params = SamplingParams(
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_k=max(req.top_k or 0, 0),
-                top_p=1.0 if req.top_p is None else req.top_p,
-                seed=None if req.seed is None else (req.seed + j) % 2**63,
-                logprobs=req.logprob_count,
-            )
-            job = Job(ids, budget, params, req.stop_list, req.k_cap, loop, queue, bool(req.ignore_eos))
+        for j, seed in enumerate(seeds):
+            sample = replace(params, seed=seed)
+            job = Job(ids, budget, sample, req.stop_list, req.k_cap, loop, queue, bool(req.ignore_eos))
             job.index, job.echo = i * n + j, echo[i]
             jobs.append(job)
     return jobs
