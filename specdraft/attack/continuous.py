@@ -17,7 +17,10 @@ Cost (issue 17: <= 2 minutes a prompt on 2 cores): one forward of each model per
 graph gives both the iterate's record and the next step's gradients (the two gradients come from
 disjoint graphs: the degradation from the draft's, the preservation from the target's); the
 continuation is teacher-forced without its last token and the LM heads run on the n continuation
-positions only (``logits_to_keep``); the clean target distributions are computed once. The search
+positions only (``logits_to_keep``); the clean target distributions are computed once. Only the
+last ``window`` (128) perturbable positions are perturbed: the keys and values of the text before
+them are computed once (:class:`~specdraft.attack.losses.Prefix`) and each step's forwards and
+backwards run from there, so a long prompt's step costs what a short one's does. The search
 stops early once a kept iterate leaves at most ``stop_matches`` of the continuation positions
 where the draft's argmax is the target's token: greedy verification accepts exactly those, so with
 the default 0 no draft token of ``y`` would be accepted and further steps cannot lower the greedy
@@ -33,6 +36,7 @@ import torch
 
 from specdraft.attack.losses import (
     Models,
+    Prefix,
     degradation,
     keeps_argmax,
     preservation,
@@ -59,6 +63,8 @@ class ContinuousConfig:
         seconds: the search stops before a step that would end past this many seconds from its
             start, at the steps' mean pace (issue 17's attack cost: a long prompt's steps are
             slower); None: no limit.
+        window: only the last this many of the perturbable positions are perturbed (None: all),
+            and the text before them is run once: each step's forwards start at the window.
     """
 
     steps: int = 30
@@ -69,11 +75,13 @@ class ContinuousConfig:
     stop_matches: float | None = 0.0
     shrink: int = 6
     seconds: float | None = None
+    window: int | None = 128
 
     def __post_init__(self):
         bad_stop = self.stop_matches is not None and not 0 <= self.stop_matches <= 1
         bad = self.steps < 1 or self.eps < 0 or self.step_size <= 0 or self.lam < 0 or self.shrink < 0
         bad = bad or (self.seconds is not None and not self.seconds > 0)
+        bad = bad or (self.window is not None and self.window < 1)
         if bad or bad_stop:
             raise SpecdraftError(f"bad continuous attack settings: {self}")
 
@@ -123,21 +131,25 @@ def attack_continuous(
     ids, ys = torch.tensor(prompt), torch.tensor(y)
     n = len(y)
     mask = torch.ones(len(prompt), dtype=torch.bool) if positions is None else positions.bool()
+    mask = window(mask, config)
+    first = int(mask.nonzero()[0, 0]) if mask.any() else 0  # the inputs before it never change
     mask = mask.unsqueeze(1).float()  # (Tp, 1)
     radius = config.eps * float(Et.detach().norm(dim=1).mean())
     xt, xd = Et[ids].detach().unsqueeze(0), Ed[ids].detach().unsqueeze(0)  # (1, Tp, C)
     yt, yd = Et[ys].detach().unsqueeze(0), Ed[ys].detach().unsqueeze(0)  # (1, n, C)
+    prefix = Prefix(models, xt[:, :first], xd[:, :first]) if first else None
+    xt, xd = xt[:, first:], xd[:, first:]
     with torch.no_grad():
-        logp_clean = models.target_logprobs(teacher_forced(xt, yt), keep=n)  # (1, n, V)
+        logp_clean = models.target_logprobs(teacher_forced(xt, yt), keep=n, prefix=prefix)  # (1, n, V)
 
-    def evaluate(delta: torch.Tensor) -> _Iterate:
-        logp = models.target_logprobs(teacher_forced(xt + delta, yt), keep=n)
-        logq = models.draft_logprobs(teacher_forced(xd + delta, yd), keep=n)
+    def evaluate(delta: torch.Tensor) -> _Iterate:  # delta: (Tp, C), zero before ``first``
+        logp = models.target_logprobs(teacher_forced(xt + delta[first:], yt), keep=n, prefix=prefix)
+        logq = models.draft_logprobs(teacher_forced(xd + delta[first:], yd), keep=n, prefix=prefix)
         deg = degradation(logq, ys, None if config.greedy else logp.detach())[0]
         matches = float((logq.detach().argmax(-1) == ys).float().mean())
         return _Iterate(deg, preservation(logp_clean, logp)[0], bool(keeps_argmax(logp, ys)[0]), matches)
 
-    delta = torch.zeros_like(xt[0]).requires_grad_(True)  # (Tp, C)
+    delta = torch.zeros(len(prompt), xt.shape[2]).requires_grad_(True)  # (Tp, C)
     it = evaluate(delta)
     best = ContinuousResult(delta.detach().clone(), float(it.deg.detach()), 0.0)
     lowest = None  # (delta, degradation) of the lowest-degradation iterate that changed the argmax
@@ -159,6 +171,16 @@ def attack_continuous(
     if lowest is not None and not any(h["keeps_argmax"] for h in best.history):
         _shrink(best, lowest[0], evaluate, config.shrink)
     return best
+
+
+def window(positions: torch.Tensor, config: ContinuousConfig) -> torch.Tensor:
+    """``(Tp,)`` bool: the last ``config.window`` of ``positions`` (all of them without a window)."""
+    where = positions.nonzero()[:, 0]
+    if config.window is None or len(where) <= config.window:
+        return positions
+    kept = positions.clone()
+    kept[where[: -config.window]] = False
+    return kept
 
 
 @torch.no_grad()

@@ -8,6 +8,8 @@ the most negative gradient at each suffix position, samples ``candidates`` singl
 them, drops those a client could not send (``valid``: the decoded text must encode back to the same
 ids) and evaluates the rest exactly, in batches; the best swap is kept when it lowers the loss
 (Zou et al. 2023, "Universal and Transferable Adversarial Attacks on Aligned Language Models").
+The head's keys and values are computed once (:class:`~specdraft.attack.losses.Prefix`): every
+forward, the gradient's and the candidates', runs from the suffix on.
 
 Preserving the answer: the search starts from the best of several initial suffixes (``starts``:
 the caller passes neutral phrases, such as "Please answer briefly.", which leave the target's
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdraft.attack.losses import Models, degradation, keeps_argmax, preservation
+from specdraft.attack.losses import Models, Prefix, degradation, keeps_argmax, preservation
 from specdraft.errors import SpecdraftError
 
 
@@ -117,17 +119,21 @@ def attack_discrete(
     with torch.no_grad():  # the continuation teacher-forced, heads on its n positions only
         logp_clean = models.target_logprobs(Et[torch.cat([clean_ids, ys[:-1]])].unsqueeze(0), keep=n)
     h, t = torch.tensor(head, dtype=torch.int64), torch.tensor(tail, dtype=torch.int64)
+    prefix = Prefix(models, Et[h].unsqueeze(0), Ed[h].unsqueeze(0)) if head else None
+    lead = h if prefix is None else h[:0]  # the head's ids in every forward: none once it is run
 
     def losses(suffixes: torch.Tensor, onehot: torch.Tensor | None = None):
         """``(B, m)`` suffixes (or a ``(m, V)`` one-hot for the gradient) -> loss, deg, pres, kept."""
         B = suffixes.shape[0]
-        ids = torch.cat([h.expand(B, -1), suffixes, t.expand(B, -1), ys[:-1].expand(B, -1)], 1)
+        ids = torch.cat([lead.expand(B, -1), suffixes, t.expand(B, -1), ys[:-1].expand(B, -1)], 1)
         xt, xd = Et[ids], Ed[ids]  # (B, T, C)
         if onehot is not None:
-            s = slice(len(head), len(head) + m)
+            s = slice(len(lead), len(lead) + m)
             xt = torch.cat([xt[:, : s.start], (onehot @ Et).unsqueeze(0), xt[:, s.stop :]], 1)
             xd = torch.cat([xd[:, : s.start], (onehot @ Ed).unsqueeze(0), xd[:, s.stop :]], 1)
-        logp, logq = models.target_logprobs(xt, keep=n), models.draft_logprobs(xd, keep=n)
+        pre = None if prefix is None else prefix.repeated(B)
+        logp = models.target_logprobs(xt, keep=n, prefix=pre)
+        logq = models.draft_logprobs(xd, keep=n, prefix=pre)
         deg = degradation(logq, ys, None if config.greedy else logp.detach())
         pres = preservation(logp_clean, logp)
         return deg + config.lam * pres, deg, pres, keeps_argmax(logp, ys)

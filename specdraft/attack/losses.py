@@ -26,6 +26,7 @@ ids, its other tokens having probability 0.
 from __future__ import annotations
 
 import inspect
+from copy import deepcopy
 from dataclasses import dataclass
 
 import torch
@@ -56,15 +57,18 @@ class Models:
         """``(V, Cd)`` the draft's input embedding matrix."""
         return self.draft.get_input_embeddings().weight
 
-    def target_logprobs(self, embeds: torch.Tensor, keep: int | None = None) -> torch.Tensor:
+    def target_logprobs(self, embeds: torch.Tensor, keep: int | None = None, prefix=None) -> torch.Tensor:
         """``(B, T, C)`` input embeddings -> ``(B, T, V)`` the target's next-token log-probabilities
-        (``(B, keep, V)``: only the last ``keep`` positions, the LM head run on those alone)."""
-        return torch.log_softmax(_logits(self.target, embeds, keep), -1)
+        (``(B, keep, V)``: only the last ``keep`` positions, the LM head run on those alone; ``prefix``:
+        a :class:`Prefix` whose target keys and values come before ``embeds``)."""
+        cache = None if prefix is None else prefix.target
+        return torch.log_softmax(_logits(self.target, embeds, keep, cache), -1)
 
-    def draft_logprobs(self, embeds: torch.Tensor, keep: int | None = None) -> torch.Tensor:
+    def draft_logprobs(self, embeds: torch.Tensor, keep: int | None = None, prefix=None) -> torch.Tensor:
         """``(B, T, Cd)`` input embeddings -> ``(B, T, V)`` the draft's log-probabilities over the
-        target's vocabulary (``-inf`` outside a truncated head; ``keep`` as in :meth:`target_logprobs`)."""
-        logits = _logits(self.draft, embeds, keep)
+        target's vocabulary (``-inf`` outside a truncated head; ``keep`` and ``prefix`` as in
+        :meth:`target_logprobs`)."""
+        logits = _logits(self.draft, embeds, keep, None if prefix is None else prefix.draft)
         if self.head is None:
             return torch.log_softmax(logits, -1)
         if logits.shape[-1] != self.head.shape[0]:  # a full-width head of which only ``head`` is used
@@ -75,9 +79,52 @@ class Models:
         return full.index_copy(-1, self.head, logq)
 
 
-def _logits(model: torch.nn.Module, embeds: torch.Tensor, keep: int | None) -> torch.Tensor:
+class Prefix:
+    """Both models' keys and values of the first ``length`` input positions, computed once (no
+    gradient), so that inputs which differ only after them run forward from there: the continuous
+    attack's steps when it perturbs a window at the end of a long prompt, the discrete attack's
+    candidates after the message's head. Each forward on it runs on a copy: the prefix itself never
+    changes, and no forward's graph reaches into the next one."""
+
+    def __init__(self, models: Models, target_embeds: torch.Tensor, draft_embeds: torch.Tensor):
+        self.length = target_embeds.shape[1]
+        self.target = _prefill(models.target, target_embeds)
+        self.draft = _prefill(models.draft, draft_embeds)
+        self._repeated = {1: self}
+
+    def repeated(self, batch: int) -> Prefix:
+        """The same prefix before each of ``batch`` inputs (made once per batch size)."""
+        if batch not in self._repeated:
+            copy = Prefix.__new__(Prefix)
+            copy.length, copy._repeated = self.length, {}
+            copy.target, copy.draft = deepcopy(self.target), deepcopy(self.draft)
+            copy.target.batch_repeat_interleave(batch)
+            copy.draft.batch_repeat_interleave(batch)
+            self._repeated[batch] = copy
+        return self._repeated[batch]
+
+
+def _cache_kw(model: torch.nn.Module) -> str:
+    # transformers 5.2x renamed past_key_values to cache (as in specdraft.models.hf)
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+@torch.no_grad()
+def _prefill(model: torch.nn.Module, embeds: torch.Tensor):
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    if embeds.shape[1]:
+        model(inputs_embeds=embeds, use_cache=True, logits_to_keep=1, **{_cache_kw(model): cache})
+    return cache
+
+
+def _logits(model: torch.nn.Module, embeds: torch.Tensor, keep: int | None, cache=None) -> torch.Tensor:
     extra = {} if keep is None else {"logits_to_keep": keep}
-    return model(inputs_embeds=embeds, use_cache=False, **extra).logits.float()
+    if cache is None:
+        return model(inputs_embeds=embeds, use_cache=False, **extra).logits.float()
+    extra[_cache_kw(model)] = deepcopy(cache)  # the forward appends to it
+    return model(inputs_embeds=embeds, use_cache=True, **extra).logits.float()
 
 
 def teacher_forced(prompt: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -159,8 +206,7 @@ def greedy_from_embeds(model: torch.nn.Module, embeds: torch.Tensor, n: int) -> 
     (one prefill, then one-token steps on a transformers ``DynamicCache``)."""
     from transformers import DynamicCache
 
-    # transformers 5.2x renamed past_key_values to cache (as in specdraft.models.hf)
-    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    kw = _cache_kw(model)
     if n < 1:
         return []
     cache = DynamicCache(config=model.config)

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdraft import registry
-from specdraft.attack.continuous import ContinuousConfig, attack_continuous
+from specdraft.attack.continuous import ContinuousConfig, attack_continuous, window
 from specdraft.attack.discrete import DiscreteConfig, attack_discrete
 from specdraft.attack.lookup import FILLER, attack_lookup
 from specdraft.attack.losses import (
@@ -313,6 +313,7 @@ def _continuous(pipe, models: Models, ids, text, o: AttackOptions, n_prefix: int
     head, tail = message_span(pipe.encode, text)
     positions = torch.zeros(len(ids), dtype=torch.bool)
     positions[head : len(ids) - tail] = True
+    positions = window(positions, o.continuous)
     x = Et[torch.tensor(ids)].detach().unsqueeze(0)
     y = greedy_from_embeds(models.target, x, o.max_new_tokens)
     found = attack_continuous(models, ids, y, o.continuous, positions)

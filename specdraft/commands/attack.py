@@ -7,7 +7,7 @@ import json
 import shlex
 from pathlib import Path
 
-from specdraft.commands import add_model_arguments, load_pipeline, positive_int
+from specdraft.commands import add_model_arguments, int_at_least, load_pipeline, positive_int
 
 HELP = "craft inputs that make the draft's proposals rejected while the target's answer stays the same"
 
@@ -37,7 +37,7 @@ def _unit(text: str) -> float:
 
 
 METHOD_OPTIONS = {
-    "continuous": ("steps", "lam", "eps", "time_budget"),
+    "continuous": ("steps", "lam", "eps", "time_budget", "window"),
     "discrete": ("steps", "lam", "suffix_len", "topk", "candidates", "seed"),
     "lookup": ("max_decoys", "min_rouge"),
 }
@@ -77,6 +77,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="continuous: stop the search before a step that would end past this (default: none)",
     )
+    p.add_argument(
+        "--window",
+        type=int_at_least(0),
+        default=128,
+        metavar="N",
+        help="continuous: perturb only the message's last N tokens, the text before them run once "
+        "(0: the whole message)",
+    )
     p.add_argument("--suffix-len", type=positive_int, default=8, help="discrete: suffix tokens")
     p.add_argument("--topk", type=positive_int, default=32, help="discrete: swap tokens per position")
     p.add_argument("--candidates", type=positive_int, default=32, help="discrete: swaps evaluated per step")
@@ -104,7 +112,11 @@ def run(args: argparse.Namespace) -> int:
             f"--k {args.k}: the attack measures an undefended fixed k >= 1 (the defense runs --k auto itself)"
         )
     continuous = ContinuousConfig(
-        steps=args.steps or 30, eps=args.eps, lam=args.lam, seconds=args.time_budget
+        steps=args.steps or 30,
+        eps=args.eps,
+        lam=args.lam,
+        seconds=args.time_budget,
+        window=args.window or None,
     )
     discrete = DiscreteConfig(
         steps=args.steps or 20, topk=args.topk, candidates=args.candidates, lam=args.lam, seed=args.seed

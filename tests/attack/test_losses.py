@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from specdraft.attack.continuous import ContinuousConfig, attack_continuous
+from specdraft.attack.continuous import ContinuousConfig, attack_continuous, window
 from specdraft.attack.discrete import DiscreteConfig, attack_discrete
 from specdraft.attack.lookup import (
     aimed_decoys,
@@ -17,6 +17,7 @@ from specdraft.attack.lookup import (
 )
 from specdraft.attack.losses import (
     Models,
+    Prefix,
     continuation_slice,
     degradation,
     greedy_from_embeds,
@@ -144,6 +145,37 @@ def test_scoring_only_the_continuation_matches_the_full_forward(models):
     assert kept.shape == full.shape and torch.allclose(kept, full, atol=1e-5)
 
 
+def test_a_prefix_computed_once_scores_as_the_whole_input_and_stays_as_it_was(models):
+    y = greedy(models)
+    x = models.target_embedding[torch.tensor(PROMPT)].detach().unsqueeze(0)
+    xy = models.target_embedding[torch.tensor(y)].detach().unsqueeze(0)
+    prefix = Prefix(models, x[:, :15], x[:, :15])
+    for logprobs in (models.target_logprobs, models.draft_logprobs):
+        full = logprobs(teacher_forced(x, xy), keep=len(y))
+        for _ in range(2):  # the second call starts from the same 15 positions as the first
+            cut = logprobs(teacher_forced(x[:, 15:], xy), keep=len(y), prefix=prefix)
+            assert torch.allclose(cut, full, atol=1e-5)
+    assert prefix.target.get_seq_length() == prefix.draft.get_seq_length() == 15
+
+
+def test_continuous_window_perturbs_the_last_positions_and_runs_from_them(models):
+    y = greedy(models)
+    kw = {"steps": 4, "eps": 0.5, "step_size": 0.2, "lam": 0.0, "stop_matches": None}
+    positions = torch.zeros(len(PROMPT), dtype=torch.bool)
+    positions[2:-2] = True
+    windowed = window(positions, ContinuousConfig(window=5))
+    assert windowed.nonzero()[:, 0].tolist() == list(range(len(PROMPT) - 7, len(PROMPT) - 2))
+    assert torch.equal(window(positions, ContinuousConfig(window=None)), positions)
+    cut = attack_continuous(models, PROMPT, y, ContinuousConfig(**kw, window=5), positions)
+    # the same search over the whole input each step (no window, the same 5 positions allowed)
+    whole = attack_continuous(models, PROMPT, y, ContinuousConfig(**kw, window=None), windowed)
+    assert cut.delta[~windowed].abs().max() == 0 and cut.delta[windowed].abs().max() > 0
+    assert torch.allclose(cut.delta, whole.delta, atol=1e-4)
+    assert [h["keeps_argmax"] for h in cut.history] == [h["keeps_argmax"] for h in whole.history]
+    degs = [(a["degradation"], b["degradation"]) for a, b in zip(cut.history, whole.history)]
+    assert all(a == pytest.approx(b, abs=1e-5) for a, b in degs)
+
+
 def test_cached_greedy_matches_full_forwards(models):
     emb = models.target.get_input_embeddings()
     x = emb(torch.tensor([PROMPT])).detach()
@@ -166,6 +198,20 @@ def test_discrete_lowers_the_loss(models):
     losses = [h["loss"] for h in found.history]
     assert losses[-1] < losses[0] and all(b <= a for a, b in itertools.pairwise(losses))
     assert len(found.suffix) == len(suffix) and all(32 <= t < 127 for t in found.suffix)
+
+
+def test_discrete_from_the_head_computed_once_searches_as_over_the_whole_prompt(models, monkeypatch):
+    y = greedy(models)
+    allowed = torch.zeros(256, dtype=torch.bool)
+    allowed[32:127] = True
+    cfg = DiscreteConfig(steps=4, candidates=12, batch=5, lam=1.0)  # batches of 5 and 2: two sizes
+    args = (models, PROMPT[:-6], PROMPT[-2:], y, list(b" !!!"), cfg, allowed)
+    cut = attack_discrete(*args, clean=PROMPT)
+    monkeypatch.setattr("specdraft.attack.discrete.Prefix", lambda *a: None)  # every forward whole
+    whole = attack_discrete(*args, clean=PROMPT)
+    assert cut.suffix == whole.suffix and cut.keeps_argmax == whole.keeps_argmax
+    assert [h["loss"] for h in cut.history] == pytest.approx([h["loss"] for h in whole.history], abs=1e-5)
+    assert cut.suffix != cut.start  # the test can fail: a swap was kept
 
 
 def test_discrete_starts_from_a_suffix_that_keeps_the_answer_and_stays_there(models):
