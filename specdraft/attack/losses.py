@@ -80,14 +80,13 @@ class Models:
 
 
 class Prefix:
-    """Both models' keys and values of the first ``length`` input positions, computed once (no
+    """Both models' keys and values of an input's first positions, computed once (no
     gradient), so that inputs which differ only after them run forward from there: the continuous
     attack's steps when it perturbs a window at the end of a long prompt, the discrete attack's
     candidates after the message's head. Each forward on it runs on a copy: the prefix itself never
     changes, and no forward's graph reaches into the next one."""
 
     def __init__(self, models: Models, target_embeds: torch.Tensor, draft_embeds: torch.Tensor):
-        self.length = target_embeds.shape[1]
         self.target = _prefill(models.target, target_embeds)
         self.draft = _prefill(models.draft, draft_embeds)
         self._repeated = {1: self}
@@ -96,7 +95,7 @@ class Prefix:
         """The same prefix before each of ``batch`` inputs (made once per batch size)."""
         if batch not in self._repeated:
             copy = Prefix.__new__(Prefix)
-            copy.length, copy._repeated = self.length, {}
+            copy._repeated = {}
             copy.target, copy.draft = deepcopy(self.target), deepcopy(self.draft)
             copy.target.batch_repeat_interleave(batch)
             copy.draft.batch_repeat_interleave(batch)
