@@ -14,9 +14,9 @@ Prints per drafter the mean first-token acceptance, the share of clean requests 
 same records once per ``RowWatch.detect_alpha`` and ``detect_concentration`` (``none``: a
 binomial). ``--calibration N`` records training prompts instead of the evaluation set: the first
 N / 2 HellaSwag contexts and N / 2 GSM8K train questions after those the evaluation set reads
-(the detection thresholds are chosen on these, never on Spec-Bench). ``--hindsight``: a feature
-drafter's outcomes are recorded with what its catch-ups read back (at ``--k 1``, one per position)
-and replayed with its catch-ups (``replay(catch_up=max_lag)``).
+(the detection thresholds are chosen on these, never on Spec-Bench). ``--hindsight``: a feature or
+model drafter's outcomes are recorded with what its catch-ups read back (at ``--k 1``, one per
+position) and replayed with its catch-ups (``replay(catch_up=read_back + 1)``).
 
     .venv/bin/python benchmarks/bench_detection.py --drafts 'lookup;designed:auto;prune:0-14' \\
         --limit 52 --gsm8k 20 --max-new-tokens 128 --threads 2 --out results/attack-2026-12-01/hits.json
@@ -102,7 +102,7 @@ def with_attacks(clean: list[list[int]], every: int, length: int) -> tuple[list[
 def recordings(args) -> tuple[dict[str, list[list[int]]], int, dict[str, bool], dict[str, int]]:
     """Outcomes by draft spec, new tokens per request, whether each spec's proposals are free (a
     free drafter's off rows are watched at every step) and its catch-up read back (``--hindsight``:
-    its ``max_lag``, else 0): read from ``--hits``, or recorded on the evaluation prompts
+    its ``read_back + 1``, else 0): read from ``--hits``, or recorded on the evaluation prompts
     (``--calibration``: the training prompts)."""
     if args.hits:
         doc = json.loads(Path(args.hits).read_text())
@@ -114,7 +114,7 @@ def recordings(args) -> tuple[dict[str, list[list[int]]], int, dict[str, bool], 
         pipe = api.load(args.target, spec, threads=args.threads)
         recorded[spec] = record(pipe, texts, args.k, args.max_new_tokens, args.hindsight)
         free[spec] = getattr(pipe.drafter, "proposes_free", False)
-        catch_up[spec] = getattr(pipe.drafter, "max_lag", 0) if args.hindsight else 0
+        catch_up[spec] = getattr(pipe.drafter, "read_back", -1) + 1 if args.hindsight else 0
     return recorded, args.max_new_tokens, free, catch_up
 
 

@@ -15,9 +15,9 @@ batch 1 would (the policy, and so the running average, is shared by all of them)
 scheduling each request's proposals: a request that is switched off verifies only its probes, which
 take the next outcomes of its record; for a drafter whose proposals are free (``shadow=True``,
 prompt lookup) it also takes one at every step it is off, as the engine's unverified proposals for
-such a row do (:meth:`specdraft.policy.CostAwareK.shadow`); for a feature drafter (``catch_up``:
-its ``max_lag``) a proposal after s steps without one first reads back the outcomes of those
-positions, up to ``catch_up - 1`` of them, as its catch-up does
+such a row do (:meth:`specdraft.policy.CostAwareK.shadow`); for a feature or model drafter
+(``catch_up``: its ``read_back + 1``) a proposal after s steps without one first reads back the
+outcomes of those positions, up to ``catch_up - 1`` of them, as its catch-up does
 (:meth:`specdraft.policy.CostAwareK.hindsight`; recorded with ``HitRecorder(1, hindsight=True)``,
 one outcome per position). It returns, per request, the step and
 the proposal at which it was flagged (None: never), from which :func:`rates` gives the
@@ -91,7 +91,7 @@ def replay(
             record runs out before that decodes plainly for the rest.
         shadow: a request that is off takes an outcome at every step (a free drafter's
             unverified proposals), not only at its probes.
-        catch_up: a feature drafter's ``max_lag``: a proposal after s steps without one first
+        catch_up: a drafter's ``read_back + 1``: a proposal after s steps without one first
             takes ``min(s, catch_up - 1)`` outcomes in hindsight (0: none).
     """
     policy = CostAwareK(watch=watch or RowWatch())

@@ -188,6 +188,11 @@ class FeatureDrafterBase:
 
     max_lag: int = 16
 
+    @property
+    def read_back(self) -> int:
+        """First-token outcomes a catch-up reads back at most (:meth:`start`): its pairs but the last."""
+        return self.max_lag - 1
+
     def __init__(self, runtime, embed: torch.Tensor, name: str, layers=(), local=None, prompt_pairs: int = 0):
         self.runtime = runtime
         self.subset = runtime if isinstance(runtime, SubsetHeadRuntime) else None  # a head over some tokens

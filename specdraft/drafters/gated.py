@@ -94,7 +94,7 @@ class GatedDrafter(ModelDrafter):
 
     def propose(self, state, ctx: DraftContext, k: int) -> Proposal:
         B, L = ctx.lengths.shape[0], ctx.lengths
-        logits = self.catch_up(state, ctx)  # committed tokens the draft has not seen, as ModelDrafter does
+        logits, seen = self.catch_up(state, ctx, read=True)  # as ModelDrafter does
 
         sampling = torch.tensor([not p.greedy for p in ctx.params])  # (B,)
         draft = torch.zeros(B, k, dtype=torch.int64)
@@ -128,4 +128,4 @@ class GatedDrafter(ModelDrafter):
         state.k = made
         # greedy rows: the best prefix of all drafted tokens (any proposal leaves greedy output exact)
         num_valid = torch.where(sampling, num_valid, best_prefix(conf[:, :made], self.cost))
-        return Proposal(tokens=draft, probs=probs, num_valid=num_valid, steps=steps)
+        return Proposal(tokens=draft, probs=probs, num_valid=num_valid, steps=steps, hindsight=seen)

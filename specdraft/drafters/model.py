@@ -6,6 +6,17 @@ for ``L + min(n, k - 1)`` tokens (L = committed length before the step). Everyth
 beyond that (the recovered/bonus token, and d_k when all k were accepted) is fed at the start of
 the next proposal, right-padded across rows. Rollback is that length change, never a copy.
 
+A catch-up after steps without drafts (the policy at k = 0, a row switched off) runs the draft over
+positions the target committed by itself, and its prediction at each of them but the last is the
+first draft token a proposal there would have made (the same tokens in the draft's cache before
+it); greedy verification accepts that token exactly when it is the committed one. So the rows the
+policy asks for (``DraftContext.hindsight``, greedy ones) get those outcomes back
+(``Proposal.hindsight``, at most :attr:`ModelDrafter.read_back` of them: the LM head runs on that
+many more rows), as a feature drafter's catch-up does: a row that is off is then watched by what
+its draft would have done over the whole stretch, not by its rare probes alone (issue 17's
+detection). On the bf16 runtime of a CPU with native bf16 a prediction in a longer forward may
+differ from a one-row one in its last bits; a read-back is a statistic of the policy, not output.
+
 Draft specs (factories of :data:`specdraft.registry.DRAFTERS`): ``self`` (:func:`self_from_spec`),
 ``prune:0,1,2,29`` (:func:`pruned_from_spec`) and a model alias or path (:func:`model_from_spec`).
 """
@@ -23,6 +34,7 @@ from specdraft.models.loading import load_model, load_tokenizer
 from specdraft.models.quant import QuantRuntime, gguf_path
 from specdraft.models.runtime import Runtime, make_runtime
 from specdraft.models.subset_head import SubsetHeadRuntime
+from specdraft.verify import greedy_tokens
 
 
 def catch_up_positions(fed: torch.Tensor, L: torch.Tensor, P: int) -> torch.Tensor:
@@ -69,6 +81,8 @@ class ModelDrafter:
         name: shown in statistics, e.g. ``prune:0,1,2,29``.
     """
 
+    read_back = 15  # first-token outcomes a catch-up reads back at most (module docstring)
+
     def __init__(self, runtime: Runtime, name: str):
         self.runtime = runtime
         self.name = name
@@ -83,9 +97,13 @@ class ModelDrafter:
         """``(B, N)`` the draft's logits at the first (or ``logits_index``) position: over the
         vocabulary (N = V), or over the rows of a subset head, which :func:`take_token` maps back
         (``self.head``; :mod:`specdraft.models.subset_head`)."""
+        return self._head_rows(kv, tokens, positions, **kw)[:, 0]
+
+    def _head_rows(self, kv, tokens: torch.Tensor, positions: torch.Tensor, **kw) -> torch.Tensor:
+        """``(B, T, N)``: :meth:`head_logits` at every position (or every ``logits_index``)."""
         head = self.head
         runtime = head.runtime if head is not None else self.runtime
-        return runtime.forward(kv, tokens, positions, **kw).logits[:, 0]
+        return runtime.forward(kv, tokens, positions, **kw).logits
 
     def vocabulary_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """:meth:`head_logits` over the whole vocabulary (``-inf`` outside a subset head)."""
@@ -95,22 +113,48 @@ class ModelDrafter:
     def new_state(self, batch_size: int, capacity: int) -> ModelDraftState:
         return ModelDraftState(self.runtime, batch_size, capacity)
 
-    def catch_up(self, state: ModelDraftState, ctx: DraftContext) -> torch.Tensor:
+    def catch_up(
+        self, state: ModelDraftState, ctx: DraftContext, read: bool = False
+    ) -> tuple[torch.Tensor, list[list[bool]] | None]:
         """Feed the committed tokens the draft has not seen (>= 1: the last one never is) in one
-        forward; ``(B, N)`` the draft's logits after each row's last committed token
-        (:meth:`head_logits`)."""
+        forward: ``(B, N)`` the draft's logits after each row's last committed token
+        (:meth:`head_logits`), and with ``read`` the first-token outcomes of the rows
+        ``ctx.hindsight`` asks for (module docstring; None when no row is asked)."""
         L = ctx.lengths
         pending = L - state.fed  # (B,)
-        positions = catch_up_positions(state.fed, L, int(pending.max()))
+        P = int(pending.max())
+        positions = catch_up_positions(state.fed, L, P)
         tokens = ctx.tokens.gather(1, positions.clamp(max=ctx.tokens.shape[1] - 1))
         last = (pending - 1).unsqueeze(1)  # (B, 1) index of each row's last real token
-        return self.head_logits(state.kv, tokens, positions, logits_index=last)
+        asked = self._asked(pending, ctx) if read else None
+        if asked is None:
+            return self.head_logits(state.kv, tokens, positions, logits_index=last), None
+        m = min(P, self.read_back + 1)  # each row's last m tokens: m - 1 read back, the last continues
+        index = last - m + 1 + torch.arange(m)  # (B, m); negative: before the row's first pending token
+        every = self._head_rows(state.kv, tokens, positions, logits_index=index.clamp(min=0))
+        guess = greedy_tokens(every[:, :-1])
+        guess = (guess if self.head is None else self.head.token_ids[guess]).tolist()
+        after = tokens.gather(1, (index[:, :-1] + 1).clamp(min=0)).tolist()  # the committed next tokens
+        seen = [
+            [g == t for g, t, i in zip(guess[b], after[b], index[b].tolist()) if i >= 0] if asked[b] else []
+            for b in range(len(asked))
+        ]
+        return every[:, -1], seen
+
+    def _asked(self, pending: torch.Tensor, ctx: DraftContext) -> list[bool] | None:
+        """Rows to read back (:meth:`catch_up`): asked by ``ctx.hindsight``, greedy (a sampled row's
+        acceptance needs the target's probabilities there, which are not kept) and with a committed
+        token after their first pending one; None when no row is."""
+        if ctx.hindsight is None or not any(ctx.hindsight):
+            return None
+        asked = [w and p.greedy and n >= 2 for w, p, n in zip(ctx.hindsight, ctx.params, pending.tolist())]
+        return asked if any(asked) else None
 
     def propose(self, state: ModelDraftState, ctx: DraftContext, k: int) -> Proposal:
         B = ctx.lengths.shape[0]
         L = ctx.lengths
         # 1. catch up on committed tokens the draft has not seen
-        logits = self.catch_up(state, ctx)
+        logits, seen = self.catch_up(state, ctx, read=True)
 
         # 2. k autoregressive steps; d_i is fed at position L - 1 + i
         draft = torch.empty(B, k, dtype=torch.int64)
@@ -123,7 +167,7 @@ class ModelDrafter:
         state.fed = L.clone()
         state.base = L.clone()
         state.k = k
-        return Proposal(tokens=draft, probs=probs)
+        return Proposal(tokens=draft, probs=probs, hindsight=seen)
 
     def observe(
         self, state: ModelDraftState, num_accepted: torch.Tensor, verified: Verified | None = None

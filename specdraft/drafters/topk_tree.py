@@ -320,7 +320,7 @@ class TopKTreeDrafter(TreeGrowth):
     def root(self, state: TopKTreeState, ctx: DraftContext) -> Root:
         """Catch up on the committed tokens; the tree grows below the last one (at ``L - 1``)."""
         L = ctx.lengths
-        logits = self.model.vocabulary_logits(self.model.catch_up(state, ctx)).unsqueeze(1)  # (B, 1, V)
+        logits = self.model.vocabulary_logits(self.model.catch_up(state, ctx)[0]).unsqueeze(1)  # (B, 1, V)
         return Root(logits, L, torch.zeros_like(L), torch.ones_like(L, dtype=torch.bool))
 
     def _grown(self, state: TopKTreeState, ctx: DraftContext, grown: Grown) -> None:

@@ -1,11 +1,18 @@
-"""The model drafter: k autoregressive draft steps over its own cache, catching up after each step."""
+"""The model drafter: k autoregressive draft steps over its own cache, catching up after each step
+(and reading back, after steps without drafts, what proposals there would have got)."""
 
+import pytest
 import torch
 
 from specdraft.drafters.base import DraftContext
+from specdraft.drafters.gated import GatedDrafter
 from specdraft.drafters.model import ModelDrafter
+from specdraft.engine import Engine
+from specdraft.policy import VerifyCost
 from specdraft.verify import SamplingParams
+from tests.drafters.test_feature_context import Asking, run
 from tests.helpers import plain_greedy, random_prompts
+from tests.test_tv_all_drafters import PROMPT, _distilled, make_case, peaked
 
 
 def context(buffer: torch.Tensor, lengths: list[int], params=None) -> DraftContext:
@@ -73,3 +80,61 @@ def test_state_rows_leave_and_join(tiny):
     prop = drafter.propose(a, context(buf2, [9, 5]), 3)
     assert prop.tokens[0].tolist() == seq1[9:12]
     assert prop.tokens[1].tolist() == plain_greedy(tiny.target, prompts[2], 3)
+
+
+class ReadBack:
+    """Wraps a model drafter; keeps, per row it read back, the row's committed tokens and outcomes."""
+
+    def __init__(self, inner):
+        self.inner, self.read = inner, []
+        self.name, self.vocab_size = inner.name, inner.vocab_size
+
+    def new_state(self, batch_size, capacity):
+        return self.inner.new_state(batch_size, capacity)
+
+    def propose(self, state, ctx, k):
+        prop = self.inner.propose(state, ctx, k)
+        for b, L in enumerate(ctx.lengths.tolist()):
+            if prop.hindsight is not None and prop.hindsight[b]:
+                self.read.append((ctx.tokens[b, :L].tolist(), prop.hindsight[b]))
+        return prop
+
+    def observe(self, state, num_accepted, verified=None):
+        self.inner.observe(state, num_accepted, verified)
+
+
+def fresh_first_token(drafter: ModelDrafter, tokens: list[int]) -> int:
+    """The first draft token of a fresh draft fed ``tokens`` at once (a greedy proposal, k = 1)."""
+    state = drafter.new_state(1, len(tokens) + 1)
+    return int(drafter.propose(state, context(torch.tensor([tokens + [0]]), [len(tokens)]), 1).tokens[0, 0])
+
+
+@pytest.mark.parametrize("read_back", [15, 3])
+@pytest.mark.parametrize("name", ["model", "pruned-head", "gated"])
+def test_hindsight_tells_what_proposals_at_the_catch_up_positions_would_have_got(name, read_back):
+    """A proposal after steps without drafts reads back, at each caught-up position but the last (at
+    most ``read_back``), whether the greedy draft token there is the one the target committed: the n
+    outcomes of a row of length L are those of proposals at lengths L - n .. L - 1, each what a fresh
+    draft fed the row's tokens up to there proposes, against the committed token. Stretches of 6 steps
+    without drafts exceed a cap of 3. Both outcomes occur, so the check can fail; greedy output stays
+    plain decoding's."""
+    target = peaked(seed=10, scale=12.0)
+    if name == "gated":  # proposes every token it drafts
+        drafter = GatedDrafter(_distilled(), "gated", cost=VerifyCost([1.0] * 9, 0.0))
+    else:
+        drafter = make_case(name, target).drafter
+    drafter.read_back = read_back
+    rec = ReadBack(drafter)
+    prompts = [PROMPT + [i] * (1 + 2 * i) for i in range(3)]
+    lengths = [30, 12, 22]
+    engine = Engine(target, rec, Asking(1, (1, 0, 0, 0, 0, 0, 0)))
+    assert run(engine, prompts, lengths, 2) == run(Engine(target), prompts, lengths, 2)
+    outcomes = []
+    for tokens, read in rec.read:
+        L, n = len(tokens), len(read)
+        assert n <= read_back
+        for j, hit in enumerate(read):
+            assert hit == (fresh_first_token(drafter, tokens[: L - n + j]) == tokens[L - n + j])
+            outcomes.append(hit)
+    assert len(outcomes) >= 12 and 0 < sum(outcomes) < len(outcomes), outcomes
+    assert read_back == 15 or max(len(r) for _, r in rec.read) == read_back  # the cap was reached
