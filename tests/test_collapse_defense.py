@@ -295,7 +295,7 @@ def test_metrics_count_collapsed_requests():
     assert "specdraft:spec_decode_collapsed_requests_total 2.0" in text
 
 
-def test_wrong_rows_shifts_the_chosen_rows_tokens_with_their_distribution():
+def test_wrong_rows_shifts_the_chosen_rows_tokens_with_their_distribution_and_read_backs():
     class Fixed:
         name, vocab_size = "fixed", 4
 
@@ -304,7 +304,8 @@ def test_wrong_rows_shifts_the_chosen_rows_tokens_with_their_distribution():
 
         def propose(self, state, ctx, k):
             probs = torch.tensor([[0.1, 0.2, 0.3, 0.4]]).expand(2, k, 4)
-            return Proposal(torch.tensor([[3, 1], [3, 1]])[:, :k], probs)
+            seen = [[True, False], [True, True]]  # read-backs: row 1's draft was right at both
+            return Proposal(torch.tensor([[3, 1], [3, 1]])[:, :k], probs, hindsight=seen)
 
     ctx = SimpleNamespace(tokens=torch.tensor([[5, 6, 0], [7, 8, 0]]), lengths=torch.tensor([2, 2]))
     wrong = WrongRows(Fixed(), [[7, 8]], 4)
@@ -313,6 +314,7 @@ def test_wrong_rows_shifts_the_chosen_rows_tokens_with_their_distribution():
     assert prop.tokens.tolist() == [[3, 1], [0, 2]]  # row 1 shifted, wrapping at the vocabulary
     q = prop.probs.gather(-1, prop.tokens.unsqueeze(-1)).squeeze(-1)
     assert torch.allclose(q, torch.tensor([[0.4, 0.2], [0.4, 0.2]]))  # each token keeps its own q
+    assert prop.hindsight == [[True, False], [False, False]]  # read-backs of the shifted draft: misses
     # the verdict is each row's, kept as rows leave and join (decided at a row's first proposal)
     state.select_rows(torch.tensor([1]))
     state.append(wrong.new_state(1, 3))

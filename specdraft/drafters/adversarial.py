@@ -7,6 +7,13 @@ against (sampling stays lossless) but a draft that was right is now wrong: such 
 are (almost) always rejected, as under an acceleration-collapse input (issue 17). Setting
 :attr:`WrongRows.enabled` to False makes it the inner drafter again (recovery).
 
+Outcomes a drafter reads back in hindsight (``Proposal.hindsight``) are the shifted draft's too: a
+spoiled row's are all misses. Exact where the inner draft's token was the committed one (the shifted
+one is not); where it was not, the shifted token could be (when the inner one was the committed token
+minus one), which the outcome does not tell: counting it a miss understates such a row's acceptance,
+as the attack this drafter stands for would have it. Passed through unchanged, the read-backs told
+the policy that a spoiled row's draft would have been right.
+
 Which rows are spoiled is decided once per row, at its first proposal (:class:`_SpoiledState`):
 comparing every row with the prompts at every proposal was drafting time that a benchmark charged
 to the defense it measured (results/step-overhead-2026-12-05/README.md).
@@ -53,7 +60,10 @@ class WrongRows:
         probs = prop.probs
         if probs is not None:  # (B, k, V): q'(x + 1) = q(x)
             probs = torch.where(torch.tensor(bad).view(-1, 1, 1), probs.roll(1, dims=-1), probs)
-        return replace(prop, tokens=tokens, probs=probs)
+        seen = prop.hindsight
+        if seen is not None:  # read-backs of the shifted draft (module docstring)
+            seen = [[False] * len(hits) if b else hits for hits, b in zip(seen, bad)]
+        return replace(prop, tokens=tokens, probs=probs, hindsight=seen)
 
     def observe(
         self, state: DraftState, num_accepted: torch.Tensor, verified: Verified | None = None
