@@ -17,9 +17,13 @@ clean and attacked answers, and the prompt's perplexity under the target.
 The continuous attack's input is not text: its mean accepted lengths are simulated exactly for a
 fixed k on the differentiable models (:func:`specdraft.attack.losses.simulated_accepted_length`;
 clean and attacked alike), its stealth compares the target's greedy outputs from the clean and the
-perturbed embeddings, and its speedups, defense and perplexity fields are null. Its ``attacked.jsonl``
-holds each perturbed token's nearest vocabulary token (labelled ``nearest_token_projection``): text
-that ``specdraft bench`` can read, not the attack itself.
+perturbed embeddings, and its speedups, defended and perplexity fields are null. Its detection is
+replayed: the same simulation gives each answer's first-token outcome at every position (``hits``:
+whether the draft's argmax there is the target's token, what a proposal there would get), and each
+prompt's clean then attacked outcomes go through one policy's detection in turn, as the engine's
+defended arm meets them, a model draft's catch-ups read back (:func:`specdraft.attack.detection.replay`
+at batch 1). Its ``attacked.jsonl`` holds each perturbed token's nearest vocabulary token (labelled
+``nearest_token_projection``): text that ``specdraft bench`` can read, not the attack itself.
 
 ROUGE-L is computed here on token ids (a 20-line LCS) rather than with ``rouge-score``: that package
 is not installed in this environment (it would bring nltk and absl) and it splits English words,
@@ -36,6 +40,7 @@ import torch
 
 from specdraft import registry
 from specdraft.attack.continuous import ContinuousConfig, attack_continuous, window
+from specdraft.attack.detection import rates, replay
 from specdraft.attack.discrete import DiscreteConfig, attack_discrete
 from specdraft.attack.lookup import FILLER, attack_lookup
 from specdraft.attack.losses import (
@@ -303,7 +308,8 @@ def run_attack(pipe, prompts: list[BenchPrompt], options: AttackOptions) -> Atta
                 f"{rec['identical_prefix']}, attack {rec['attack_seconds']} s",
                 file=sys.stderr,
             )
-    return AttackRun(rows, _result(records, clean_tot, att_tot, o))
+    catch_up = getattr(pipe.drafter, "read_back", -1) + 1  # replay's read-backs (0: none)
+    return AttackRun(rows, _result(records, clean_tot, att_tot, o, catch_up))
 
 
 def _continuous(pipe, models: Models, ids, text, o: AttackOptions, n_prefix: int, rec: dict):
@@ -319,9 +325,12 @@ def _continuous(pipe, models: Models, ids, text, o: AttackOptions, n_prefix: int
     found = attack_continuous(models, ids, y, o.continuous, positions)
     xa = x + found.delta.unsqueeze(0)
     y_att = greedy_from_embeds(models.target, xa, o.max_new_tokens)
+    hits, attacked_hits = _matches(models, ids, None, y), _matches(models, ids, found.delta, y_att)
     rec["simulated"] = {
-        "mean_accepted": round(_simulated(models, ids, None, y, o.k), 4),
-        "attacked_mean_accepted": round(_simulated(models, ids, found.delta, y_att, o.k), 4),
+        "mean_accepted": round(simulated_accepted_length(hits, o.k), 4),
+        "attacked_mean_accepted": round(simulated_accepted_length(attacked_hits, o.k), 4),
+        "hits": "".join("01"[h] for h in hits),
+        "attacked_hits": "".join("01"[h] for h in attacked_hits),
     }
     rec["identical_prefix"] = y_att[:n_prefix] == y[:n_prefix]
     rec["rouge_l"] = round(rouge_l(y, y_att), 4)
@@ -338,15 +347,26 @@ def _continuous(pipe, models: Models, ids, text, o: AttackOptions, n_prefix: int
 
 
 @torch.no_grad()
-def _simulated(models: Models, ids: list[int], delta, y: list[int], k: int) -> float:
-    """Fixed-k mean accepted length of the draft on ``prompt (+ delta) + y`` (exact, greedy)."""
+def _matches(models: Models, ids: list[int], delta, y: list[int]) -> list[bool]:
+    """Per position of ``y``, whether the draft's argmax after ``prompt (+ delta) + y[:i]`` is ``y_i``."""
     ids_t, ys = torch.tensor(ids), torch.tensor(y)
     xd = models.draft_embedding[ids_t]
     if delta is not None:
         xd = xd + delta
     x = teacher_forced(xd.unsqueeze(0), models.draft_embedding[ys].unsqueeze(0))
     logq = models.draft_logprobs(x, keep=len(y))[0]  # (n, V)
-    return simulated_accepted_length((logq.argmax(-1) == ys).tolist(), k)
+    return (logq.argmax(-1) == ys).tolist()
+
+
+def _replayed(records: list[dict], catch_up: int) -> dict:
+    """The continuous attack's detection (module docstring): each prompt's clean then attacked
+    first-token outcomes replayed through one policy; :func:`specdraft.attack.detection.rates`."""
+    requests, adversarial = [], []
+    for r in records:
+        for key, attacked in (("hits", False), ("attacked_hits", True)):
+            requests.append([int(c) for c in r["simulated"][key]])
+            adversarial.append(attacked)
+    return rates(replay(requests, catch_up=catch_up), adversarial)
 
 
 def _lookup(pipe, plain, text: str, y: list[int], o: AttackOptions):
@@ -436,7 +456,7 @@ def _by_category(records: list[dict]) -> dict[str, list[int]]:
     return out
 
 
-def _result(records: list[dict], clean_tot, att_tot, o: AttackOptions) -> dict:
+def _result(records: list[dict], clean_tot, att_tot, o: AttackOptions, catch_up: int = 0) -> dict:
     continuous = o.method == "continuous"
     side = "simulated" if continuous else None
     clean_acc = [r[side]["mean_accepted"] if side else r["clean"]["mean_accepted"] for r in records]
@@ -460,7 +480,9 @@ def _result(records: list[dict], clean_tot, att_tot, o: AttackOptions) -> dict:
         "attack_seconds_mean": _mean([r["attack_seconds"] for r in records]),
         "prompts": len(records),
     }
-    if not continuous:
+    if continuous:
+        overall.update(_replayed(records, catch_up))
+    else:
         overall["detected_rate"] = _flagged(records, "attacked")
         overall["perplexity_clean"] = _mean([r.get("perplexity", {}).get("clean") for r in records])
         overall["perplexity_attacked"] = _mean([r.get("perplexity", {}).get("attacked") for r in records])
@@ -478,7 +500,12 @@ def _result(records: list[dict], clean_tot, att_tot, o: AttackOptions) -> dict:
         "speedup": "tokens/s (prefill included) over plain decoding's on the same prompts, interleaved",
         "defended": "--k auto: the cost-aware policy with its per-request collapse flag (issue 17 "
         "defense); detected_rate / false_positive_rate: share of attacked / clean prompts it flagged "
-        "(clean = the clean versions of these prompts, not the whole Spec-Bench)",
+        "(clean = the clean versions of these prompts, not the whole Spec-Bench)"
+        + (
+            "; continuous: replayed from the simulated first-token outcomes (notes.continuous)"
+            if continuous
+            else ""
+        ),
         "rouge_l": "F1 of the token LCS between the clean and attacked greedy answers",
         "halved_rate": "share of prompts whose attacked mean accepted length (bonus included) is <= 50% "
         "of the clean one: out of reach where the clean one is below 2.0, as the attacked one is >= 1.0",
@@ -488,9 +515,13 @@ def _result(records: list[dict], clean_tot, att_tot, o: AttackOptions) -> dict:
     if continuous:
         notes["continuous"] = (
             "input embeddings are not text: mean accepted lengths simulated exactly (greedy, fixed k) on "
-            "the fp32 differentiable models, stealth from their greedy outputs; attacked_speedup, "
-            "defended_speedup and detected_rate are null (the engine takes tokens); attacked.jsonl holds "
-            "the nearest-token projection, not the attack"
+            "the fp32 differentiable models, stealth from their greedy outputs; attacked_speedup and "
+            "defended_speedup are null (the engine takes tokens); detected_rate, false_positive_rate and "
+            "median_steps_to_flag replay each prompt's clean then attacked first-token outcomes (hits, "
+            "attacked_hits: one per position) through one policy's detection at batch 1, "
+            f"{max(catch_up - 1, 0)} outcomes read back per catch-up at most "
+            "(specdraft.attack.detection.replay); attacked.jsonl holds the nearest-token projection, not "
+            "the attack"
         )
     config = {
         "method": o.method,

@@ -56,7 +56,10 @@ def test_attack_writes_both_files(capsys, tmp_path, prompts, method, draft, extr
     cats = overall["by_category"]
     assert set(cats) == {"writing", "p"} and sum(c["prompts"] for c in cats.values()) == 2
     if method == "continuous":  # embeddings are not text: what the engine cannot measure is null
-        assert overall["attacked_speedup"] is None and overall["detected_rate"] is None
+        assert overall["attacked_speedup"] is None and overall["defended_speedup"] is None
+        assert 0.0 <= overall["detected_rate"] <= 1.0 and 0.0 <= overall["false_positive_rate"] <= 1.0
+        sim = result["prompts"][0]["simulated"]  # detection replays one outcome per position
+        assert len(sim["hits"]) == len(sim["attacked_hits"]) == 6 and set(sim["hits"]) <= {"0", "1"}
     else:
         assert overall["attacked_speedup"] > 0 and rows[0]["turns"][0].startswith("the cat sat on the mat")
     # the file is a prompt file specdraft bench reads
@@ -94,3 +97,21 @@ def test_min_rouge_is_a_fraction(capsys, tmp_path, prompts):
     argv = ["attack", *TINY, "--method", "lookup", "--draft", "lookup", "--prompts", str(prompts)]
     rc, _, err = run_cli(capsys, *argv, "--out", str(tmp_path / "o"), "--min-rouge", "1.5")
     assert rc == 2 and "--min-rouge: must be <= 1, got 1.5" in err, err
+
+
+def test_continuous_detection_replays_clean_then_attacked_outcomes_in_turn():
+    """Each prompt's clean record, then its attacked one, through one policy: attacked answers the
+    draft never matches are flagged, clean ones that it matches half the time are not; read-backs
+    (catch_up) flag them where probes alone do not. Swapping the labels would fail both rates."""
+    import random
+
+    from specdraft.attack.run import _replayed
+
+    rng = random.Random(0)
+    records = [
+        {"simulated": {"hits": "".join(rng.choice("01") for _ in range(128)), "attacked_hits": "0" * 128}}
+        for _ in range(12)
+    ]
+    with_reads, probes = _replayed(records, catch_up=16), _replayed(records, catch_up=0)
+    assert with_reads["false_positive_rate"] == 0.0 and with_reads["detected_rate"] >= 0.9
+    assert probes["detected_rate"] < with_reads["detected_rate"]
