@@ -251,13 +251,16 @@ class RowWatch:
     5, probes 8, 16, 32 and 64 steps apart), and later than most requests end; probing faster would
     buy detection with draft work (a probe of a model draft costs ``probe_k`` draft forwards),
     which the defense must not spend. A drafter whose proposals are free (prompt lookup) is
-    watched at every step instead (:meth:`CostAwareK.shadow`); a feature drafter's probe reads
-    back the outcomes of the positions since its last proposal from its catch-up (up to
-    ``max_lag - 1``, :meth:`CostAwareK.hindsight`): the feature draft F, recorded requests
+    watched at every step instead (:meth:`CostAwareK.shadow`); a feature or model drafter's probe
+    reads back the outcomes of the positions since its last proposal from its catch-up (up to its
+    ``read_back``, 15, :meth:`CostAwareK.hindsight`): the feature draft F, recorded requests
     replayed, 0.167 of always-wrong requests flagged on its probes alone and 0.944 with them, no
-    clean one either way (``results/hindsight-2026-12-05/detection-e2fbab2.txt``). A drafter
-    whose average acceptance is low cannot tell an attacked request from an unlucky one quickly:
-    it is also the drafter with little to collapse.
+    clean one either way (``results/hindsight-2026-12-05/detection-e2fbab2.txt``); the designed
+    draft l2 0.000 and 0.556, none clean (``results/model-hindsight-2026-12-05/``). A drafter
+    whose average acceptance is low cannot tell an attacked request from an unlucky one quickly
+    (l2's clean requests accept 0.04-0.49 of their first tokens; the pruned ``prune:0-14``, 0.11 on
+    average, has no always-wrong request flagged with or without read-backs): it is also the
+    drafter with little to collapse.
 
     Cold: nothing is flagged until the average rests on ``detect_warmup`` decayed proposals (the
     first requests a policy sees); those requests are still switched off by ``floor``, so an
@@ -1094,7 +1097,7 @@ class CostAwareK:
 
     def hindsight_rows(self, rows: list[int]) -> list[bool] | None:
         """Of ``rows`` (request ids, after :meth:`choose`), those whose last step verified no draft
-        token (the policy at k = 0, or the row off): a feature drafter's catch-up at this step
+        token (the policy at k = 0, or the row off): a feature or model drafter's catch-up at this step
         runs over positions the target committed by itself and can read back how proposals
         there would have fared (``Proposal.hindsight``, :meth:`hindsight`). Only those: after a
         speculative step, the positions a catch-up reads follow accepted drafts, which acceptance
