@@ -16,7 +16,8 @@ binomial). ``--calibration N`` records training prompts instead of the evaluatio
 N / 2 HellaSwag contexts and N / 2 GSM8K train questions after those the evaluation set reads
 (the detection thresholds are chosen on these, never on Spec-Bench). ``--hindsight``: a feature or
 model drafter's outcomes are recorded with what its catch-ups read back (at ``--k 1``, one per
-position) and replayed with its catch-ups (``replay(catch_up=read_back + 1)``).
+position) and replayed with its catch-ups (``replay(catch_up=read_back + 1)``; ``--read-back N``
+replays them as a drafter reading back N would have been).
 
     .venv/bin/python benchmarks/bench_detection.py --drafts 'lookup;designed:auto;prune:0-14' \\
         --limit 52 --gsm8k 20 --max-new-tokens 128 --threads 2 --out results/attack-2026-12-01/hits.json
@@ -56,7 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--alphas", default=None, help="detect_alpha values to replay, comma-separated")
     p.add_argument("--concentrations", default=None, help="detect_concentration values ('none': binomial)")
     p.add_argument("--calibration", type=int, default=0, help="record N training prompts instead")
-    p.add_argument("--hindsight", action="store_true", help="record and replay a feature draft's read-backs")
+    p.add_argument("--hindsight", action="store_true", help="record and replay a draft's read-backs")
+    p.add_argument("--read-back", type=int, default=None, help="replay N read-backs per catch-up at most")
     return p.parse_args(argv)
 
 
@@ -123,6 +125,8 @@ def main(argv=None) -> int:
     print("command: python benchmarks/bench_detection.py " + " ".join(sys.argv[1:] if argv is None else argv))
     print(f"cpu: {profile.cpu_name()}, threads {args.threads}", flush=True)
     recorded, max_new, free, catch_up = recordings(args)
+    if args.read_back is not None:  # what a drafter reading back that many would have flagged
+        catch_up = {spec: args.read_back + 1 for spec in catch_up}
     default = RowWatch()
     alphas = [float(a) for a in args.alphas.split(",")] if args.alphas else [default.detect_alpha]
     spreads = (

@@ -3,8 +3,9 @@
 # detection for the designed draft l2 and the pruned draft on recorded requests (bench_detection.py --hindsight:
 # outcomes recorded at k = 1, one per position, replayed with and without the read-backs), on the evaluation set
 # and on the 200 training prompts the thresholds were chosen on; l2 with k = auto (read-backs) against auto-blind
-# (none) and k = 1 in one process (bench_policy.py); l2's throughput with every draft spoiled (bench_collapse.py).
-# usage: results/model-hindsight-2026-12-05/run.sh detection|calibration|policy|collapse [tag]
+# (none) and k = 1 in one process (bench_policy.py); readback N: the recorded evaluation and training requests
+# replayed as a drafter reading back N outcomes per catch-up would have been (no model run).
+# usage: results/model-hindsight-2026-12-05/run.sh detection|calibration|policy|readback N [tag]
 set -u
 OUT=$(cd "$(dirname "$0")" && pwd)
 cd "$OUT/../.."
@@ -20,7 +21,9 @@ case "${1:-}" in
     --out "$OUT/calibration-hits.json" </dev/null ;;
   policy) step "$OUT/policy-$c.txt" .venv/bin/python benchmarks/bench_policy.py --draft $L2 --policies \
     auto,auto-blind,1 --limit 2 --max-new-tokens 128 --threads 2 --json "$OUT/policy-$c.json" </dev/null ;;
-  collapse) step "$OUT/collapse-$c.txt" .venv/bin/python benchmarks/bench_collapse.py --draft $L2 \
-    --batch 1 --attacked 1 --max-new-tokens 128 --threads 2 --rounds 25 </dev/null ;;
-  *) echo "usage: $0 detection|calibration|policy|collapse [tag]" >&2; exit 2 ;;
+  readback) for set in detection calibration; do
+      step "$OUT/$set-readback$2-$(git rev-parse --short HEAD).txt" .venv/bin/python benchmarks/bench_detection.py \
+        --hits "$OUT/$set-hits.json" --read-back "$2" </dev/null
+    done ;;
+  *) echo "usage: $0 detection|calibration|policy|readback N [tag]" >&2; exit 2 ;;
 esac
