@@ -253,10 +253,10 @@ class RowWatch:
     which the defense must not spend. A drafter whose proposals are free (prompt lookup) is
     watched at every step instead (:meth:`CostAwareK.shadow`); a feature or model drafter's probe
     reads back the outcomes of the positions since its last proposal from its catch-up (up to its
-    ``read_back``, 15, :meth:`CostAwareK.hindsight`): the feature draft F, recorded requests
-    replayed, 0.167 of always-wrong requests flagged on its probes alone and 0.944 with them, no
-    clean one either way (``results/hindsight-2026-12-05/detection-e2fbab2.txt``); the designed
-    draft l2 0.000 and 0.556, none clean (``results/model-hindsight-2026-12-05/``). A drafter
+    ``read_back``: 15 for F, 31 for a model draft; :meth:`CostAwareK.hindsight`): the feature draft
+    F, recorded requests replayed, 0.167 of always-wrong requests flagged on its probes alone and
+    0.944 with them, no clean one either way (``results/hindsight-2026-12-05/detection-e2fbab2.txt``);
+    the designed draft l2 0.000 and 0.667, none clean (``results/model-hindsight-2026-12-05/``). A drafter
     whose average acceptance is low cannot tell an attacked request from an unlucky one quickly
     (l2's clean requests accept 0.04-0.49 of their first tokens; the pruned ``prune:0-14``, 0.11 on
     average, has no always-wrong request flagged with or without read-backs): it is also the

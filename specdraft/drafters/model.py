@@ -14,8 +14,12 @@ policy asks for (``DraftContext.hindsight``, greedy ones) get those outcomes bac
 (``Proposal.hindsight``, at most :attr:`ModelDrafter.read_back` of them: the LM head runs on that
 many more rows), as a feature drafter's catch-up does: a row that is off is then watched by what
 its draft would have done over the whole stretch, not by its rare probes alone (issue 17's
-detection). On the bf16 runtime of a CPU with native bf16 a prediction in a longer forward may
-differ from a one-row one in its last bits; a read-back is a statistic of the policy, not output.
+detection). 31, chosen on the 200 training prompts the detection thresholds were chosen on, by the
+same rule (the most room to both of issue 17's bounds): the designed draft l2's always-wrong
+requests flagged 0.88 at 15, 0.96 at 31 and at 63, 0.02 of its clean ones at each
+(``results/model-hindsight-2026-12-05/``). On the bf16 runtime of a CPU with native bf16 a
+prediction in a longer forward may differ from a one-row one in its last bits; a read-back is a
+statistic of the policy, not output.
 
 Draft specs (factories of :data:`specdraft.registry.DRAFTERS`): ``self`` (:func:`self_from_spec`),
 ``prune:0,1,2,29`` (:func:`pruned_from_spec`) and a model alias or path (:func:`model_from_spec`).
@@ -81,7 +85,7 @@ class ModelDrafter:
         name: shown in statistics, e.g. ``prune:0,1,2,29``.
     """
 
-    read_back = 15  # first-token outcomes a catch-up reads back at most (module docstring)
+    read_back = 31  # first-token outcomes a catch-up reads back at most (module docstring)
 
     def __init__(self, runtime: Runtime, name: str):
         self.runtime = runtime
