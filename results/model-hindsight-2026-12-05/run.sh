@@ -4,8 +4,10 @@
 # outcomes recorded at k = 1, one per position, replayed with and without the read-backs), on the evaluation set
 # and on the 200 training prompts the thresholds were chosen on; l2 with k = auto (read-backs) against auto-blind
 # (none) and k = 1 in one process (bench_policy.py); readback N: the recorded evaluation and training requests
-# replayed as a drafter reading back N outcomes per catch-up would have been (no model run).
-# usage: results/model-hindsight-2026-12-05/run.sh detection|calibration|policy|readback N [tag]
+# replayed as a drafter reading back N outcomes per catch-up would have been (no model run); collapse COMMIT: the
+# feature draft F with its one row's drafts spoiled (bench_collapse.py, batch 1, 25 rounds) at COMMIT (a worktree),
+# a263704 (WrongRows: a spoiled row's read-backs are misses) against dc155ee (passed through as the inner draft's).
+# usage: results/model-hindsight-2026-12-05/run.sh detection|calibration|policy|readback N|collapse COMMIT [tag]
 set -u
 OUT=$(cd "$(dirname "$0")" && pwd)
 cd "$OUT/../.."
@@ -25,5 +27,9 @@ case "${1:-}" in
       step "$OUT/$set-readback$2-$(git rev-parse --short HEAD).txt" .venv/bin/python benchmarks/bench_detection.py \
         --hits "$OUT/$set-hits.json" --read-back "$2" </dev/null
     done ;;
-  *) echo "usage: $0 detection|calibration|policy|readback N [tag]" >&2; exit 2 ;;
+  collapse) dir=$(checkout_at "$2"); ROOT=$(pwd)
+    (cd "$dir" && step "$OUT/collapse-F-b1-$2${3:-}.txt" "$ROOT/.venv/bin/python" benchmarks/bench_collapse.py \
+      --draft designed:smollm2-135m-feature-4k-second --batch 1 --attacked 1 --max-new-tokens 128 --threads 2 \
+      --rounds 25) </dev/null ;;
+  *) echo "usage: $0 detection|calibration|policy|readback N|collapse COMMIT [tag]" >&2; exit 2 ;;
 esac
