@@ -179,6 +179,16 @@ class Drafter(Protocol):
         ...
 
 
+def read_back_rows(ctx: DraftContext, readable: list[bool]) -> list[bool] | None:
+    """Rows whose catch-up reads back first-token outcomes (``Proposal.hindsight``): asked by
+    ``ctx.hindsight``, greedy (a sampled row's acceptance needs the target's probabilities there,
+    which are not kept) and ``readable`` (a position to read before the last); None when no row is."""
+    if ctx.hindsight is None or not any(ctx.hindsight):
+        return None
+    asked = [w and p.greedy and r for w, p, r in zip(ctx.hindsight, ctx.params, readable)]
+    return asked if any(asked) else None
+
+
 def choose_tokens(logits: torch.Tensor, ctx: DraftContext) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pick one draft token per row from ``(B, V)`` logits: argmax when every row is greedy,
     else sample each sampling row from q (processed like p) and return q too.

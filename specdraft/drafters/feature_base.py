@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdraft.drafters.base import DraftContext, DraftState, Proposal, Verified, take_token
+from specdraft.drafters.base import DraftContext, DraftState, Proposal, Verified, read_back_rows, take_token
 from specdraft.models.subset_head import SubsetHeadRuntime
 from specdraft.verify import greedy_tokens
 
@@ -352,15 +352,11 @@ class FeatureDrafterBase:
         return Start(pairs.have, logits, f, memory, recent, seen)
 
     def _asked(self, pairs: RealPairs, ctx: DraftContext) -> list[bool] | None:
-        """Rows to read back (:meth:`start`): asked by ``ctx.hindsight``, greedy (a sampled row's
-        acceptance needs the target's probabilities there, which are not kept) and with a real pair
-        before their last; None when no row is, or a local head is fused into the logits (its
-        window differs per pair)."""
-        if ctx.hindsight is None or not any(ctx.hindsight) or self.local is not None:
+        """Rows to read back (:meth:`start`): :func:`read_back_rows` with a real pair before their
+        last; None also when a local head is fused into the logits (its window differs per pair)."""
+        if self.local is not None:
             return None
-        last = pairs.last.view(-1).tolist()
-        asked = [w and p.greedy and n >= 1 for w, p, n in zip(ctx.hindsight, ctx.params, last)]
-        return asked if any(asked) else None
+        return read_back_rows(ctx, [n >= 1 for n in pairs.last.view(-1).tolist()])
 
     def _read_back(
         self, logits: torch.Tensor, pairs: RealPairs, asked: list[bool], rows: bool

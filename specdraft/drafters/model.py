@@ -29,7 +29,14 @@ from __future__ import annotations
 
 import torch
 
-from specdraft.drafters.base import DraftContext, DraftState, Proposal, Verified, take_token
+from specdraft.drafters.base import (
+    DraftContext,
+    DraftState,
+    Proposal,
+    Verified,
+    read_back_rows,
+    take_token,
+)
 from specdraft.dtypes import QUANT
 from specdraft.errors import SpecdraftError
 from specdraft.kernels import cpu_has_fast_bf16
@@ -130,7 +137,7 @@ class ModelDrafter:
         positions = catch_up_positions(state.fed, L, P)
         tokens = ctx.tokens.gather(1, positions.clamp(max=ctx.tokens.shape[1] - 1))
         last = (pending - 1).unsqueeze(1)  # (B, 1) index of each row's last real token
-        asked = self._asked(pending, ctx) if read else None
+        asked = read_back_rows(ctx, [n >= 2 for n in pending.tolist()]) if read else None
         if asked is None:
             return self.head_logits(state.kv, tokens, positions, logits_index=last), None
         m = min(P, self.read_back + 1)  # each row's last m tokens: m - 1 read back, the last continues
@@ -144,15 +151,6 @@ class ModelDrafter:
             for b in range(len(asked))
         ]
         return every[:, -1], seen
-
-    def _asked(self, pending: torch.Tensor, ctx: DraftContext) -> list[bool] | None:
-        """Rows to read back (:meth:`catch_up`): asked by ``ctx.hindsight``, greedy (a sampled row's
-        acceptance needs the target's probabilities there, which are not kept) and with a committed
-        token after their first pending one; None when no row is."""
-        if ctx.hindsight is None or not any(ctx.hindsight):
-            return None
-        asked = [w and p.greedy and n >= 2 for w, p, n in zip(ctx.hindsight, ctx.params, pending.tolist())]
-        return asked if any(asked) else None
 
     def propose(self, state: ModelDraftState, ctx: DraftContext, k: int) -> Proposal:
         B = ctx.lengths.shape[0]
