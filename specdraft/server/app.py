@@ -329,12 +329,15 @@ def _jobs(ctx: _Context, req, prompts: list[list[int]], max_tokens: int | None) 
         logprobs=req.logprob_count,
     )
     seeds = [None if req.seed is None else (req.seed + j) % 2**63 for j in range(n)]
+    stop_ids = tuple(_check_ids(req.stop_token_ids or [], ctx.pipe, "stop_token_ids"))
     jobs = []
     for i, ids in enumerate(prompts):
         budget = _check_context(len(ids), max_tokens, context, default)
         for j, seed in enumerate(seeds):
             sample = replace(params, seed=seed)
-            job = Job(ids, budget, sample, req.stop_list, req.k_cap, loop, queue, bool(req.ignore_eos))
+            job = Job(
+                ids, budget, sample, req.stop_list, req.k_cap, loop, queue, bool(req.ignore_eos), stop_ids
+            )
             job.index, job.echo = i * n + j, echo[i]
             jobs.append(job)
     return jobs
@@ -390,11 +393,11 @@ def _encode(pipe: Pipeline, prompt, chat: bool) -> list[int]:
     return ids
 
 
-def _check_ids(ids: list[int], pipe: Pipeline) -> list[int]:
+def _check_ids(ids: list[int], pipe: Pipeline, param: str = "prompt") -> list[int]:
     vocab = pipe.runtime.vocab_size
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
-        raise P.APIError(400, f"token id {bad[0]} outside the vocabulary (0..{vocab - 1})", param="prompt")
+        raise P.APIError(400, f"token id {bad[0]} outside the vocabulary (0..{vocab - 1})", param=param)
     return ids
 
 

@@ -3,7 +3,9 @@
 Requests are parsed from the raw body with ``model_validate_json`` in strict mode, so ``"5"`` is
 not an integer and ``true`` is not a number, as the OpenAI API behaves. Unknown fields are ignored
 (clients send fields this server has no use for, like ``user``); known fields the server cannot
-honour (penalties, ``logit_bias``) are refused with 400 instead of being silently dropped.
+honour (penalties, ``logit_bias``, ``response_format``, ``prediction``, ``tool_choice``, vLLM's
+``min_p``, ``repetition_penalty``, ``min_tokens`` and guided decoding: :data:`_NEUTRAL`) are refused
+with 400 unless their value leaves the output as it is, instead of being silently dropped.
 
 Log-probabilities (``logprobs``: an int on ``/v1/completions``, ``true`` with ``top_logprobs`` on
 chat): the target's, read from the logits that verified each token (drafted or not), before
@@ -25,6 +27,8 @@ Extensions beyond the OpenAI API:
 - ``top_k`` (int, 0 or -1 = off), as vLLM and llama.cpp accept it.
 - ``ignore_eos`` (bool), as vLLM accepts it: keep generating past EOS up to ``max_tokens``
   (benchmarks use it for outputs of a fixed length).
+- ``stop_token_ids`` (list of ids), as vLLM accepts it: generation also ends after any of these
+  tokens (which is part of the output, as EOS is), with ``ignore_eos`` too.
 - ``speculation``: ``"off"`` (plain decoding for this request) or
   ``{"num_speculative_tokens": N}`` (at most N draft tokens per step for this request; an upper
   bound on the server's own choice, see :mod:`specdraft.server.scheduler`).
@@ -42,6 +46,31 @@ from specdraft.verify import MAX_LOGPROBS, TokenLogprob
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256  # characters per stop string: each is searched in the text at every step
+MAX_STOP_TOKEN_IDS = 64
+
+# Fields of the OpenAI API and of vLLM's extensions that would shape the output if honoured, with
+# the values that leave it as it is: any other value is refused (400) rather than silently dropped.
+# Fields that change nothing in the output (``user``, ``metadata``, ``parallel_tool_calls``) stay
+# ignored.
+_NEUTRAL = {
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    "prediction": lambda v: v is None,
+    "min_p": lambda v: v in (None, 0, 0.0),
+    "repetition_penalty": lambda v: v in (None, 1, 1.0),
+    "min_tokens": lambda v: v in (None, 0),
+    "use_beam_search": lambda v: v in (None, False),
+    "bad_words": lambda v: not v,
+    "guided_json": lambda v: v is None,
+    "guided_regex": lambda v: v is None,
+    "guided_choice": lambda v: v is None,
+    "guided_grammar": lambda v: v is None,
+    "structured_outputs": lambda v: v is None,
+}
+_NEUTRAL_CHAT = {
+    "tool_choice": lambda v: v in (None, "none", "auto"),
+    "functions": lambda v: not v,
+    "function_call": lambda v: v in (None, "none", "auto"),
+}
 
 
 class APIError(Exception):
@@ -89,7 +118,7 @@ class Speculation(BaseModel):
 class _GenerationRequest(BaseModel):
     """Fields shared by completions and chat completions. ``None`` means "the default"."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)  # extras are read by check_supported only
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -98,6 +127,7 @@ class _GenerationRequest(BaseModel):
     top_k: int | None = Field(None, ge=-1)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     n: int | None = Field(None, ge=1)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -114,8 +144,17 @@ class _GenerationRequest(BaseModel):
                 raise APIError(400, f"{name} is not supported", param=name)
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        extra = self.model_extra or {}
+        for name, neutral in self._neutral().items():
+            if not neutral(extra.get(name)):
+                raise APIError(400, f"{name} is not supported", param=name)
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+
+    @classmethod
+    def _neutral(cls) -> dict:
+        """The output-shaping fields this endpoint refuses unless neutral (:data:`_NEUTRAL`)."""
+        return _NEUTRAL
 
     @property
     def stop_list(self) -> list[str]:
@@ -200,6 +239,10 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list | None = None
+
+    @classmethod
+    def _neutral(cls) -> dict:
+        return {**_NEUTRAL, **_NEUTRAL_CHAT}
 
     def check_supported(self) -> None:
         super().check_supported()

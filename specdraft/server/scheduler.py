@@ -89,6 +89,8 @@ class Job:
         stop: stop strings (the text before the first one is returned).
         k_cap: at most this many draft tokens per step; None: the server's policy decides.
         ignore_eos: generate past EOS until ``max_tokens``.
+        stop_ids: token ids that end the job once generated, besides EOS (vLLM's ``stop_token_ids``:
+            the token is part of the output, as EOS is; they apply with ``ignore_eos`` too).
         loop, queue: where outputs are posted (the choices of one HTTP request share a queue).
         index: which choice of its HTTP request this job is (``n`` samples per prompt, several
             prompts: ``prompt_index * n + sample``), stamped on every output.
@@ -106,6 +108,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     ignore_eos: bool = False
+    stop_ids: tuple[int, ...] = ()
     index: int = 0
     echo: str | None = None
     arrival: float = field(default_factory=time.monotonic)
@@ -368,7 +371,10 @@ class Scheduler:
         that echo their prompt send it first (:meth:`_echo`)."""
         jobs = [job for job in jobs if not self._echo(job)]
         requests = [
-            Request(j.prompt, j.max_tokens, j.params, () if j.ignore_eos else self.pipe.eos_ids) for j in jobs
+            Request(
+                j.prompt, j.max_tokens, j.params, (() if j.ignore_eos else self.pipe.eos_ids) + j.stop_ids
+            )
+            for j in jobs
         ]
         reused = self.prefix_cache.reused_tokens if self.prefix_cache is not None else 0
         try:

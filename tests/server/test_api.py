@@ -170,6 +170,25 @@ def test_ignore_eos_runs_to_max_tokens(server, reference):
     assert r.choices[0].text.startswith(text)
 
 
+def test_stop_token_ids_end_the_output_at_that_token(server, reference):
+    """vLLM's ``stop_token_ids``: the output is the target's up to and including the first such token."""
+    ids = reference.generate(
+        "Stop me", max_new_tokens=40, k=0, params=SamplingParams(temperature=0), chat=False
+    ).tokens
+    stop_id = ids[5]
+    cut = ids[: ids.index(stop_id) + 1]
+    r = client(server).completions.create(
+        model=model_id(server),
+        prompt="Stop me",
+        max_tokens=40,
+        temperature=0,
+        logprobs=0,
+        extra_body={"stop_token_ids": [stop_id], "ignore_eos": True},
+    )
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == len(cut)
+    assert r.choices[0].text == reference.tokenizer.decode(cut)
+
+
 def test_seeded_sampling_is_reproducible(server):
     c = client(server)
     kw = {"model": model_id(server), "prompt": "Random", "max_tokens": 32, "temperature": 0.9, "top_p": 0.95}

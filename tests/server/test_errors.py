@@ -150,6 +150,56 @@ CASES = [
     ),
     ("stop string too long", "/v1/completions", LONG_STOP, 400, "stop", None),
     (
+        "stop token outside vocab",
+        "/v1/completions",
+        b'{"prompt": "hi", "stop_token_ids": [99999]}',
+        400,
+        "stop_token_ids",
+        None,
+    ),
+    # output-shaping fields the server cannot honour are refused, not silently dropped
+    (
+        "response_format json",
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}',
+        400,
+        "response_format",
+        None,
+    ),
+    (
+        "tool_choice required",
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}',
+        400,
+        "tool_choice",
+        None,
+    ),
+    ("min_p", "/v1/completions", b'{"prompt": "hi", "min_p": 0.1}', 400, "min_p", None),
+    (
+        "repetition_penalty",
+        "/v1/completions",
+        b'{"prompt": "hi", "repetition_penalty": 1.2}',
+        400,
+        "repetition_penalty",
+        None,
+    ),
+    (
+        "guided_json",
+        "/v1/completions",
+        b'{"prompt": "hi", "guided_json": {"type": "object"}}',
+        400,
+        "guided_json",
+        None,
+    ),
+    (
+        "prediction",
+        "/v1/completions",
+        b'{"prompt": "hi", "prediction": {"type": "content", "content": "x"}}',
+        400,
+        "prediction",
+        None,
+    ),
+    (
         "stream not a bool",
         "/v1/chat/completions",
         b'{"messages": [{"role": "user", "content": "x"}], "stream": "yes"}',
@@ -210,6 +260,21 @@ def test_oversized_body_is_413(server):
 def test_unknown_route_and_wrong_method(server):
     check_error_body(httpx.get(f"{server.url}/v1/nothing-here"), 404)
     check_error_body(httpx.get(f"{server.url}/v1/completions"), 405)
+
+
+def test_neutral_values_of_unhonoured_fields_are_accepted(server):
+    """What leaves the output as it is passes: a text response format, min_p 0, no tool choice, a user."""
+    body = {
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": 3,
+        "response_format": {"type": "text"},
+        "min_p": 0,
+        "repetition_penalty": 1.0,
+        "tool_choice": "none",
+        "user": "someone",
+    }
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
 
 
 def test_server_still_serves_after_bad_input(server):
