@@ -75,6 +75,8 @@ def _setup_fewrows(lib: ctypes.CDLL) -> None:
         + [ctypes.c_int, ctypes.c_float, ctypes.c_int]
     )
     lib.rope_attend_tree.restype = None
+    lib.rope_attend16.argtypes, lib.rope_attend16.restype = lib.rope_attend.argtypes, None
+    lib.rope_attend_tree16.argtypes, lib.rope_attend_tree16.restype = lib.rope_attend_tree.argtypes, None
     lib.rmsnorm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_float]
     lib.rmsnorm_f32.restype = None
     lib.decode_layers.argtypes = (

@@ -6,6 +6,7 @@
  *   rope_attend_window          the same with a sliding window and a given score scale (Gemma 3)
  *   rmsnorm_f32                 RMSNorm of a few rows
  *   rope_attend_tree            the same for a token-tree step (each node sees its ancestors)
+ *   rope_attend16, rope_attend_tree16   the same over fp16 key/value caches
  *   decode_layers               every decoder layer of such a step in one call, built from the above
  *   decode_layers_tree          the same for a token-tree step
  *
@@ -34,6 +35,7 @@
  * Threads: OpenMP over blocks of output rows. Linked against libgomp.so.1, which at run time
  * is the copy torch has already loaded, so torch's ops and these share one thread pool.
  */
+#pragma GCC target("avx2,fma,f16c") /* F16C: the fp16 caches (every AVX2 CPU has it) */
 #include <immintrin.h>
 #include <omp.h>
 #include <math.h>
@@ -352,9 +354,45 @@ static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4
  * the map, so a node's operations are exactly a chain step's over its path (bit-identical). */
 static inline long vslot(long s, long lo, const int64_t *m) { return s < lo ? s : m[s - lo]; }
 
-static void attend(const float *qkv, const int64_t *pos, const int64_t *slot, const int64_t *lo_row,
-                   const int64_t *vmap, int W, const float *cosT, const float *sinT, float *kc, float *vc, float *out, int B,
-                   int T, int H, int G, int D, int cap, int window, float scale, int threads) {
+/* The caches hold fp32, or fp16 (h16: rope_attend16 and rope_attend_tree16, the quantized runtime's
+ * cache, as llama.cpp keeps it: half the bytes a step reads at long contexts). An fp16 key or value
+ * is rounded once, when written (to nearest even, F16C), and widened exactly when read, so every
+ * query reads the same fp32 values from it whatever the step: the results stay per row and per
+ * query as below, only with the cache's values rounded. */
+#define AI __attribute__((always_inline))
+static inline AI __m256 kv_load(const void *c, long i, int h16) { /* 8 floats from element i */
+    return h16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)c + i)))
+               : _mm256_loadu_ps((const float *)c + i);
+}
+static inline AI void kv_store(void *c, long i, __m256 v, int h16) {
+    if (h16)
+        _mm_storeu_si128((__m128i *)((uint16_t *)c + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+    else
+        _mm256_storeu_ps((float *)c + i, v);
+}
+
+/* One score vector: 8 slots' keys from element k0 of c (fp32 scratch or the cache), one FMA chain
+ * each over D and a fixed horizontal sum. */
+static inline AI __m256 score8(const float *qj, const void *c, long k0, int D, int h16) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int i = 0; i < D; i += 8) {
+        const __m256 qv = _mm256_load_ps(qj + i);
+        a0 = _mm256_fmadd_ps(qv, kv_load(c, k0 + i, h16), a0);
+        a1 = _mm256_fmadd_ps(qv, kv_load(c, k0 + D + i, h16), a1);
+        a2 = _mm256_fmadd_ps(qv, kv_load(c, k0 + 2 * D + i, h16), a2);
+        a3 = _mm256_fmadd_ps(qv, kv_load(c, k0 + 3 * D + i, h16), a3);
+        a4 = _mm256_fmadd_ps(qv, kv_load(c, k0 + 4 * D + i, h16), a4);
+        a5 = _mm256_fmadd_ps(qv, kv_load(c, k0 + 5 * D + i, h16), a5);
+        a6 = _mm256_fmadd_ps(qv, kv_load(c, k0 + 6 * D + i, h16), a6);
+        a7 = _mm256_fmadd_ps(qv, kv_load(c, k0 + 7 * D + i, h16), a7);
+    }
+    return hsum8(a0, a1, a2, a3, a4, a5, a6, a7);
+}
+
+static inline AI void attend_kv(const float *qkv, const int64_t *pos, const int64_t *slot, const int64_t *lo_row,
+                                const int64_t *vmap, int W, const float *cosT, const float *sinT, void *kc, void *vc,
+                                float *out, int B, int T, int H, int G, int D, int cap, int window, float scale,
+                                int threads, int h16) {
     const long row = (long)(H + 2 * G) * D;
     /* keys and values of every new token first: a query may see the other new tokens */
     for (int b = 0; b < B; b++)
@@ -362,9 +400,13 @@ static void attend(const float *qkv, const int64_t *pos, const int64_t *slot, co
             const long p = pos[b * T + t], w = slot ? slot[b * T + t] : p;
             const float *src = qkv + (b * (long)T + t) * row;
             for (int g = 0; g < G; g++) {
-                float *kd = kc + (((long)b * G + g) * cap + w) * D, *vd = vc + (((long)b * G + g) * cap + w) * D;
-                rope(src + (long)(H + g) * D, cosT + p * D, sinT + p * D, kd, D);
-                for (int i = 0; i < D; i += 8) _mm256_storeu_ps(vd + i, _mm256_loadu_ps(src + (long)(H + G + g) * D + i));
+                const long at = (((long)b * G + g) * cap + w) * D;
+                float key[D];
+                rope(src + (long)(H + g) * D, cosT + p * D, sinT + p * D, key, D);
+                for (int i = 0; i < D; i += 8) {
+                    kv_store(kc, at + i, _mm256_loadu_ps(key + i), h16);
+                    kv_store(vc, at + i, _mm256_loadu_ps(src + (long)(H + G + g) * D + i), h16);
+                }
             }
         }
     /* Work items: (row b, KV head g, block of up to TB tokens): the rep = H / G query heads of
@@ -395,7 +437,7 @@ static void attend(const float *qkv, const int64_t *pos, const int64_t *slot, co
             const int hi = it % hs, rest = it / hs; /* item: query heads g rep + hi hper .. + hper - 1 */
             const int tb = rest % tblocks, g = (rest / tblocks) % G, b = rest / (tblocks * G);
             const int t0 = tb * TB, t1 = t0 + TB < T ? t0 + TB : T, nq = (t1 - t0) * hper;
-            const float *kb = kc + ((long)b * G + g) * cap * D, *vb = vc + ((long)b * G + g) * cap * D;
+            const long kvb = ((long)b * G + g) * cap * D; /* element of this row and KV head's slot 0 */
             const long lo = vmap ? lo_row[b] : LONG_MAX; /* virtual slots from lo on are mapped */
             long nmax = 0;
             for (int j = 0; j < nq; j++) { /* query j: token t0 + j / hper, head g rep + hi hper + j % hper */
@@ -416,31 +458,21 @@ static void attend(const float *qkv, const int64_t *pos, const int64_t *slot, co
                     float *scj = sc + j * ld;
                     long s = s0 > lo_slot[j] ? s0 : lo_slot[j];
                     for (; s + 8 <= s1; s += 8) { /* 8 slots: 8 chains, sums in one vector */
-                        const float *k0 = kb + s * D;
-                        if (s + 8 > lo) { /* tree slots: their keys in virtual order */
+                        __m256 sum;
+                        if (s + 8 > lo) { /* tree slots: their keys in virtual order, widened into kg */
                             for (int u = 0; u < 8; u++)
                                 for (int i = 0; i < D; i += 8)
-                                    _mm256_store_ps(kg + u * D + i, _mm256_loadu_ps(kb + vslot(s + u, lo, mq[j]) * D + i));
-                            k0 = kg;
+                                    _mm256_store_ps(kg + u * D + i, kv_load(kc, kvb + vslot(s + u, lo, mq[j]) * D + i, h16));
+                            sum = score8(qj, kg, 0, D, 0);
+                        } else {
+                            sum = score8(qj, kc, kvb + s * D, D, h16);
                         }
-                        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-                        for (int i = 0; i < D; i += 8) {
-                            const __m256 qv = _mm256_load_ps(qj + i);
-                            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
-                            a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + D + i), a1);
-                            a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * D + i), a2);
-                            a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * D + i), a3);
-                            a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 4 * D + i), a4);
-                            a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 5 * D + i), a5);
-                            a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 6 * D + i), a6);
-                            a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 7 * D + i), a7);
-                        }
-                        _mm256_storeu_ps(scj + s, _mm256_mul_ps(hsum8(a0, a1, a2, a3, a4, a5, a6, a7), vscale));
+                        _mm256_storeu_ps(scj + s, _mm256_mul_ps(sum, vscale));
                     }
                     for (; s < s1; s++) { /* the same chain and sum order, one slot */
                         __m256 a = _mm256_setzero_ps();
-                        const float *ks = kb + vslot(s, lo, mq[j]) * D;
-                        for (int i = 0; i < D; i += 8) a = _mm256_fmadd_ps(_mm256_load_ps(qj + i), _mm256_loadu_ps(ks + i), a);
+                        const long ks = kvb + vslot(s, lo, mq[j]) * D;
+                        for (int i = 0; i < D; i += 8) a = _mm256_fmadd_ps(_mm256_load_ps(qj + i), kv_load(kc, ks + i, h16), a);
                         scj[s] = _mm256_cvtss_f32(_mm256_mul_ps(hsum8(a, a, a, a, a, a, a, a), vscale));
                     }
                 }
@@ -479,15 +511,15 @@ static void attend(const float *qkv, const int64_t *pos, const int64_t *slot, co
                         __m256 c6 = _mm256_loadu_ps(o + i + 48), c7 = _mm256_loadu_ps(o + i + 56);
                         for (long s = s2; s < s1; s++) {
                             const __m256 e = _mm256_broadcast_ss(scj + s);
-                            const float *vr = vb + vslot(s, lo, mq[j]) * D + i;
-                            c0 = _mm256_fmadd_ps(e, _mm256_loadu_ps(vr), c0);
-                            c1 = _mm256_fmadd_ps(e, _mm256_loadu_ps(vr + 8), c1);
-                            c2 = _mm256_fmadd_ps(e, _mm256_loadu_ps(vr + 16), c2);
-                            c3 = _mm256_fmadd_ps(e, _mm256_loadu_ps(vr + 24), c3);
-                            c4 = _mm256_fmadd_ps(e, _mm256_loadu_ps(vr + 32), c4);
-                            c5 = _mm256_fmadd_ps(e, _mm256_loadu_ps(vr + 40), c5);
-                            c6 = _mm256_fmadd_ps(e, _mm256_loadu_ps(vr + 48), c6);
-                            c7 = _mm256_fmadd_ps(e, _mm256_loadu_ps(vr + 56), c7);
+                            const long vr = kvb + vslot(s, lo, mq[j]) * D + i;
+                            c0 = _mm256_fmadd_ps(e, kv_load(vc, vr, h16), c0);
+                            c1 = _mm256_fmadd_ps(e, kv_load(vc, vr + 8, h16), c1);
+                            c2 = _mm256_fmadd_ps(e, kv_load(vc, vr + 16, h16), c2);
+                            c3 = _mm256_fmadd_ps(e, kv_load(vc, vr + 24, h16), c3);
+                            c4 = _mm256_fmadd_ps(e, kv_load(vc, vr + 32, h16), c4);
+                            c5 = _mm256_fmadd_ps(e, kv_load(vc, vr + 40, h16), c5);
+                            c6 = _mm256_fmadd_ps(e, kv_load(vc, vr + 48, h16), c6);
+                            c7 = _mm256_fmadd_ps(e, kv_load(vc, vr + 56, h16), c7);
                         }
                         _mm256_storeu_ps(o + i, c0), _mm256_storeu_ps(o + i + 8, c1);
                         _mm256_storeu_ps(o + i + 16, c2), _mm256_storeu_ps(o + i + 24, c3);
@@ -498,9 +530,9 @@ static void attend(const float *qkv, const int64_t *pos, const int64_t *slot, co
                         __m256 c0 = _mm256_loadu_ps(o + i), c1 = _mm256_loadu_ps(o + i + 8);
                         for (long s = s2; s < s1; s++) {
                             const __m256 e = _mm256_broadcast_ss(scj + s);
-                            const float *vr = vb + vslot(s, lo, mq[j]) * D + i;
-                            c0 = _mm256_fmadd_ps(e, _mm256_loadu_ps(vr), c0);
-                            c1 = _mm256_fmadd_ps(e, _mm256_loadu_ps(vr + 8), c1);
+                            const long vr = kvb + vslot(s, lo, mq[j]) * D + i;
+                            c0 = _mm256_fmadd_ps(e, kv_load(vc, vr, h16), c0);
+                            c1 = _mm256_fmadd_ps(e, kv_load(vc, vr + 8, h16), c1);
                         }
                         _mm256_storeu_ps(o + i, c0), _mm256_storeu_ps(o + i + 8, c1);
                     }
@@ -513,6 +545,18 @@ static void attend(const float *qkv, const int64_t *pos, const int64_t *slot, co
         free(q);
         free(kg);
     }
+}
+
+/* attend_kv compiled once per cache kind (h16 a constant in each). */
+static void attend(const float *qkv, const int64_t *pos, const int64_t *slot, const int64_t *lo_row,
+                   const int64_t *vmap, int W, const float *cosT, const float *sinT, float *kc, float *vc, float *out, int B,
+                   int T, int H, int G, int D, int cap, int window, float scale, int threads) {
+    attend_kv(qkv, pos, slot, lo_row, vmap, W, cosT, sinT, kc, vc, out, B, T, H, G, D, cap, window, scale, threads, 0);
+}
+static void attend16(const float *qkv, const int64_t *pos, const int64_t *slot, const int64_t *lo_row,
+                     const int64_t *vmap, int W, const float *cosT, const float *sinT, uint16_t *kc, uint16_t *vc,
+                     float *out, int B, int T, int H, int G, int D, int cap, int window, float scale, int threads) {
+    attend_kv(qkv, pos, slot, lo_row, vmap, W, cosT, sinT, kc, vc, out, B, T, H, G, D, cap, window, scale, threads, 1);
 }
 
 void rope_attend_window(const float *qkv, const int64_t *pos, const float *cosT, const float *sinT, float *kc,
@@ -532,6 +576,19 @@ void rope_attend_tree(const float *qkv, const int64_t *pos, const int64_t *slot,
 void rope_attend(const float *qkv, const int64_t *pos, const float *cosT, const float *sinT, float *kc, float *vc,
                  float *out, int B, int T, int H, int G, int D, int cap, int threads) {
     rope_attend_window(qkv, pos, cosT, sinT, kc, vc, out, B, T, H, G, D, cap, 0, 1.0f / sqrtf((float)D), threads);
+}
+
+/* rope_attend and rope_attend_tree over fp16 caches (kv_load: the quantized runtime's). */
+void rope_attend16(const float *qkv, const int64_t *pos, const float *cosT, const float *sinT, uint16_t *kc,
+                   uint16_t *vc, float *out, int B, int T, int H, int G, int D, int cap, int threads) {
+    attend16(qkv, pos, NULL, NULL, NULL, 0, cosT, sinT, kc, vc, out, B, T, H, G, D, cap, 0, 1.0f / sqrtf((float)D),
+             threads);
+}
+
+void rope_attend_tree16(const float *qkv, const int64_t *pos, const int64_t *slot, const int64_t *lo,
+                        const int64_t *vmap, int W, const float *cosT, const float *sinT, uint16_t *kc, uint16_t *vc,
+                        float *out, int B, int T, int H, int G, int D, int cap, int window, float scale, int threads) {
+    attend16(qkv, pos, slot, lo, vmap, W, cosT, sinT, kc, vc, out, B, T, H, G, D, cap, window, scale, threads);
 }
 
 /* ---- the decoder layers of a decode / verification step in one call ----------------------------

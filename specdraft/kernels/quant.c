@@ -4,7 +4,7 @@
  *   quant_matmul     y = x W^T with W in GGUF blocks (Q4_0, Q4_1, Q8_0), x as activation blocks
  *   quant_dequant    chosen rows of W back to fp32 (the embedding lookup)
  *   quant_layers     the decoder layers of a Llama-family step in one call (quantized matmuls,
- *                    fewrows.c's rope_attend and rmsnorm_f32 passed in as function pointers);
+ *                    fewrows.c's rope_attend16 (fp16 caches) and rmsnorm_f32 passed in as function pointers);
  *                    a ragged step packs each row's own tokens, with no padding (attend_step);
  *                    a token-tree step attends through fewrows.c's rope_attend_tree (tree_attend)
  *
@@ -847,23 +847,25 @@ void quant_dequant(const qmat *W, const int64_t *ids, int n, float *out) {
  *   h = rmsnorm(x); g = h Wg^T, u = h Wu^T; x += (silu(g) u) Wdown^T
  *
  * Every step is row by row in a fixed order (each matmul quantizes its input rows first), so rows
- * stay independent as in the kernels called. rope_attend and rmsnorm_f32 come from fewrows.c. */
+ * stay independent as in the kernels called. rope_attend16 and rmsnorm_f32 come from fewrows.c. */
 
 typedef struct {
     const float *attn_norm, *ffn_norm;
     qmat q, k, v, o, gate, up, down;
 } qlayer;
 
-typedef void (*rope_attend_fn)(const float *, const int64_t *, const float *, const float *, float *, float *,
-                               float *, int, int, int, int, int, int, int);
+/* fewrows.c's rope_attend (fp32 caches) or rope_attend16 (fp16: the runtime's default, quant.py's
+ * KV_DTYPE); the caches are passed through untyped, row offsets in bytes of kv_bytes per value. */
+typedef void (*rope_attend_fn)(const float *, const int64_t *, const float *, const float *, void *, void *, float *,
+                               int, int, int, int, int, int, int);
 typedef void (*rmsnorm_fn)(const float *, const float *, float *, int, int, float);
 
 /* A token-tree step's attention: fewrows.c's rope_attend_tree and its arguments (each new token's
  * slot, and per row the first slot read through the per-query slot map vmap of row width W; see
  * TreeAttention in quant.py). Each query's operations are rope_attend's over a chain's slots. */
 typedef void (*rope_attend_tree_fn)(const float *, const int64_t *, const int64_t *, const int64_t *,
-                                    const int64_t *, int, const float *, const float *, float *, float *,
-                                    float *, int, int, int, int, int, int, int, float, int);
+                                    const int64_t *, int, const float *, const float *, void *, void *, float *,
+                                    int, int, int, int, int, int, int, float, int);
 typedef struct {
     void *fn;
     const int64_t *slot, *lo, *vmap;
@@ -920,9 +922,9 @@ static void silu_mul(const float *gu, float *h, int M, int F, int j0, int j1) {
 
 /* Row b of a ragged step (attend_step) through rope_attend on nt threads. */
 static inline void attend_row(rope_attend_fn attend, const int64_t *off, const float *qkv, const int64_t *pos,
-                              const float *cosT, const float *sinT, float *kc, float *vc, float *att, int b, long Q,
+                              const float *cosT, const float *sinT, char *kc, char *vc, float *att, int b, long Q,
                               long cache_row, int H, int G, int D, int cap, int nt) {
-    const int n = (int)(off[b + 1] - off[b]);
+    const int n = (int)(off[b + 1] - off[b]); /* cache_row: bytes */
     if (n > 0)
         attend(qkv + off[b] * Q, pos + off[b], cosT, sinT, kc + b * cache_row, vc + b * cache_row,
                att + off[b] * (long)H * D, 1, n, H, G, D, cap, nt);
@@ -936,8 +938,8 @@ static inline void attend_row(rope_attend_fn attend, const int64_t *off, const f
  * With at least two rows per thread the rows share one parallel region, a row per thread at a time
  * (rope_attend then runs on that thread alone), instead of opening one region per row. */
 static void attend_step(rope_attend_fn attend, const tree_attend *tree, const int64_t *off, const float *qkv,
-                        const int64_t *pos, const float *cosT, const float *sinT, float *kc, float *vc, float *att,
-                        int B, int T, int H, int G, int D, int cap, int nt) {
+                        const int64_t *pos, const float *cosT, const float *sinT, char *kc, char *vc, float *att,
+                        int B, int T, int H, int G, int D, int cap, int kv_bytes, int nt) {
     if (tree) {
         ((rope_attend_tree_fn)tree->fn)(qkv, pos, tree->slot, tree->lo, tree->vmap, tree->W, cosT, sinT, kc, vc,
                                         att, B, T, H, G, D, cap, 0, 1.0f / sqrtf((float)D), nt);
@@ -947,7 +949,7 @@ static void attend_step(rope_attend_fn attend, const tree_attend *tree, const in
         attend(qkv, pos, cosT, sinT, kc, vc, att, B, T, H, G, D, cap, nt);
         return;
     }
-    const long Q = (long)(H + 2 * G) * D, cache_row = (long)G * cap * D;
+    const long Q = (long)(H + 2 * G) * D, cache_row = (long)G * cap * D * kv_bytes;
     if (B < 2 * nt) {
         /* Outside any omp construct: inside a "parallel for ... if (0)", libgomp made rope_attend's
          * region a nested team, created anew per call (a ragged 2-row step took 10-25x as long). */
@@ -968,9 +970,9 @@ static void attend_step(rope_attend_fn attend, const tree_attend *tree, const in
  * with the same operations, so no thread waits for it; the SiLU product and its activation blocks
  * are split by the gate/up share (columns j of g and u go to the same thread). */
 void quant_layers(float *x, const int64_t *pos, const int64_t *off, int B, int T, int C, int H, int G, int D,
-                  int F, int cap, float eps, int L, const qlayer *layers, float *const *kc, float *const *vc,
+                  int F, int cap, float eps, int L, const qlayer *layers, void *const *kc, void *const *vc,
                   const float *cosT, const float *sinT, void *rope_attend, const tree_attend *tree,
-                  void *rmsnorm, int variant, int threads) {
+                  void *rmsnorm, int variant, int threads, int kv_bytes) {
     const rope_attend_fn attend = (rope_attend_fn)rope_attend;
     const rmsnorm_fn norm = (rmsnorm_fn)rmsnorm;
     const int M = off ? (int)off[B] : B * T, HD = H * D, GD = G * D, Q = HD + 2 * GD, nt = threads > 1 ? threads : 1;
@@ -1021,7 +1023,8 @@ void quant_layers(float *x, const int64_t *pos, const int64_t *off, int B, int T
             }
         }
         if (l + 1 < L)
-            attend_step(attend, tree, off, qkv, pos, cosT, sinT, kc[l + 1], vc[l + 1], att, B, T, H, G, D, cap, nt);
+            attend_step(attend, tree, off, qkv, pos, cosT, sinT, kc[l + 1], vc[l + 1], att, B, T, H, G, D, cap,
+                        kv_bytes, nt);
     }
     free(hs), free(as), free(af), free(qkv), free(att), free(gu), free(hf);
 }

@@ -267,12 +267,14 @@ class LlamaKV:
         time right after a forward: results/feature-draft-cost-2026-12-05/).
 
         Raises:
-            ValueError: a cache tensor not contiguous float32.
+            ValueError: a cache tensor not contiguous float32 (float16: the quantized runtime's,
+                whose kernels read fp16 caches), or of mixed dtypes.
         """
         if self._pointers is None:
+            dtypes = {t.dtype for t in (*self._k, *self._v)}
             for t in (*self._k, *self._v):
-                if t.dtype != torch.float32 or not t.is_contiguous():
-                    raise ValueError("native kernels: caches must be contiguous float32")
+                if t.dtype not in (torch.float32, torch.float16) or not t.is_contiguous() or len(dtypes) > 1:
+                    raise ValueError("native kernels: caches must be contiguous float32 (or all float16)")
             n = len(self._k)
             arrays = [(ctypes.c_void_p * n)(*[t.data_ptr() for t in ts]) for ts in (self._k, self._v)]
             self._pointers = (arrays[0], arrays[1])

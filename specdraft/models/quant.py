@@ -7,9 +7,10 @@ model, no de-quantized copy. Activations are quantized per row (8-bit blocks of 
 each) and multiplied with integer dot products, so each output row depends on its own input row
 only and a (k + 1)-token verification gives bit-identical logits to k + 1 one-token steps.
 
-What it shares with the compact runtime: the position-indexed cache (:class:`LlamaKV`, fp32) and
-the fused RoPE + cache write + attention and RMSNorm kernels of ``fewrows.c`` (passed to the
-quantized layer loop as function pointers). A token-tree step (``attn_mask`` and ``slots``) runs
+What it shares with the compact runtime: the position-indexed cache (:class:`LlamaKV`, here with
+fp16 keys and values: :data:`KV_DTYPE`) and the fused RoPE + cache write + attention and RMSNorm
+kernels of ``fewrows.c`` (their fp16-cache forms, passed to the quantized layer loop as function
+pointers). A token-tree step (``attn_mask`` and ``slots``) runs
 the same layer loop with fewrows.c's tree attention (:class:`TreeAttention`), each node's row bit
 for bit a chain step's, at a chain step's cost.
 A ragged step (``lengths``) packs each row's own tokens into one block for the matmuls and attends
@@ -58,6 +59,16 @@ QTYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}  # ggml type id -> name: the matmul t
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # bytes per 32 weights
 F32 = 0
 VARIANTS = {"ref": 0, "avx2": 1, "avxvnni": 2, "avx512vnni": 3}  # kernel variants; "ref": scalar
+# Keys and values are cached in fp16 by default, as llama.cpp caches them (rope_attend16 in
+# fewrows.c): each is rounded once when written and read back exactly widened, by every step alike,
+# so a verification still gives each row a one-token step's bits. Half the bytes of fp32: a decode
+# step of SmolLM2-135M at a 1,000-token context read 46 MB of fp32 keys and values beside the
+# weights' 97 MB. ``QuantRuntime(kv_dtype=torch.float32)`` keeps fp32 (the runtime before).
+KV_DTYPE = torch.float16
+_ATTEND = {
+    torch.float16: ("rope_attend16", "rope_attend_tree16"),
+    torch.float32: ("rope_attend", "rope_attend_tree"),
+}
 # the VNNI variants and the /proc/cpuinfo flags each needs, the fastest last
 VNNI_FLAGS = {"avx512vnni": {"avx512_vnni", "avx512vl"}, "avxvnni": {"avx_vnni"}}
 SOURCE = Path(kernels.__file__).with_name("quant.c")
@@ -102,7 +113,7 @@ def lib() -> ctypes.CDLL:
         so.quant_quantize.argtypes = [vp, vp, i, i]
         so.quant_matmul.argtypes = [vp, vp, vp, i, ctypes.c_long, i, i]
         so.quant_dequant.argtypes = [vp, vp, i, vp]
-        so.quant_layers.argtypes = [vp, vp, vp] + [i] * 8 + [f, i] + [vp] * 8 + [i, i]
+        so.quant_layers.argtypes = [vp, vp, vp] + [i] * 8 + [f, i] + [vp] * 8 + [i, i, i]
         so.quant_repack.argtypes = [vp, vp]
         so.quant_file_rows.argtypes = [vp, vp, i, vp]
         for fn in (so.quant_quantize, so.quant_matmul, so.quant_dequant, so.quant_layers, so.quant_repack):
@@ -688,9 +699,11 @@ class TreeAttention(ctypes.Structure):
         ("W", ctypes.c_int),
     ]
 
-    def __init__(self, positions: torch.Tensor, slots: torch.Tensor, attn_mask: torch.Tensor):
+    def __init__(
+        self, positions: torch.Tensor, slots: torch.Tensor, attn_mask: torch.Tensor, kv_dtype=KV_DTYPE
+    ):
         self.layout = _tree_plan(positions, slots, attn_mask)  # kept alive: the kernel reads it
-        fn = ctypes.cast(kernels._load().rope_attend_tree, ctypes.c_void_p).value
+        fn = ctypes.cast(getattr(kernels._load(), _ATTEND[kv_dtype][1]), ctypes.c_void_p).value
         super().__init__(fn, *self.layout.pointers())
 
 
@@ -700,9 +713,10 @@ class QuantRuntime:
     Args:
         weights: :class:`QuantWeights` (or a GGUF path).
         variant: kernel variant, ``"avx2"`` or ``"ref"`` (scalar reference; slow, for tests).
+        kv_dtype: the key/value cache's dtype, ``torch.float16`` (:data:`KV_DTYPE`) or ``torch.float32``.
     """
 
-    def __init__(self, weights: QuantWeights | str | Path, variant: str | None = None):
+    def __init__(self, weights: QuantWeights | str | Path, variant: str | None = None, kv_dtype=KV_DTYPE):
         self.w = weights if isinstance(weights, QuantWeights) else QuantWeights.from_gguf(weights)
         self.variant = variant or variants()[-1]
         if self.variant not in variants():
@@ -711,10 +725,13 @@ class QuantRuntime:
             )
         self.vocab_size = self.w.head.rows
         self.max_context = self.w.max_context
-        self.dtype = torch.float32  # activations, KV cache, logits
+        if kv_dtype not in _ATTEND:
+            raise SpecdraftError(f"key/value cache dtype must be float16 or float32, got {kv_dtype}")
+        self.dtype = torch.float32  # activations and logits
+        self.kv_dtype = kv_dtype
         self._lib = lib()
         fewrows = kernels._load()
-        self._attend = ctypes.cast(fewrows.rope_attend, ctypes.c_void_p).value
+        self._attend = ctypes.cast(getattr(fewrows, _ATTEND[kv_dtype][0]), ctypes.c_void_p).value
         self._rmsnorm_fn = fewrows.rmsnorm_f32
         self._rmsnorm = ctypes.cast(fewrows.rmsnorm_f32, ctypes.c_void_p).value
         L = len(self.w.layers)
@@ -738,7 +755,7 @@ class QuantRuntime:
 
     def new_state(self, batch_size: int, capacity: int) -> LlamaKV:
         w = self.w
-        return LlamaKV(len(w.layers), batch_size, w.n_kv_heads, capacity, w.head_dim, torch.float32)
+        return LlamaKV(len(w.layers), batch_size, w.n_kv_heads, capacity, w.head_dim, self.kv_dtype)
 
     def _rope_tables(self, need: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(n, D)`` half-split cos and sin tables covering positions below ``need``."""
@@ -782,6 +799,7 @@ class QuantRuntime:
             self._rmsnorm,
             VARIANTS[self.variant],
             torch.get_num_threads(),
+            torch.finfo(self.kv_dtype).bits // 8,
         )
 
     def _run_layers(self, x, pos, off, B, T, state, tree, hidden_layers) -> dict[int, torch.Tensor]:
@@ -835,6 +853,8 @@ class QuantRuntime:
             raise SpecdraftError(f"position {top} beyond cache capacity {state.capacity}")
         if state.batch_size != B:
             raise SpecdraftError(f"cache has {state.batch_size} rows, tokens {B}")
+        if state.k and state.k[0].dtype != self.kv_dtype:
+            raise SpecdraftError(f"cache of {state.k[0].dtype}, this runtime's is {self.kv_dtype}")
         keep = _ragged_rows(lengths, B, T, attn_mask is not None or logits_index is not None)  # (B, T)
         pos = (positions if keep is None else positions[keep]).to(torch.int64).contiguous()
         x = embed_rows(w.embed, tokens if keep is None else tokens[keep])  # (B, T, C) or (N, C)
@@ -842,7 +862,7 @@ class QuantRuntime:
         tree = (
             None
             if attn_mask is None
-            else TreeAttention(pos, positions if slots is None else slots, attn_mask)
+            else TreeAttention(pos, positions if slots is None else slots, attn_mask, self.kv_dtype)
         )
         hidden = self._run_layers(x, pos, off, B, T, state, tree, hidden_layers)
         normed = torch.empty_like(x)

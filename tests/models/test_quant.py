@@ -248,6 +248,30 @@ def test_steps_are_bit_identical_to_one_token_steps(tiny_gguf):
     assert all(torch.equal(r, results[0]) for r in results)
 
 
+def test_fp16_cache_is_half_the_bytes_and_close_to_fp32(tiny_gguf):
+    """The default cache keeps keys and values in fp16 (quant.KV_DTYPE): half the bytes of fp32,
+    logits within rounding of the fp32 cache's, and a verification step still a one-token step's
+    bits (test above); an fp32 cache given to an fp16 runtime is refused."""
+    _, path = tiny_gguf
+    tokens = torch.tensor([random_prompts([24], vocab=96, seed=5)[0]])
+    logits = {}
+    for dt in (torch.float16, torch.float32):
+        rt = QuantRuntime(path, kv_dtype=dt)
+        state = rt.new_state(1, 32)
+        assert state.k[0].dtype == dt and state.v[0].element_size() == torch.finfo(dt).bits // 8
+        logits[dt] = rt.forward(state, tokens, torch.arange(24).unsqueeze(0)).logits[0]
+    half, full = logits[torch.float16], logits[torch.float32]
+    assert not torch.equal(half, full)  # the cache is really fp16 (its rounding reaches the logits)
+    # 8-bit activation blocks turn the cache's rounding into a few flipped levels per layer: within
+    # the tolerance of the reference test above (SmolLM2-135M: perplexity 23.64 against 23.60)
+    assert (half - full).abs().max() / full.abs().max() < 0.05
+    assert (half.argmax(-1) == full.argmax(-1)).float().mean() >= 0.75
+    with pytest.raises(SpecdraftError, match="cache of torch.float32"):
+        QuantRuntime(path).forward(
+            QuantRuntime(path, kv_dtype=torch.float32).new_state(1, 32), tokens[:, :1], torch.tensor([[0]])
+        )
+
+
 def test_greedy_speculative_equals_plain(tiny_gguf):
     _, path = tiny_gguf
     rt = QuantRuntime(path)

@@ -78,12 +78,14 @@ def _ragged_step(rt, state, new: list[list[int]], lengths: list[int], starts: li
     "first, second", [([1, 4, 2, 3], [3, 1, 2, 1]), ([4, 1, 1, 1], [1, 1, 3, 2]), ([2, 1, 4], [1, 3, 1])]
 )
 @pytest.mark.parametrize("variant", quant.variants())
-def test_ragged_rows_equal_their_own_one_token_steps(gguf_path, variant, first, second):
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.float32])
+def test_ragged_rows_equal_their_own_one_token_steps(gguf_path, variant, kv_dtype, first, second):
     """Two ragged steps (the second from each row's own length): every row's logits equal its own
     one-token steps bit for bit, so the first step wrote exactly the row's cache entries. Four rows
-    on two threads attend a row per thread, three rows one after another (quant.c attend_step)."""
+    on two threads attend a row per thread, three rows one after another (quant.c attend_step);
+    each row's cache is found by its offset in bytes, for fp16 and fp32 caches alike."""
     B = len(first)
-    rt = QuantRuntime(gguf_path, variant)
+    rt = QuantRuntime(gguf_path, variant, kv_dtype=kv_dtype)
     state = _prefilled(rt, CONTEXTS[:B])
     P = len(CONTEXTS[0])
     a = _ragged_step(rt, state, NEW[:B], first, [P] * B)
