@@ -6,7 +6,7 @@
  *   quant_layers     the decoder layers of a Llama-family step in one call (quantized matmuls,
  *                    fewrows.c's rope_attend16 (fp16 caches) and rmsnorm_f32 passed in as function pointers);
  *                    a ragged step packs each row's own tokens, with no padding (attend_step);
- *                    a token-tree step attends through fewrows.c's rope_attend_tree (tree_attend)
+ *                    a token-tree step attends through fewrows.c's rope_attend_tree16 (tree_attend)
  *
  * ---- block layouts, exactly as ggml stores them in a GGUF file (QK = 32 weights per block) -----
  *

@@ -271,10 +271,14 @@ class LlamaKV:
                 whose kernels read fp16 caches), or of mixed dtypes.
         """
         if self._pointers is None:
-            dtypes = {t.dtype for t in (*self._k, *self._v)}
-            for t in (*self._k, *self._v):
-                if t.dtype not in (torch.float32, torch.float16) or not t.is_contiguous() or len(dtypes) > 1:
-                    raise ValueError("native kernels: caches must be contiguous float32 (or all float16)")
+            caches = (*self._k, *self._v)
+            dtypes = {t.dtype for t in caches}
+            if (
+                len(dtypes) > 1
+                or not dtypes <= {torch.float32, torch.float16}
+                or not all(t.is_contiguous() for t in caches)
+            ):
+                raise ValueError("native kernels: caches must be contiguous float32 (or all float16)")
             n = len(self._k)
             arrays = [(ctypes.c_void_p * n)(*[t.data_ptr() for t in ts]) for ts in (self._k, self._v)]
             self._pointers = (arrays[0], arrays[1])

@@ -729,6 +729,7 @@ class QuantRuntime:
             raise SpecdraftError(f"key/value cache dtype must be float16 or float32, got {kv_dtype}")
         self.dtype = torch.float32  # activations and logits
         self.kv_dtype = kv_dtype
+        self._kv_bytes = torch.finfo(kv_dtype).bits // 8
         self._lib = lib()
         fewrows = kernels._load()
         self._attend = ctypes.cast(getattr(fewrows, _ATTEND[kv_dtype][0]), ctypes.c_void_p).value
@@ -799,7 +800,7 @@ class QuantRuntime:
             self._rmsnorm,
             VARIANTS[self.variant],
             torch.get_num_threads(),
-            torch.finfo(self.kv_dtype).bits // 8,
+            self._kv_bytes,
         )
 
     def _run_layers(self, x, pos, off, B, T, state, tree, hidden_layers) -> dict[int, torch.Tensor]:

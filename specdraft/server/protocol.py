@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -53,6 +53,9 @@ MAX_STOP_TOKEN_IDS = 64
 # Fields that change nothing in the output (``user``, ``metadata``, ``parallel_tool_calls``) stay
 # ignored.
 _NEUTRAL = {
+    "presence_penalty": lambda v: v in (None, 0, 0.0),
+    "frequency_penalty": lambda v: v in (None, 0, 0.0),
+    "logit_bias": lambda v: not v,
     "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
     "prediction": lambda v: v is None,
     "min_p": lambda v: v in (None, 0, 0.0),
@@ -133,28 +136,16 @@ class _GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     speculation: Literal["off"] | Speculation | None = None
     ignore_eos: bool | None = False
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    NEUTRAL: ClassVar[dict] = _NEUTRAL  # the output-shaping fields refused unless neutral
 
     def check_supported(self) -> None:
         """Refuse options this server does not implement (rather than ignoring them)."""
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise APIError(400, f"{name} is not supported", param=name)
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
         extra = self.model_extra or {}
-        for name, neutral in self._neutral().items():
+        for name, neutral in self.NEUTRAL.items():
             if not neutral(extra.get(name)):
                 raise APIError(400, f"{name} is not supported", param=name)
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
-
-    @classmethod
-    def _neutral(cls) -> dict:
-        """The output-shaping fields this endpoint refuses unless neutral (:data:`_NEUTRAL`)."""
-        return _NEUTRAL
 
     @property
     def stop_list(self) -> list[str]:
@@ -240,9 +231,7 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list | None = None
 
-    @classmethod
-    def _neutral(cls) -> dict:
-        return {**_NEUTRAL, **_NEUTRAL_CHAT}
+    NEUTRAL: ClassVar[dict] = {**_NEUTRAL, **_NEUTRAL_CHAT}
 
     def check_supported(self) -> None:
         super().check_supported()

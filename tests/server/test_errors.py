@@ -176,6 +176,15 @@ CASES = [
     ),
     ("min_p", "/v1/completions", b'{"prompt": "hi", "min_p": 0.1}', 400, "min_p", None),
     (
+        "presence_penalty",
+        "/v1/completions",
+        b'{"prompt": "hi", "presence_penalty": 0.5}',
+        400,
+        "presence_penalty",
+        None,
+    ),
+    ("logit_bias", "/v1/completions", b'{"prompt": "hi", "logit_bias": {"5": 10}}', 400, "logit_bias", None),
+    (
         "repetition_penalty",
         "/v1/completions",
         b'{"prompt": "hi", "repetition_penalty": 1.2}',
