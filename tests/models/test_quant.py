@@ -263,7 +263,8 @@ def test_fp16_cache_is_half_the_bytes_and_close_to_fp32(tiny_gguf):
     half, full = logits[torch.float16], logits[torch.float32]
     assert not torch.equal(half, full)  # the cache is really fp16 (its rounding reaches the logits)
     # 8-bit activation blocks turn the cache's rounding into a few flipped levels per layer: within
-    # the tolerance of the reference test above (SmolLM2-135M: perplexity 23.64 against 23.60)
+    # the tolerance of the reference test above (SmolLM2-135M: perplexity 30.36 against 30.43 on 26
+    # Spec-Bench prompts, results/kv16-2026-12-07/)
     assert (half - full).abs().max() / full.abs().max() < 0.05
     assert (half.argmax(-1) == full.argmax(-1)).float().mean() >= 0.75
     with pytest.raises(SpecdraftError, match="cache of torch.float32"):
