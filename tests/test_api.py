@@ -203,6 +203,12 @@ def test_load_options(pipe):
         api.resolve_dtype("fp8")
     with pytest.raises(SpecdraftError, match="threads"):
         api.set_threads(0)
+    before = torch.get_num_threads()
+    try:  # more threads than CPUs: capped (oversubscribed OpenMP threads spin at barriers)
+        api.set_threads(api.usable_cpus() + 7)
+        assert torch.get_num_threads() == api.usable_cpus()
+    finally:
+        torch.set_num_threads(before)
     hf = api.load("tiny", draft="lookup", dtype="fp32", runtime="hf")
     assert isinstance(hf.runtime, HFRuntime)
     assert hf.generate(PROMPT, max_new_tokens=12, k=3).tokens == reference(pipe, n=12).tokens
